@@ -1,0 +1,144 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""tpusync's native core: GIL-free byte movement and page-aligned memory. No policy lives here."""
+
+from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
+from libc.errno cimport errno
+from libc.stdint cimport uint64_t, uintptr_t
+from libc.string cimport strerror
+from posix.mman cimport (
+    MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mmap, munmap,
+)
+
+cimport numpy as cnp
+
+from tpusync._copy_engine cimport (
+    tps_engine, tps_engine_copy, tps_engine_create, tps_engine_destroy, tps_engine_threads,
+    tps_segment,
+)
+
+import os
+
+import numpy as np
+
+cnp.import_array()
+
+# Page size of this host; every Mapping starts on a page boundary.
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+cdef extern from "sys/mman.h" nogil:
+    int madvise(void *addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
+
+cdef class CopyEngine:
+    """A pool of native threads that copies lists of byte segments with the GIL released.
+
+    Segments are rows ``(src_address, dst_address, nbytes)`` of a C-contiguous ``uint64`` array
+    of shape ``(n, 3)``. The caller keeps every address valid until :meth:`copy` returns.
+    """
+
+    cdef tps_engine *_engine
+    cdef readonly int threads
+    cdef public uint64_t min_parallel_bytes
+
+    def __cinit__(self, int threads, uint64_t min_parallel_bytes=1 << 20):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._engine = tps_engine_create(threads)
+        if self._engine == NULL:
+            raise OSError(errno, f"tpusync: cannot start {threads} copy threads: "
+                                 f"{strerror(errno).decode()}")
+        self.threads = tps_engine_threads(self._engine)
+        self.min_parallel_bytes = min_parallel_bytes
+
+    def __dealloc__(self):
+        if self._engine != NULL:
+            tps_engine_destroy(self._engine)
+            self._engine = NULL
+
+    def copy(self, cnp.ndarray segments not None):
+        """Copies every segment; returns the number of bytes copied."""
+        if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
+            raise ValueError("segments must be a uint64 array of shape (n, 3)")
+        if not segments.flags.c_contiguous:
+            segments = np.ascontiguousarray(segments)
+        cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
+        cdef size_t n = <size_t> segments.shape[0]
+        cdef uint64_t copied
+        with nogil:
+            copied = tps_engine_copy(self._engine, segs, n, self.min_parallel_bytes)
+        return copied
+
+
+cdef class Mapping:
+    """Page-aligned anonymous memory from ``mmap``, exposed through the buffer protocol.
+
+    The memory is freed when the object is closed or collected. :meth:`close` refuses while
+    buffer views (e.g. numpy arrays over it) are alive, because they would dangle.
+    """
+
+    cdef void *_address
+    cdef readonly size_t size
+    cdef int _exports
+
+    def __cinit__(self, size_t size, bint populate=True, bint huge_pages=False):
+        if size == 0:
+            raise ValueError("size must be > 0")
+        cdef size_t page = PAGE_SIZE
+        cdef size_t mapped = (size + page - 1) // page * page
+        cdef void *address
+        with nogil:
+            address = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                           -1, 0)
+        if address == MAP_FAILED:
+            raise MemoryError(f"mmap of {mapped} bytes failed: {strerror(errno).decode()}")
+        self._address = address
+        self.size = mapped
+        if huge_pages:
+            madvise(address, mapped, MADV_HUGEPAGE)  # advisory: failure is harmless
+        if populate:
+            self.populate()
+
+    def populate(self):
+        """Touches every page for writing, so later copies do not pay page faults."""
+        cdef volatile char *p = <volatile char *> self._address
+        cdef size_t i
+        cdef size_t page = PAGE_SIZE
+        with nogil:
+            i = 0
+            while i < self.size:
+                p[i] = p[i]
+                i += page
+
+    @property
+    def address(self):
+        """The integer address of the first byte (0 once closed)."""
+        return <uintptr_t> self._address
+
+    @property
+    def closed(self):
+        return self._address == NULL
+
+    def close(self):
+        """Unmaps the memory; raises ``BufferError`` while views of it are alive."""
+        if self._address == NULL:
+            return
+        if self._exports:
+            raise BufferError(f"{self._exports} buffer views of this memory are still alive")
+        munmap(self._address, self.size)
+        self._address = NULL
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        if self._address == NULL:
+            raise ValueError("the mapping is closed")
+        PyBuffer_FillInfo(buffer, self, self._address, <Py_ssize_t> self.size, 0, flags)
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        self._exports -= 1
+
+    def __dealloc__(self):
+        if self._address != NULL:
+            munmap(self._address, self.size)
+            self._address = NULL

@@ -1,0 +1,269 @@
+"""Resolves transfer endpoints into shards and strided host views, validating as it goes.
+
+A transfer side is either a *device* side (a ``jax.Array`` or :class:`DevicePool`) or a *host*
+side (a numpy array or :class:`HostBuffer`). A device array is cut into its distinct addressable
+shards; the matching host side holds them as ``[shard][...]``: a leading shard axis in the
+documented shard order (by the shards' start indices, row-major). A host side for an array with
+one distinct shard (single-device or replicated) may leave that axis out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync.device_pool import DevicePool, _check_alive
+from tpusync.errors import (
+    InvalidArgumentError,
+    NotAPoolError,
+    ReadOnlyDestinationError,
+    ShapeMismatchError,
+    WrongDeviceError,
+)
+from tpusync.host_buffer import HostBuffer
+
+IndexKey = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One distinct shard of a device array: its index key and the devices holding a replica
+    (the first is the one read from)."""
+
+    key: IndexKey
+    devices: tuple[Any, ...]
+
+
+@dataclass
+class DeviceSide:
+    argument: str
+    array: jax.Array  # the array at validation time (a pool's may be replaced later)
+    pool: DevicePool | None
+    shard_shape: tuple[int, ...]
+    groups: tuple[ShardGroup, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.array.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shard_shape)
+
+    def current(self) -> jax.Array:
+        return self.pool._array if self.pool is not None else self.array
+
+
+@dataclass
+class HostSide:
+    argument: str
+    views: list[np.ndarray] = field(default_factory=list)  # one per shard group, same ndim
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.views[0].dtype
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return self.views[0].shape
+
+
+Side = DeviceSide | HostSide
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> IndexKey:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
+    pool = obj if isinstance(obj, DevicePool) else None
+    array = pool.array if pool is not None else obj
+    assert isinstance(array, jax.Array)
+    _check_alive(array, argument)
+    shards = array.addressable_shards
+    if not shards:
+        raise WrongDeviceError(
+            f"{argument}: no shard of this array is addressable from process "
+            f"{jax.process_index()}; transfer it in a process that owns some of its devices"
+        )
+    groups: dict[IndexKey, list[Any]] = {}
+    for shard in shards:
+        key = _index_key(shard.index, array.shape)
+        groups.setdefault(key, []).append(shard)
+    ordered = []
+    for key in sorted(groups, key=lambda k: tuple(start for start, _ in k)):
+        members = sorted(groups[key], key=lambda s: (s.replica_id, s.device.id))
+        ordered.append(ShardGroup(key, tuple(s.device for s in members)))
+    shard_shape = tuple(int(n) for n in shards[0].data.shape)
+    return DeviceSide(argument, array, pool, shard_shape, tuple(ordered))
+
+
+def as_host_array(obj: Any) -> np.ndarray | None:
+    if isinstance(obj, HostBuffer):
+        return obj.array
+    if isinstance(obj, np.ndarray):
+        return obj
+    return None
+
+
+def resolve(obj: Any, argument: str, *, destination: bool) -> Side:
+    """Classifies one side; host sides are normalized later against their partner."""
+    if isinstance(obj, DevicePool):
+        return resolve_device(obj, argument)
+    if isinstance(obj, jax.Array):
+        if destination:
+            raise NotAPoolError(
+                f"{argument}: tpusync writes device memory only through a DevicePool; wrap the "
+                f"array once with tpusync.DevicePool({argument}) and pass the pool"
+            )
+        return resolve_device(obj, argument)
+    host = as_host_array(obj)
+    if host is None:
+        raise InvalidArgumentError(
+            f"{argument}: expected a jax.Array, tpusync.DevicePool, tpusync.HostBuffer or "
+            f"numpy.ndarray, got {type(obj).__name__}"
+        )
+    if destination and not host.flags.writeable:
+        raise ReadOnlyDestinationError(
+            f"{argument}: this numpy array is read-only (e.g. np.asarray of a jax.Array); "
+            "pass a writable array such as a tpusync.HostBuffer"
+        )
+    return HostSide(argument, [host])
+
+
+def host_views_for(host: HostSide, device: DeviceSide, block_axis: int) -> None:
+    """Splits a host array into one view per shard group of ``device`` (in place)."""
+    (array,) = host.views
+    n_groups = len(device.groups)
+    if array.ndim == device.ndim + 1:
+        if array.shape[0] != n_groups:
+            raise ShapeMismatchError(
+                f"{host.argument}: its leading axis has {array.shape[0]} entries but "
+                f"{device.argument} has {n_groups} distinct addressable shards; the host side "
+                "of a sharded array is laid out [shard][blocks...]"
+            )
+        host.views = [array[i] for i in range(n_groups)]
+    elif array.ndim == device.ndim and n_groups == 1:
+        host.views = [array]
+    else:
+        want = f"(n_shards={n_groups}, *{device.shard_shape})"
+        if n_groups == 1:
+            want += f" or {device.shard_shape}"
+        raise ShapeMismatchError(
+            f"{host.argument}: shape {array.shape} does not fit {device.argument}'s shards "
+            f"{device.shard_shape}; expected {want} with any number of blocks on "
+            f"axis {block_axis}"
+        )
+
+
+def check_pair(src: Side, dst: Side, block_axis: int) -> None:
+    """Checks dtype, rank, block shape and devices of a (source, destination) pair."""
+    if isinstance(src, HostSide) and isinstance(dst, DeviceSide):
+        host_views_for(src, dst, block_axis)
+    elif isinstance(dst, HostSide) and isinstance(src, DeviceSide):
+        host_views_for(dst, src, block_axis)
+    if src.dtype != dst.dtype:
+        raise _dtype_error(src, dst)
+    src_shape, dst_shape = src.shard_shape, dst.shard_shape
+    ndim = len(src_shape)
+    if not 0 <= block_axis < ndim:
+        raise InvalidArgumentError(
+            f"block_axis: {block_axis} is out of range for blocks of rank {ndim}; "
+            f"use 0..{ndim - 1}"
+        )
+    if len(dst_shape) != ndim or _drop(src_shape, block_axis) != _drop(dst_shape, block_axis):
+        raise ShapeMismatchError(
+            f"{dst.argument}: shape {dst_shape} does not match {src.argument}'s {src_shape} "
+            f"outside the block axis ({block_axis}); blocks must have the same shape"
+        )
+    for side in (src, dst):
+        if isinstance(side, DeviceSide) and side.shard_shape[block_axis] != side.array.shape[
+            block_axis
+        ]:
+            raise ShapeMismatchError(
+                f"{side.argument}: the array is sharded along the block axis ({block_axis}); "
+                "shard KV pools along other axes (e.g. heads) and keep every block whole"
+            )
+    if isinstance(src, DeviceSide) and isinstance(dst, DeviceSide):
+        src_devices = [g.devices for g in src.groups]
+        dst_devices = [g.devices for g in dst.groups]
+        if src_devices != dst_devices:
+            raise WrongDeviceError(
+                f"{dst.argument}: its shards live on {_fmt_devices(dst_devices)} but "
+                f"{src.argument}'s on {_fmt_devices(src_devices)}; device-to-device copies "
+                "need the same devices and sharding on both sides"
+            )
+    for side in (src, dst):
+        if isinstance(side, HostSide):
+            for view in side.views:
+                _check_blocks_contiguous(view, block_axis, side.argument)
+
+
+def _drop(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    return shape[:axis] + shape[axis + 1 :]
+
+
+def _fmt_devices(groups: list[tuple[Any, ...]]) -> str:
+    return "[" + ", ".join("/".join(str(d.id) for d in g) for g in groups) + "]"
+
+
+def _dtype_error(src: Side, dst: Side) -> Exception:
+    from tpusync.errors import DtypeMismatchError
+
+    hint = ""
+    if src.dtype.itemsize == dst.dtype.itemsize:
+        hint = f"; to move raw bits, pass a .view({src.dtype}) of the host array"
+    return DtypeMismatchError(
+        f"{dst.argument}: dtype {dst.dtype} differs from {src.argument}'s {src.dtype}{hint}"
+    )
+
+
+def _check_blocks_contiguous(view: np.ndarray, block_axis: int, argument: str) -> None:
+    expected = view.dtype.itemsize
+    for axis in range(view.ndim - 1, block_axis, -1):
+        if view.shape[axis] > 1 and view.strides[axis] != expected:
+            raise ShapeMismatchError(
+                f"{argument}: each block must be contiguous in memory (axes after the block "
+                f"axis C-ordered), but axis {axis} has stride {view.strides[axis]} instead of "
+                f"{expected}; pass np.ascontiguousarray(...) or a view with contiguous blocks"
+            )
+        expected *= view.shape[axis]
+
+
+@dataclass
+class Move:
+    """One validated (source, destination) pair: src_blocks[i] -> dst_blocks[i]."""
+
+    src: Side
+    dst: Side
+    src_blocks: np.ndarray
+    dst_blocks: np.ndarray
+    block_axis: int
+    whole: bool  # every block to the same index: a whole-array copy
+
+    @property
+    def block_nbytes(self) -> int:
+        shape = self.src.shard_shape
+        return int(np.prod(shape[self.block_axis + 1 :], dtype=np.int64)) * self.src.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes delivered to the destination (every replica and outer piece counted)."""
+        shape = self.src.shard_shape
+        outer = int(np.prod(shape[: self.block_axis], dtype=np.int64))
+        copies = sum(
+            len(g.devices) if isinstance(self.dst, DeviceSide) else 1 for g in self.groups()
+        )
+        return outer * len(self.src_blocks) * self.block_nbytes * copies
+
+    def groups(self) -> tuple[ShardGroup, ...]:
+        for side in (self.src, self.dst):
+            if isinstance(side, DeviceSide):
+                return side.groups
+        return (ShardGroup((), ()),) * len(self.src.views)  # type: ignore[union-attr]
+
+    def pools(self) -> list[DevicePool]:
+        return [s.pool for s in (self.src, self.dst) if isinstance(s, DeviceSide) and s.pool]

@@ -1,0 +1,125 @@
+"""The native engine: raw memory gather/scatter in C over the shards' buffers (CPU backend).
+
+Runs under the device-memory safety rules of :mod:`tpusync.device_pool`: destinations are pools
+whose readers were waited for, and every device buffer read or written is pinned by a live DLPack
+capsule for the whole copy, so JAX can neither free nor reuse it (a donation while the capsule
+lives falls back to a copy).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from tpusync import _core
+from tpusync._layout import DeviceSide, HostSide, Move
+from tpusync._plan import Region, segments
+
+_engine: _core.CopyEngine | None = None
+_engine_lock = threading.Lock()
+
+
+def copy_threads() -> int:
+    """Threads the copy engine uses: TPUSYNC_COPY_THREADS, else one per core (at most 8)."""
+    configured = os.environ.get("TPUSYNC_COPY_THREADS")
+    if configured:
+        return max(1, int(configured))
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def engine() -> _core.CopyEngine:
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _engine = _core.CopyEngine(copy_threads())
+        return _engine
+
+
+def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
+    """Per shard group, the region of each replica (in the group's device order)."""
+    array = side.current()
+    by_device = {shard.device: shard.data for shard in array.addressable_shards}
+    itemsize = side.dtype.itemsize
+    out = []
+    for group in side.groups:
+        regions = []
+        for device in group.devices:
+            data = by_device[device]
+            holds.append(data.__dlpack__())  # pins the buffer until the copy is done
+            regions.append(Region.contiguous(data.unsafe_buffer_pointer(), side.shard_shape,
+                                             itemsize))
+        out.append(regions)
+    return out
+
+
+def _regions(side: DeviceSide | HostSide, holds: list[Any]) -> list[list[Region]]:
+    if isinstance(side, DeviceSide):
+        return _device_regions(side, holds)
+    return [[Region.of_array(view)] for view in side.views]
+
+
+def plan_segments(move: Move, holds: list[Any]) -> list[np.ndarray]:
+    """Segments for one move; destination pools must already be prepared for raw writes."""
+    dst_regions = _regions(move.dst, holds)
+    src_regions = _regions(move.src, holds)
+    itemsize = move.src.dtype.itemsize
+    parts = []
+    for src_group, dst_group in zip(src_regions, dst_regions, strict=True):
+        source = src_group[0]  # a replicated shard is read once ...
+        for target in dst_group:  # ... and written to every replica
+            parts.append(
+                segments(source, target, move.src_blocks, move.dst_blocks, move.block_axis,
+                         itemsize)
+            )
+    return parts
+
+
+def run(moves: list[Move]) -> int:
+    """Moves every pair with one native call; pools' locks must be held by the caller."""
+    for move in moves:
+        if isinstance(move.dst, DeviceSide) and move.dst.pool is not None:
+            move.dst.pool._wait_for_readers()
+    holds: list[Any] = []
+    try:
+        for move in moves:
+            if isinstance(move.src, DeviceSide):
+                move.src.current().block_until_ready()
+        parts = [p for move in moves for p in plan_segments(move, holds)]
+        if not parts:
+            return 0
+        plan = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return int(engine().copy(plan))
+    finally:
+        del holds
+
+
+def unavailable_reason(array: jax.Array) -> str | None:
+    """Why the native engine cannot move this array, or None if it can."""
+    from tpusync._paths import device_path
+
+    for device in array.sharding.device_set:
+        path = device_path(device)
+        if not path.native:
+            return path.reason
+    dtype = np.dtype(array.dtype)
+    if getattr(dtype, "itemsize", 0) == 0 or _is_sub_byte(dtype):
+        return f"dtype {dtype} is packed below one byte on device: pure JAX"
+    layout = getattr(getattr(array, "format", None), "layout", None)
+    order = getattr(layout, "major_to_minor", None)
+    if order is not None and tuple(order) != tuple(range(array.ndim)):
+        return f"non-default device layout {tuple(order)}: pure JAX"
+    return None
+
+
+def _is_sub_byte(dtype: np.dtype) -> bool:
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            return bool(info(dtype).bits < 8)
+        except (TypeError, ValueError):
+            continue
+    return False

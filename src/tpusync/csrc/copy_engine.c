@@ -1,0 +1,157 @@
+/* Gather/scatter of byte segments over a persistent pthread pool (see copy_engine.h). */
+#include "tpusync/copy_engine.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct tps_job {
+  const tps_segment *segments;
+  size_t n_segments;
+  uint64_t total_bytes;
+  int n_parts;
+} tps_job;
+
+struct tps_engine {
+  int n_threads;
+  pthread_t *workers;
+  pthread_mutex_t submit_lock; /* one job at a time */
+  pthread_mutex_t lock;        /* guards everything below */
+  pthread_cond_t wake;
+  pthread_cond_t finished;
+  uint64_t generation; /* bumped for each job handed to the workers */
+  int pending_parts;
+  int stop;
+  tps_job job;
+};
+
+typedef struct tps_worker_arg {
+  tps_engine *engine;
+  int part;
+} tps_worker_arg;
+
+/* Copies bytes [begin, end) of the concatenation of all segments. Splitting by bytes, not by
+ * segments, balances the threads whatever the mix of segment sizes. */
+static void copy_byte_range(const tps_job *job, uint64_t begin, uint64_t end) {
+  uint64_t seg_start = 0;
+  for (size_t i = 0; i < job->n_segments && seg_start < end; i++) {
+    const tps_segment *s = &job->segments[i];
+    uint64_t seg_end = seg_start + s->nbytes;
+    if (seg_end > begin) {
+      uint64_t lo = begin > seg_start ? begin - seg_start : 0;
+      uint64_t hi = (end < seg_end ? end : seg_end) - seg_start;
+      memcpy((char *)(uintptr_t)s->dst + lo, (const char *)(uintptr_t)s->src + lo, hi - lo);
+    }
+    seg_start = seg_end;
+  }
+}
+
+static void run_part(const tps_job *job, int part) {
+  /* Part boundaries rounded to 4 KiB keep every thread's stores on its own pages. */
+  const uint64_t align = 4096;
+  uint64_t per = job->total_bytes / (uint64_t)job->n_parts;
+  per = (per + align - 1) / align * align;
+  uint64_t begin = per * (uint64_t)part;
+  uint64_t end = part == job->n_parts - 1 ? job->total_bytes : begin + per;
+  if (begin >= job->total_bytes) return;
+  if (end > job->total_bytes) end = job->total_bytes;
+  copy_byte_range(job, begin, end);
+}
+
+static void *worker_main(void *p) {
+  tps_worker_arg arg = *(tps_worker_arg *)p;
+  free(p);
+  tps_engine *e = arg.engine;
+  uint64_t seen = 0;
+  pthread_mutex_lock(&e->lock);
+  for (;;) {
+    while (e->generation == seen && !e->stop) pthread_cond_wait(&e->wake, &e->lock);
+    if (e->stop) break;
+    seen = e->generation;
+    tps_job job = e->job;
+    pthread_mutex_unlock(&e->lock);
+    run_part(&job, arg.part);
+    pthread_mutex_lock(&e->lock);
+    if (--e->pending_parts == 0) pthread_cond_signal(&e->finished);
+  }
+  pthread_mutex_unlock(&e->lock);
+  return NULL;
+}
+
+tps_engine *tps_engine_create(int n_threads) {
+  if (n_threads < 1) {
+    errno = EINVAL;
+    return NULL;
+  }
+  tps_engine *e = calloc(1, sizeof(*e));
+  if (!e) return NULL;
+  e->n_threads = n_threads;
+  pthread_mutex_init(&e->submit_lock, NULL);
+  pthread_mutex_init(&e->lock, NULL);
+  pthread_cond_init(&e->wake, NULL);
+  pthread_cond_init(&e->finished, NULL);
+  e->workers = calloc((size_t)n_threads, sizeof(pthread_t));
+  if (!e->workers) {
+    free(e);
+    return NULL;
+  }
+  for (int i = 1; i < n_threads; i++) {
+    tps_worker_arg *arg = malloc(sizeof(*arg));
+    int rc = ENOMEM;
+    if (arg) {
+      arg->engine = e;
+      arg->part = i;
+      rc = pthread_create(&e->workers[i], NULL, worker_main, arg);
+    }
+    if (rc != 0) {
+      free(arg);
+      e->n_threads = i; /* destroy joins the ones that started */
+      tps_engine_destroy(e);
+      errno = rc;
+      return NULL;
+    }
+  }
+  return e;
+}
+
+void tps_engine_destroy(tps_engine *e) {
+  if (!e) return;
+  pthread_mutex_lock(&e->lock);
+  e->stop = 1;
+  pthread_cond_broadcast(&e->wake);
+  pthread_mutex_unlock(&e->lock);
+  for (int i = 1; i < e->n_threads; i++) pthread_join(e->workers[i], NULL);
+  pthread_cond_destroy(&e->wake);
+  pthread_cond_destroy(&e->finished);
+  pthread_mutex_destroy(&e->lock);
+  pthread_mutex_destroy(&e->submit_lock);
+  free(e->workers);
+  free(e);
+}
+
+int tps_engine_threads(const tps_engine *e) { return e->n_threads; }
+
+uint64_t tps_engine_copy(tps_engine *e, const tps_segment *segments, size_t n_segments,
+                         uint64_t min_parallel_bytes) {
+  tps_job job = {segments, n_segments, 0, 1};
+  for (size_t i = 0; i < n_segments; i++) job.total_bytes += segments[i].nbytes;
+  if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes) {
+    run_part(&job, 0);
+    return job.total_bytes;
+  }
+  job.n_parts = e->n_threads;
+  pthread_mutex_lock(&e->submit_lock);
+  pthread_mutex_lock(&e->lock);
+  e->job = job;
+  e->pending_parts = e->n_threads - 1;
+  e->generation++;
+  pthread_cond_broadcast(&e->wake);
+  pthread_mutex_unlock(&e->lock);
+  run_part(&job, 0);
+  pthread_mutex_lock(&e->lock);
+  while (e->pending_parts > 0) pthread_cond_wait(&e->finished, &e->lock);
+  pthread_mutex_unlock(&e->lock);
+  pthread_mutex_unlock(&e->submit_lock);
+  return job.total_bytes;
+}

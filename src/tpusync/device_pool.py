@@ -1,0 +1,132 @@
+"""DevicePool: device arrays handed to tpusync as mutable memory — the only arrays it writes.
+
+The ownership contract (written once, here):
+
+* ``DevicePool(array)`` takes ownership of ``array``. From then on the caller reads the current
+  array through :attr:`DevicePool.array` and gives back a newer version (e.g. the output of a
+  model step that donated the old one) through :meth:`DevicePool.update`. References to older
+  versions may be deleted by tpusync at any time.
+* Before a raw (native) write, the pool runs a donated identity step on its array and waits for
+  it. Donation makes the runtime wait for every computation still reading the buffer, and the
+  identity keeps the same device memory, so the write cannot race a reader. The older reference is
+  deleted, which is why callers always go through :attr:`array`.
+* On the pure-JAX path a write is a donated scatter; the pool swaps in its result.
+* Every transfer that touches a pool holds the pool's lock while it runs, so transfers into and out
+  of one pool never interleave.
+* No other ``jax.Array`` is ever written: a device destination that is not a pool is rejected.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tpusync.errors import ArrayDeletedError, InvalidArgumentError, ShapeMismatchError
+
+__all__ = ["DevicePool"]
+
+
+@cache
+def _donated_identity() -> Any:
+    return jax.jit(lambda array: array, donate_argnums=0)
+
+
+class DevicePool:
+    """A device array (single-device or sharded) that tpusync may write in place.
+
+    Args:
+      array: the pool's initial array. tpusync owns it from now on.
+      name: a label for errors and metrics.
+    """
+
+    def __init__(self, array: jax.Array, *, name: str = "pool") -> None:
+        if not isinstance(array, jax.Array):
+            raise InvalidArgumentError(
+                f"array: DevicePool takes a jax.Array, got {type(array).__name__}; "
+                "use DevicePool.zeros(...) or jax.device_put(...) first"
+            )
+        _check_alive(array, "array")
+        self.name = name
+        self._array = array
+        self._lock = threading.RLock()
+
+    @classmethod
+    def zeros(
+        cls,
+        shape: tuple[int, ...],
+        dtype: Any,
+        *,
+        sharding: jax.sharding.Sharding | None = None,
+        name: str = "pool",
+    ) -> DevicePool:
+        """A pool of zeros with the given shape, dtype and sharding (default: first device)."""
+        if sharding is None:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+        return cls(array, name=name)
+
+    @property
+    def array(self) -> jax.Array:
+        """The pool's current array. Read it again after every transfer or update."""
+        with self._lock:
+            return self._array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._array.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._array.dtype)
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        return self._array.sharding
+
+    def update(self, array: jax.Array) -> None:
+        """Replaces the pool's array with a newer version of the same shape, dtype and sharding
+        (e.g. the output of a step that donated :attr:`array`)."""
+        _check_alive(array, "array")
+        with self._lock:
+            old = self._array
+            if array.shape != old.shape or array.dtype != old.dtype:
+                raise ShapeMismatchError(
+                    f"array: the pool holds {old.shape} {old.dtype}, got {array.shape} "
+                    f"{array.dtype}; a pool's shape and dtype are fixed"
+                )
+            if not array.sharding.is_equivalent_to(old.sharding, array.ndim):
+                raise ShapeMismatchError(
+                    f"array: sharding {array.sharding} differs from the pool's {old.sharding}; "
+                    "reshard it to the pool's sharding first"
+                )
+            self._array = array
+
+    def _wait_for_readers(self) -> jax.Array:
+        """Runs the donated identity step (see the module docstring) and returns the array
+        whose memory may now be written raw. Call with the lock held."""
+        self._array = _donated_identity()(self._array)
+        self._array.block_until_ready()
+        return self._array
+
+    def _replace(self, array: jax.Array) -> None:
+        """Swaps in the result of a donated pure-JAX write. Call with the lock held."""
+        self._array = array
+
+    def __repr__(self) -> str:
+        return (
+            f"DevicePool(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
+            f"sharding={self.sharding})"
+        )
+
+
+def _check_alive(array: jax.Array, argument: str) -> None:
+    if array.is_deleted():
+        raise ArrayDeletedError(
+            f"{argument}: this jax.Array was deleted or donated; pass the array that the "
+            "donating computation returned (for a DevicePool, read pool.array again)"
+        )
