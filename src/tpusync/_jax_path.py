@@ -84,15 +84,6 @@ def _bits_fn(out_sharding: Any) -> Any:
 
 
 @cache
-def _scatter_fn(axis: int) -> Any:
-    def scatter(pool: jax.Array, idx: jax.Array, blocks: jax.Array) -> jax.Array:
-        bits = _to_bits(pool).at[_index_at(axis, idx)].set(blocks, mode="promise_in_bounds")
-        return _from_bits(bits, np.dtype(pool.dtype))
-
-    return jax.jit(scatter, donate_argnums=0)
-
-
-@cache
 def _move_within_fn(axis: int) -> Any:
     def move(pool: jax.Array, src_idx: jax.Array, dst_idx: jax.Array) -> jax.Array:
         bits = _to_bits(pool)
@@ -152,14 +143,6 @@ def _device_to_host(move: Move) -> None:
 # --- host -> device -----------------------------------------------------------------------------
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A fresh 64-byte aligned array: device_put may alias it on CPU, saving one copy."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + 64, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % 64
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
-
-
 def _host_to_pool(move: Move) -> None:
     src, dst = move.src, move.dst
     assert isinstance(src, HostSide) and isinstance(dst, DeviceSide) and dst.pool is not None
@@ -176,22 +159,21 @@ def _host_to_pool(move: Move) -> None:
         dst.pool._replace(new)
         pool_array.delete()
         return
-    src_idx = _padded(move.src_blocks)
-    dst_idx = _padded(move.dst_blocks)
+    # device_put of an aligned host array aliases it on CPU (no copy); the fused gather-scatter
+    # then makes the one copy into the donated pool. The source must stay unchanged until the
+    # future completes, which transfer()'s contract already asks of every source.
     for group, view in zip(dst.groups, src.views, strict=True):
-        bits = _host_bits(view)
-        shape = list(bits.shape)
-        shape[move.block_axis] = len(src_idx)
-        staging = _aligned_empty(tuple(shape), bits.dtype)
-        np.take(bits, src_idx, axis=move.block_axis, out=staging)
         for device in group.devices:
-            per_device.append(jax.device_put(staging, device))
-    global_shape = list(pool_array.shape)
-    global_shape[move.block_axis] = len(src_idx)
-    blocks = jax.make_array_from_single_device_arrays(
-        tuple(global_shape), pool_array.sharding, per_device
+            per_device.append(jax.device_put(view, device))
+    host_shape = list(pool_array.shape)
+    host_shape[move.block_axis] = src.views[0].shape[move.block_axis]
+    host_array = jax.make_array_from_single_device_arrays(
+        tuple(host_shape), pool_array.sharding, per_device
     )
-    dst.pool._replace(_scatter_fn(move.block_axis)(pool_array, jnp.asarray(dst_idx), blocks))
+    src_idx = jnp.asarray(_padded(move.src_blocks))
+    dst_idx = jnp.asarray(_padded(move.dst_blocks))
+    result = _copy_between_fn(move.block_axis)(pool_array, host_array, src_idx, dst_idx)
+    dst.pool._replace(result)
 
 
 # --- device -> device, host -> host -------------------------------------------------------------

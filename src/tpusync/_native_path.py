@@ -40,6 +40,13 @@ def engine() -> _core.CopyEngine:
         return _engine
 
 
+def _pin_buffer(data: jax.Array) -> Any:
+    """Returns a live DLPack capsule of a single-device array: while it lives, JAX neither frees
+    nor reuses the buffer (a donation falls back to a copy). Its creation also waits until the
+    buffer's contents are ready."""
+    return data.__dlpack__()
+
+
 def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
     """Per shard group, the region of each replica (in the group's device order)."""
     array = side.current()
@@ -50,7 +57,7 @@ def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
         regions = []
         for device in group.devices:
             data = by_device[device]
-            holds.append(data.__dlpack__())  # pins the buffer until the copy is done
+            holds.append(_pin_buffer(data))  # held until the copy is done
             regions.append(Region.contiguous(data.unsafe_buffer_pointer(), side.shard_shape,
                                              itemsize))
         out.append(regions)

@@ -1,0 +1,70 @@
+"""Shared helpers for tpusync's benchmarks: timing, the memory-copy limit, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+class MemcpyLimit:
+    """``np.copyto`` between two touched buffers, one thread per core, each its own slice: the
+    memory-copy limit every host-side figure is compared with."""
+
+    def __init__(self, nbytes: int, threads: int | None = None) -> None:
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults in the loop
+        bounds = np.linspace(0, nbytes, self.threads + 1).astype(np.int64) // 4096 * 4096
+        bounds[-1] = nbytes
+        self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        self.pool = ThreadPoolExecutor(self.threads)
+
+    def copy(self) -> None:
+        list(self.pool.map(lambda s: np.copyto(self.dst[s], self.src[s]), self.slices))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [
+        [f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    payload = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+        },
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **payload,
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")
