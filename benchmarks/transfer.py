@@ -54,7 +54,7 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemcpyLimi
         times["limit"].append(timed(limit.copy))
         times["h2d_native"].append(timed(lambda: h2d("native")))
         times["h2d_jax"].append(timed(lambda: h2d("jax")))
-    host.close()
+    del host, pool
     limit_gbps = limit.src.nbytes / median(times["limit"]) / 1e9
     result = {"block_kib": block_kib, "n_blocks": n_blocks, "bytes": nbytes,
               "limit_gbps": limit_gbps}

@@ -104,6 +104,15 @@ def _copy_between_fn(axis: int) -> Any:
     return jax.jit(copy, donate_argnums=0)
 
 
+@cache
+def _overwrite_fn() -> Any:
+    def overwrite(pool: jax.Array, src: jax.Array) -> jax.Array:
+        bits = jax.lax.dynamic_update_slice(_to_bits(pool), _to_bits(src), (0,) * pool.ndim)
+        return _from_bits(bits, np.dtype(pool.dtype))
+
+    return jax.jit(overwrite, donate_argnums=0)
+
+
 def _pinned_host(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     try:
         return sharding.with_memory_kind("pinned_host")
@@ -148,17 +157,6 @@ def _host_to_pool(move: Move) -> None:
     assert isinstance(src, HostSide) and isinstance(dst, DeviceSide) and dst.pool is not None
     pool_array = dst.current()
     per_device = []
-    if move.whole:
-        for group, view in zip(dst.groups, src.views, strict=True):
-            for device in group.devices:
-                # may_alias=False: the pool must never share memory with the caller's buffer
-                per_device.append(jax.device_put(view, device, may_alias=False))
-        new = jax.make_array_from_single_device_arrays(
-            pool_array.shape, pool_array.sharding, per_device
-        )
-        dst.pool._replace(new)
-        pool_array.delete()
-        return
     # device_put of an aligned host array aliases it on CPU (no copy); the fused gather-scatter
     # then makes the one copy into the donated pool. The source must stay unchanged until the
     # future completes, which transfer()'s contract already asks of every source.
@@ -170,9 +168,14 @@ def _host_to_pool(move: Move) -> None:
     host_array = jax.make_array_from_single_device_arrays(
         tuple(host_shape), pool_array.sharding, per_device
     )
-    src_idx = jnp.asarray(_padded(move.src_blocks))
-    dst_idx = jnp.asarray(_padded(move.dst_blocks))
-    result = _copy_between_fn(move.block_axis)(pool_array, host_array, src_idx, dst_idx)
+    if move.whole:
+        # Never swap in host_array itself: on CPU it may share the caller's memory (jax 0.10
+        # aliases aligned numpy arrays even with may_alias=False). Copy into the pool instead.
+        result = _overwrite_fn()(pool_array, host_array)
+    else:
+        src_idx = jnp.asarray(_padded(move.src_blocks))
+        dst_idx = jnp.asarray(_padded(move.dst_blocks))
+        result = _copy_between_fn(move.block_axis)(pool_array, host_array, src_idx, dst_idx)
     dst.pool._replace(result)
 
 

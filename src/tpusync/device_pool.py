@@ -14,6 +14,11 @@ The ownership contract (written once, here):
 * Every transfer that touches a pool holds the pool's lock while it runs, so transfers into and out
   of one pool never interleave.
 * No other ``jax.Array`` is ever written: a device destination that is not a pool is rejected.
+* On the CPU backend a new pool first copies its array into memory that XLA allocated: there,
+  ``jax.device_put`` of an aligned numpy array shares that array's memory (jax 0.10 does so even
+  with ``may_alias=False``), and a raw write must never reach the caller's numpy array. Arrays
+  given to :meth:`DevicePool.update` must likewise come from a JAX computation, not from
+  ``device_put`` of host memory.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ def _donated_identity() -> Any:
     return jax.jit(lambda array: array, donate_argnums=0)
 
 
+@cache
+def _owned_copy() -> Any:
+    return jax.jit(lambda array: jnp.array(array, copy=True))
+
+
 class DevicePool:
     """A device array (single-device or sharded) that tpusync may write in place.
 
@@ -51,6 +61,8 @@ class DevicePool:
                 "use DevicePool.zeros(...) or jax.device_put(...) first"
             )
         _check_alive(array, "array")
+        if any(d.platform == "cpu" for d in array.sharding.device_set):
+            array = _owned_copy()(array)  # see the module docstring: never alias host memory
         self.name = name
         self._array = array
         self._lock = threading.RLock()
