@@ -40,6 +40,17 @@ def engine() -> _core.CopyEngine:
         return _engine
 
 
+def _forget_engine_after_fork() -> None:
+    # A forked child inherits the engine but not its threads: a copy would wait forever for
+    # workers that do not exist. Start a fresh engine (and lock) on first use instead.
+    global _engine, _engine_lock
+    _engine = None
+    _engine_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_engine_after_fork)
+
+
 def _pin_buffer(data: jax.Array) -> Any:
     """Returns a live DLPack capsule of a single-device array: while it lives, JAX neither frees
     nor reuses the buffer (a donation falls back to a copy). Its creation also waits until the

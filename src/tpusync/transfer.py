@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
@@ -81,6 +82,15 @@ def _get_executor() -> concurrent.futures.ThreadPoolExecutor:
                 _WORKERS, thread_name_prefix="tpusync-transfer"
             )
         return _executor
+
+
+def _forget_executor_after_fork() -> None:
+    global _executor, _executor_lock
+    _executor = None  # its threads did not survive the fork
+    _executor_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_executor_after_fork)
 
 
 def transfer(
