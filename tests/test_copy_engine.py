@@ -1,0 +1,107 @@
+"""The native copy engine and page-aligned mappings, tested directly against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpusync import _core
+from tpusync._plan import merge_runs
+
+STREAMING_JOB = 8 << 20  # the engine streams jobs at least this large (copy_engine.c)
+
+
+def _segments(src: np.ndarray, dst: np.ndarray, rows: list[tuple[int, int, int]]) -> np.ndarray:
+    table = np.array(
+        [(src.ctypes.data + s, dst.ctypes.data + d, n) for s, d, n in rows], dtype=np.uint64
+    )
+    return table.reshape(-1, 3)
+
+
+def _reference(src: np.ndarray, dst: np.ndarray, rows: list[tuple[int, int, int]]) -> np.ndarray:
+    out = dst.copy()
+    for s, d, n in rows:
+        out[d : d + n] = src[s : s + n]
+    return out
+
+
+@st.composite
+def segment_plans(draw: st.DrawFn) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Random disjoint destination ranges of random (often odd) sizes and unaligned offsets."""
+    n = draw(st.integers(0, 40))
+    sizes = draw(st.lists(st.integers(0, 70_000), min_size=n, max_size=n))
+    gaps = draw(st.lists(st.integers(0, 300), min_size=n, max_size=n))
+    src_size = max([*sizes, 1]) + 5_000
+    rows, cursor = [], draw(st.integers(0, 63))
+    for size, gap in zip(sizes, gaps, strict=True):
+        cursor += gap
+        rows.append((draw(st.integers(0, src_size - size)), cursor, size))
+        cursor += size
+    return src_size, cursor + 64, rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=segment_plans(), threads=st.integers(1, 4), min_parallel=st.sampled_from([0, 1 << 30]))
+def test_copy_matches_numpy(plan: tuple[int, int, list], threads: int, min_parallel: int) -> None:
+    src_size, dst_size, rows = plan
+    rng = np.random.default_rng(len(rows) * 7919 + threads)
+    src = rng.integers(1, 256, src_size, dtype=np.uint8)
+    dst = rng.integers(1, 256, dst_size, dtype=np.uint8)
+    expected = _reference(src, dst, rows)
+    engine = _core.CopyEngine(threads, min_parallel_bytes=min_parallel)
+    copied = engine.copy(_segments(src, dst, rows))
+    assert copied == sum(n for _, _, n in rows)
+    np.testing.assert_array_equal(dst, expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("block", [4096, 65_536 + 17, 1 << 20])
+def test_streaming_jobs_copy_exactly(threads: int, block: int) -> None:
+    """Jobs above the streaming threshold take the non-temporal path: odd sizes, unaligned
+    destinations, scattered order."""
+    rng = np.random.default_rng(block + threads)
+    n_blocks = STREAMING_JOB // block + 3
+    src = rng.integers(1, 256, n_blocks * block + 64, dtype=np.uint8)
+    dst = np.zeros(n_blocks * block + 128, dtype=np.uint8)
+    order = rng.permutation(n_blocks)
+    rows = [(int(order[i]) * block + 3, i * block + 5, block) for i in range(n_blocks)]
+    engine = _core.CopyEngine(threads)
+    assert engine.copy(_segments(src, dst, rows)) == n_blocks * block
+    np.testing.assert_array_equal(dst, _reference(src, np.zeros_like(dst), rows))
+
+
+def test_engine_rejects_bad_tables() -> None:
+    engine = _core.CopyEngine(2)
+    with pytest.raises(ValueError, match="uint64 array of shape"):
+        engine.copy(np.zeros((3, 2), np.uint64))
+    with pytest.raises(ValueError, match="uint64 array of shape"):
+        engine.copy(np.zeros((3, 3), np.int64))
+    assert engine.copy(np.empty((0, 3), np.uint64)) == 0
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        _core.CopyEngine(0)
+
+
+def test_merge_runs_joins_only_runs_contiguous_on_both_sides() -> None:
+    src = np.array([0, 10, 20, 50, 60], dtype=np.int64)
+    dst = np.array([100, 110, 130, 140, 150], dtype=np.int64)
+    merged = merge_runs(src, dst, 10)
+    assert merged.tolist() == [[0, 100, 20], [20, 130, 10], [50, 140, 20]]
+
+
+def test_mapping_is_page_aligned_prefaulted_and_guarded() -> None:
+    mapping = _core.Mapping(10_000)
+    assert mapping.address % _core.PAGE_SIZE == 0
+    assert mapping.size % _core.PAGE_SIZE == 0 and mapping.size >= 10_000
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    view[:] = 7
+    with pytest.raises(BufferError, match="still alive"):
+        mapping.close()
+    del view
+    mapping.close()
+    assert mapping.closed and mapping.address == 0
+    with pytest.raises(ValueError, match="closed"):
+        np.frombuffer(mapping, dtype=np.uint8)
+    with pytest.raises(ValueError, match="size must be > 0"):
+        _core.Mapping(0)

@@ -1,0 +1,70 @@
+"""tpusync.info() and the `tpusync` command (run as real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+import tpusync
+from tpusync.info import check_o_direct
+
+
+def test_info_reports_every_device_with_a_reason(tmp_path: Path) -> None:
+    report = tpusync.info(str(tmp_path))
+    assert len(report.devices) == len(jax.devices())
+    for device in report.devices:
+        assert device.platform == "cpu"
+        assert device.path == "native"
+        assert device.reason == "CPU backend: raw memory"
+    host = report.host
+    assert host is not None
+    assert host.o_direct_dir == str(tmp_path)
+    assert host.copy_threads >= 1 and host.cpu_count >= 1
+    assert host.shm_total_bytes is None or host.shm_total_bytes > 0
+    text = str(report)
+    assert "CPU backend: raw memory" in text and "RLIMIT_MEMLOCK" in text
+    assert report.as_dict()["devices"][0]["path"] == "native"
+
+
+def test_o_direct_check_says_why_not_on_tmpfs(tmp_path: Path) -> None:
+    ok, reason = check_o_direct("/dev/shm")
+    if not ok:  # tmpfs refuses O_DIRECT on most kernels
+        assert reason
+    ok, reason = check_o_direct(str(tmp_path / "missing"))
+    assert not ok and "cannot create a file there" in reason
+    assert not any(p.name.startswith(".tpusync-odirect") for p in tmp_path.iterdir())
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "tpusync", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+
+
+def test_cli_info_json() -> None:
+    result = _run("info", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["version"] == tpusync.__version__
+    assert payload["devices"][0]["path"] == "native"
+
+
+def test_cli_demo_small_run_reports_equal_bits() -> None:
+    result = _run("demo", "--layers", "1", "--repeats", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all bits equal" in result.stdout
+    assert "DIFFERENT" not in result.stdout
+    assert result.stdout.count("equal") >= 4  # four table rows, every one equal
+
+
+def test_cli_usage_errors() -> None:
+    result = _run("nonsense")
+    assert result.returncode == 2 and "usage: tpusync" in result.stdout
+    assert _run("--help").returncode == 0
