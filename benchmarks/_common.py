@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -34,7 +35,7 @@ class MemcpyLimit:
         self.dst = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults in the loop
         bounds = np.linspace(0, nbytes, self.threads + 1).astype(np.int64) // 4096 * 4096
         bounds[-1] = nbytes
-        self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        self.slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self.pool = ThreadPoolExecutor(self.threads)
 
     def copy(self) -> None:

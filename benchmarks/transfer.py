@@ -19,7 +19,7 @@ import numpy as np
 import tpusync
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _common import MemcpyLimit, median, print_table, timed, write_json  # noqa: E402
+from _common import MemcpyLimit, median, print_table, timed, write_json
 
 BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]
 
@@ -35,8 +35,9 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemcpyLimi
     order = rng.permutation(n_blocks)
     identity = np.arange(n_blocks)
     nbytes = n_blocks * block_bytes
-    times: dict[str, list[float]] = {k: [] for k in
-                                     ("limit", "d2h_native", "d2h_jax", "h2d_native", "h2d_jax")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("limit", "d2h_native", "d2h_jax", "h2d_native", "h2d_jax")
+    }
 
     def d2h(path: str) -> None:
         tpusync.transfer(pool, host, src_blocks=order, dst_blocks=identity, path=path).result()
@@ -54,10 +55,13 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemcpyLimi
         times["limit"].append(timed(limit.copy))
         times["h2d_native"].append(timed(lambda: h2d("native")))
         times["h2d_jax"].append(timed(lambda: h2d("jax")))
-    del host, pool
     limit_gbps = limit.src.nbytes / median(times["limit"]) / 1e9
-    result = {"block_kib": block_kib, "n_blocks": n_blocks, "bytes": nbytes,
-              "limit_gbps": limit_gbps}
+    result = {
+        "block_kib": block_kib,
+        "n_blocks": n_blocks,
+        "bytes": nbytes,
+        "limit_gbps": limit_gbps,
+    }
     for key in times:
         if key != "limit":
             result[f"{key}_gbps"] = nbytes / median(times[key]) / 1e9
@@ -80,24 +84,50 @@ def main() -> None:
         r = bench_block_size(block_kib, total, args.repeats, limit)
         results.append(r)
         lim = r["limit_gbps"]
-        rows.append([
-            f"{block_kib} KiB", lim,
-            r["d2h_native_gbps"], r["d2h_native_gbps"] / lim, r["d2h_jax_gbps"],
-            r["d2h_native_gbps"] / r["d2h_jax_gbps"],
-            r["h2d_native_gbps"], r["h2d_native_gbps"] / lim, r["h2d_jax_gbps"],
-            r["h2d_native_gbps"] / r["h2d_jax_gbps"],
-        ])
+        rows.append(
+            [
+                f"{block_kib} KiB",
+                lim,
+                r["d2h_native_gbps"],
+                r["d2h_native_gbps"] / lim,
+                r["d2h_jax_gbps"],
+                r["d2h_native_gbps"] / r["d2h_jax_gbps"],
+                r["h2d_native_gbps"],
+                r["h2d_native_gbps"] / lim,
+                r["h2d_jax_gbps"],
+                r["h2d_native_gbps"] / r["h2d_jax_gbps"],
+            ]
+        )
         print(f"  {block_kib} KiB done", flush=True)
     limit.close()
-    print(f"\n{args.total_mib} MiB per transfer, scattered blocks, median of {args.repeats} "
-          f"(GB/s; x = ratio)")
+    print(
+        f"\n{args.total_mib} MiB per transfer, scattered blocks, median of {args.repeats} "
+        f"(GB/s; x = ratio)"
+    )
     print_table(
-        ["block", "memcpy", "D2H nat", "x limit", "D2H jax", "x jax",
-         "H2D nat", "x limit", "H2D jax", "x jax"],
+        [
+            "block",
+            "memcpy",
+            "D2H nat",
+            "x limit",
+            "D2H jax",
+            "x jax",
+            "H2D nat",
+            "x limit",
+            "H2D jax",
+            "x jax",
+        ],
         rows,
     )
-    write_json(args.json, {"benchmark": "transfer", "total_bytes": total,
-                           "repeats": args.repeats, "results": results})
+    write_json(
+        args.json,
+        {
+            "benchmark": "transfer",
+            "total_bytes": total,
+            "repeats": args.repeats,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

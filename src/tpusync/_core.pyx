@@ -142,3 +142,5 @@ cdef class Mapping:
         if self._address != NULL:
             munmap(self._address, self.size)
             self._address = NULL
+
+include "_pjrt_api.pxi"

@@ -10,7 +10,7 @@ swaps in. Index lists are padded to a few bucket sizes so that varying lengths r
 from __future__ import annotations
 
 import math
-from functools import cache, partial
+from functools import cache
 from typing import Any
 
 import jax

@@ -171,8 +171,7 @@ def check_pair(src: Side, dst: Side, block_axis: int) -> None:
     ndim = len(src_shape)
     if not 0 <= block_axis < ndim:
         raise InvalidArgumentError(
-            f"block_axis: {block_axis} is out of range for blocks of rank {ndim}; "
-            f"use 0..{ndim - 1}"
+            f"block_axis: {block_axis} is out of range for blocks of rank {ndim}; use 0..{ndim - 1}"
         )
     if len(dst_shape) != ndim or _drop(src_shape, block_axis) != _drop(dst_shape, block_axis):
         raise ShapeMismatchError(
@@ -180,9 +179,10 @@ def check_pair(src: Side, dst: Side, block_axis: int) -> None:
             f"outside the block axis ({block_axis}); blocks must have the same shape"
         )
     for side in (src, dst):
-        if isinstance(side, DeviceSide) and side.shard_shape[block_axis] != side.array.shape[
-            block_axis
-        ]:
+        if (
+            isinstance(side, DeviceSide)
+            and side.shard_shape[block_axis] != side.array.shape[block_axis]
+        ):
             raise ShapeMismatchError(
                 f"{side.argument}: the array is sharded along the block axis ({block_axis}); "
                 "shard KV pools along other axes (e.g. heads) and keep every block whole"

@@ -69,8 +69,9 @@ def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
         for device in group.devices:
             data = by_device[device]
             holds.append(_pin_buffer(data))  # held until the copy is done
-            regions.append(Region.contiguous(data.unsafe_buffer_pointer(), side.shard_shape,
-                                             itemsize))
+            regions.append(
+                Region.contiguous(data.unsafe_buffer_pointer(), side.shard_shape, itemsize)
+            )
         out.append(regions)
     return out
 
@@ -91,8 +92,9 @@ def plan_segments(move: Move, holds: list[Any]) -> list[np.ndarray]:
         source = src_group[0]  # a replicated shard is read once ...
         for target in dst_group:  # ... and written to every replica
             parts.append(
-                segments(source, target, move.src_blocks, move.dst_blocks, move.block_axis,
-                         itemsize)
+                segments(
+                    source, target, move.src_blocks, move.dst_blocks, move.block_axis, itemsize
+                )
             )
     return parts
 

@@ -1,14 +1,118 @@
-"""What the PJRT C API of a plugin backend offers tpusync (read at run time, never assumed)."""
+"""What the PJRT C API of a plugin backend offers tpusync (read at run time, never assumed).
+
+:func:`describe_backend` finds the ``PJRT_Api`` table JAX uses for a device's backend, reads its
+version through tpusync's own declarations (``_core.PjrtApi``), and checks that JAX's
+``client.unsafe_client_pointer`` really is a ``PJRT_Client*`` of that plugin (by asking the
+plugin for the client's platform name) before anything would trust it. Native device copies are
+not enabled on any plugin backend yet, so the answer always ends in "pure JAX"; the line says
+what was found, or what failed.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# The reason's tail while native device copies are off for plugin backends.
+_PURE_JAX = "native device copies not yet enabled (unproven on hardware): pure JAX"
+
+# Plugins that JAX loads itself without keeping the table: the library file names to look for
+# among the libraries this process has mapped (never loading one).
+_LOADED_LIBRARY_NAMES = {"tpu": ("libtpu.so",)}
 
 
 def describe_backend(device: Any) -> str:
-    """One line on a non-CPU backend's PJRT C API and the path its devices get."""
-    platform = device.platform
-    return (
-        f"{platform}: native PJRT copies are not yet enabled for this backend "
-        "(not yet proven on hardware): pure JAX"
-    )
+    """One line on a backend's PJRT C API and the path its devices get. Never raises."""
+    try:
+        return _describe(device)
+    except Exception as exc:  # the probe must never break info() or path choice
+        return f"PJRT probe failed ({type(exc).__name__}: {exc}): pure JAX"
+
+
+def _describe(device: Any) -> str:
+    platform = getattr(device, "platform", None)
+    client = getattr(device, "client", None)
+    if not isinstance(platform, str) or client is None:
+        return f"not a JAX device ({type(device).__name__}): no PJRT C API to probe: pure JAX"
+    try:
+        from jax._src import xla_bridge
+    except Exception as exc:
+        return f"{platform}: cannot read JAX's backends ({exc}): pure JAX"
+    try:
+        from tpusync._core import PjrtApi, PjrtError
+    except ImportError as exc:
+        return f"{platform}: native core did not import ({exc}): pure JAX"
+
+    # The backend JAX made this device's client with, found by identity (no guessing).
+    backends = dict(getattr(xla_bridge, "_backends", {}))
+    names = [name for name, backend in backends.items() if backend is client]
+    if not names:
+        return f"{platform}: its client is not one of JAX's backends: pure JAX"
+    name = names[0]
+
+    registration = getattr(xla_bridge, "_backend_factories", {}).get(name)
+    capsule = getattr(registration, "c_api", None)
+    try:
+        if capsule is not None:
+            api = PjrtApi.from_capsule(capsule)
+        else:
+            path = _loaded_library(name)
+            if path is None:
+                return f"{platform}: no PJRT C API plugin table for backend {name!r}: pure JAX"
+            api = PjrtApi.from_library(path, already_loaded=True)
+    except PjrtError as exc:
+        return f"{platform}: PJRT C API table refused: {exc}: pure JAX"
+    major, minor = api.version
+    found = f"PJRT C API {major}.{minor} via {_plugin_label(api)}"
+    return f"{found}; {_check_client(api, client, name, platform)}; {_PURE_JAX}"
+
+
+def _check_client(api: Any, client: Any, name: str, platform: str) -> str:
+    """Whether JAX's client pointer is a live PJRT_Client of this table, in words."""
+    pointer = getattr(client, "unsafe_client_pointer", None)
+    if callable(pointer):
+        pointer = pointer()
+    if not isinstance(pointer, int):
+        return "JAX gives no client pointer (jax < 0.10.1)"
+    if pointer == 0:
+        return "JAX's client pointer is 0"
+    try:
+        pjrt_name = api.platform_name(pointer)
+    except Exception as exc:
+        return f"client pointer check failed ({exc})"
+    accepted = {platform, name, getattr(client, "platform", platform)}
+    if platform == "gpu":
+        accepted |= {"cuda", "rocm"}
+    if pjrt_name.lower() not in accepted:
+        return f"client pointer check failed (PJRT says {pjrt_name!r}, JAX says {platform!r})"
+    return f"client pointer checked ({pjrt_name})"
+
+
+def _plugin_label(api: Any) -> str:
+    """``jax_plugins.xla_cuda13`` for a jax_plugins package, else the library's file name."""
+    path = api.library_path
+    if not path:
+        return api.source
+    parts = os.path.normpath(path).split(os.sep)
+    if "jax_plugins" in parts:
+        i = parts.index("jax_plugins")
+        if i + 2 < len(parts):
+            return f"jax_plugins.{parts[i + 1]}"
+    return os.path.basename(path)
+
+
+def _loaded_library(backend_name: str) -> str | None:
+    """The path of the backend's plugin library if this process has exactly one mapped."""
+    wanted = _LOADED_LIBRARY_NAMES.get(backend_name)
+    if not wanted:
+        return None
+    found = set()
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rstrip("\n").partition("/")[2]
+                if path and os.path.basename(path) in wanted:
+                    found.add("/" + path)
+    except OSError:
+        return None
+    return found.pop() if len(found) == 1 else None

@@ -23,9 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"info": _info, "demo": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: tpusync {info,demo} [options]\n\n"
-              "  info   which engine each device gets and why; host limits\n"
-              "  demo   offload and reload scattered KV blocks, verify bits, show GB/s")
+        print(
+            "usage: tpusync {info,demo} [options]\n\n"
+            "  info   which engine each device gets and why; host limits\n"
+            "  demo   offload and reload scattered KV blocks, verify bits, show GB/s"
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
         from tpusync.demo import main as demo_main

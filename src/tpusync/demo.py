@@ -9,6 +9,8 @@ machine's memory-copy rate measured in the same run.
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +39,10 @@ class DemoConfig:
 
 
 def _memcpy_gbps(nbytes: int, repeats: int) -> float:
-    threads = len(__import__("os").sched_getaffinity(0))
+    threads = len(os.sched_getaffinity(0))
     src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
     bounds = np.linspace(0, nbytes, threads + 1).astype(int)
-    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    parts = [slice(a, b) for a, b in itertools.pairwise(bounds)]
     times = []
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
@@ -90,9 +92,7 @@ def run(config: DemoConfig) -> bool:
                 timings["save (device->host)"].append(saved)
                 timings["load (host->device)"].append(loaded)
         match = all(
-            np.array_equal(
-                np.asarray(p.array)[targets].view(bits), originals[i][chosen].view(bits)
-            )
+            np.array_equal(np.asarray(p.array)[targets].view(bits), originals[i][chosen].view(bits))
             for i, p in enumerate(pools)
         )
         all_match &= match

@@ -38,9 +38,7 @@ class HostBuffer:
     ) -> None:
         shape_tuple = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
         if not all(isinstance(d, int | np.integer) and d >= 0 for d in shape_tuple):
-            raise InvalidArgumentError(
-                f"shape: expected non-negative integers, got {shape!r}"
-            )
+            raise InvalidArgumentError(f"shape: expected non-negative integers, got {shape!r}")
         try:
             np_dtype = np.dtype(dtype)
         except TypeError as exc:

@@ -18,9 +18,9 @@ from tpusync.device_pool import DevicePool
 from tpusync.errors import (
     InvalidArgumentError,
     NativePathUnavailableError,
+    TpuSyncError,
     TransferFailedError,
     TransferTimeoutError,
-    TpuSyncError,
 )
 
 __all__ = ["Transfer", "TransferFuture", "transfer", "transfer_batch"]
@@ -126,9 +126,7 @@ def transfer(
     :class:`~tpusync.errors.TpuSyncError` and changes nothing. Moves are of bits, not values
     (NaN payloads survive). Returns a :class:`TransferFuture`.
     """
-    return transfer_batch(
-        [Transfer(src, dst, src_blocks, dst_blocks, block_axis)], path=path
-    )
+    return transfer_batch([Transfer(src, dst, src_blocks, dst_blocks, block_axis)], path=path)
 
 
 def transfer_batch(transfers: Iterable[Transfer], *, path: Path = "auto") -> TransferFuture:
@@ -167,9 +165,11 @@ def _plan_move(item: Transfer) -> Move:
         )
     src = resolve(item.src, "src", destination=False)
     dst = resolve(item.dst, "dst", destination=True)
-    if isinstance(src, HostSide) and isinstance(dst, HostSide) and src.views[0].ndim != dst.views[
-        0
-    ].ndim:
+    if (
+        isinstance(src, HostSide)
+        and isinstance(dst, HostSide)
+        and src.views[0].ndim != dst.views[0].ndim
+    ):
         from tpusync.errors import ShapeMismatchError
 
         raise ShapeMismatchError(
