@@ -24,15 +24,21 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def bits_dtype(dtype: np.dtype) -> np.dtype | None:
-    """The unsigned dtype to move ``dtype``'s bits through, or None to move it as it is."""
-    if dtype.kind != "V" and not np.issubdtype(dtype, np.floating):
-        # integers, bools and complex values pass gathers unchanged
+    """The unsigned dtype to move ``dtype``'s bits through, or None to move it as it is.
+
+    Floating-point types of 8 bits or more (including ml_dtypes' bfloat16 and float8 types, which
+    numpy does not count as ``np.floating``) go through their unsigned twin; integers, bools,
+    complex values and sub-byte types pass gathers unchanged.
+    """
+    if dtype.kind in "biuc":
         return None
-    try:
-        if ml_dtypes.finfo(dtype).bits < 8:
-            return None  # sub-byte floats (float4) carry no NaN payloads
-    except (TypeError, ValueError):
-        pass
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            if info(dtype).bits < 8:
+                return None
+            break
+        except (TypeError, ValueError):
+            continue
     unsigned = _UNSIGNED.get(dtype.itemsize)
     return np.dtype(unsigned) if unsigned is not None else None
 

@@ -79,34 +79,55 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> IndexKey:
 
 
 def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
+    """Cuts a device side into shard groups from its sharding alone (no buffer is touched).
+
+    A pool's shape, dtype and sharding are fixed for its lifetime, so its array is read without
+    waiting for the pool's lock: validating never waits for a transfer that runs on the pool.
+    Whether a busy pool's array is still alive is checked when the transfer runs.
+    """
     pool = obj if isinstance(obj, DevicePool) else None
-    array = pool.array if pool is not None else obj
+    array = pool._array if pool is not None else obj
     assert isinstance(array, jax.Array)
-    _check_alive(array, argument)
-    shards = array.addressable_shards
-    if not shards:
+    if pool is None:
+        _check_alive(array, argument)
+    elif pool._lock.acquire(blocking=False):  # idle pool: check now; busy: when it runs
+        try:
+            _check_alive(pool._array, argument)
+        finally:
+            pool._lock.release()
+    shape = tuple(int(n) for n in array.shape)
+    index_map = array.sharding.addressable_devices_indices_map(shape)
+    if not index_map:
         raise WrongDeviceError(
             f"{argument}: no shard of this array is addressable from process "
             f"{jax.process_index()}; transfer it in a process that owns some of its devices"
         )
     groups: dict[IndexKey, list[Any]] = {}
-    for shard in shards:
-        key = _index_key(shard.index, array.shape)
-        groups.setdefault(key, []).append(shard)
-    ordered = []
-    for key in sorted(groups, key=lambda k: tuple(start for start, _ in k)):
-        members = sorted(groups[key], key=lambda s: (s.replica_id, s.device.id))
-        ordered.append(ShardGroup(key, tuple(s.device for s in members)))
-    shard_shape = tuple(int(n) for n in shards[0].data.shape)
-    return DeviceSide(argument, array, pool, shard_shape, tuple(ordered))
+    for device, index in index_map.items():
+        groups.setdefault(_index_key(index, shape), []).append(device)
+    ordered = tuple(
+        ShardGroup(key, tuple(sorted(groups[key], key=lambda d: d.id)))
+        for key in sorted(groups, key=lambda k: tuple(start for start, _ in k))
+    )
+    shard_shape = tuple(int(n) for n in array.sharding.shard_shape(shape))
+    return DeviceSide(argument, array, pool, shard_shape, ordered)
 
 
-def as_host_array(obj: Any) -> np.ndarray | None:
+def as_host_array(obj: Any, argument: str) -> np.ndarray | None:
     if isinstance(obj, HostBuffer):
-        return obj.array
-    if isinstance(obj, np.ndarray):
-        return obj
-    return None
+        if obj.closed:
+            raise InvalidArgumentError(f"{argument}: this HostBuffer is closed; pass an open one")
+        host = obj.array
+    elif isinstance(obj, np.ndarray):
+        host = obj
+    else:
+        return None
+    if host.dtype.hasobject:
+        raise InvalidArgumentError(
+            f"{argument}: dtype {host.dtype} holds Python objects, which cannot be moved as "
+            "bytes; use a numeric dtype"
+        )
+    return host
 
 
 def resolve(obj: Any, argument: str, *, destination: bool) -> Side:
@@ -120,7 +141,7 @@ def resolve(obj: Any, argument: str, *, destination: bool) -> Side:
                 f"array once with tpusync.DevicePool({argument}) and pass the pool"
             )
         return resolve_device(obj, argument)
-    host = as_host_array(obj)
+    host = as_host_array(obj, argument)
     if host is None:
         raise InvalidArgumentError(
             f"{argument}: expected a jax.Array, tpusync.DevicePool, tpusync.HostBuffer or "
@@ -222,6 +243,8 @@ def _dtype_error(src: Side, dst: Side) -> Exception:
 
 
 def _check_blocks_contiguous(view: np.ndarray, block_axis: int, argument: str) -> None:
+    if view.size == 0:
+        return  # numpy gives empty arrays zero strides; there is nothing to copy
     expected = view.dtype.itemsize
     for axis in range(view.ndim - 1, block_axis, -1):
         if view.shape[axis] > 1 and view.strides[axis] != expected:

@@ -99,21 +99,63 @@ def plan_segments(move: Move, holds: list[Any]) -> list[np.ndarray]:
     return parts
 
 
+def overlaps(table: np.ndarray) -> bool:
+    """Whether any source range of a segment table intersects any destination range (exact).
+
+    Destination ranges are disjoint (destination blocks never repeat), so after sorting them a
+    source range can only meet the last destination range that starts before it ends.
+    """
+    if len(table) == 0:
+        return False
+    src_start = table[:, 0]
+    src_end = src_start + table[:, 2]
+    order = np.argsort(table[:, 1], kind="stable")
+    dst_start = table[order, 1]
+    dst_end = dst_start + table[order, 2]
+    last = np.searchsorted(dst_start, src_end, side="left").astype(np.int64) - 1
+    hit = last >= 0
+    return bool(np.any(dst_end[last[hit]] > src_start[hit]))
+
+
+def _copy_staged(table: np.ndarray) -> int:
+    """Copies through a temporary buffer: every source is read before any destination is
+    written, so overlapping blocks (e.g. a swap inside one pool) move like the pure-JAX path."""
+    lengths = table[:, 2]
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+    staging = _core.Mapping(max(int(lengths.sum()), 1), populate=False)
+    base = np.uint64(staging.address)
+    gather = np.stack([table[:, 0], base + offsets, lengths], axis=1)
+    scatter = np.stack([base + offsets, table[:, 1], lengths], axis=1)
+    engine().copy(np.ascontiguousarray(gather))
+    copied = int(engine().copy(np.ascontiguousarray(scatter)))
+    staging.close()
+    return copied
+
+
 def run(moves: list[Move]) -> int:
-    """Moves every pair with one native call; pools' locks must be held by the caller."""
+    """Moves every pair with one native call; pools' locks must be held by the caller.
+
+    Pairs of a batch whose sources and destinations share no bytes run as one parallel job.
+    Where they do (a copy inside one pool or one host array), the pairs run one after another,
+    each through a staging buffer where it overlaps itself: the same result as the pure-JAX
+    path, which runs pairs in order.
+    """
     for move in moves:
         if isinstance(move.dst, DeviceSide) and move.dst.pool is not None:
             move.dst.pool._wait_for_readers()
     holds: list[Any] = []
     try:
+        tables = []
         for move in moves:
-            if isinstance(move.src, DeviceSide):
-                move.src.current().block_until_ready()
-        parts = [p for move in moves for p in plan_segments(move, holds)]
-        if not parts:
-            return 0
-        plan = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return int(engine().copy(plan))
+            parts = plan_segments(move, holds)
+            tables.append(np.concatenate(parts) if parts else np.empty((0, 3), np.uint64))
+        whole = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
+        if not overlaps(whole):
+            return int(engine().copy(whole)) if len(whole) else 0
+        return sum(
+            _copy_staged(table) if overlaps(table) else int(engine().copy(table))
+            for table in tables
+        )
     finally:
         del holds
 

@@ -45,6 +45,10 @@ class HostBuffer:
             raise InvalidArgumentError(
                 f"dtype: {dtype!r} is not a numpy/ml_dtypes dtype (e.g. 'bfloat16', np.float32)"
             ) from exc
+        if np_dtype.hasobject or np_dtype.itemsize == 0:
+            raise InvalidArgumentError(
+                f"dtype: {np_dtype} cannot live in raw host memory; use a numeric dtype"
+            )
         nbytes = int(np.prod(shape_tuple, dtype=np.int64)) * np_dtype.itemsize
         self._mapping = _core.Mapping(max(nbytes, 1), populate=populate, huge_pages=huge_pages)
         self._array: np.ndarray | None = np.frombuffer(
@@ -57,6 +61,10 @@ class HostBuffer:
         if self._array is None:
             raise InvalidArgumentError("this HostBuffer is closed; create a new one")
         return self._array
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
 
     @property
     def shape(self) -> tuple[int, ...]:

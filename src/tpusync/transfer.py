@@ -54,6 +54,16 @@ class TransferFuture(concurrent.futures.Future):
                 "call result() again to keep waiting"
             ) from None
 
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            return super().exception(timeout)
+        except TimeoutError as exc:
+            if isinstance(exc, TpuSyncError) or self.done():
+                raise
+            raise TransferTimeoutError(
+                f"the transfer of {self.nbytes} bytes did not finish within {timeout} s"
+            ) from None
+
     def __await__(self) -> Generator[Any, None, int]:
         return asyncio.wrap_future(self).__await__()
 
@@ -145,6 +155,7 @@ def transfer_batch(transfers: Iterable[Transfer], *, path: Path = "auto") -> Tra
             )
     moves = [_plan_move(item) for item in items]
     _check_distinct_destinations(moves)
+    _adopt_pool_sources(moves)
     engine = _choose_engine(moves, path)
     future = TransferFuture()
     future.path = engine
@@ -198,6 +209,18 @@ def _check_distinct_destinations(moves: Sequence[Move]) -> None:
                 "merge them into one pair (concatenate the block lists)"
             )
         seen[key] = i
+
+
+def _adopt_pool_sources(moves: Sequence[Move]) -> None:
+    """A source given as ``pool.array`` of a pool this batch writes is read through the pool:
+    the raw write's donated identity step replaces that array, and the read must follow it."""
+    pools = {id(p): p for move in moves for p in move.pools()}
+    for move in moves:
+        src = move.src
+        if isinstance(src, DeviceSide) and src.pool is None:
+            for pool in pools.values():
+                if pool._array is src.array:
+                    src.pool = pool
 
 
 def _choose_engine(moves: Sequence[Move], path: Path) -> str:

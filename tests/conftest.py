@@ -1,0 +1,150 @@
+"""Shared test setup: 8 fake CPU devices, a reproducible RNG, random-bit arrays, a mesh, both paths.
+
+The device count must be set before JAX starts its backend, so it happens at import time here,
+before any test module touches a device.
+
+Randomness: every test gets its own ``numpy.random.Generator`` derived from one session seed
+(``TPUSYNC_TEST_SEED``, else a fresh random one) and the test's node id; the seed is printed in the
+report header and by the ``rng`` fixture, so ``TPUSYNC_TEST_SEED=<seed> pytest <node id>``
+reproduces a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import zlib
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+SEED = int(os.environ.get("TPUSYNC_TEST_SEED") or secrets.randbits(32))
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+# NaN bit patterns (with payloads where the format has them) planted at the start of every random
+# float array: jitted gathers and scatters on values canonicalize some of them (0x7fbf -> 0x7fc0).
+NAN_BITS: dict[np.dtype, tuple[int, ...]] = {
+    np.dtype(np.float32): (0x7FBF_FFFF, 0x7F80_0001, 0xFFC0_0001, 0x7FA0_5A5A),
+    np.dtype(np.float16): (0x7E01, 0x7C01, 0xFD55),
+    np.dtype(ml_dtypes.bfloat16): (0x7FBF, 0xFFC1, 0x7F81, 0x7FC1),
+    np.dtype(ml_dtypes.float8_e5m2): (0x7D, 0x7E, 0xFD, 0xFF),
+    np.dtype(ml_dtypes.float8_e4m3fn): (0x7F, 0xFF),
+}
+
+
+def _sub_byte_bits(dtype: np.dtype) -> int | None:
+    for info in (ml_dtypes.iinfo, ml_dtypes.finfo):
+        try:
+            bits = int(info(dtype).bits)
+        except (TypeError, ValueError):
+            continue
+        return bits if bits < 8 else None
+    return None
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A C-contiguous array of random *bits* (not values) of any dtype, with no zero element.
+
+    Byte-sized and wider dtypes are random non-zero bytes viewed as the dtype, with NaN payloads
+    planted first (see NAN_BITS); bool is random 0/1; sub-byte integers are random non-zero values.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    if dtype == np.bool_:
+        return rng.integers(0, 2, size=shape, dtype=np.uint8).astype(np.bool_)
+    if _sub_byte_bits(dtype) is not None:
+        try:
+            info = ml_dtypes.iinfo(dtype)
+        except (TypeError, ValueError) as exc:
+            raise NotImplementedError(f"random bits for {dtype}") from exc
+        values = rng.integers(1, int(info.max) + 1, size=size)
+        if int(info.min) < 0:
+            values *= rng.choice(np.array([-1, 1]), size=size)
+        return values.astype(dtype).reshape(shape)
+    raw = rng.integers(1, 256, size=size * dtype.itemsize, dtype=np.uint8)  # never a zero byte
+    array = raw.view(dtype).reshape(shape)
+    nans = NAN_BITS.get(dtype, ())
+    if nans and size:
+        flat = array.reshape(-1).view(_UNSIGNED[dtype.itemsize])
+        count = min(len(nans), size)
+        flat[:count] = np.array(nans[:count], dtype=flat.dtype)
+    return array
+
+
+def bits(array: Any) -> np.ndarray:
+    """The array's bits as unsigned integers of the same width: compare these, never values."""
+    host = np.asarray(array)
+    if host.dtype == np.bool_:
+        return host.view(np.uint8)
+    return host.view(_UNSIGNED[host.dtype.itemsize])
+
+
+def assert_same_bits(actual: Any, expected: Any, what: str = "") -> None:
+    a, e = bits(actual), bits(expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    if not np.array_equal(a, e):
+        wrong = np.argwhere(a != e)
+        raise AssertionError(
+            f"{what}: {len(wrong)} of {a.size} elements differ; first at {tuple(wrong[0])}: "
+            f"{a[tuple(wrong[0])]:#x} != {e[tuple(wrong[0])]:#x}"
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"tpusync: TPUSYNC_TEST_SEED={SEED}, jax {jax.__version__}, {len(jax.devices())} devices"
+
+
+def _case_key(node: pytest.Item) -> str:
+    """The test's identity without its ``path`` parameter: both engines get the same data."""
+    params = getattr(getattr(node, "callspec", None), "params", {})
+    parts = [node.path.name, getattr(node, "originalname", node.name)]
+    parts += [f"{name}={value!r}" for name, value in sorted(params.items()) if name != "path"]
+    return "|".join(parts)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A Generator seeded from the session seed and the test's identity (printed on failure).
+
+    The ``path`` parameter is left out of the identity, so a case run on both engines sees the
+    same random data and both results must equal the same reference bit for bit."""
+    print(f"TPUSYNC_TEST_SEED={SEED} (test {request.node.nodeid})")
+    return np.random.default_rng([SEED, zlib.crc32(_case_key(request.node).encode())])
+
+
+@pytest.fixture(scope="session")
+def mesh() -> jax.sharding.Mesh:
+    """A (4, 2) mesh over the 8 fake CPU devices, axes "a" and "b", with Auto axis types
+    (jax 0.10.2 defaults to Explicit)."""
+    assert len(jax.devices()) == 8, "jax_num_cpu_devices=8 must be set before the backend starts"
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh((4, 2), ("a", "b"), axis_types=(auto, auto))
+
+
+@pytest.fixture(scope="session", params=["native", "jax"])
+def path(request: pytest.FixtureRequest) -> str:
+    """The engine a test runs on; tests that take it run once per engine (session-scoped so
+    that hypothesis tests may use it)."""
+    return request.param
+
+
+class Arrays:
+    """The array helpers as one object, for module-level helpers in tests: ``random``,
+    ``bits`` and ``assert_same`` (see the functions of the same meaning above)."""
+
+    random = staticmethod(random_array)
+    bits = staticmethod(bits)
+    assert_same = staticmethod(assert_same_bits)
+
+
+@pytest.fixture(scope="session")
+def arrays() -> Arrays:
+    return Arrays()
