@@ -16,3 +16,10 @@ cdef extern from "tpusync/copy_engine.h" nogil:
     int tps_engine_threads(const tps_engine *engine)
     uint64_t tps_engine_copy(tps_engine *engine, const tps_segment *segments,
                              size_t n_segments, uint64_t min_parallel_bytes)
+    uint64_t tps_engine_copy_hashed(tps_engine *engine, const tps_segment *segments,
+                                    size_t n_segments, uint64_t *digests,
+                                    uint64_t min_parallel_bytes)
+
+
+cdef extern from "tpusync/checksum.h" nogil:
+    uint64_t tps_xxh64(const void *data, size_t n, uint64_t seed)

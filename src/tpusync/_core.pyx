@@ -12,8 +12,8 @@ from posix.mman cimport (
 cimport numpy as cnp
 
 from tpusync._copy_engine cimport (
-    tps_engine, tps_engine_copy, tps_engine_create, tps_engine_destroy, tps_engine_threads,
-    tps_segment,
+    tps_engine, tps_engine_copy, tps_engine_copy_hashed, tps_engine_create, tps_engine_destroy,
+    tps_engine_threads, tps_segment, tps_xxh64,
 )
 
 import os
@@ -69,6 +69,32 @@ cdef class CopyEngine:
         with nogil:
             copied = tps_engine_copy(self._engine, segs, n, self.min_parallel_bytes)
         return copied
+
+    def copy_hashed(self, cnp.ndarray segments not None):
+        """Copies every segment and returns a uint64 array: the XXH64 (seed 0) of each
+        segment's bytes, computed in the same pass as the copy."""
+        if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
+            raise ValueError("segments must be a uint64 array of shape (n, 3)")
+        if not segments.flags.c_contiguous:
+            segments = np.ascontiguousarray(segments)
+        cdef cnp.ndarray digests = np.empty(segments.shape[0], dtype=np.uint64)
+        cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
+        cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(digests)
+        cdef size_t n = <size_t> segments.shape[0]
+        with nogil:
+            tps_engine_copy_hashed(self._engine, segs, n, out, self.min_parallel_bytes)
+        return digests
+
+
+def xxh64(data, uint64_t seed=0):
+    """XXH64 of any contiguous buffer (bytes, memoryview, numpy array), GIL released."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    cdef const void *p = &view[0] if n else NULL
+    cdef uint64_t digest
+    with nogil:
+        digest = tps_xxh64(p, n, seed)
+    return digest
 
 
 cdef class Mapping:

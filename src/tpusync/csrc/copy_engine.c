@@ -1,8 +1,11 @@
 /* Gather/scatter of byte segments over a persistent pthread pool (see copy_engine.h). */
 #include "tpusync/copy_engine.h"
 
+#include "tpusync/checksum.h"
+
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +20,8 @@ typedef struct tps_job {
   uint64_t total_bytes;
   int n_parts;
   int streaming; /* non-temporal stores: the job is larger than the caches */
+  uint64_t *digests;             /* hashed jobs: one XXH64 per segment, else NULL */
+  atomic_size_t *next_segment;   /* hashed jobs hand out whole segments */
 } tps_job;
 
 /* Jobs at least this large bypass the caches with non-temporal stores. glibc only does so for
@@ -117,7 +122,36 @@ static void copy_byte_range(const tps_job *job, uint64_t begin, uint64_t end) {
   }
 }
 
+/* Hashes and copies one segment in 16 KiB steps: each step is hashed from the source, then
+ * copied while it is still in the cache, so the data crosses the memory bus once. The digest
+ * is of the bytes that were copied. */
+static void copy_hash_segment(const tps_job *job, size_t index) {
+  const tps_segment *s = &job->segments[index];
+  const char *src = (const char *)(uintptr_t)s->src;
+  char *dst = (char *)(uintptr_t)s->dst;
+  tps_xxh64_state state;
+  tps_xxh64_init(&state, 0);
+  const uint64_t step = 16384;
+  for (uint64_t offset = 0; offset < s->nbytes; offset += step) {
+    uint64_t n = s->nbytes - offset < step ? s->nbytes - offset : step;
+    tps_xxh64_update(&state, src + offset, n);
+    copy_piece(job, dst + offset, src + offset, n);
+  }
+  job->digests[index] = tps_xxh64_digest(&state);
+}
+
 static void run_part(const tps_job *job, int part) {
+  if (job->digests) {
+    for (;;) {
+      size_t index = atomic_fetch_add(job->next_segment, 1);
+      if (index >= job->n_segments) break;
+      copy_hash_segment(job, index);
+    }
+#if TPS_HAVE_STREAMING
+    if (job->streaming) _mm_sfence();
+#endif
+    return;
+  }
   /* Part boundaries rounded to 4 KiB keep every thread's stores on its own pages. */
   const uint64_t align = 4096;
   uint64_t per = job->total_bytes / (uint64_t)job->n_parts;
@@ -205,9 +239,11 @@ void tps_engine_destroy(tps_engine *e) {
 
 int tps_engine_threads(const tps_engine *e) { return e->n_threads; }
 
-uint64_t tps_engine_copy(tps_engine *e, const tps_segment *segments, size_t n_segments,
-                         uint64_t min_parallel_bytes) {
-  tps_job job = {segments, n_segments, 0, 1, 0};
+static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_segments,
+                        uint64_t min_parallel_bytes, uint64_t *digests) {
+  atomic_size_t next_segment;
+  atomic_init(&next_segment, 0);
+  tps_job job = {segments, n_segments, 0, 1, 0, digests, &next_segment};
   for (size_t i = 0; i < n_segments; i++) job.total_bytes += segments[i].nbytes;
   job.streaming = job.total_bytes >= TPS_STREAMING_MIN_JOB;
   if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes) {
@@ -228,4 +264,14 @@ uint64_t tps_engine_copy(tps_engine *e, const tps_segment *segments, size_t n_se
   pthread_mutex_unlock(&e->lock);
   pthread_mutex_unlock(&e->submit_lock);
   return job.total_bytes;
+}
+
+uint64_t tps_engine_copy(tps_engine *e, const tps_segment *segments, size_t n_segments,
+                         uint64_t min_parallel_bytes) {
+  return run_job(e, segments, n_segments, min_parallel_bytes, NULL);
+}
+
+uint64_t tps_engine_copy_hashed(tps_engine *e, const tps_segment *segments, size_t n_segments,
+                                uint64_t *digests, uint64_t min_parallel_bytes) {
+  return run_job(e, segments, n_segments, min_parallel_bytes, digests);
 }
