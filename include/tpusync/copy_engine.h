@@ -45,6 +45,10 @@ uint64_t tps_engine_copy_hashed(tps_engine *engine, const tps_segment *segments,
                                 size_t n_segments, uint64_t *digests,
                                 uint64_t min_parallel_bytes);
 
+/* Writes digests[i] = XXH64 (seed 0) of segment i's source bytes; copies nothing. */
+void tps_engine_hash(tps_engine *engine, const tps_segment *segments, size_t n_segments,
+                     uint64_t *digests, uint64_t min_parallel_bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -19,6 +19,8 @@ cdef extern from "tpusync/copy_engine.h" nogil:
     uint64_t tps_engine_copy_hashed(tps_engine *engine, const tps_segment *segments,
                                     size_t n_segments, uint64_t *digests,
                                     uint64_t min_parallel_bytes)
+    void tps_engine_hash(tps_engine *engine, const tps_segment *segments, size_t n_segments,
+                         uint64_t *digests, uint64_t min_parallel_bytes)
 
 
 cdef extern from "tpusync/checksum.h" nogil:

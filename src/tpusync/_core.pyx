@@ -6,14 +6,14 @@ from libc.errno cimport errno
 from libc.stdint cimport uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.mman cimport (
-    MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mmap, munmap,
+    MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap,
 )
 
 cimport numpy as cnp
 
 from tpusync._copy_engine cimport (
     tps_engine, tps_engine_copy, tps_engine_copy_hashed, tps_engine_create, tps_engine_destroy,
-    tps_engine_threads, tps_segment, tps_xxh64,
+    tps_engine_hash, tps_engine_threads, tps_segment, tps_xxh64,
 )
 
 import os
@@ -85,6 +85,20 @@ cdef class CopyEngine:
             tps_engine_copy_hashed(self._engine, segs, n, out, self.min_parallel_bytes)
         return digests
 
+    def hash(self, cnp.ndarray segments not None):
+        """XXH64 (seed 0) of each segment's source bytes (the destination column is ignored)."""
+        if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
+            raise ValueError("segments must be a uint64 array of shape (n, 3)")
+        if not segments.flags.c_contiguous:
+            segments = np.ascontiguousarray(segments)
+        cdef cnp.ndarray digests = np.empty(segments.shape[0], dtype=np.uint64)
+        cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
+        cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(digests)
+        cdef size_t n = <size_t> segments.shape[0]
+        with nogil:
+            tps_engine_hash(self._engine, segs, n, out, self.min_parallel_bytes)
+        return digests
+
 
 def xxh64(data, uint64_t seed=0):
     """XXH64 of any contiguous buffer (bytes, memoryview, numpy array), GIL released."""
@@ -98,25 +112,27 @@ def xxh64(data, uint64_t seed=0):
 
 
 cdef class Mapping:
-    """Page-aligned anonymous memory from ``mmap``, exposed through the buffer protocol.
+    """Page-aligned memory from ``mmap``, exposed through the buffer protocol.
 
-    The memory is freed when the object is closed or collected. :meth:`close` refuses while
-    buffer views (e.g. numpy arrays over it) are alive, because they would dangle.
+    Anonymous private memory by default; with ``fd`` (an open file descriptor, e.g. of a file
+    in /dev/shm), a shared mapping of that file from offset 0, which other processes mapping the
+    same file see. The mapping is removed when the object is closed or collected.
+    :meth:`close` refuses while buffer views (e.g. numpy arrays over it) are alive.
     """
 
     cdef void *_address
     cdef readonly size_t size
     cdef int _exports
 
-    def __cinit__(self, size_t size, bint populate=True, bint huge_pages=False):
+    def __cinit__(self, size_t size, bint populate=True, bint huge_pages=False, int fd=-1):
         if size == 0:
             raise ValueError("size must be > 0")
         cdef size_t page = PAGE_SIZE
         cdef size_t mapped = (size + page - 1) // page * page
         cdef void *address
+        cdef int flags = MAP_SHARED if fd >= 0 else MAP_PRIVATE | MAP_ANONYMOUS
         with nogil:
-            address = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                           -1, 0)
+            address = mmap(NULL, mapped, PROT_READ | PROT_WRITE, flags, fd, 0)
         if address == MAP_FAILED:
             raise MemoryError(f"mmap of {mapped} bytes failed: {strerror(errno).decode()}")
         self._address = address

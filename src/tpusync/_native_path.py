@@ -82,8 +82,9 @@ def _regions(side: DeviceSide | HostSide, holds: list[Any]) -> list[list[Region]
     return [[Region.of_array(view)] for view in side.views]
 
 
-def plan_segments(move: Move, holds: list[Any]) -> list[np.ndarray]:
-    """Segments for one move; destination pools must already be prepared for raw writes."""
+def plan_segments(move: Move, holds: list[Any], merge: bool = True) -> list[np.ndarray]:
+    """Segments for one move, one table per (shard group, destination replica) in that order;
+    destination pools must already be prepared for raw writes."""
     dst_regions = _regions(move.dst, holds)
     src_regions = _regions(move.src, holds)
     itemsize = move.src.dtype.itemsize
@@ -93,10 +94,46 @@ def plan_segments(move: Move, holds: list[Any]) -> list[np.ndarray]:
         for target in dst_group:  # ... and written to every replica
             parts.append(
                 segments(
-                    source, target, move.src_blocks, move.dst_blocks, move.block_axis, itemsize
+                    source,
+                    target,
+                    move.src_blocks,
+                    move.dst_blocks,
+                    move.block_axis,
+                    itemsize,
+                    merge=merge,
                 )
             )
     return parts
+
+
+def run_hashed(moves: list[Move]) -> list[np.ndarray]:
+    """Like :func:`run`, and returns for each move the XXH64 of every piece it copied, computed
+    in the same pass: an array of shape (shard groups, outer pieces, blocks), from the first
+    replica of each group. Sources and destinations must not overlap."""
+    for move in moves:
+        if isinstance(move.dst, DeviceSide) and move.dst.pool is not None:
+            move.dst.pool._wait_for_readers()
+    holds: list[Any] = []
+    try:
+        tables, shapes = [], []
+        for move in moves:
+            parts = plan_segments(move, holds, merge=False)
+            outer = int(np.prod(move.src.shard_shape[: move.block_axis], dtype=np.int64))
+            groups = len(move.groups())
+            shapes.append((groups, len(parts) // groups, outer, len(move.src_blocks)))
+            tables.append(np.concatenate(parts) if parts else np.empty((0, 3), np.uint64))
+        whole = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
+        if overlaps(whole):
+            raise ValueError("hashed copies need sources and destinations that do not overlap")
+        digests = engine().copy_hashed(whole)
+    finally:
+        del holds
+    out, at = [], 0
+    for (groups, replicas, outer, blocks), table in zip(shapes, tables, strict=True):
+        part = digests[at : at + len(table)].reshape(groups, replicas, outer, blocks)
+        out.append(np.ascontiguousarray(part[:, 0]))
+        at += len(table)
+    return out
 
 
 def overlaps(table: np.ndarray) -> bool:

@@ -129,9 +129,11 @@ def segments(
     dst_blocks: np.ndarray,
     block_axis: int,
     itemsize: int,
+    merge: bool = True,
 ) -> np.ndarray:
-    """Rows (src_address, dst_address, nbytes) for moving src_blocks[i] -> dst_blocks[i], with
-    neighbours that are contiguous on both sides merged into one row."""
+    """Rows (src_address, dst_address, nbytes) for moving src_blocks[i] -> dst_blocks[i], in
+    (outer index, block) order; with ``merge``, neighbours that are contiguous on both sides
+    become one row (hashed copies keep one row per piece instead)."""
     nbytes = block_bytes(src.shape, itemsize, block_axis)
     src_outer = strided_offsets(src.shape, src.strides, block_axis)
     dst_outer = strided_offsets(dst.shape, dst.strides, block_axis)
@@ -141,6 +143,10 @@ def segments(
     dst_addr = (
         dst.base + dst_outer[:, None] + dst_blocks[None, :] * dst.strides[block_axis]
     ).ravel()
+    if not merge:
+        return np.stack(
+            [src_addr, dst_addr, np.full(len(src_addr), nbytes, dtype=np.int64)], axis=1
+        ).astype(np.uint64)
     return merge_runs(src_addr, dst_addr, nbytes)
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 __all__ = [
     "ArrayDeletedError",
     "BlockIndexError",
+    "BlocksMissingError",
     "DtypeMismatchError",
     "InvalidArgumentError",
     "NativePathUnavailableError",
     "NotAPoolError",
+    "PoolBusyError",
+    "PoolFormatError",
     "ReadOnlyDestinationError",
     "ShapeMismatchError",
+    "TierFullError",
     "TpuSyncError",
     "TransferFailedError",
     "TransferTimeoutError",
@@ -64,3 +68,31 @@ class TransferFailedError(TpuSyncError, RuntimeError):
 
 class TransferTimeoutError(TpuSyncError, TimeoutError):
     """A transfer did not finish within the given timeout."""
+
+
+class PoolBusyError(TpuSyncError, RuntimeError):
+    """A named pool is owned by another live process (one writer at a time)."""
+
+
+class PoolFormatError(TpuSyncError, ValueError):
+    """A pool or slab file is not a tpusync pool of a version this build reads."""
+
+
+class TierFullError(TpuSyncError, MemoryError):
+    """A tier has no room: too few free slots, or /dev/shm or the disk is too small."""
+
+
+class BlocksMissingError(TpuSyncError, KeyError):
+    """Some requested blocks were not served: absent, or failed their checksum (a miss).
+
+    ``loaded`` is a boolean mask over the requested keys: the blocks marked True were loaded
+    and verified; the others must be recomputed. ``corrupt`` counts checksum failures.
+    """
+
+    def __init__(self, message: str, loaded: list[bool], corrupt: int = 0) -> None:
+        super().__init__(message)
+        self.loaded = loaded
+        self.corrupt = corrupt
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])

@@ -21,6 +21,7 @@ typedef struct tps_job {
   int n_parts;
   int streaming; /* non-temporal stores: the job is larger than the caches */
   uint64_t *digests;             /* hashed jobs: one XXH64 per segment, else NULL */
+  int hash_only;                 /* hashed jobs that only read their sources */
   atomic_size_t *next_segment;   /* hashed jobs hand out whole segments */
 } tps_job;
 
@@ -131,6 +132,11 @@ static void copy_hash_segment(const tps_job *job, size_t index) {
   char *dst = (char *)(uintptr_t)s->dst;
   tps_xxh64_state state;
   tps_xxh64_init(&state, 0);
+  if (job->hash_only) {
+    tps_xxh64_update(&state, src, s->nbytes);
+    job->digests[index] = tps_xxh64_digest(&state);
+    return;
+  }
   const uint64_t step = 16384;
   for (uint64_t offset = 0; offset < s->nbytes; offset += step) {
     uint64_t n = s->nbytes - offset < step ? s->nbytes - offset : step;
@@ -240,12 +246,12 @@ void tps_engine_destroy(tps_engine *e) {
 int tps_engine_threads(const tps_engine *e) { return e->n_threads; }
 
 static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_segments,
-                        uint64_t min_parallel_bytes, uint64_t *digests) {
+                        uint64_t min_parallel_bytes, uint64_t *digests, int hash_only) {
   atomic_size_t next_segment;
   atomic_init(&next_segment, 0);
-  tps_job job = {segments, n_segments, 0, 1, 0, digests, &next_segment};
+  tps_job job = {segments, n_segments, 0, 1, 0, digests, hash_only, &next_segment};
   for (size_t i = 0; i < n_segments; i++) job.total_bytes += segments[i].nbytes;
-  job.streaming = job.total_bytes >= TPS_STREAMING_MIN_JOB;
+  job.streaming = !hash_only && job.total_bytes >= TPS_STREAMING_MIN_JOB;
   if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes) {
     run_part(&job, 0);
     return job.total_bytes;
@@ -268,10 +274,15 @@ static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_seg
 
 uint64_t tps_engine_copy(tps_engine *e, const tps_segment *segments, size_t n_segments,
                          uint64_t min_parallel_bytes) {
-  return run_job(e, segments, n_segments, min_parallel_bytes, NULL);
+  return run_job(e, segments, n_segments, min_parallel_bytes, NULL, 0);
 }
 
 uint64_t tps_engine_copy_hashed(tps_engine *e, const tps_segment *segments, size_t n_segments,
                                 uint64_t *digests, uint64_t min_parallel_bytes) {
-  return run_job(e, segments, n_segments, min_parallel_bytes, digests);
+  return run_job(e, segments, n_segments, min_parallel_bytes, digests, 0);
+}
+
+void tps_engine_hash(tps_engine *e, const tps_segment *segments, size_t n_segments,
+                     uint64_t *digests, uint64_t min_parallel_bytes) {
+  run_job(e, segments, n_segments, min_parallel_bytes, digests, 1);
 }

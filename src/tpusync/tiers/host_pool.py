@@ -1,0 +1,531 @@
+"""HostPool: the DRAM tier — page-aligned slots in anonymous memory or in /dev/shm.
+
+Given a name, the pool lives in ``/dev/shm/tpusync-<name>.pool`` and survives the process: a
+restarted server re-attaches in O(index) time and finds every committed block again. One process
+owns a named pool at a time (a ``flock`` the kernel releases when the owner dies); a second one
+gets :class:`~tpusync.errors.PoolBusyError`.
+
+Ownership and pins: :meth:`HostPool.put_from_device` copies device blocks into free slots and
+commits them; :meth:`HostPool.get_to_device` pins the slots it reads for the duration of the copy,
+so a concurrent :meth:`HostPool.delete` skips them. Every block is verified against its checksum
+on the way out, in the same pass as the copy; a mismatch is a miss (counted, and the block is
+dropped), never data.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync import _core, _native_path
+from tpusync.device_pool import DevicePool
+from tpusync.errors import (
+    BlocksMissingError,
+    InvalidArgumentError,
+    PoolBusyError,
+    PoolFormatError,
+    TierFullError,
+)
+from tpusync.tiers._pool_file import (
+    COMMITTED,
+    FREE,
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    RECORD_DTYPE,
+    WRITING,
+    PoolGeometry,
+    decode_header,
+    encode_header,
+    read_owner_pid,
+    slot_checksums,
+)
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.stats import TierStats
+
+__all__ = ["HostPool"]
+
+log = logging.getLogger("tpusync.tiers")
+
+DEFAULT_SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+
+
+def pool_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> Path:
+    return Path(shm_dir) / f"tpusync-{name}.pool"
+
+
+class HostPool:
+    """The DRAM tier: ``capacity`` slots of ``layout.slot_bytes`` each.
+
+    Args:
+      layout: the block format (see :class:`~tpusync.tiers.PoolLayout`).
+      capacity: number of slots (blocks).
+      name: None for anonymous memory (gone with the process); a name to live in
+        ``shm_dir`` and survive restarts.
+      shm_dir: where named pools live (default /dev/shm).
+      on_mismatch: what to do with an existing named pool of another layout, size or format
+        whose owner is gone: ``"recreate"`` (log and start cold) or ``"error"``.
+      populate: touch every page at creation so copies never pay page faults.
+    """
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        capacity: int,
+        *,
+        name: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        on_mismatch: str = "recreate",
+        populate: bool = True,
+    ) -> None:
+        if not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout, got {type(layout).__name__}"
+            )
+        if not isinstance(capacity, int) or capacity < 1:
+            raise InvalidArgumentError(
+                f"capacity: expected a positive number of slots, got {capacity!r}"
+            )
+        if on_mismatch not in ("recreate", "error"):
+            raise InvalidArgumentError(
+                f"on_mismatch: expected 'recreate' or 'error', got {on_mismatch!r}"
+            )
+        if name is not None and not _NAME.match(name):
+            raise InvalidArgumentError(
+                f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 101)"
+            )
+        self.layout = layout
+        self.capacity = capacity
+        self.name = name
+        self.geometry = PoolGeometry(layout, capacity)
+        self.stats = TierStats(f"dram:{name or 'anonymous'}")
+        self._lock = threading.Lock()
+        self._fd = -1
+        self.path: Path | None = None
+        self.attached = False  # True when an existing pool was re-attached
+        self.attach_seconds = 0.0
+        if name is None:
+            self._mapping = _core.Mapping(self.geometry.file_bytes, populate=populate)
+            self._write_owner_pid()
+        else:
+            self.path = pool_path(name, shm_dir)
+            self._open_named(populate, on_mismatch)
+        self._records = np.ndarray(
+            (capacity,), RECORD_DTYPE, buffer=self._mapping, offset=self.geometry.records_offset
+        )
+        self._index: dict[bytes, int] = {}
+        self._pins = np.zeros(capacity, dtype=np.int64)
+        self._sequence = 0
+        self._free = self._scan_records()
+
+    # --- opening ---------------------------------------------------------------------------
+
+    def _open_named(self, populate: bool, on_mismatch: str) -> None:
+        assert self.path is not None
+        start = time.perf_counter()
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            self._create_named(populate)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _owner_pid(fd)
+            os.close(fd)
+            raise PoolBusyError(
+                f"name: the pool {self.path} is owned by a live process (pid {pid}); use another "
+                "name, or stop that process first"
+            ) from None
+        size = os.fstat(fd).st_size
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                header = decode_header(f.read(4096), size)
+            if header.fingerprint != self.layout.fingerprint or header.n_slots != self.capacity:
+                raise PoolFormatError(
+                    f"it holds another layout or size ({header.n_slots} slots of "
+                    f"{header.description.get('model_id')!r})"
+                )
+        except PoolFormatError as exc:
+            if on_mismatch == "error":
+                os.close(fd)
+                raise PoolFormatError(f"{self.path}: {exc}") from None
+            log.warning("tpusync: %s: %s; starting a cold pool in its place", self.path, exc)
+            os.unlink(self.path)
+            os.close(fd)
+            self._create_named(populate)
+            return
+        self._fd = fd
+        self._mapping = _core.Mapping(self.geometry.file_bytes, populate=False, fd=fd)
+        self._write_owner_pid()
+        self.attached = True
+        self.attach_seconds = time.perf_counter() - start
+
+    def _create_named(self, populate: bool) -> None:
+        assert self.path is not None
+        need = self.geometry.file_bytes
+        directory = self.path.parent
+        try:
+            st = os.statvfs(directory)
+        except OSError as exc:
+            raise InvalidArgumentError(f"shm_dir: cannot use {directory}: {exc.strerror}") from None
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise TierFullError(
+                f"capacity: the pool needs {need / 2**30:.2f} GiB but {directory} has "
+                f"{free / 2**30:.2f} GiB free of {st.f_blocks * st.f_frsize / 2**30:.2f} GiB; "
+                "lower the capacity or enlarge it (e.g. docker run --shm-size)"
+            )
+        temp = directory / f".{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                os.posix_fallocate(fd, 0, need)  # reserve now: a full tmpfs fails here, not later
+            except OSError as exc:
+                raise TierFullError(
+                    f"capacity: cannot reserve {need / 2**30:.2f} GiB in {directory}: "
+                    f"{exc.strerror}"
+                ) from None
+            self._mapping = _core.Mapping(need, populate=populate, fd=fd)
+            header = encode_header(self.geometry, os.getpid())
+            memoryview(self._mapping)[: len(header)] = header
+            os.rename(temp, self.path)  # visible under its name only when fully set up
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        self._fd = fd
+
+    def _write_owner_pid(self) -> None:
+        header = encode_header(self.geometry, os.getpid())
+        memoryview(self._mapping)[: len(header)] = header
+
+    def _scan_records(self) -> list[int]:
+        """Builds the index from the records: O(slots), no data is read."""
+        records = self._records
+        torn = np.flatnonzero(records["state"] == WRITING)
+        if len(torn):
+            records["state"][torn] = FREE
+            self.stats.torn_discarded += len(torn)
+            log.info("tpusync: %s: dropped %d blocks torn by a crash", self.path, len(torn))
+        committed = np.flatnonzero(records["state"] == COMMITTED)
+        if len(committed):
+            sequences = records["sequence"][committed]
+            self._sequence = int(sequences.max())
+            order = committed[np.argsort(sequences, kind="stable")]
+            lengths = records["key_len"]
+            raw = records["key"]
+            for slot in order.tolist():
+                self._index[bytes(raw[slot])[: int(lengths[slot])]] = slot
+        used = set(self._index.values())
+        return [s for s in range(self.capacity - 1, -1, -1) if s not in used]
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used(self) -> int:
+        return len(self._index)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def keys(self) -> list[bytes]:
+        """Committed keys, oldest commit first."""
+        with self._lock:
+            return list(self._index)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [bytes(k) in self._index for k in keys]
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._index.get(bytes(key))
+
+    def views(self, n_slots: int | None = None) -> list[np.ndarray]:
+        """Each array's part of every slot, as transfer()'s strided host arrays."""
+        n = self.capacity if n_slots is None else n_slots
+        return [
+            self.layout.host_view(self._mapping, i, n, offset=self.geometry.data_offset)
+            for i in range(len(self.layout.arrays))
+        ]
+
+    # --- put ----------------------------------------------------------------------------------
+
+    def put_from_device(
+        self,
+        keys: Sequence[bytes],
+        pools: Sequence[DevicePool | jax.Array],
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        path: str = "auto",
+    ) -> int:
+        """Copies device blocks ``block_ids[i]`` of every array in ``pools`` (in the layout's
+        order) into the pool under ``keys[i]``; returns how many blocks were stored.
+
+        Keys already present are skipped (their blocks are not copied again). Raises
+        :class:`~tpusync.errors.TierFullError` before anything moves when too few slots are
+        free: the caller evicts first.
+        """
+        keys = _check_keys(keys)
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if len(block_ids) != len(keys):
+            raise InvalidArgumentError(
+                f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
+            )
+        self._check_pools(pools)
+        with self._lock:
+            fresh, seen = [], set()
+            for i, key in enumerate(keys):
+                if key not in self._index and key not in seen:
+                    fresh.append(i)
+                    seen.add(key)
+            if len(fresh) > len(self._free):
+                raise TierFullError(
+                    f"keys: {len(fresh)} new blocks but {len(self._free)} free slots of "
+                    f"{self.capacity}; delete or evict blocks first"
+                )
+            slots = np.array([self._free.pop() for _ in fresh], dtype=np.int64)
+            for i, slot in zip(fresh, slots.tolist(), strict=True):
+                self._begin_write(slot, keys[i])
+        if not fresh:
+            return 0
+        try:
+            checksums = self._copy_in(pools, block_ids[fresh], slots, path)
+        except BaseException:
+            with self._lock:
+                self._records["state"][slots] = FREE
+                self._free.extend(slots.tolist())
+            raise
+        with self._lock:
+            for i, slot, checksum in zip(fresh, slots.tolist(), checksums.tolist(), strict=True):
+                self._commit(slot, keys[i], checksum)
+        self.stats.bytes_in += len(fresh) * self.layout.payload_bytes
+        self.stats.puts += len(fresh)
+        return len(fresh)
+
+    def _begin_write(self, slot: int, key: bytes) -> None:
+        record = self._records[slot]
+        record["state"] = WRITING  # first: a crash from here on leaves a torn slot, never a block
+        record["key_len"] = len(key)
+        record["key"] = key.ljust(MAX_KEY_BYTES, b"\0")
+
+    def _commit(self, slot: int, key: bytes, checksum: int) -> None:
+        self._sequence += 1
+        record = self._records[slot]
+        record["checksum"] = checksum
+        record["length"] = self.layout.payload_bytes
+        record["sequence"] = self._sequence
+        record["state"] = COMMITTED  # last: the block becomes visible
+        self._index[key] = slot
+
+    def _copy_in(
+        self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
+    ) -> np.ndarray:
+        from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
+
+        views = self.views()
+        items = [
+            Transfer(pool, view, src_blocks=block_ids, dst_blocks=slots, block_axis=a.block_axis)
+            for pool, view, a in zip(pools, views, self.layout.arrays, strict=True)
+        ]
+        moves = [_plan_move(item) for item in items]
+        if _choose_engine(moves, path) == "native":
+            with _pools_locked(moves):
+                digests = _native_path.run_hashed(moves)
+            return slot_checksums(_slot_major(digests))
+        transfer_batch(items, path="jax").result()
+        return self._hash_slots(slots)
+
+    def _hash_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Checksums of committed-or-written slots, from memory (the pure-JAX path's pass)."""
+        offsets, lengths = self.layout.piece_table
+        base = self._mapping.address + self.geometry.data_offset
+        starts = base + slots[:, None] * self.layout.slot_bytes + offsets[None, :]
+        table = np.stack(
+            [starts.ravel(), np.zeros(starts.size, np.int64), np.tile(lengths, len(slots))], 1
+        ).astype(np.uint64)
+        digests = _native_path.engine().hash(table).reshape(len(slots), len(offsets))
+        return slot_checksums(digests)
+
+    # --- get ----------------------------------------------------------------------------------
+
+    def get_to_device(
+        self,
+        keys: Sequence[bytes],
+        pools: Sequence[DevicePool],
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        path: str = "auto",
+    ) -> None:
+        """Loads the blocks under ``keys`` into device blocks ``block_ids`` of every pool.
+
+        Every block is checked against its checksum over the bytes copied. Raises
+        :class:`~tpusync.errors.BlocksMissingError` (with a ``loaded`` mask) when any key is
+        absent or fails its checksum; the blocks marked loaded are valid, the others must be
+        recomputed. A corrupt block is dropped from the pool.
+        """
+        keys = _check_keys(keys)
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        if len(block_ids) != len(keys):
+            raise InvalidArgumentError(
+                f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
+            )
+        self._check_pools(pools)
+        with self._lock:
+            slots = np.array([self._index.get(k, -1) for k in keys], dtype=np.int64)
+            present = slots >= 0
+            np.add.at(self._pins, slots[present], 1)
+            expected = self._records["checksum"][slots[present]].copy()
+        loaded = present.copy()
+        corrupt = 0
+        try:
+            if present.any():
+                got = self._copy_out(pools, block_ids[present], slots[present], path)
+                bad = got != expected
+                if bad.any():
+                    corrupt = int(bad.sum())
+                    loaded[np.flatnonzero(present)[bad]] = False
+        finally:
+            with self._lock:
+                np.add.at(self._pins, slots[present], -1)
+        if corrupt:
+            self.stats.checksum_failures += corrupt
+            self.delete([k for k, p, ok in zip(keys, present, loaded, strict=True) if p and not ok])
+        hits = int(loaded.sum())
+        self.stats.hits += hits
+        self.stats.misses += len(keys) - hits
+        self.stats.bytes_out += hits * self.layout.payload_bytes
+        if hits < len(keys):
+            raise BlocksMissingError(
+                f"keys: {len(keys) - hits} of {len(keys)} blocks not served "
+                f"({int((~present).sum())} absent, {corrupt} failed their checksum)",
+                loaded=loaded.tolist(),
+                corrupt=corrupt,
+            )
+
+    def _copy_out(
+        self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
+    ) -> np.ndarray:
+        from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
+
+        views = self.views()
+        items = [
+            Transfer(view, pool, src_blocks=slots, dst_blocks=block_ids, block_axis=a.block_axis)
+            for pool, view, a in zip(pools, views, self.layout.arrays, strict=True)
+        ]
+        moves = [_plan_move(item) for item in items]
+        if _choose_engine(moves, path) == "native":
+            with _pools_locked(moves):
+                digests = _native_path.run_hashed(moves)
+            return slot_checksums(_slot_major(digests))
+        checksums = self._hash_slots(slots)  # slots are pinned: what is hashed is what moves
+        transfer_batch(items, path="jax").result()
+        return checksums
+
+    # --- delete, close ----------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drops the blocks under ``keys``; pinned (being read) and absent keys are skipped.
+        Returns how many were dropped."""
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(bytes(key))
+                if slot is None or self._pins[slot]:
+                    continue
+                self._records["state"][slot] = FREE
+                del self._index[bytes(key)]
+                self._free.append(slot)
+                dropped += 1
+        self.stats.deletes += dropped
+        return dropped
+
+    def close(self) -> None:
+        """Unmaps the pool and releases ownership; a named pool stays in /dev/shm."""
+        if self._fd < 0 and self._mapping.closed:
+            return
+        self._records = None  # type: ignore[assignment]
+        self._mapping.close()
+        if self._fd >= 0:
+            os.close(self._fd)  # drops the flock
+            self._fd = -1
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = str(self.path) if self.path else "anonymous"
+        return f"HostPool({where}, {self.used}/{self.capacity} slots of {self.layout.slot_bytes} B)"
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _check_pools(self, pools: Sequence[Any]) -> None:
+        if len(pools) != len(self.layout.arrays):
+            raise InvalidArgumentError(
+                f"pools: {len(pools)} arrays for a layout of {len(self.layout.arrays)}; pass one "
+                "per layout array, in the layout's order"
+            )
+        other = PoolLayout.from_pools(
+            self.layout.model_id,
+            pools,
+            block_axis=self.layout.arrays[0].block_axis,
+            names=[a.name for a in self.layout.arrays],
+        )
+        if other.fingerprint != self.layout.fingerprint:
+            raise InvalidArgumentError(
+                "pools: these device arrays have another block layout than this pool "
+                f"({[a.shard_block_shape for a in other.arrays]} vs "
+                f"{[a.shard_block_shape for a in self.layout.arrays]})"
+            )
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    out = []
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes | bytearray | memoryview):
+            raise InvalidArgumentError(f"keys[{i}]: expected bytes, got {type(key).__name__}")
+        key = bytes(key)
+        if not 1 <= len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgumentError(
+                f"keys[{i}]: {len(key)} bytes; keys are 1 to {MAX_KEY_BYTES} bytes"
+            )
+        out.append(key)
+    return out
+
+
+def _slot_major(digests: list[np.ndarray]) -> np.ndarray:
+    """Per-move digests (groups, outer, blocks) -> (blocks, pieces) in slot order."""
+    columns = [d.reshape(-1, d.shape[-1]) for d in digests]
+    return np.concatenate(columns, axis=0).T
+
+
+def _pools_locked(moves: list[Any]) -> Any:
+    from tpusync.transfer import _pools_locked as lock_pools
+
+    return lock_pools(moves)
+
+
+def _owner_pid(fd: int) -> int | None:
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            return read_owner_pid(f.read(HEADER_BYTES))
+    except OSError:
+        return None

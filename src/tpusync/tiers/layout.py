@@ -1,0 +1,225 @@
+"""PoolLayout: what one block is, and where each array's part of it sits in a slot.
+
+A block spans every array of a device pool (per layer, K and V together or apart, any block
+axis). A slot in any tier holds one block of every array, laid out ``[array][shard][outer][inner]``
+(``outer`` are the axes before the block axis, ``inner`` the ones after), so the slots seen
+through one array's eyes form a strided host array that :func:`tpusync.transfer` fills or reads in
+one call. The layout's fingerprint names the block format; tiers refuse blocks of another one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync._layout import resolve_device
+from tpusync.device_pool import DevicePool
+from tpusync.errors import InvalidArgumentError
+
+__all__ = ["ArrayLayout", "PoolLayout"]
+
+SLOT_ALIGNMENT = 4096  # slots start on page boundaries: O_DIRECT and DMA both want that
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """One array's part of a block.
+
+    Attributes:
+      name: a label (e.g. ``"layer3.k"``).
+      dtype: numpy dtype name.
+      shard_block_shape: one shard's shape with the block axis removed.
+      block_axis: the axis of the device array that indexes blocks.
+      n_shards: distinct addressable shards (the host side's leading ``[shard]`` axis).
+    """
+
+    name: str
+    dtype: str
+    shard_block_shape: tuple[int, ...]
+    block_axis: int
+    n_shards: int
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def outer_shape(self) -> tuple[int, ...]:
+        return self.shard_block_shape[: self.block_axis]
+
+    @property
+    def inner_shape(self) -> tuple[int, ...]:
+        return self.shard_block_shape[self.block_axis :]
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one contiguous piece: the inner axes of one outer index of one shard."""
+        return math.prod(self.inner_shape) * self.np_dtype.itemsize
+
+    @property
+    def pieces(self) -> int:
+        """Contiguous pieces of this array in one slot."""
+        return self.n_shards * math.prod(self.outer_shape)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pieces * self.piece_bytes
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The block format shared by a device pool and every tier that holds its blocks.
+
+    Args:
+      model_id: names the model (and anything else that makes KV incompatible); part of the
+        fingerprint.
+      arrays: each array's part of a block, in slot order.
+    """
+
+    model_id: str
+    arrays: tuple[ArrayLayout, ...]
+
+    FORMAT_VERSION = 1
+
+    def __post_init__(self) -> None:
+        if not self.arrays:
+            raise InvalidArgumentError("arrays: a layout needs at least one array")
+        if len({a.name for a in self.arrays}) != len(self.arrays):
+            raise InvalidArgumentError("arrays: array names must be unique")
+
+    @classmethod
+    def from_pools(
+        cls,
+        model_id: str,
+        pools: Sequence[DevicePool | jax.Array],
+        *,
+        block_axis: int = 0,
+        names: Sequence[str] | None = None,
+    ) -> PoolLayout:
+        """The layout of blocks that span ``pools`` (all indexed on ``block_axis``)."""
+        if names is not None and len(names) != len(pools):
+            raise InvalidArgumentError(
+                f"names: {len(names)} names for {len(pools)} pools; give one name per pool"
+            )
+        arrays = []
+        for i, pool in enumerate(pools):
+            side = resolve_device(pool, f"pools[{i}]")
+            if not 0 <= block_axis < side.ndim:
+                raise InvalidArgumentError(
+                    f"block_axis: {block_axis} is out of range for pools[{i}] of rank {side.ndim}"
+                )
+            shape = side.shard_shape
+            arrays.append(
+                ArrayLayout(
+                    name=names[i] if names is not None else f"array{i}",
+                    dtype=side.dtype.name,
+                    shard_block_shape=shape[:block_axis] + shape[block_axis + 1 :],
+                    block_axis=block_axis,
+                    n_shards=len(side.groups),
+                )
+            )
+        return cls(model_id, tuple(arrays))
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Byte offset of each array's part within a slot."""
+        out, at = [], 0
+        for array in self.arrays:
+            out.append(at)
+            at += array.block_bytes
+        return tuple(out)
+
+    @cached_property
+    def payload_bytes(self) -> int:
+        """Bytes of one block (the sum of every array's part)."""
+        return sum(a.block_bytes for a in self.arrays)
+
+    @cached_property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot: the payload rounded up to a page."""
+        return -(-self.payload_bytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+    @cached_property
+    def piece_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Offsets and lengths of a slot's contiguous pieces, in slot order."""
+        offsets, lengths = [], []
+        for array, base in zip(self.arrays, self.offsets, strict=True):
+            offsets.append(base + np.arange(array.pieces, dtype=np.int64) * array.piece_bytes)
+            lengths.append(np.full(array.pieces, array.piece_bytes, dtype=np.int64))
+        return np.concatenate(offsets), np.concatenate(lengths)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "format": self.FORMAT_VERSION,
+            "model_id": self.model_id,
+            "arrays": [
+                {
+                    "name": a.name,
+                    "dtype": a.dtype,
+                    "shard_block_shape": list(a.shard_block_shape),
+                    "block_axis": a.block_axis,
+                    "n_shards": a.n_shards,
+                }
+                for a in self.arrays
+            ],
+        }
+
+    @classmethod
+    def from_description(cls, description: dict[str, Any]) -> PoolLayout:
+        arrays = tuple(
+            ArrayLayout(
+                name=str(a["name"]),
+                dtype=str(a["dtype"]),
+                shard_block_shape=tuple(int(n) for n in a["shard_block_shape"]),
+                block_axis=int(a["block_axis"]),
+                n_shards=int(a["n_shards"]),
+            )
+            for a in description["arrays"]
+        )
+        return cls(str(description["model_id"]), arrays)
+
+    @cached_property
+    def fingerprint(self) -> bytes:
+        """16 bytes naming this block format (BLAKE2b of the canonical description)."""
+        text = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+    def host_view(self, buffer: Any, array_index: int, n_slots: int, offset: int = 0) -> Any:
+        """Array ``array_index``'s part of ``n_slots`` slots starting ``offset`` bytes into
+        ``buffer``, as the strided host array :func:`tpusync.transfer` expects for that array
+        (``[shard][...]`` when the array has several shards; block axis = the slot axis)."""
+        array = self.arrays[array_index]
+        itemsize = array.np_dtype.itemsize
+        inner = array.shard_block_shape[array.block_axis :]
+        outer = array.outer_shape
+        inner_strides = _c_strides(inner, itemsize)
+        outer_strides = _c_strides(outer, array.piece_bytes)
+        shape = (*outer, n_slots, *inner)
+        strides = (*outer_strides, self.slot_bytes, *inner_strides)
+        if array.n_shards > 1:
+            shard_stride = math.prod(outer) * array.piece_bytes
+            shape = (array.n_shards, *shape)
+            strides = (shard_stride, *strides)
+        return np.ndarray(
+            shape,
+            dtype=array.np_dtype,
+            buffer=buffer,
+            offset=offset + self.offsets[array_index],
+            strides=strides,
+        )
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
