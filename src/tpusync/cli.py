@@ -1,4 +1,4 @@
-"""The `tpusync` command: info and demo (more commands arrive with the tiers and cluster)."""
+"""The `tpusync` command: info, demo, shm (more arrive with the KV store and the cluster)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,62 @@ def _info(argv: list[str]) -> int:
     return 0
 
 
+def _shm(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tpusync shm", description="Named host pools.")
+    parser.add_argument("--dir", default="/dev/shm", help="where the pools live")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="pools, owners, fingerprints, sizes, blocks used")
+    remove = sub.add_parser("remove", help="free a pool (refused while its owner lives)")
+    remove.add_argument("name")
+    remove.add_argument("--force", action="store_true", help="remove even if its owner lives")
+    args = parser.parse_args(argv)
+    from tpusync.errors import TpuSyncError
+    from tpusync.tiers.shm_admin import list_pools, remove_pool
+
+    if args.action == "remove":
+        try:
+            path = remove_pool(args.name, force=args.force, shm_dir=args.dir)
+        except TpuSyncError as exc:
+            print(f"tpusync shm remove: {exc}", file=sys.stderr)
+            return 1
+        print(f"removed {path}")
+        return 0
+    pools = list_pools(args.dir)
+    if not pools:
+        print(f"no tpusync pools in {args.dir}")
+        return 0
+    print(f"{'name':<28}{'owner':<14}{'model':<16}{'fingerprint':<34}{'GiB':>8}{'used':>14}")
+    for p in pools:
+        owner = f"alive {p.owner_pid}" if p.owner_alive else "gone"
+        if p.error:
+            print(f"{p.name:<28}{owner:<14}unreadable: {p.error}")
+            continue
+        used = f"{p.used}/{p.slots}"
+        print(
+            f"{p.name:<28}{owner:<14}{p.model_id or '':<16}{p.fingerprint or '':<34}"
+            f"{p.size_bytes / 2**30:>8.2f}{used:>14}"
+        )
+    return 0
+
+
+USAGE = """usage: tpusync {info,demo,shm} [options]
+
+  info   which engine each device gets and why; host limits
+  demo   offload and reload scattered KV blocks, verify bits, show GB/s
+  shm    list or remove named host pools in /dev/shm"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"info": _info, "demo": None}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(
-            "usage: tpusync {info,demo} [options]\n\n"
-            "  info   which engine each device gets and why; host limits\n"
-            "  demo   offload and reload scattered KV blocks, verify bits, show GB/s"
-        )
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("info", "demo", "shm"):
+        print(USAGE)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
         from tpusync.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[0] == "shm":
+        return _shm(argv[1:])
     return _info(argv[1:])
 
 
