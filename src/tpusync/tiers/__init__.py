@@ -1,8 +1,18 @@
 """Memory tiers below device memory: host DRAM (optionally in /dev/shm), and (to come) local disk
 and shared filesystems. Every tier holds blocks in the same slot format (:class:`PoolLayout`)."""
 
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.base import LowerTier
+from tpusync.tiers.host_pool import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.stats import TierStats, all_tier_stats
 
-__all__ = ["ArrayLayout", "HostPool", "PoolLayout", "TierStats", "all_tier_stats"]
+__all__ = [
+    "ArrayLayout",
+    "HostPool",
+    "LowerTier",
+    "Pinned",
+    "PoolLayout",
+    "Reservation",
+    "TierStats",
+    "all_tier_stats",
+]

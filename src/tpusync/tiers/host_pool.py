@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,32 @@ from tpusync.tiers._pool_file import (
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "Pinned", "Reservation"]
 
 log = logging.getLogger("tpusync.tiers")
 
 DEFAULT_SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Slots taken by :meth:`HostPool.reserve`: ``keys[i]`` (the request's entry
+    ``indices[i]``) goes to ``slots[i]``."""
+
+    keys: list[bytes]
+    indices: np.ndarray
+    slots: np.ndarray
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """Slots pinned by :meth:`HostPool.pin`: ``slots[i]`` is -1 where ``keys[i]`` is absent."""
+
+    keys: list[bytes]
+    slots: np.ndarray
+    present: np.ndarray
+    checksums: np.ndarray
 
 
 def pool_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> Path:
@@ -125,6 +146,7 @@ class HostPool:
         )
         self._index: dict[bytes, int] = {}
         self._pins = np.zeros(capacity, dtype=np.int64)
+        self._writing: set[bytes] = set()
         self._sequence = 0
         self._free = self._scan_records()
 
@@ -288,10 +310,30 @@ class HostPool:
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
         self._check_pools(pools)
+        reservation = self.reserve(keys)
+        if not len(reservation.slots):
+            return 0
+        try:
+            checksums = self._copy_in(
+                pools, block_ids[reservation.indices], reservation.slots, path
+            )
+        except BaseException:
+            self.abort(reservation)
+            raise
+        self.commit(reservation, checksums)
+        return len(reservation.slots)
+
+    # --- the slot interface other tiers use -------------------------------------------------
+
+    def reserve(self, keys: Sequence[bytes]) -> Reservation:
+        """Takes a free slot for every key not yet present (first occurrence of each), in the
+        writing state: invisible until :meth:`commit`, freed by :meth:`abort` or by a crash.
+        Raises :class:`~tpusync.errors.TierFullError` and takes nothing when too few are free."""
+        keys = _check_keys(keys)
         with self._lock:
             fresh, seen = [], set()
             for i, key in enumerate(keys):
-                if key not in self._index and key not in seen:
+                if key not in self._index and key not in seen and key not in self._writing:
                     fresh.append(i)
                     seen.add(key)
             if len(fresh) > len(self._free):
@@ -300,23 +342,62 @@ class HostPool:
                     f"{self.capacity}; delete or evict blocks first"
                 )
             slots = np.array([self._free.pop() for _ in fresh], dtype=np.int64)
-            for i, slot in zip(fresh, slots.tolist(), strict=True):
-                self._begin_write(slot, keys[i])
-        if not fresh:
-            return 0
-        try:
-            checksums = self._copy_in(pools, block_ids[fresh], slots, path)
-        except BaseException:
-            with self._lock:
-                self._records["state"][slots] = FREE
-                self._free.extend(slots.tolist())
-            raise
+            chosen = [keys[i] for i in fresh]
+            for key, slot in zip(chosen, slots.tolist(), strict=True):
+                self._begin_write(slot, key)
+                self._writing.add(key)
+        return Reservation(chosen, np.array(fresh, dtype=np.int64), slots)
+
+    def commit(self, reservation: Reservation, checksums: np.ndarray) -> None:
+        """Publishes reserved slots whose bytes are fully written, with their checksums."""
         with self._lock:
-            for i, slot, checksum in zip(fresh, slots.tolist(), checksums.tolist(), strict=True):
-                self._commit(slot, keys[i], checksum)
-        self.stats.bytes_in += len(fresh) * self.layout.payload_bytes
-        self.stats.puts += len(fresh)
-        return len(fresh)
+            for key, slot, checksum in zip(
+                reservation.keys,
+                reservation.slots.tolist(),
+                np.asarray(checksums).tolist(),
+                strict=True,
+            ):
+                self._commit(slot, key, checksum)
+                self._writing.discard(key)
+        self.stats.bytes_in += len(reservation.slots) * self.layout.payload_bytes
+        self.stats.puts += len(reservation.slots)
+
+    def abort(self, reservation: Reservation) -> None:
+        """Frees reserved slots without publishing them."""
+        with self._lock:
+            self._records["state"][reservation.slots] = FREE
+            self._free.extend(reservation.slots.tolist())
+            self._writing.difference_update(reservation.keys)
+
+    def pin(self, keys: Sequence[bytes]) -> Pinned:
+        """Pins the slots of the present keys (a pinned slot is never deleted or reused) and
+        returns them with their recorded checksums. Every pin is matched by one :meth:`unpin`."""
+        keys = _check_keys(keys)
+        with self._lock:
+            slots = np.array([self._index.get(k, -1) for k in keys], dtype=np.int64)
+            present = slots >= 0
+            np.add.at(self._pins, slots[present], 1)
+            checksums = np.zeros(len(keys), dtype=np.uint64)
+            checksums[present] = self._records["checksum"][slots[present]]
+        return Pinned(keys, slots, present, checksums)
+
+    def unpin(self, pinned: Pinned) -> None:
+        with self._lock:
+            np.add.at(self._pins, pinned.slots[pinned.present], -1)
+
+    def slot_memory(self, slot: int) -> memoryview:
+        """The writable bytes of one slot (``layout.slot_bytes``, page-aligned) for file I/O."""
+        start = self.geometry.data_offset + int(slot) * self.layout.slot_bytes
+        return memoryview(self._mapping)[start : start + self.layout.slot_bytes]
+
+    def hash_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Each slot's block checksum, computed from its bytes in memory."""
+        return self._hash_slots(np.asarray(slots, dtype=np.int64))
+
+    def drop_corrupt(self, keys: Sequence[bytes]) -> None:
+        """Counts and drops blocks found corrupt by a reader."""
+        self.stats.checksum_failures += len(keys)
+        self.delete(keys)
 
     def _begin_write(self, slot: int, key: bytes) -> None:
         record = self._records[slot]
@@ -386,26 +467,23 @@ class HostPool:
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
         self._check_pools(pools)
-        with self._lock:
-            slots = np.array([self._index.get(k, -1) for k in keys], dtype=np.int64)
-            present = slots >= 0
-            np.add.at(self._pins, slots[present], 1)
-            expected = self._records["checksum"][slots[present]].copy()
+        pinned = self.pin(keys)
+        present = pinned.present
         loaded = present.copy()
         corrupt = 0
         try:
             if present.any():
-                got = self._copy_out(pools, block_ids[present], slots[present], path)
-                bad = got != expected
+                got = self._copy_out(pools, block_ids[present], pinned.slots[present], path)
+                bad = got != pinned.checksums[present]
                 if bad.any():
                     corrupt = int(bad.sum())
                     loaded[np.flatnonzero(present)[bad]] = False
         finally:
-            with self._lock:
-                np.add.at(self._pins, slots[present], -1)
+            self.unpin(pinned)
         if corrupt:
-            self.stats.checksum_failures += corrupt
-            self.delete([k for k, p, ok in zip(keys, present, loaded, strict=True) if p and not ok])
+            self.drop_corrupt(
+                [k for k, p, ok in zip(keys, present, loaded, strict=True) if p and not ok]
+            )
         hits = int(loaded.sum())
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits

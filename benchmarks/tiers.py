@@ -1,0 +1,166 @@
+"""GB/s of the DRAM tier (anonymous and /dev/shm) with checksums on, against memcpy.
+
+For 1 MiB and 4 MiB blocks (each spanning 8 arrays, like 4 layers' K and V), puts 1 GiB of
+scattered device blocks into a HostPool and gets them back into other device blocks, verifying
+every checksum in the copy pass; alternates with the limit (``np.copyto`` between touched buffers,
+one thread per core). Gets from /dev/shm are timed warm and from a freshly attached mapping.
+Also times re-attaching a 4 GiB and a 256 MiB /dev/shm pool. Prints a table; writes JSON.
+
+    python benchmarks/tiers.py [--total-mib 1024] [--repeats 5] [--json tiers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from functools import partial
+
+import jax
+import numpy as np
+
+import tpusync
+from tpusync.tiers import HostPool, PoolLayout
+from tpusync.tiers.host_pool import pool_path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MemcpyLimit, median, print_table, timed, write_json
+
+N_ARRAYS = 8
+
+
+def _device_pools(n_blocks: int, block_bytes: int, seed: int) -> list[tpusync.DevicePool]:
+    per_array = block_bytes // N_ARRAYS // 2  # bf16 elements of one array's part of a block
+    rng = np.random.default_rng(seed)
+    pools = []
+    for _ in range(N_ARRAYS):
+        bits = rng.integers(0, 2**16, size=(n_blocks, per_array), dtype=np.uint16)
+        pools.append(tpusync.DevicePool(jax.device_put(bits.view(jax.numpy.bfloat16))))
+    return pools
+
+
+def bench_dram(block_mib: int, total: int, repeats: int, limit: MemcpyLimit) -> list[dict]:
+    block_bytes = block_mib << 20
+    n = total // block_bytes
+    pools = _device_pools(2 * n, block_bytes, block_mib)
+    layout = PoolLayout.from_pools("bench", pools)
+    rng = np.random.default_rng(0)
+    src_blocks = rng.permutation(2 * n)[:n]
+    dst_blocks = rng.permutation(2 * n)[:n]
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    rows = []
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    for kind in ("anonymous", "shm"):
+        pool = HostPool(layout, n, name=name if kind == "shm" else None)
+        times: dict[str, list[float]] = {"limit": [], "put": [], "get": [], "get_fresh": []}
+
+        def put(pool: HostPool) -> None:
+            pool.delete(keys)
+            pool.put_from_device(keys, pools, src_blocks)
+
+        def get(pool: HostPool) -> None:
+            pool.get_to_device(keys, pools, dst_blocks)
+
+        put(pool)
+        get(pool)  # warm-up: compilation, first touches
+        for _ in range(repeats):
+            times["limit"].append(timed(limit.copy))
+            times["put"].append(timed(partial(put, pool)))
+            times["get"].append(timed(partial(get, pool)))
+            if kind == "shm":
+                pool.close()
+                pool = HostPool(layout, n, name=name, populate=False)
+                times["get_fresh"].append(timed(partial(get, pool)))
+        pool.close()
+        if kind == "shm":
+            pool_path(name).unlink()
+        lim = limit.src.nbytes / median(times["limit"]) / 1e9
+        result = {
+            "tier": f"dram {kind}",
+            "block_mib": block_mib,
+            "bytes": n * block_bytes,
+            "limit_gbps": lim,
+        }
+        for op in ("put", "get", "get_fresh"):
+            if times[op]:
+                result[f"{op}_gbps"] = n * block_bytes / median(times[op]) / 1e9
+        rows.append(result)
+    return rows
+
+
+def bench_attach(repeats: int) -> dict:
+    pools = _device_pools(4, 4 << 20, 1)
+    layout = PoolLayout.from_pools("bench", pools)
+    out = {}
+    for label, size in (("256 MiB", 256 << 20), ("4 GiB", 4 << 30)):
+        name = f"attach-{uuid.uuid4().hex[:8]}"
+        slots = size // layout.slot_bytes
+        HostPool(layout, slots, name=name, populate=False).close()
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pool = HostPool(layout, slots, name=name)
+            seconds.append(time.perf_counter() - start)
+            assert pool.attached
+            pool.close()
+        pool_path(name).unlink()
+        out[label] = median(seconds)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--total-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default="tiers.json")
+    args = parser.parse_args()
+    total = args.total_mib << 20
+    limit = MemcpyLimit(total)
+    results = []
+    for block_mib in (1, 4):
+        results += bench_dram(block_mib, total, args.repeats, limit)
+        print(f"  {block_mib} MiB blocks done", flush=True)
+    limit.close()
+    attach = bench_attach(args.repeats)
+    rows = []
+    for r in results:
+        lim = r["limit_gbps"]
+        fresh = r.get("get_fresh_gbps")
+        rows.append(
+            [
+                r["tier"],
+                f"{r['block_mib']} MiB",
+                lim,
+                r["put_gbps"],
+                r["put_gbps"] / lim,
+                r["get_gbps"],
+                r["get_gbps"] / lim,
+                "-" if fresh is None else f"{fresh:.2f}",
+                "-" if fresh is None else f"{fresh / lim:.2f}",
+            ]
+        )
+    print(
+        f"\n{args.total_mib} MiB per op, scattered blocks, checksums on, median of "
+        f"{args.repeats} (GB/s; x = ratio to memcpy)"
+    )
+    print_table(["tier", "block", "memcpy", "put", "x", "get warm", "x", "get fresh", "x"], rows)
+    ratio = attach["4 GiB"] / attach["256 MiB"]
+    print(
+        f"\nre-attach /dev/shm pool: 256 MiB {attach['256 MiB'] * 1e3:.2f} ms, "
+        f"4 GiB {attach['4 GiB'] * 1e3:.2f} ms ({ratio:.2f}x)"
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": "tiers",
+            "results": results,
+            "attach_seconds": attach,
+            "repeats": args.repeats,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
