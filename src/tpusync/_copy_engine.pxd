@@ -1,5 +1,5 @@
 # Declarations of include/tpusync/copy_engine.h (the native gather/scatter engine).
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint32_t, uint64_t
 
 
 cdef extern from "tpusync/copy_engine.h" nogil:
@@ -25,3 +25,6 @@ cdef extern from "tpusync/copy_engine.h" nogil:
 
 cdef extern from "tpusync/checksum.h" nogil:
     uint64_t tps_xxh64(const void *data, size_t n, uint64_t seed)
+    uint32_t tps_crc32c(uint32_t crc, const void *data, size_t n)
+    uint64_t tps_sum64(const void *data, size_t n)
+    void tps_checksum_force_portable(int on)

@@ -3,7 +3,7 @@
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
 from libc.errno cimport errno
-from libc.stdint cimport uint64_t, uintptr_t
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.mman cimport (
     MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap,
@@ -13,7 +13,8 @@ cimport numpy as cnp
 
 from tpusync._copy_engine cimport (
     tps_engine, tps_engine_copy, tps_engine_copy_hashed, tps_engine_create, tps_engine_destroy,
-    tps_engine_hash, tps_engine_threads, tps_segment, tps_xxh64,
+    tps_engine_hash, tps_engine_threads, tps_segment, tps_xxh64, tps_crc32c, tps_sum64,
+    tps_checksum_force_portable,
 )
 
 import os
@@ -71,8 +72,8 @@ cdef class CopyEngine:
         return copied
 
     def copy_hashed(self, cnp.ndarray segments not None):
-        """Copies every segment and returns a uint64 array: the XXH64 (seed 0) of each
-        segment's bytes, computed in the same pass as the copy."""
+        """Copies every segment and returns a uint64 array: the piece checksum
+        (:func:`sum64`) of each segment's bytes, computed in the same pass as the copy."""
         if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
             raise ValueError("segments must be a uint64 array of shape (n, 3)")
         if not segments.flags.c_contiguous:
@@ -86,7 +87,8 @@ cdef class CopyEngine:
         return digests
 
     def hash(self, cnp.ndarray segments not None):
-        """XXH64 (seed 0) of each segment's source bytes (the destination column is ignored)."""
+        """The piece checksum (:func:`sum64`) of each segment's source bytes (the destination
+        column is ignored)."""
         if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
             raise ValueError("segments must be a uint64 array of shape (n, 3)")
         if not segments.flags.c_contiguous:
@@ -98,6 +100,33 @@ cdef class CopyEngine:
         with nogil:
             tps_engine_hash(self._engine, segs, n, out, self.min_parallel_bytes)
         return digests
+
+
+def sum64(data):
+    """tpusync's piece checksum (format 1) of a contiguous buffer: three CRC-32C lanes mixed
+    into 64 bits (see include/tpusync/checksum.h). GIL released."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    cdef const void *p = &view[0] if n else NULL
+    cdef uint64_t digest
+    with nogil:
+        digest = tps_sum64(p, n)
+    return digest
+
+
+def crc32c(data, uint32_t crc=0):
+    """CRC-32C of a contiguous buffer, continuing from ``crc``."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    cdef const void *p = &view[0] if n else NULL
+    with nogil:
+        crc = tps_crc32c(crc, p, n)
+    return crc
+
+
+def _force_portable_checksum(bint on):
+    """Tests only: use the table CRC-32C instead of the CPU instruction."""
+    tps_checksum_force_portable(on)
 
 
 def xxh64(data, uint64_t seed=0):

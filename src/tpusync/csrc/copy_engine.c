@@ -123,27 +123,34 @@ static void copy_byte_range(const tps_job *job, uint64_t begin, uint64_t end) {
   }
 }
 
-/* Hashes and copies one segment in 16 KiB steps: each step is hashed from the source, then
- * copied while it is still in the cache, so the data crosses the memory bus once. The digest
- * is of the bytes that were copied. */
+/* Checksums and copies one segment in 24 KiB steps: each step is checksummed from the source,
+ * then copied while it is still in the cache, so the data crosses the memory bus once. The
+ * checksum (tps_sum64) is of the bytes that were copied. */
 static void copy_hash_segment(const tps_job *job, size_t index) {
   const tps_segment *s = &job->segments[index];
   const char *src = (const char *)(uintptr_t)s->src;
   char *dst = (char *)(uintptr_t)s->dst;
-  tps_xxh64_state state;
-  tps_xxh64_init(&state, 0);
+  tps_sum64_state state;
+  tps_sum64_init(&state);
   if (job->hash_only) {
-    tps_xxh64_update(&state, src, s->nbytes);
-    job->digests[index] = tps_xxh64_digest(&state);
+    tps_sum64_update(&state, src, s->nbytes);
+    job->digests[index] = tps_sum64_digest(&state);
     return;
   }
-  const uint64_t step = 16384;
+#if TPS_HAVE_STREAMING
+  /* Large jobs: one loop that loads, checksums and streams each line (no second read). */
+  if (job->streaming && tps_sum64_copy_streaming(&state, dst, src, s->nbytes)) {
+    job->digests[index] = tps_sum64_digest(&state);
+    return;
+  }
+#endif
+  const uint64_t step = 24576; /* a multiple of the checksum's 24-byte groups */
   for (uint64_t offset = 0; offset < s->nbytes; offset += step) {
     uint64_t n = s->nbytes - offset < step ? s->nbytes - offset : step;
-    tps_xxh64_update(&state, src + offset, n);
+    tps_sum64_update(&state, src + offset, n);
     copy_piece(job, dst + offset, src + offset, n);
   }
-  job->digests[index] = tps_xxh64_digest(&state);
+  job->digests[index] = tps_sum64_digest(&state);
 }
 
 static void run_part(const tps_job *job, int part) {

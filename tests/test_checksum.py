@@ -1,0 +1,100 @@
+"""Checksums of stored blocks: CRC-32C, the three-lane piece checksum (sum64), XXH64, and the
+copy engine's fused copy-and-checksum, on both the CPU-instruction and the portable code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpusync import _core
+
+STREAMING_JOB = 8 << 20
+
+
+@pytest.fixture(params=[False, True], ids=["cpu-instruction", "portable"])
+def portable(request: pytest.FixtureRequest) -> object:
+    _core._force_portable_checksum(request.param)
+    yield request.param
+    _core._force_portable_checksum(False)
+
+
+def test_crc32c_check_value(portable: bool) -> None:
+    assert _core.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    assert _core.crc32c(b"") == 0
+
+
+def test_sum64_golden_vectors(portable: bool) -> None:
+    """Pins format 1 of the piece checksum: changing it needs a new format version."""
+    assert _core.sum64(bytes(range(256)) * 5) == 0xA704A36B32BED5EF
+    assert _core.sum64(b"tpusync") == 0xD56A606636FCBA1C
+    assert _core.sum64(b"") == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(min_size=0, max_size=5000), cut=st.integers(0, 5000))
+def test_crc_continues_and_paths_agree(data: bytes, cut: int) -> None:
+    cut = min(cut, len(data))
+    whole = _core.crc32c(data)
+    assert _core.crc32c(data[cut:], _core.crc32c(data[:cut])) == whole
+    fast = _core.sum64(data)
+    _core._force_portable_checksum(True)
+    try:
+        assert _core.crc32c(data) == whole
+        assert _core.sum64(data) == fast
+    finally:
+        _core._force_portable_checksum(False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(min_size=0, max_size=3000), seed=st.integers(0, 2**64 - 1))
+def test_xxh64_matches_the_reference(data: bytes, seed: int) -> None:
+    assert _core.xxh64(data, seed) == xxhash.xxh64_intdigest(data, seed)
+
+
+def test_sum64_detects_single_bit_flips_and_swaps() -> None:
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 10_000, dtype=np.uint8)
+    base = _core.sum64(data)
+    for position in rng.choice(len(data) * 8, 200, replace=False):
+        flipped = data.copy()
+        flipped[position // 8] ^= 1 << (position % 8)
+        assert _core.sum64(flipped) != base
+    swapped = data.copy()
+    swapped[[0, 8]] = swapped[[8, 0]]  # two words of different lanes
+    assert _core.sum64(swapped) != base
+    assert _core.sum64(data[:-1]) != base  # the length counts
+
+
+@pytest.mark.parametrize("dst_offset", [0, 8, 16, 24, 3])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_fused_copy_checksums_equal_a_separate_pass(dst_offset: int, streaming: bool) -> None:
+    rng = np.random.default_rng(dst_offset)
+    piece = 200_000 + dst_offset  # odd sizes: heads, 192-byte steps and tails all happen
+    n = (STREAMING_JOB // piece + 2) if streaming else 5
+    src = rng.integers(0, 256, n * piece + 64, dtype=np.uint8)
+    dst = np.zeros(n * piece + 128, dtype=np.uint8)
+    order = rng.permutation(n)
+    table = np.array(
+        [
+            (
+                src.ctypes.data + int(order[i]) * piece + 5,
+                dst.ctypes.data + dst_offset + i * piece,
+                piece,
+            )
+            for i in range(n)
+        ],
+        dtype=np.uint64,
+    )
+    engine = _core.CopyEngine(2)
+    digests = engine.copy_hashed(table)
+    np.testing.assert_array_equal(digests, engine.hash(table))
+    for i in range(n):
+        start = int(order[i]) * piece + 5
+        expected = src[start : start + piece]
+        np.testing.assert_array_equal(
+            dst[dst_offset + i * piece : dst_offset + (i + 1) * piece], expected
+        )
+        assert digests[i] == _core.sum64(expected)
