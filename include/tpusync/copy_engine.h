@@ -39,13 +39,13 @@ int tps_engine_threads(const tps_engine *engine);
 uint64_t tps_engine_copy(tps_engine *engine, const tps_segment *segments, size_t n_segments,
                          uint64_t min_parallel_bytes);
 
-/* Like tps_engine_copy, and also writes digests[i] = XXH64 (seed 0) of segment i's bytes,
- * computed in the same pass as the copy. Threads take whole segments. */
+/* Like tps_engine_copy, and also writes digests[i] = tps_sum64 (checksum.h) of segment i's
+ * bytes, computed in the same pass as the copy. Threads take whole segments. */
 uint64_t tps_engine_copy_hashed(tps_engine *engine, const tps_segment *segments,
                                 size_t n_segments, uint64_t *digests,
                                 uint64_t min_parallel_bytes);
 
-/* Writes digests[i] = XXH64 (seed 0) of segment i's source bytes; copies nothing. */
+/* Writes digests[i] = tps_sum64 of segment i's source bytes; copies nothing. */
 void tps_engine_hash(tps_engine *engine, const tps_segment *segments, size_t n_segments,
                      uint64_t *digests, uint64_t min_parallel_bytes);
 
