@@ -107,7 +107,8 @@ def plan_segments(move: Move, holds: list[Any], merge: bool = True) -> list[np.n
 
 
 def run_hashed(moves: list[Move]) -> list[np.ndarray]:
-    """Like :func:`run`, and returns for each move the XXH64 of every piece it copied, computed
+    """Like :func:`run`, and returns for each move the checksum (``_core.sum64``) of every piece
+    it copied, computed
     in the same pass: an array of shape (shard groups, outer pieces, blocks), from the first
     replica of each group. Sources and destinations must not overlap."""
     for move in moves:

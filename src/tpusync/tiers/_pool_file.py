@@ -145,7 +145,8 @@ def read_owner_pid(data: bytes) -> int | None:
 
 
 def slot_checksums(piece_digests: np.ndarray) -> np.ndarray:
-    """A block's checksum from its pieces' digests: XXH64 of the digests in slot order.
+    """A block's checksum from its pieces' checksums (``_core.sum64`` of each contiguous piece,
+    see include/tpusync/checksum.h): XXH64 of those, in slot order.
 
     ``piece_digests`` has shape (blocks, pieces per slot)."""
     from tpusync import _core

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import numbers
 import os
 import re
 import threading
@@ -31,6 +32,7 @@ import numpy as np
 from tpusync import _core, _native_path
 from tpusync.device_pool import DevicePool
 from tpusync.errors import (
+    BlockIndexError,
     BlocksMissingError,
     InvalidArgumentError,
     PoolBusyError,
@@ -113,10 +115,11 @@ class HostPool:
             raise InvalidArgumentError(
                 f"layout: expected a PoolLayout, got {type(layout).__name__}"
             )
-        if not isinstance(capacity, int) or capacity < 1:
+        if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 1:
             raise InvalidArgumentError(
                 f"capacity: expected a positive number of slots, got {capacity!r}"
             )
+        capacity = int(capacity)
         if on_mismatch not in ("recreate", "error"):
             raise InvalidArgumentError(
                 f"on_mismatch: expected 'recreate' or 'error', got {on_mismatch!r}"
@@ -141,8 +144,11 @@ class HostPool:
         else:
             self.path = pool_path(name, shm_dir)
             self._open_named(populate, on_mismatch)
+        # Every view of the pool is built on this base array, which holds a buffer export of
+        # the mapping: while any view lives, the mapping refuses to unmap (no dangling views).
+        self._base: np.ndarray | None = np.frombuffer(self._mapping, dtype=np.uint8)
         self._records = np.ndarray(
-            (capacity,), RECORD_DTYPE, buffer=self._mapping, offset=self.geometry.records_offset
+            (capacity,), RECORD_DTYPE, buffer=self._base, offset=self.geometry.records_offset
         )
         self._index: dict[bytes, int] = {}
         self._pins = np.zeros(capacity, dtype=np.int64)
@@ -169,7 +175,16 @@ class HostPool:
                 f"name: the pool {self.path} is owned by a live process (pid {pid}); use another "
                 "name, or stop that process first"
             ) from None
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        try:
+            same_file = os.stat(self.path).st_ino == stat.st_ino
+        except FileNotFoundError:
+            same_file = False
+        if not same_file:  # recreated by another process between our open and our lock
+            os.close(fd)
+            self._open_named(populate, on_mismatch)
+            return
+        size = stat.st_size
         try:
             with open(fd, "rb", closefd=False) as f:
                 header = decode_header(f.read(4096), size)
@@ -204,9 +219,9 @@ class HostPool:
         free = st.f_bavail * st.f_frsize
         if free < need:
             raise TierFullError(
-                f"capacity: the pool needs {need / 2**30:.2f} GiB but {directory} has "
-                f"{free / 2**30:.2f} GiB free of {st.f_blocks * st.f_frsize / 2**30:.2f} GiB; "
-                "lower the capacity or enlarge it (e.g. docker run --shm-size)"
+                f"capacity: the pool needs {_size(need)} but {directory} has {_size(free)} free "
+                f"of {_size(st.f_blocks * st.f_frsize)}; lower the capacity or enlarge it "
+                "(e.g. docker run --shm-size)"
             )
         temp = directory / f".{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -216,13 +231,22 @@ class HostPool:
                 os.posix_fallocate(fd, 0, need)  # reserve now: a full tmpfs fails here, not later
             except OSError as exc:
                 raise TierFullError(
-                    f"capacity: cannot reserve {need / 2**30:.2f} GiB in {directory}: "
-                    f"{exc.strerror}"
+                    f"capacity: cannot reserve {_size(need)} in {directory}: {exc.strerror}"
                 ) from None
             self._mapping = _core.Mapping(need, populate=populate, fd=fd)
             header = encode_header(self.geometry, os.getpid())
             memoryview(self._mapping)[: len(header)] = header
-            os.rename(temp, self.path)  # visible under its name only when fully set up
+            # Visible under its name only when fully set up; link() never replaces a pool that
+            # another process published meanwhile (rename() would).
+            os.link(temp, self.path)
+            temp.unlink()
+        except FileExistsError:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise PoolBusyError(
+                f"name: another process created the pool {self.path} at the same time; "
+                "open it again"
+            ) from None
         except BaseException:
             os.close(fd)
             temp.unlink(missing_ok=True)
@@ -239,7 +263,7 @@ class HostPool:
         torn = np.flatnonzero(records["state"] == WRITING)
         if len(torn):
             records["state"][torn] = FREE
-            self.stats.torn_discarded += len(torn)
+            self.stats.add(torn_discarded=len(torn))
             log.info("tpusync: %s: dropped %d blocks torn by a crash", self.path, len(torn))
         committed = np.flatnonzero(records["state"] == COMMITTED)
         if len(committed):
@@ -272,8 +296,9 @@ class HostPool:
             return list(self._index)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = _check_keys(keys)
         with self._lock:
-            return [bytes(k) in self._index for k in keys]
+            return [k in self._index for k in keys]
 
     def slot_of(self, key: bytes) -> int | None:
         return self._index.get(bytes(key))
@@ -281,8 +306,9 @@ class HostPool:
     def views(self, n_slots: int | None = None) -> list[np.ndarray]:
         """Each array's part of every slot, as transfer()'s strided host arrays."""
         n = self.capacity if n_slots is None else n_slots
+        base = self._open_base()
         return [
-            self.layout.host_view(self._mapping, i, n, offset=self.geometry.data_offset)
+            self.layout.host_view(base, i, n, offset=self.geometry.data_offset)
             for i in range(len(self.layout.arrays))
         ]
 
@@ -304,12 +330,11 @@ class HostPool:
         free: the caller evicts first.
         """
         keys = _check_keys(keys)
-        block_ids = np.asarray(block_ids, dtype=np.int64)
+        block_ids = self._check_device_side(pools, block_ids, unique=False)
         if len(block_ids) != len(keys):
             raise InvalidArgumentError(
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
-        self._check_pools(pools)
         reservation = self.reserve(keys)
         if not len(reservation.slots):
             return 0
@@ -331,6 +356,7 @@ class HostPool:
         Raises :class:`~tpusync.errors.TierFullError` and takes nothing when too few are free."""
         keys = _check_keys(keys)
         with self._lock:
+            self._open_base()
             fresh, seen = [], set()
             for i, key in enumerate(keys):
                 if key not in self._index and key not in seen and key not in self._writing:
@@ -351,6 +377,7 @@ class HostPool:
     def commit(self, reservation: Reservation, checksums: np.ndarray) -> None:
         """Publishes reserved slots whose bytes are fully written, with their checksums."""
         with self._lock:
+            self._open_base()
             for key, slot, checksum in zip(
                 reservation.keys,
                 reservation.slots.tolist(),
@@ -359,12 +386,15 @@ class HostPool:
             ):
                 self._commit(slot, key, checksum)
                 self._writing.discard(key)
-        self.stats.bytes_in += len(reservation.slots) * self.layout.payload_bytes
-        self.stats.puts += len(reservation.slots)
+        self.stats.add(
+            bytes_in=len(reservation.slots) * self.layout.payload_bytes,
+            puts=len(reservation.slots),
+        )
 
     def abort(self, reservation: Reservation) -> None:
         """Frees reserved slots without publishing them."""
         with self._lock:
+            self._open_base()
             self._records["state"][reservation.slots] = FREE
             self._free.extend(reservation.slots.tolist())
             self._writing.difference_update(reservation.keys)
@@ -374,6 +404,7 @@ class HostPool:
         returns them with their recorded checksums. Every pin is matched by one :meth:`unpin`."""
         keys = _check_keys(keys)
         with self._lock:
+            self._open_base()
             slots = np.array([self._index.get(k, -1) for k in keys], dtype=np.int64)
             present = slots >= 0
             np.add.at(self._pins, slots[present], 1)
@@ -387,8 +418,10 @@ class HostPool:
 
     def slot_memory(self, slot: int) -> memoryview:
         """The writable bytes of one slot (``layout.slot_bytes``, page-aligned) for file I/O."""
+        if not 0 <= int(slot) < self.capacity:
+            raise InvalidArgumentError(f"slot: {slot} is out of range 0..{self.capacity - 1}")
         start = self.geometry.data_offset + int(slot) * self.layout.slot_bytes
-        return memoryview(self._mapping)[start : start + self.layout.slot_bytes]
+        return memoryview(self._open_base())[start : start + self.layout.slot_bytes]
 
     def hash_slots(self, slots: np.ndarray) -> np.ndarray:
         """Each slot's block checksum, computed from its bytes in memory."""
@@ -396,7 +429,7 @@ class HostPool:
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
         """Counts and drops blocks found corrupt by a reader."""
-        self.stats.checksum_failures += len(keys)
+        self.stats.add(checksum_failures=len(keys))
         self.delete(keys)
 
     def _begin_write(self, slot: int, key: bytes) -> None:
@@ -434,6 +467,7 @@ class HostPool:
 
     def _hash_slots(self, slots: np.ndarray) -> np.ndarray:
         """Checksums of committed-or-written slots, from memory (the pure-JAX path's pass)."""
+        self._open_base()
         offsets, lengths = self.layout.piece_table
         base = self._mapping.address + self.geometry.data_offset
         starts = base + slots[:, None] * self.layout.slot_bytes + offsets[None, :]
@@ -461,12 +495,11 @@ class HostPool:
         recomputed. A corrupt block is dropped from the pool.
         """
         keys = _check_keys(keys)
-        block_ids = np.asarray(block_ids, dtype=np.int64)
+        block_ids = self._check_device_side(pools, block_ids, unique=True)
         if len(block_ids) != len(keys):
             raise InvalidArgumentError(
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
-        self._check_pools(pools)
         pinned = self.pin(keys)
         present = pinned.present
         loaded = present.copy()
@@ -485,9 +518,9 @@ class HostPool:
                 [k for k, p, ok in zip(keys, present, loaded, strict=True) if p and not ok]
             )
         hits = int(loaded.sum())
-        self.stats.hits += hits
-        self.stats.misses += len(keys) - hits
-        self.stats.bytes_out += hits * self.layout.payload_bytes
+        self.stats.add(
+            hits=hits, misses=len(keys) - hits, bytes_out=hits * self.layout.payload_bytes
+        )
         if hits < len(keys):
             raise BlocksMissingError(
                 f"keys: {len(keys) - hits} of {len(keys)} blocks not served "
@@ -520,28 +553,63 @@ class HostPool:
     def delete(self, keys: Sequence[bytes]) -> int:
         """Drops the blocks under ``keys``; pinned (being read) and absent keys are skipped.
         Returns how many were dropped."""
+        keys = _check_keys(keys)
         dropped = 0
         with self._lock:
+            records = self._open_records()
             for key in keys:
-                slot = self._index.get(bytes(key))
+                slot = self._index.get(key)
                 if slot is None or self._pins[slot]:
                     continue
-                self._records["state"][slot] = FREE
-                del self._index[bytes(key)]
+                records["state"][slot] = FREE
+                del self._index[key]
                 self._free.append(slot)
                 dropped += 1
-        self.stats.deletes += dropped
+        self.stats.add(deletes=dropped)
         return dropped
 
+    @property
+    def closed(self) -> bool:
+        return self._base is None
+
+    def _open_records(self) -> np.ndarray:
+        self._open_base()
+        return self._records
+
+    def _open_base(self) -> np.ndarray:
+        base = self._base
+        if base is None:
+            raise InvalidArgumentError("this HostPool is closed; open it again")
+        return base
+
     def close(self) -> None:
-        """Unmaps the pool and releases ownership; a named pool stays in /dev/shm."""
-        if self._fd < 0 and self._mapping.closed:
-            return
-        self._records = None  # type: ignore[assignment]
-        self._mapping.close()
-        if self._fd >= 0:
-            os.close(self._fd)  # drops the flock
-            self._fd = -1
+        """Unmaps the pool and releases ownership; a named pool stays in /dev/shm.
+
+        Refuses (and stays open) while views from :meth:`views` or :meth:`slot_memory` are
+        alive, since they would point into unmapped memory."""
+        with self._lock:
+            if self._base is None:
+                return
+            base, records = self._base, self._records
+            self._base = self._records = None  # type: ignore[assignment]
+            del base, records
+            try:
+                self._mapping.close()
+            except BufferError:
+                self._base = np.frombuffer(self._mapping, dtype=np.uint8)
+                self._records = np.ndarray(
+                    (self.capacity,),
+                    RECORD_DTYPE,
+                    buffer=self._base,
+                    offset=self.geometry.records_offset,
+                )
+                raise InvalidArgumentError(
+                    "close: views of this pool's memory are still alive (from views() or "
+                    "slot_memory()); drop them first"
+                ) from None
+            if self._fd >= 0:
+                os.close(self._fd)  # drops the flock
+                self._fd = -1
 
     def __enter__(self) -> HostPool:
         return self
@@ -555,11 +623,16 @@ class HostPool:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _check_pools(self, pools: Sequence[Any]) -> None:
-        if len(pools) != len(self.layout.arrays):
+    def _check_device_side(
+        self, pools: Sequence[Any], block_ids: Sequence[int] | np.ndarray, *, unique: bool
+    ) -> np.ndarray:
+        """Checks the device pools against the layout and the block ids against the pools;
+        returns the block ids as int64."""
+        if isinstance(pools, DevicePool | jax.Array) or len(pools) != len(self.layout.arrays):
+            count = 1 if isinstance(pools, DevicePool | jax.Array) else len(pools)
             raise InvalidArgumentError(
-                f"pools: {len(pools)} arrays for a layout of {len(self.layout.arrays)}; pass one "
-                "per layout array, in the layout's order"
+                f"pools: {count} arrays for a layout of {len(self.layout.arrays)}; pass a list "
+                "with one per layout array, in the layout's order"
             )
         other = PoolLayout.from_pools(
             self.layout.model_id,
@@ -573,6 +646,36 @@ class HostPool:
                 f"({[a.shard_block_shape for a in other.arrays]} vs "
                 f"{[a.shard_block_shape for a in self.layout.arrays]})"
             )
+        counts = {num_blocks(p, self.layout.arrays[0].block_axis) for p in pools}
+        if len(counts) != 1:
+            raise InvalidArgumentError(
+                f"pools: the arrays hold different numbers of blocks {sorted(counts)}"
+            )
+        (count,) = counts
+        ids = np.asarray(block_ids)
+        if ids.dtype == np.bool_ or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise InvalidArgumentError(f"block_ids: expected integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= count):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise BlockIndexError(
+                f"block_ids: {bad} is out of range for pools of {count} blocks (0..{count - 1})"
+            )
+        if unique and len(np.unique(ids)) != len(ids):
+            raise BlockIndexError("block_ids: a device block appears twice; each is written once")
+        return ids
+
+
+def num_blocks(pool: DevicePool | jax.Array, block_axis: int) -> int:
+    array = pool._array if isinstance(pool, DevicePool) else pool
+    return int(array.shape[block_axis])
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:

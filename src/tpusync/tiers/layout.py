@@ -105,6 +105,16 @@ class PoolLayout:
         names: Sequence[str] | None = None,
     ) -> PoolLayout:
         """The layout of blocks that span ``pools`` (all indexed on ``block_axis``)."""
+        if isinstance(pools, DevicePool | jax.Array):
+            raise InvalidArgumentError(
+                "pools: expected a list of device arrays or DevicePools, got a single one; "
+                "wrap it in a list"
+            )
+        for i, pool in enumerate(pools):
+            if not isinstance(pool, DevicePool | jax.Array):
+                raise InvalidArgumentError(
+                    f"pools[{i}]: expected a jax.Array or DevicePool, got {type(pool).__name__}"
+                )
         if names is not None and len(names) != len(pools):
             raise InvalidArgumentError(
                 f"names: {len(names)} names for {len(pools)} pools; give one name per pool"
@@ -117,6 +127,11 @@ class PoolLayout:
                     f"block_axis: {block_axis} is out of range for pools[{i}] of rank {side.ndim}"
                 )
             shape = side.shard_shape
+            if shape[block_axis] != side.array.shape[block_axis]:
+                raise InvalidArgumentError(
+                    f"pools[{i}]: sharded along the block axis ({block_axis}); shard KV pools "
+                    "along other axes (e.g. heads) and keep every block whole"
+                )
             arrays.append(
                 ArrayLayout(
                     name=names[i] if names is not None else f"array{i}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 __all__ = ["TierStats", "all_tier_stats"]
 
@@ -26,16 +26,21 @@ class TierStats:
     deletes: int = 0
     evictions: int = 0
     torn_discarded: int = 0
-    _registered: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         with _registry_lock:
             _registry.add(self)
 
+    def add(self, **counts: int) -> None:
+        """Adds to counters atomically (``+=`` from several threads could lose counts)."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
     def as_dict(self) -> dict[str, int | str]:
-        data = asdict(self)
-        data.pop("_registered")
-        return data
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
 
 def all_tier_stats() -> list[TierStats]:
