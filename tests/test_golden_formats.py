@@ -1,0 +1,38 @@
+"""Golden files: pools written by earlier builds of each format version still read, byte-exact.
+
+Regenerate only with a format version bump: ``python tests/data/make_golden.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tpusync.tiers import HostPool
+
+sys.path.insert(0, str(Path(__file__).parent / "data"))
+import make_golden as golden
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_host_pool_v1_reads(tmp_path: Path) -> None:
+    shutil.copyfile(DATA / "hostpool-v1.pool", tmp_path / "tpusync-golden.pool")
+    pools = golden.golden_pools()
+    pool = HostPool(
+        golden.golden_layout(), 4, name="golden", shm_dir=str(tmp_path), on_mismatch="error"
+    )
+    try:
+        assert pool.attached and sorted(pool.keys()) == sorted(golden.KEYS)
+        pool.get_to_device(golden.KEYS, pools, [3, 2, 1])
+        for a, device_pool in enumerate(pools):
+            got = np.asarray(device_pool.array)
+            for key, block in zip(golden.KEYS, [3, 2, 1], strict=True):
+                np.testing.assert_array_equal(
+                    got[block].view(np.uint32), golden.golden_block(key, a).view(np.uint32)
+                )
+    finally:
+        pool.close()
