@@ -4,7 +4,10 @@ For 1 MiB and 4 MiB blocks (each spanning 8 arrays, like 4 layers' K and V), put
 scattered device blocks into a HostPool and gets them back into other device blocks, verifying
 every checksum in the copy pass; alternates with the limit (``np.copyto`` between touched buffers,
 one thread per core). Gets from /dev/shm are timed warm and from a freshly attached mapping.
-Also times re-attaching a 4 GiB and a 256 MiB /dev/shm pool. Prints a table; writes JSON.
+The disk tier (DiskPool, O_DIRECT where the filesystem allows) puts the same bytes from DRAM slots
+and gets them back, beside a plain sequential O_DIRECT write/read loop of the same size on the
+same filesystem (and fio's figures when fio is installed). Also times re-attaching a 4 GiB and a
+256 MiB /dev/shm pool. Prints tables; writes JSON.
 
     python benchmarks/tiers.py [--total-mib 1024] [--repeats 5] [--json tiers.json]
 """
@@ -12,8 +15,13 @@ Also times re-attaching a 4 GiB and a 256 MiB /dev/shm pool. Prints a table; wri
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from functools import partial
@@ -22,7 +30,8 @@ import jax
 import numpy as np
 
 import tpusync
-from tpusync.tiers import HostPool, PoolLayout
+from tpusync import _core
+from tpusync.tiers import DiskPool, HostPool, PoolLayout
 from tpusync.tiers.host_pool import pool_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +99,100 @@ def bench_dram(block_mib: int, total: int, repeats: int, limit: MemcpyLimit) -> 
     return rows
 
 
+def raw_direct_io(directory: str, total: int, block_bytes: int) -> tuple[float, float]:
+    """A plain sequential O_DIRECT write then read of ``total`` bytes in ``block_bytes`` pieces
+    from one aligned buffer, in one file of ``directory``: the disk's limit for this tier."""
+    path = os.path.join(directory, f".raw-{uuid.uuid4().hex[:8]}")
+    buffer = _core.Mapping(block_bytes)
+    memory = memoryview(buffer)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, total)
+        start = time.perf_counter()
+        for offset in range(0, total, block_bytes):
+            os.pwritev(fd, [memory], offset)
+        os.fdatasync(fd)
+        write = time.perf_counter() - start
+        start = time.perf_counter()
+        for offset in range(0, total, block_bytes):
+            os.preadv(fd, [memory], offset)
+        read = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        del memory
+        buffer.close()
+    return total / write / 1e9, total / read / 1e9
+
+
+def fio_gbps(directory: str, total: int, block_bytes: int) -> tuple[float, float] | None:
+    """fio's sequential direct write and read, where fio is installed."""
+    if shutil.which("fio") is None:
+        return None
+    out = {}
+    for rw in ("write", "read"):
+        result = subprocess.run(
+            [
+                "fio",
+                "--name=tier",
+                f"--directory={directory}",
+                f"--rw={rw}",
+                "--direct=1",
+                f"--bs={block_bytes}",
+                f"--size={total}",
+                "--ioengine=psync",
+                "--numjobs=1",
+                "--output-format=json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        job = json.loads(result.stdout)["jobs"][0][rw]
+        out[rw] = job["bw_bytes"] / 1e9
+    for leftover in glob.glob(os.path.join(directory, "tier.*")):
+        os.unlink(leftover)
+    return out["write"], out["read"]
+
+
+def bench_disk(block_mib: int, total: int, repeats: int, directory: str) -> dict:
+    block_bytes = block_mib << 20
+    n = total // block_bytes
+    pools = _device_pools(n, block_bytes, block_mib)
+    layout = PoolLayout.from_pools("bench", pools)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    source = HostPool(layout, n)
+    source.put_from_device(keys, pools, range(n))
+    target = HostPool(layout, n)
+    workdir = tempfile.mkdtemp(dir=directory, prefix="tpusync-bench-")
+    disk = DiskPool(layout, n, workdir)
+    times: dict[str, list[float]] = {"raw_write": [], "raw_read": [], "put": [], "get": []}
+    try:
+        for _ in range(repeats):
+            write, read = raw_direct_io(workdir, n * layout.slot_bytes, layout.slot_bytes)
+            times["raw_write"].append(write)
+            times["raw_read"].append(read)
+            disk.delete(keys)
+            times["put"].append(n * block_bytes / timed(partial(disk.put, keys, source)) / 1e9)
+            target.delete(keys)
+            times["get"].append(n * block_bytes / timed(partial(disk.get, keys, target)) / 1e9)
+        fio = fio_gbps(workdir, n * layout.slot_bytes, layout.slot_bytes)
+    finally:
+        disk.close()
+        shutil.rmtree(workdir)
+    result = {
+        "tier": f"disk ({'O_DIRECT' if disk.direct_io else 'buffered'})",
+        "block_mib": block_mib,
+        "bytes": n * block_bytes,
+        **{f"{k}_gbps": median(v) for k, v in times.items()},
+    }
+    if fio:
+        result["fio_write_gbps"], result["fio_read_gbps"] = fio
+    return result
+
+
 def bench_attach(repeats: int) -> dict:
     pools = _device_pools(4, 4 << 20, 1)
     layout = PoolLayout.from_pools("bench", pools)
@@ -115,6 +218,11 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="tiers.json")
+    parser.add_argument(
+        "--disk-dir",
+        default=tempfile.gettempdir(),
+        help="a directory on the disk to measure (default: the temp dir)",
+    )
     args = parser.parse_args()
     total = args.total_mib << 20
     limit = MemcpyLimit(total)
@@ -123,6 +231,10 @@ def main() -> None:
         results += bench_dram(block_mib, total, args.repeats, limit)
         print(f"  {block_mib} MiB blocks done", flush=True)
     limit.close()
+    disk_results = []
+    for block_mib in (1, 4):
+        disk_results.append(bench_disk(block_mib, total, args.repeats, args.disk_dir))
+        print(f"  disk {block_mib} MiB blocks done", flush=True)
     attach = bench_attach(args.repeats)
     rows = []
     for r in results:
@@ -146,6 +258,30 @@ def main() -> None:
         f"{args.repeats} (GB/s; x = ratio to memcpy)"
     )
     print_table(["tier", "block", "memcpy", "put", "x", "get warm", "x", "get fresh", "x"], rows)
+    disk_rows = []
+    for r in disk_results:
+        fio = (
+            f"{r['fio_write_gbps']:.2f}/{r['fio_read_gbps']:.2f}"
+            if "fio_write_gbps" in r
+            else "not installed"
+        )
+        disk_rows.append(
+            [
+                r["tier"],
+                f"{r['block_mib']} MiB",
+                r["raw_write_gbps"],
+                r["put_gbps"],
+                r["put_gbps"] / r["raw_write_gbps"],
+                r["raw_read_gbps"],
+                r["get_gbps"],
+                r["get_gbps"] / r["raw_read_gbps"],
+                fio,
+            ]
+        )
+    print(f"\ndisk tier in {args.disk_dir}, checksums on (GB/s; x = ratio to the raw loop)")
+    print_table(
+        ["tier", "block", "raw write", "put", "x", "raw read", "get", "x", "fio w/r"], disk_rows
+    )
     ratio = attach["4 GiB"] / attach["256 MiB"]
     print(
         f"\nre-attach /dev/shm pool: 256 MiB {attach['256 MiB'] * 1e3:.2f} ms, "

@@ -59,17 +59,20 @@ def _verify(name: str, shm_dir: str) -> tuple[int, int]:
                 got = np.asarray(device_pool.array).view(np.uint16)
                 for j, key in enumerate(chunk):
                     np.testing.assert_array_equal(got[j], writer.block_bytes(key, a))
-        # The raw slots too, not only what the checksummed path serves.
-        views = pool.views()
-        for key in keys:
-            slot = pool.slot_of(key)
-            for a, view in enumerate(views):
-                np.testing.assert_array_equal(
-                    view[slot].view(np.uint16), writer.block_bytes(key, a)
-                )
+        _check_raw_slots(pool, keys)
         return len(keys), pool.stats.torn_discarded
     finally:
         pool.close()
+
+
+def _check_raw_slots(pool: HostPool, keys: list[bytes]) -> None:
+    """The raw slots too, not only what the checksummed path serves (views die on return)."""
+    views = pool.views()
+    for key in keys:
+        slot = pool.slot_of(key)
+        for a, view in enumerate(views):
+            expected = writer.block_bytes(key, a)
+            np.testing.assert_array_equal(view[slot].view(np.uint16), expected)
 
 
 @pytest.mark.parametrize("trial", range(4))

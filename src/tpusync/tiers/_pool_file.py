@@ -25,6 +25,9 @@ from tpusync.tiers.layout import PoolLayout
 
 MAGIC = b"TPUSYNCP"
 FORMAT_VERSION = 1
+# How block checksums are computed (piece checksum and how pieces combine); every tier stores
+# blocks with checksums of this scheme, and a change needs a new number.
+CHECKSUM_SCHEME = 1
 HEADER_BYTES = 4096
 PAGE = 4096
 MAX_KEY_BYTES = 32

@@ -72,6 +72,13 @@ class Reservation:
     indices: np.ndarray
     slots: np.ndarray
 
+    def subset(self, mask: np.ndarray | Sequence[bool]) -> Reservation:
+        """The part of this reservation where ``mask`` is true (to commit or abort apart)."""
+        picked = np.flatnonzero(np.asarray(mask, dtype=bool))
+        return Reservation(
+            [self.keys[i] for i in picked.tolist()], self.indices[picked], self.slots[picked]
+        )
+
 
 @dataclass(frozen=True)
 class Pinned:
@@ -153,6 +160,7 @@ class HostPool:
         self._index: dict[bytes, int] = {}
         self._pins = np.zeros(capacity, dtype=np.int64)
         self._writing: set[bytes] = set()
+        self._retired: set[int] = set()  # dropped while pinned: freed by the last unpin
         self._sequence = 0
         self._free = self._scan_records()
 
@@ -414,23 +422,48 @@ class HostPool:
 
     def unpin(self, pinned: Pinned) -> None:
         with self._lock:
-            np.add.at(self._pins, pinned.slots[pinned.present], -1)
+            slots = pinned.slots[pinned.present]
+            np.add.at(self._pins, slots, -1)
+            for slot in set(slots.tolist()) & self._retired:
+                if not self._pins[slot]:  # a dropped block's last reader is done with it
+                    self._retired.discard(slot)
+                    self._free.append(slot)
 
     def slot_memory(self, slot: int) -> memoryview:
-        """The writable bytes of one slot (``layout.slot_bytes``, page-aligned) for file I/O."""
+        """The writable bytes of one slot (``layout.slot_bytes``, page-aligned) for file I/O.
+        Release the view (``with`` or ``.release()``) when done: :meth:`close` refuses while
+        views of the pool's memory are alive."""
         if not 0 <= int(slot) < self.capacity:
             raise InvalidArgumentError(f"slot: {slot} is out of range 0..{self.capacity - 1}")
         start = self.geometry.data_offset + int(slot) * self.layout.slot_bytes
         return memoryview(self._open_base())[start : start + self.layout.slot_bytes]
 
-    def hash_slots(self, slots: np.ndarray) -> np.ndarray:
+    def hash_slots(self, slots: np.ndarray | Sequence[int]) -> np.ndarray:
         """Each slot's block checksum, computed from its bytes in memory."""
-        return self._hash_slots(np.asarray(slots, dtype=np.int64))
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
+            raise InvalidArgumentError(
+                f"slots: out of range 0..{self.capacity - 1} ({int(slots.min())}..."
+                f"{int(slots.max())})"
+            )
+        return self._hash_slots(slots)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
-        """Counts and drops blocks found corrupt by a reader."""
+        """Counts and drops blocks found corrupt by a reader, pinned or not: they leave the
+        index at once; a pinned one's slot is reused only after its last reader unpins it."""
+        keys = _check_keys(keys)
+        with self._lock:
+            records = self._open_records()
+            for key in keys:
+                slot = self._index.pop(key, None)
+                if slot is None:
+                    continue
+                records["state"][slot] = FREE
+                if self._pins[slot]:
+                    self._retired.add(slot)
+                else:
+                    self._free.append(slot)
         self.stats.add(checksum_failures=len(keys))
-        self.delete(keys)
 
     def _begin_write(self, slot: int, key: bytes) -> None:
         record = self._records[slot]

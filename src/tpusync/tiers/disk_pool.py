@@ -1,0 +1,1083 @@
+"""DiskPool: the local-SSD tier — slab files, direct I/O, an index that survives restarts.
+
+Files in the pool's directory (format version 1)::
+
+    tpusync-disk.lock     flock'ed by the owning process (its pid inside, informational)
+    tpusync-disk.index    [header: 4096 B][records: capacity x 64 B]
+    slab-000000.tpd ...   [slab header: 4096 B][slab_slots x layout.slot_bytes]
+
+The index header holds a magic, the format version, the geometry (slot bytes, capacity, slots
+per slab), a random pool id, the layout fingerprint and the layout's description (JSON), and a
+CRC32 of itself. The records are the DRAM pool's (``_pool_file.RECORD_DTYPE``): state
+(FREE / WRITING / COMMITTED), key (1 to 32 bytes), payload length, checksum (the block checksum
+of :meth:`HostPool.hash_slots`, over the payload bytes) and a commit sequence number. Slot ``s``
+lives in slab ``s // slab_slots`` at byte ``4096 + (s % slab_slots) * slot_bytes``; every slab
+header repeats the pool id, its own number, its geometry and the layout fingerprint, so a slab
+of another pool or another layout is never read as one of ours. Slabs are created (and
+preallocated with ``posix_fallocate``) when the pool first needs their slots.
+
+Commit order of :meth:`DiskPool.put`, per batch:
+
+1. each block's record is set to WRITING with its key (a buffered write, not synced);
+2. the payloads are written from the DRAM slots (``pwritev``, worker threads, O_DIRECT where
+   the filesystem allows it);
+3. ``durability="commit"``: ``fdatasync`` of every slab file written;
+4. each record gets its checksum, length and sequence and the state COMMITTED, in one 64-byte
+   write;
+5. ``durability="commit"``: ``fdatasync`` of the index;
+6. only then are the keys visible to :meth:`DiskPool.get`.
+
+Guarantees:
+
+* SIGKILL of the owner at any moment: the page cache keeps every completed write, a record is
+  either still WRITING (freed on the next open: the block is absent, never torn) or COMMITTED
+  with all of its payload in place.
+* Power loss with ``durability="commit"``: every block whose ``put`` returned is there; a record
+  that reached the disk as COMMITTED implies a durable payload (step 3 precedes step 4).
+* Power loss with ``durability="none"`` (no fsyncs: faster): which writes reached the disk is up
+  to the page cache; a record may be on disk without its payload. Such a block fails its checksum
+  and is a miss.
+* Always: every block read is verified against its recorded checksum over the bytes read into
+  DRAM; a mismatch is a miss (counted in ``stats.checksum_failures``; the block is deleted). A
+  deleted block's FREE state is not synced: after a power loss a deleted block may come back,
+  whole and verified, or as a checksum miss if its slot was being rewritten.
+
+Opening an existing pool of the same layout fingerprint and geometry re-attaches it: the records
+are read (O(index), no payload is read), WRITING records are freed; a pool of another layout or
+geometry, or a garbage index, means a cold start with a log line (or :class:`PoolFormatError`
+with ``on_mismatch="error"``). A slab file that is missing, truncated or not ours loses only its
+own blocks (logged), unless ``on_mismatch="error"``.
+
+Threads: I/O runs on a small thread pool (``io_threads``); ``pwritev``/``preadv`` release the
+GIL, so several blocks are in flight. Calls from several threads are safe: an internal lock
+guards the index, I/O runs outside it, and blocks being read are pinned (:meth:`delete` skips
+them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpusync.errors import (
+    BlocksMissingError,
+    InvalidArgumentError,
+    PoolBusyError,
+    PoolFormatError,
+    TierFullError,
+    TransferFailedError,
+)
+from tpusync.info import check_o_direct
+from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
+from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.stats import TierStats
+
+__all__ = ["DiskPool"]
+
+log = logging.getLogger("tpusync.tiers")
+
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096  # index header and slab header: one page each, so slots stay page-aligned
+INDEX_MAGIC = b"TPUSYNCI"
+SLAB_MAGIC = b"TPUSYNCS"
+LOCK_NAME = "tpusync-disk.lock"
+INDEX_NAME = "tpusync-disk.index"
+_SLAB_NAME = re.compile(r"^slab-(\d{6})\.tpd$")
+_TEMP_NAME = re.compile(r"^\.(slab-\d{6}\.tpd|tpusync-disk\.index)\.tmp-\d+$")
+RECORD_BYTES = RECORD_DTYPE.itemsize
+DEFAULT_IO_THREADS = 4
+DEFAULT_SLAB_BYTES = 1 << 30
+MAX_DEFAULT_SLABS = 64
+MAX_SLABS = 4096  # each existing slab keeps a file descriptor open
+
+# magic, version, header bytes, slot bytes, capacity, slab slots, pool id, fingerprint,
+# description length; then the description, then (at HEADER_BYTES - 4) a CRC32 of the rest
+_INDEX_FIXED = struct.Struct("<8sIIQQQ16s16sI")
+# magic, version, header bytes, slab number, slots in this slab, slot bytes, pool id,
+# fingerprint, CRC32 of the preceding fields
+_SLAB_FIXED = struct.Struct("<8sIIQQQ16s16s")
+_CRC = struct.Struct("<I")
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskPool:
+    """The local-SSD tier: ``capacity`` slots of ``layout.slot_bytes`` in slab files.
+
+    Args:
+      layout: the block format (the DRAM pools it exchanges blocks with must have the same).
+      capacity: number of slots (blocks).
+      directory: an existing directory on a local filesystem, used by this pool alone.
+      durability: ``"commit"`` syncs payloads before their records and the records before
+        ``put`` returns (see the module docstring); ``"none"`` skips every fsync (faster;
+        after a power loss only checksums stand between a reader and a torn block, and they
+        do: a torn block is a miss).
+      direct_io: ``"auto"`` uses O_DIRECT where the filesystem allows it (probed at open) and
+        buffered I/O elsewhere; ``True`` insists on O_DIRECT; ``False`` always buffers. The
+        choice is in :attr:`direct_io` and its reason in :attr:`direct_io_reason`.
+      slab_slots: slots per slab file (default: slabs of about 1 GiB, at most 64 slabs).
+      on_mismatch: what to do with an existing pool of another layout, geometry or format, or
+        a damaged slab file: ``"recreate"`` (log and start cold / drop the slab's blocks) or
+        ``"error"`` (raise :class:`~tpusync.errors.PoolFormatError`).
+      io_threads: worker threads for block I/O (blocks in flight).
+
+    Ownership: one process at a time (a ``flock`` the kernel releases when the owner dies,
+    however it dies); a second one gets :class:`~tpusync.errors.PoolBusyError`.
+    """
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        capacity: int,
+        directory: str | os.PathLike[str],
+        *,
+        durability: str = "commit",
+        direct_io: bool | str = "auto",
+        slab_slots: int | None = None,
+        on_mismatch: str = "recreate",
+        io_threads: int = DEFAULT_IO_THREADS,
+    ) -> None:
+        if not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout, got {type(layout).__name__}"
+            )
+        if not _is_int(capacity) or capacity < 1:
+            raise InvalidArgumentError(
+                f"capacity: expected a positive number of slots, got {capacity!r}"
+            )
+        if durability not in ("commit", "none"):
+            raise InvalidArgumentError(
+                f"durability: expected 'commit' or 'none', got {durability!r}"
+            )
+        if not (direct_io is True or direct_io is False or direct_io == "auto"):
+            raise InvalidArgumentError(
+                f"direct_io: expected 'auto', True or False, got {direct_io!r}"
+            )
+        if on_mismatch not in ("recreate", "error"):
+            raise InvalidArgumentError(
+                f"on_mismatch: expected 'recreate' or 'error', got {on_mismatch!r}"
+            )
+        if not _is_int(io_threads) or not 1 <= io_threads <= 256:
+            raise InvalidArgumentError(f"io_threads: expected 1 to 256, got {io_threads!r}")
+        if slab_slots is None:
+            slab_slots = _default_slab_slots(layout.slot_bytes, capacity)
+        elif not _is_int(slab_slots) or slab_slots < 1:
+            raise InvalidArgumentError(
+                f"slab_slots: expected a positive number of slots per slab, got {slab_slots!r}"
+            )
+        slab_slots = min(int(slab_slots), int(capacity))
+        n_slabs = -(-capacity // slab_slots)
+        if n_slabs > MAX_SLABS:
+            raise InvalidArgumentError(
+                f"slab_slots: {slab_slots} slots per slab make {n_slabs} slab files (at most "
+                f"{MAX_SLABS}, each keeps a file open); use larger slabs"
+            )
+        try:
+            directory = Path(os.fspath(directory))
+        except TypeError:
+            raise InvalidArgumentError(
+                f"directory: expected a path, got {type(directory).__name__}"
+            ) from None
+        if not directory.is_dir():
+            raise InvalidArgumentError(
+                f"directory: {directory} does not exist or is not a directory; create it first"
+            )
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise InvalidArgumentError(f"directory: {directory} is not writable by this process")
+
+        self.layout = layout
+        self.capacity = int(capacity)
+        self.directory = directory
+        self.durability = durability
+        self.slab_slots = slab_slots
+        self.n_slabs = n_slabs
+        self.on_mismatch = on_mismatch
+        self.io_threads = int(io_threads)
+        self.index_path = directory / INDEX_NAME
+        self.stats = TierStats(f"disk:{directory}")
+        self.attached = False  # True when an existing pool was re-attached
+        self.attach_seconds = 0.0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._lock_fd = -1
+        self._index_fd = -1
+        self._slab_fds: dict[int, int] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._index: dict[bytes, int] = {}
+        self._pins = np.zeros(self.capacity, dtype=np.int64)
+        self._writing: set[bytes] = set()
+        self._free: list[int] = []
+        self._sequence = 0
+        self._pool_id = b""
+        self._records = np.zeros(self.capacity, dtype=RECORD_DTYPE)
+
+        self._take_lock()
+        try:
+            self.direct_io, self.direct_io_reason = _choose_direct_io(directory, direct_io)
+            log.info(
+                "tpusync: disk pool %s: %s I/O (%s), durability=%s",
+                directory,
+                "direct (O_DIRECT)" if self.direct_io else "buffered",
+                self.direct_io_reason,
+                durability,
+            )
+            self._open_index()
+            self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="tpusync-disk")
+        except BaseException:
+            self._close_files()
+            raise
+
+    # --- opening ----------------------------------------------------------------------------------
+
+    def _take_lock(self) -> None:
+        path = self.directory / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise PoolBusyError(
+                f"directory: the disk pool in {self.directory} is owned by a live process "
+                f"(pid {pid}); use another directory, or stop that process first"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _open_index(self) -> None:
+        start = time.perf_counter()
+        try:
+            fd = os.open(self.index_path, os.O_RDWR)
+        except FileNotFoundError:
+            self._cold_start(reason=None)
+            return
+        try:
+            self._attach(fd)
+        except PoolFormatError as exc:
+            os.close(fd)
+            self._index_fd = -1
+            for slab_fd in self._slab_fds.values():
+                os.close(slab_fd)
+            self._slab_fds.clear()
+            if self.on_mismatch == "error":
+                raise PoolFormatError(f"disk pool {self.directory}: {exc}") from None
+            self._cold_start(reason=str(exc))
+            return
+        except BaseException:
+            os.close(fd)
+            self._index_fd = -1
+            raise
+        self.attached = True
+        self.attach_seconds = time.perf_counter() - start
+
+    def _attach(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, HEADER_BYTES, 0)
+        pool_id, fingerprint, capacity, slab_slots, slot_bytes, description = _decode_index_header(
+            header, size
+        )
+        if (
+            fingerprint != self.layout.fingerprint
+            or capacity != self.capacity
+            or slab_slots != self.slab_slots
+            or slot_bytes != self.layout.slot_bytes
+        ):
+            raise PoolFormatError(
+                f"it holds another layout or geometry ({capacity} slots of {slot_bytes} B in "
+                f"slabs of {slab_slots}, model {description.get('model_id')!r})"
+            )
+        need = HEADER_BYTES + self.capacity * RECORD_BYTES
+        if size < need:
+            raise PoolFormatError(f"truncated: {size} bytes, the header describes {need}")
+        raw = os.pread(fd, self.capacity * RECORD_BYTES, HEADER_BYTES)
+        if len(raw) != self.capacity * RECORD_BYTES:
+            raise PoolFormatError("truncated records")
+        self._index_fd = fd
+        self._pool_id = pool_id
+        self._records = np.frombuffer(raw, dtype=RECORD_DTYPE).copy()
+        self._scan()
+
+    def _scan(self) -> None:
+        """Builds the index from the records and checks the slab files: O(slots + slabs)."""
+        records = self._records
+        states = records["state"]
+        changed = False
+
+        torn = np.flatnonzero(states == WRITING)
+        if len(torn):
+            states[torn] = FREE
+            self.stats.add(torn_discarded=len(torn))
+            changed = True
+            log.info("tpusync: %s: dropped %d blocks torn by a crash", self.directory, len(torn))
+        key_len = records["key_len"].astype(np.int64)
+        invalid = (states != FREE) & (
+            (states != COMMITTED)
+            | (key_len < 1)
+            | (key_len > MAX_KEY_BYTES)
+            | (records["length"] != self.layout.payload_bytes)
+        )
+        if invalid.any():
+            log.warning(
+                "tpusync: %s: dropped %d index records that make no sense",
+                self.directory,
+                int(invalid.sum()),
+            )
+            states[invalid] = FREE
+            changed = True
+
+        self._clean_directory()
+        for slab in range(self.n_slabs):
+            lo, hi = self._slab_range(slab)
+            has_blocks = bool((states[lo:hi] == COMMITTED).any())
+            problem = self._open_slab(slab)
+            if problem is None or (problem == "missing" and not has_blocks):
+                continue
+            message = f"slab file {self._slab_path(slab).name} is {problem}"
+            if self.on_mismatch == "error":
+                raise PoolFormatError(message)  # the caller closes what is open
+            if has_blocks:
+                dropped = int((states[lo:hi] == COMMITTED).sum())
+                states[lo:hi][states[lo:hi] == COMMITTED] = FREE
+                changed = True
+                log.warning(
+                    "tpusync: %s: %s; its %d blocks are dropped", self.directory, message, dropped
+                )
+            self._slab_path(slab).unlink(missing_ok=True)
+
+        committed = np.flatnonzero(states == COMMITTED)
+        if len(committed):
+            sequences = records["sequence"][committed]
+            self._sequence = int(sequences.max())
+            order = committed[np.argsort(sequences, kind="stable")]
+            raw_keys = records["key"]
+            for slot in order.tolist():
+                key = bytes(raw_keys[slot])[: int(key_len[slot])]
+                older = self._index.get(key)
+                if older is not None:  # a stale copy (e.g. a deletion lost to a power cut)
+                    states[older] = FREE
+                    changed = True
+                self._index[key] = slot
+        if changed:
+            self._write_all_records()
+            self._sync_index()
+        used = np.zeros(self.capacity, dtype=bool)
+        used[list(self._index.values())] = True
+        free = []
+        for slab in sorted(self._slab_fds, reverse=True):
+            lo, hi = self._slab_range(slab)
+            free.extend(s for s in range(hi - 1, lo - 1, -1) if not used[s])
+        self._free = free
+
+    def _cold_start(self, reason: str | None) -> None:
+        if reason is not None:
+            log.warning(
+                "tpusync: disk pool %s: %s; starting a cold pool in its place",
+                self.index_path,
+                reason,
+            )
+        for path in self.directory.iterdir():
+            if _SLAB_NAME.match(path.name) or _TEMP_NAME.match(path.name):
+                path.unlink(missing_ok=True)
+        self._pool_id = os.urandom(16)
+        header = _encode_index_header(self._pool_id, self.layout, self.capacity, self.slab_slots)
+        size = HEADER_BYTES + self.capacity * RECORD_BYTES
+        temp = self.directory / f".{INDEX_NAME}.tmp-{os.getpid()}"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)  # zeros: every record FREE
+            except OSError as exc:
+                raise self._io_error(exc, f"preallocating the index ({_mib(size)})") from None
+            os.pwrite(fd, header, 0)
+            if self.durability == "commit":
+                os.fsync(fd)
+            os.rename(temp, self.index_path)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        self._index_fd = fd
+        self._sync_directory()
+        self._records = np.zeros(self.capacity, dtype=RECORD_DTYPE)
+        self._free = []
+
+    def _clean_directory(self) -> None:
+        """Removes temporary files of interrupted slab creations and slabs out of range."""
+        for path in self.directory.iterdir():
+            match = _SLAB_NAME.match(path.name)
+            if _TEMP_NAME.match(path.name) or (match and int(match.group(1)) >= self.n_slabs):
+                path.unlink(missing_ok=True)
+
+    def _open_slab(self, slab: int) -> str | None:
+        """Opens slab ``slab`` if its file exists and is ours; else says what is wrong."""
+        path = self._slab_path(slab)
+        try:
+            with open(path, "rb") as f:
+                header = f.read(HEADER_BYTES)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            return "missing"
+        expected = self._slab_header(slab)
+        if size < len(expected) or header[: _SLAB_FIXED.size] != expected[: _SLAB_FIXED.size]:
+            return "not a slab of this pool (bad header)"
+        if header[: len(expected)] != expected:
+            return "damaged (header checksum)"
+        if size != self._slab_file_bytes(slab):
+            return f"truncated ({size} bytes of {self._slab_file_bytes(slab)})"
+        self._slab_fds[slab] = self._open_slab_fd(path)
+        return None
+
+    def _open_slab_fd(self, path: Path) -> int:
+        flags = os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
+        return os.open(path, flags)
+
+    def _create_slab(self, slab: int) -> None:
+        """Creates and preallocates slab ``slab`` (temporary name, then rename)."""
+        path = self._slab_path(slab)
+        size = self._slab_file_bytes(slab)
+        temp = self.directory / f".{path.name}.tmp-{os.getpid()}"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise self._io_error(exc, f"preallocating slab {slab} ({_mib(size)})") from None
+            os.pwrite(fd, self._slab_header(slab), 0)
+            if self.durability == "commit":
+                os.fsync(fd)
+            os.rename(temp, path)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self._sync_directory()
+        self._slab_fds[slab] = self._open_slab_fd(path)
+        lo, hi = self._slab_range(slab)
+        self._free.extend(range(lo, hi))
+        self._free.sort(reverse=True)  # lowest slots first: fill slabs in order
+
+    def _io_error(self, exc: OSError, what: str) -> Exception:
+        """The error for a failed ``what`` (a gerund phrase): TierFullError when the
+        filesystem is full, TransferFailedError otherwise."""
+        if exc.errno in _NO_SPACE:
+            st = os.statvfs(self.directory)
+            return TierFullError(
+                f"capacity: {what} in {self.directory} failed: {exc.strerror}; the filesystem "
+                f"has {_mib(st.f_bavail * st.f_frsize)} free of "
+                f"{_mib(st.f_blocks * st.f_frsize)}; delete blocks, free space or lower the "
+                "capacity"
+            )
+        return TransferFailedError(
+            f"{self.directory}: {what} failed: {exc.strerror or exc}; no block of this call "
+            "was committed"
+        )
+
+    # --- geometry ---------------------------------------------------------------------------------
+
+    def _slab_path(self, slab: int) -> Path:
+        return self.directory / f"slab-{slab:06d}.tpd"
+
+    def _slab_range(self, slab: int) -> tuple[int, int]:
+        lo = slab * self.slab_slots
+        return lo, min(lo + self.slab_slots, self.capacity)
+
+    def _slab_file_bytes(self, slab: int) -> int:
+        lo, hi = self._slab_range(slab)
+        return HEADER_BYTES + (hi - lo) * self.layout.slot_bytes
+
+    def _slab_header(self, slab: int) -> bytes:
+        lo, hi = self._slab_range(slab)
+        fixed = _SLAB_FIXED.pack(
+            SLAB_MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            slab,
+            hi - lo,
+            self.layout.slot_bytes,
+            self._pool_id,
+            self.layout.fingerprint,
+        )
+        return fixed + _CRC.pack(zlib.crc32(fixed))
+
+    def _locate(self, slot: int) -> tuple[int, int]:
+        """The slab file descriptor and byte offset of slot ``slot``."""
+        slab, within = divmod(int(slot), self.slab_slots)
+        return self._slab_fds[slab], HEADER_BYTES + within * self.layout.slot_bytes
+
+    # --- records ----------------------------------------------------------------------------------
+
+    def _write_records(self, slots: Sequence[int]) -> None:
+        """Writes the in-memory records of ``slots`` to the index, runs of slots at once."""
+        for lo, hi in _runs(sorted(slots)):
+            os.pwrite(
+                self._index_fd,
+                self._records[lo:hi].tobytes(),
+                HEADER_BYTES + lo * RECORD_BYTES,
+            )
+
+    def _write_all_records(self) -> None:
+        os.pwrite(self._index_fd, self._records.tobytes(), HEADER_BYTES)
+
+    def _sync_index(self) -> None:
+        if self.durability == "commit":
+            os.fdatasync(self._index_fd)
+
+    def _sync_directory(self) -> None:
+        if self.durability != "commit":
+            return
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # --- queries ----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def used(self) -> int:
+        """Blocks stored."""
+        return len(self._index)
+
+    @property
+    def free(self) -> int:
+        """Blocks that can still be stored."""
+        with self._lock:
+            return self.capacity - len(self._index) - len(self._writing)
+
+    def keys(self) -> list[bytes]:
+        """Stored keys, oldest commit first."""
+        with self._lock:
+            return list(self._index)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = _check_keys(keys)
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    # --- put --------------------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+        """Stores the DRAM blocks under ``keys`` from ``source``; returns how many were written.
+
+        Keys already stored (or being stored by another thread) and repeated keys are skipped.
+        Raises, before anything is written: :class:`~tpusync.errors.BlocksMissingError` when
+        ``source`` lacks some keys (its ``loaded`` mask is False exactly for those), and
+        :class:`~tpusync.errors.TierFullError` when too few slots are free (the caller evicts
+        with :meth:`delete`) or the filesystem has no room for a new slab. An I/O error while
+        writing raises :class:`~tpusync.errors.TierFullError` (ENOSPC) or
+        :class:`~tpusync.errors.TransferFailedError`; no block of that batch is committed and
+        nothing stored before is touched.
+
+        The source slots are pinned while they are read and unpinned before returning.
+        """
+        keys = _check_keys(keys)
+        self._check_open()
+        self._check_peer(source, "source")
+        with self._lock:
+            candidates = [
+                k for k in dict.fromkeys(keys) if k not in self._index and k not in self._writing
+            ]
+        if not candidates:
+            return 0
+        pinned = source.pin(candidates)
+        try:
+            if not pinned.present.all():
+                absent = {
+                    k for k, p in zip(candidates, pinned.present.tolist(), strict=True) if not p
+                }
+                raise BlocksMissingError(
+                    f"keys: {len(absent)} of {len(candidates)} blocks to store are not in the "
+                    f"source pool (e.g. {next(iter(absent)).hex()}); nothing was written",
+                    loaded=[k not in absent for k in keys],
+                )
+            picked, slots = self._reserve(candidates)
+            fresh = [candidates[i] for i in picked]
+            if not fresh:
+                return 0
+            try:
+                self._write_payloads(source, pinned.slots[picked], slots)
+                self._commit(fresh, slots, pinned.checksums[picked])
+            except BaseException:
+                self._release(fresh, slots)
+                raise
+        finally:
+            source.unpin(pinned)
+        self.stats.add(puts=len(fresh), bytes_in=len(fresh) * self.layout.payload_bytes)
+        return len(fresh)
+
+    def _reserve(self, candidates: list[bytes]) -> tuple[list[int], list[int]]:
+        """Takes a slot (creating slabs as needed) for every candidate key not stored by now,
+        and marks it WRITING. Returns the positions in ``candidates`` taken and their slots."""
+        with self._lock:
+            self._check_open()
+            picked = [
+                i
+                for i, k in enumerate(candidates)
+                if k not in self._index and k not in self._writing
+            ]
+            keys = [candidates[i] for i in picked]
+            available = self.capacity - len(self._index) - len(self._writing)
+            if len(keys) > available:
+                raise TierFullError(
+                    f"keys: {len(keys)} new blocks but {available} free slots of "
+                    f"{self.capacity}; delete or evict blocks first"
+                )
+            while len(self._free) < len(keys):
+                missing = min(set(range(self.n_slabs)) - set(self._slab_fds))
+                self._create_slab(missing)
+            slots = [self._free.pop() for _ in keys]
+            for key, slot in zip(keys, slots, strict=True):
+                record = self._records[slot]
+                record["state"] = WRITING  # first: a crash from here on leaves a torn slot
+                record["key_len"] = len(key)
+                record["key"] = key.ljust(MAX_KEY_BYTES, b"\0")
+                record["checksum"] = 0
+                record["length"] = 0
+                record["sequence"] = 0
+                self._writing.add(key)
+            try:
+                self._write_records(slots)
+            except OSError as exc:
+                self._release_locked(keys, slots)
+                raise self._io_error(exc, "writing the index") from exc
+        return picked, slots
+
+    def _write_payloads(self, source: HostPool, source_slots: np.ndarray, slots: list[int]) -> None:
+        jobs = []
+        for src, dst in zip(source_slots.tolist(), slots, strict=True):
+            fd, offset = self._locate(dst)
+            jobs.append((fd, src, offset))
+
+        def write(job: tuple[int, int, int]) -> None:
+            fd, src, offset = job
+            with source.slot_memory(src) as memory:
+                _write_full(fd, memory, offset)
+
+        errors = self._run(write, jobs, stop_on_error=True)
+        if errors:
+            exc = next(iter(errors.values()))
+            raise self._io_error(exc, f"writing {len(jobs)} blocks") from exc
+        if self.durability == "commit":
+            fds = sorted({fd for fd, _, _ in jobs})
+            sync_errors = self._run(os.fdatasync, fds, stop_on_error=False)
+            if sync_errors:
+                exc = next(iter(sync_errors.values()))
+                raise self._io_error(exc, "syncing slab files") from exc
+
+    def _commit(self, keys: list[bytes], slots: list[int], checksums: np.ndarray) -> None:
+        with self._lock:
+            for slot, checksum in zip(slots, np.asarray(checksums).tolist(), strict=True):
+                self._sequence += 1
+                record = self._records[slot]
+                record["checksum"] = checksum
+                record["length"] = self.layout.payload_bytes
+                record["sequence"] = self._sequence
+                record["state"] = COMMITTED  # last: written with the rest of the record
+            try:
+                self._write_records(slots)
+            except OSError as exc:
+                raise self._io_error(exc, "writing the index") from exc
+        try:
+            self._sync_index()
+        except OSError as exc:
+            raise self._io_error(exc, "syncing the index") from exc
+        with self._lock:
+            for key, slot in zip(keys, slots, strict=True):
+                self._index[key] = slot
+                self._writing.discard(key)
+
+    def _release(self, keys: list[bytes], slots: list[int]) -> None:
+        with self._lock:
+            self._release_locked(keys, slots)
+
+    def _release_locked(self, keys: list[bytes], slots: list[int]) -> None:
+        """Frees reserved slots of a failed put (their records back to FREE)."""
+        for key, slot in zip(keys, slots, strict=True):
+            if self._index.get(key) == slot:
+                del self._index[key]
+            self._records[slot]["state"] = FREE
+            self._writing.discard(key)
+        self._free.extend(reversed(slots))
+        if self._index_fd >= 0:
+            with contextlib.suppress(OSError):  # a WRITING record left behind is freed on open
+                self._write_records(slots)
+
+    # --- get --------------------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Loads the blocks under ``keys`` into ``target``, straight into its slots.
+
+        Each block is read into a slot reserved in ``target``, its checksum computed over the
+        bytes read and compared with the recorded one; the good blocks are committed in
+        ``target``, the others aborted. Stored keys that ``target`` already holds count as
+        loaded (nothing is read for them). Raises
+        :class:`~tpusync.errors.TierFullError` (reading nothing) when ``target`` has too few free
+        slots, and :class:`~tpusync.errors.BlocksMissingError` (with a ``loaded`` mask) when any
+        key is absent, fails its checksum (counted, and deleted here) or cannot be read.
+        """
+        keys = _check_keys(keys)
+        self._check_open()
+        self._check_peer(target, "target")
+        with self._lock:
+            slot_of = {k: self._index[k] for k in dict.fromkeys(keys) if k in self._index}
+            pinned = np.array(list(slot_of.values()), dtype=np.int64)
+            np.add.at(self._pins, pinned, 1)
+            stored = {k: int(self._records["checksum"][s]) for k, s in slot_of.items()}
+        loaded: dict[bytes, bool] = {}
+        corrupt: list[bytes] = []
+        unreadable: dict[bytes, OSError] = {}
+        try:
+            present = list(slot_of)
+            reservation = target.reserve(present) if present else None
+            if reservation is not None:
+                reserved = set(reservation.keys)
+                held = target.contains([k for k in present if k not in reserved])
+                loaded.update(zip([k for k in present if k not in reserved], held, strict=True))
+                self._read_into(reservation, target, slot_of, stored, loaded, corrupt, unreadable)
+        finally:
+            with self._lock:
+                np.add.at(self._pins, pinned, -1)
+        if corrupt:
+            self.stats.add(checksum_failures=len(corrupt))
+            log.warning(
+                "tpusync: disk pool %s: %d blocks failed their checksum; dropped",
+                self.directory,
+                len(corrupt),
+            )
+        if unreadable:
+            first = next(iter(unreadable.values()))
+            log.warning(
+                "tpusync: disk pool %s: %d blocks could not be read (%s); dropped",
+                self.directory,
+                len(unreadable),
+                first.strerror or first,
+            )
+        if corrupt or unreadable:
+            self.delete(corrupt + list(unreadable))
+        mask = [loaded.get(k, False) for k in keys]
+        hits = sum(mask)
+        self.stats.add(hits=hits, misses=len(keys) - hits)
+        if hits < len(keys):
+            absent = sum(k not in slot_of for k in keys)
+            error = BlocksMissingError(
+                f"keys: {len(keys) - hits} of {len(keys)} blocks not served ({absent} absent, "
+                f"{len(corrupt)} failed their checksum, {len(unreadable)} unreadable)",
+                loaded=mask,
+                corrupt=len(corrupt),
+            )
+            if unreadable:
+                raise error from next(iter(unreadable.values()))
+            raise error
+
+    def _read_into(
+        self,
+        reservation: Reservation,
+        target: HostPool,
+        slot_of: dict[bytes, int],
+        stored: dict[bytes, int],
+        loaded: dict[bytes, bool],
+        corrupt: list[bytes],
+        unreadable: dict[bytes, OSError],
+    ) -> None:
+        try:
+            jobs = []
+            for key, dst in zip(reservation.keys, reservation.slots.tolist(), strict=True):
+                fd, offset = self._locate(slot_of[key])
+                jobs.append((fd, dst, offset))
+
+            def read(job: tuple[int, int, int]) -> None:
+                fd, dst, offset = job
+                with target.slot_memory(dst) as memory:
+                    _read_full(fd, memory, offset)
+
+            errors = self._run(read, jobs, stop_on_error=False)
+            read_ok = np.ones(len(jobs), dtype=bool)
+            for i, exc in errors.items():
+                read_ok[i] = False
+                unreadable[reservation.keys[i]] = exc
+            expected = np.array([stored[k] for k in reservation.keys], dtype=np.uint64)
+            good = read_ok.copy()
+            if read_ok.any():
+                sums = target.hash_slots(reservation.slots[read_ok])
+                good[read_ok] = sums == expected[read_ok]
+        except BaseException:
+            target.abort(reservation)
+            raise
+        for i in np.flatnonzero(read_ok & ~good).tolist():
+            corrupt.append(reservation.keys[i])
+        if (~good).any():
+            target.abort(reservation.subset(~good))
+        if good.any():
+            target.commit(reservation.subset(good), expected[good])
+        for key, ok in zip(reservation.keys, good.tolist(), strict=True):
+            loaded[key] = ok
+        self.stats.add(bytes_out=int(good.sum()) * self.layout.payload_bytes)
+
+    # --- delete, flush, close ---------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drops the blocks under ``keys``; blocks being read (pinned) and absent keys are
+        skipped. Returns how many were dropped. (Not synced: see the module docstring.)"""
+        keys = _check_keys(keys)
+        self._check_open()
+        dropped = []
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None or self._pins[slot]:
+                    continue
+                del self._index[key]
+                self._records[slot]["state"] = FREE
+                self._free.append(slot)
+                dropped.append(slot)
+            if dropped:
+                try:
+                    self._write_records(dropped)
+                except OSError as exc:  # the blocks are gone from the index in memory anyway
+                    log.warning("tpusync: disk pool %s: %s", self.directory, exc)
+        self.stats.add(deletes=len(dropped))
+        return len(dropped)
+
+    def flush(self) -> None:
+        """Syncs every slab file and the index (what ``durability="none"`` skips)."""
+        self._check_open()
+        with self._lock:
+            fds = [*self._slab_fds.values(), self._index_fd]
+        try:
+            for fd in fds:
+                os.fdatasync(fd)
+        except OSError as exc:
+            raise self._io_error(exc, "syncing") from exc
+
+    def close(self) -> None:
+        """Waits for I/O in flight, closes the files and releases ownership. The pool stays in
+        its directory for the next process."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._close_files()
+
+    def _close_files(self) -> None:
+        for fd in self._slab_fds.values():
+            os.close(fd)
+        self._slab_fds.clear()
+        if self._index_fd >= 0:
+            os.close(self._index_fd)
+            self._index_fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = -1
+
+    def __enter__(self) -> DiskPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "direct" if getattr(self, "direct_io", False) else "buffered"
+        return (
+            f"DiskPool({self.directory}, {self.used}/{self.capacity} slots of "
+            f"{self.layout.slot_bytes} B, {mode} I/O, durability={self.durability})"
+        )
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"the disk pool in {self.directory} is closed")
+
+    def _check_peer(self, pool: Any, name: str) -> None:
+        if not isinstance(pool, HostPool):
+            raise InvalidArgumentError(f"{name}: expected a HostPool, got {type(pool).__name__}")
+        if pool.layout.fingerprint != self.layout.fingerprint:
+            raise InvalidArgumentError(
+                f"{name}: the HostPool holds another block layout (model "
+                f"{pool.layout.model_id!r}, {pool.layout.payload_bytes} B blocks) than this disk "
+                f"pool (model {self.layout.model_id!r}, {self.layout.payload_bytes} B blocks)"
+            )
+
+    def _run(
+        self, fn: Callable[[Any], None], jobs: Sequence[Any], *, stop_on_error: bool
+    ) -> dict[int, OSError]:
+        """Runs ``fn`` on every job on the I/O threads; returns the OSErrors by job index.
+
+        Every worker has finished when this returns (no I/O touches a slot afterwards)."""
+        if not jobs:
+            return {}
+        assert self._executor is not None
+        queue = deque(enumerate(jobs))
+        errors: dict[int, OSError] = {}
+        stop = threading.Event()
+
+        def worker() -> None:
+            while not stop.is_set():
+                try:
+                    i, job = queue.popleft()
+                except IndexError:
+                    return
+                try:
+                    fn(job)
+                except OSError as exc:
+                    errors[i] = exc
+                    if stop_on_error:
+                        stop.set()
+                except BaseException:
+                    stop.set()
+                    raise
+
+        n = min(len(jobs), self.io_threads)
+        if n == 1:
+            worker()
+        else:
+            futures = [self._executor.submit(worker) for _ in range(n)]
+            for future in futures:
+                future.exception()  # waits for every worker before anything is re-raised
+            for future in futures:
+                future.result()
+        return dict(sorted(errors.items()))
+
+
+def _write_full(fd: int, memory: memoryview, offset: int) -> None:
+    """Writes all of ``memory`` at ``offset`` (``pwritev`` releases the GIL)."""
+    done, size = 0, len(memory)
+    while done < size:
+        n = os.pwritev(fd, [memory[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "the write made no progress")
+        done += n
+
+
+def _read_full(fd: int, memory: memoryview, offset: int) -> None:
+    """Fills all of ``memory`` from ``offset`` (``preadv`` releases the GIL)."""
+    done, size = 0, len(memory)
+    while done < size:
+        n = os.preadv(fd, [memory[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "unexpected end of the slab file")
+        done += n
+
+
+def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
+    """Consecutive runs of sorted slots as half-open ranges."""
+    start = prev = None
+    for slot in slots:
+        if start is None:
+            start = prev = slot
+        elif slot == prev + 1:  # type: ignore[operator]
+            prev = slot
+        elif slot != prev:
+            yield start, prev + 1  # type: ignore[operator]
+            start = prev = slot
+    if start is not None:
+        yield start, prev + 1  # type: ignore[operator]
+
+
+def _encode_index_header(
+    pool_id: bytes, layout: PoolLayout, capacity: int, slab_slots: int
+) -> bytes:
+    description = json.dumps(layout.describe(), sort_keys=True).encode()
+    fixed = _INDEX_FIXED.pack(
+        INDEX_MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        layout.slot_bytes,
+        capacity,
+        slab_slots,
+        pool_id,
+        layout.fingerprint,
+        len(description),
+    )
+    if len(fixed) + len(description) > HEADER_BYTES - _CRC.size:
+        raise PoolFormatError(
+            f"the layout's description takes {len(description)} bytes, more than a disk pool "
+            f"header holds ({HEADER_BYTES - _CRC.size - len(fixed)}); use shorter array names"
+        )
+    body = (fixed + description).ljust(HEADER_BYTES - _CRC.size, b"\0")
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _decode_index_header(
+    data: bytes, file_bytes: int
+) -> tuple[bytes, bytes, int, int, int, dict[str, Any]]:
+    """Parses and checks an index header; raises :class:`PoolFormatError` saying what is
+    wrong. Returns (pool id, fingerprint, capacity, slab slots, slot bytes, description)."""
+    if len(data) < HEADER_BYTES:
+        raise PoolFormatError(f"truncated: {file_bytes} bytes is shorter than an index header")
+    if data[:8] != INDEX_MAGIC:
+        raise PoolFormatError("not a tpusync disk pool index (bad magic)")
+    body, (crc,) = data[: HEADER_BYTES - _CRC.size], _CRC.unpack_from(data, HEADER_BYTES - 4)
+    _, version, header_bytes, slot_bytes, capacity, slab_slots, pool_id, fp, n = (
+        _INDEX_FIXED.unpack_from(data)
+    )
+    if version != FORMAT_VERSION:
+        raise PoolFormatError(
+            f"disk pool format version {version}; this build reads {FORMAT_VERSION}"
+        )
+    if zlib.crc32(body) != crc:
+        raise PoolFormatError("corrupt index header (checksum)")
+    if header_bytes != HEADER_BYTES or _INDEX_FIXED.size + n > HEADER_BYTES - _CRC.size:
+        raise PoolFormatError("corrupt index header (sizes out of range)")
+    try:
+        description = json.loads(data[_INDEX_FIXED.size : _INDEX_FIXED.size + n])
+        layout = PoolLayout.from_description(description)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PoolFormatError(f"corrupt index header (layout description: {exc})") from None
+    if layout.fingerprint != fp or layout.slot_bytes != slot_bytes:
+        raise PoolFormatError("corrupt index header (fingerprint does not match the layout)")
+    return pool_id, fp, int(capacity), int(slab_slots), int(slot_bytes), description
+
+
+def _choose_direct_io(directory: Path, wanted: bool | str) -> tuple[bool, str]:
+    if wanted is False:
+        return False, "direct_io=False"
+    if not hasattr(os, "O_DIRECT"):
+        ok, reason = False, "this OS has no O_DIRECT"
+    else:
+        ok, reason = check_o_direct(str(directory))
+    if wanted is True and not ok:
+        raise InvalidArgumentError(
+            f"direct_io: O_DIRECT is not available in {directory} ({reason}); pass "
+            "direct_io='auto' to fall back to buffered I/O"
+        )
+    return ok, "O_DIRECT supported" if ok else f"O_DIRECT unavailable: {reason}"
+
+
+def _default_slab_slots(slot_bytes: int, capacity: int) -> int:
+    slab_bytes = max(DEFAULT_SLAB_BYTES, -(-capacity * slot_bytes // MAX_DEFAULT_SLABS))
+    return max(1, min(capacity, slab_bytes // slot_bytes))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,808 @@
+"""SharedFsPool: the shared-filesystem tier — one content-addressed file per block in a directory
+that many hosts share (Lustre, NFS, GCS-fuse, or a local disk).
+
+Where blocks live::
+
+    <directory>/<fingerprint hex>/layout.json           what the blocks below are (informational)
+    <directory>/<fingerprint hex>/<kk>/<key hex>.blk    one block; kk = the key's first byte, in hex
+
+The fingerprint level keeps models and layouts apart: a pool only ever looks under its own
+layout's fingerprint, so blocks of another model are never even opened.
+
+Block file format, version 1 (little-endian)::
+
+    [header: 4096 bytes][payload: layout.payload_bytes, the slot's bytes as DRAM holds them]
+
+    header = magic "TPUSYNCB" | format version u32 | header bytes u32 (4096) | key length u16 |
+             checksum scheme u16 | reserved u32 | key (32 bytes, zero padded) |
+             layout fingerprint (16 bytes) | payload length u64 | payload checksum u64 |
+             written at (ns since the epoch) u64 | writer ("host:pid", 64 bytes, informational) |
+             header checksum u64 (XXH64 of the 160 bytes before it) | zeros up to 4096
+
+The payload starts on a page boundary of the file. The payload checksum is the DRAM tier's block
+checksum (:meth:`HostPool.hash_slots`); the checksum scheme field names it (it is the DRAM pool's
+scheme, :data:`tpusync.tiers._pool_file.CHECKSUM_SCHEME`), so a build with another scheme
+sees such files as foreign misses rather than corrupt ones.
+
+Publish protocol (what makes a partial block invisible on every host):
+
+1. The writer creates ``.<key hex>.tmp-<host>-<pid>-<random>`` with ``O_EXCL`` in the block's own
+   directory (unique per host, process and call; readers never open a dot name).
+2. It writes header and payload with one ``pwritev`` straight from the DRAM slot (no copy), then,
+   when ``durability="commit"``, ``fsync``s the file.
+3. ``close``, then ``rename`` to ``<key hex>.blk``: atomic on POSIX filesystems (and on NFS,
+   Lustre; GCS-fuse publishes the object whole). A reader opens either the old file, the new one,
+   or none — never a partial one. Two writers of one key write the same content; the last rename
+   wins and both files are whole.
+4. With ``durability="commit"`` the directory is ``fsync``\\ed after the batch's renames (and a
+   new ``<kk>`` directory's parent after it is created), so that after a power loss every name
+   that survives refers to synced bytes. ``durability="none"`` skips every fsync: still atomic
+   for live readers and after a process crash, but after a power loss a file may come back short or
+   zero-filled — which readers then detect (length, checksums) and treat as a miss.
+
+Readers: ``get`` reserves DRAM slots, reads header and payload with one ``preadv`` straight into the
+slot memory, checks magic, version, header checksum, key, fingerprint and length, then hashes the
+bytes read (:meth:`HostPool.hash_slots`, over the slot memory: slots are reused, so the checksum is
+always of the bytes actually read) and compares with the header. Matching blocks are committed to
+the DRAM pool, the rest aborted. A corrupt file (truncated, garbage, another key or fingerprint, a
+checksum mismatch) is a miss, counted in ``stats.checksum_failures``, and is unlinked — unless the
+name has meanwhile been republished by a writer (the inode is compared first; the remaining window
+can only cost a miss, never serve a wrong byte). A file of another format version or checksum scheme
+is a miss left in place (a newer host may be using it). I/O errors while reading are misses too.
+
+Crashed writers leave ``.tmp-`` files that nothing reads; :meth:`SharedFsPool.sweep` removes the
+ones older than a given age (choose it well above the longest write plus any clock skew between
+hosts and the file server).
+
+Ownership: ``put`` pins the source slots while it reads them and unpins them before returning
+(whatever happens); ``get`` owns the slots it reserves until it commits or aborts them, and waits
+for every read before either, so a reused slot is never written by a late read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import numbers
+import os
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpusync import _core
+from tpusync.errors import (
+    BlocksMissingError,
+    InvalidArgumentError,
+    TierFullError,
+    TpuSyncError,
+    TransferFailedError,
+)
+from tpusync.tiers._pool_file import CHECKSUM_SCHEME, MAX_KEY_BYTES
+from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.stats import TierStats
+
+__all__ = ["SharedFsPool"]
+
+log = logging.getLogger("tpusync.tiers")
+
+MAGIC = b"TPUSYNCB"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+SUFFIX = ".blk"
+TEMP_MARK = ".tmp-"
+WRITER_BYTES = 64
+
+# magic, version, header bytes, key length, checksum scheme, reserved, key, fingerprint,
+# payload length, payload checksum, written at (ns), writer
+_FIXED = struct.Struct("<8sIIHHI32s16sQQQ64s")
+_CHECK = struct.Struct("<Q")
+HEADER_USED = _FIXED.size + _CHECK.size  # 168: the rest of the 4096 bytes are zeros
+DURABILITY = ("commit", "none")
+
+_FANOUT = re.compile(r"^[0-9a-f]{2}$")
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:48] or "host"
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """The fields of one block file's header (see the module docstring)."""
+
+    key: bytes
+    fingerprint: bytes
+    payload_bytes: int
+    checksum: int
+    written_ns: int
+    writer: str
+    version: int = FORMAT_VERSION
+    checksum_scheme: int = CHECKSUM_SCHEME
+
+
+class _Corrupt(Exception):
+    """A block file that is not a whole, valid block (the reason is the message)."""
+
+
+class _Foreign(Exception):
+    """A block file of another format version or checksum scheme: a miss, left in place."""
+
+
+def encode_block_header(
+    key: bytes,
+    fingerprint: bytes,
+    payload_bytes: int,
+    checksum: int,
+    *,
+    written_ns: int,
+    writer: str,
+) -> bytes:
+    """The 4096-byte header of a block file."""
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_BYTES,
+        len(key),
+        CHECKSUM_SCHEME,
+        0,
+        key,
+        fingerprint,
+        payload_bytes,
+        checksum,
+        written_ns,
+        writer.encode()[:WRITER_BYTES],
+    )
+    return (fixed + _CHECK.pack(_core.xxh64(fixed))).ljust(HEADER_BYTES, b"\0")
+
+
+def decode_block_header(data: bytes | bytearray | memoryview) -> BlockHeader:
+    """Parses a header; raises ``_Corrupt`` or ``_Foreign`` saying what is wrong."""
+    data = bytes(data[:HEADER_USED])
+    if len(data) < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
+        raise _Corrupt("not a tpusync block file (bad magic)")
+    if len(data) < HEADER_USED:
+        raise _Corrupt(f"truncated header ({len(data)} bytes)")
+    fields = _FIXED.unpack_from(data)
+    version = fields[1]
+    if version != FORMAT_VERSION:
+        raise _Foreign(f"block format version {version}; this build reads {FORMAT_VERSION}")
+    (stored,) = _CHECK.unpack_from(data, _FIXED.size)
+    if stored != _core.xxh64(data[: _FIXED.size]):
+        raise _Corrupt("header checksum mismatch")
+    _, _, header_bytes, key_len, scheme, _, key, fingerprint, length, checksum, at, writer = fields
+    if header_bytes != HEADER_BYTES or not 1 <= key_len <= MAX_KEY_BYTES:
+        raise _Corrupt("header sizes out of range")
+    if scheme != CHECKSUM_SCHEME:
+        raise _Foreign(f"checksum scheme {scheme}; this build uses {CHECKSUM_SCHEME}")
+    return BlockHeader(
+        key=key[:key_len],
+        fingerprint=fingerprint,
+        payload_bytes=length,
+        checksum=checksum,
+        written_ns=at,
+        writer=writer.rstrip(b"\0").decode(errors="replace"),
+    )
+
+
+# Outcomes of reading one block.
+_OK, _ABSENT, _CORRUPT, _FOREIGN, _ERROR = range(5)
+
+
+@dataclass(frozen=True)
+class _Read:
+    status: int
+    reason: str = ""
+    inode: tuple[int, int] | None = None
+    checksum: int = 0
+
+
+class SharedFsPool:
+    """Blocks of one layout as content-addressed files in a shared directory.
+
+    Args:
+      layout: the block format (the DRAM pools it exchanges blocks with must have the same one).
+      directory: an existing directory, typically on a filesystem shared by many hosts. It is
+        not created (a missing mount point must not silently become a local directory); the
+        layout's subdirectory in it is.
+      capacity: a soft limit on the number of blocks of this layout, checked by :meth:`put`
+        before it writes (a directory scan; approximate while other hosts write). None for
+        unbounded: :attr:`capacity` then reports ``sys.maxsize`` and the filesystem's free space
+        is the limit (a full filesystem makes ``put`` raise :class:`TierFullError`).
+      durability: ``"commit"`` fsyncs every file before its rename and every directory after it;
+        ``"none"`` skips fsync (see the module docstring for what each guarantees).
+      io_threads: threads that read and write files concurrently (shared filesystems are
+        latency-bound: several requests in flight multiply throughput). 1 runs on the caller.
+    """
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        directory: str | os.PathLike[str],
+        *,
+        capacity: int | None = None,
+        durability: str = "commit",
+        io_threads: int = 8,
+    ) -> None:
+        if not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout, got {type(layout).__name__}"
+            )
+        if not isinstance(directory, str | os.PathLike):
+            raise InvalidArgumentError(
+                f"directory: expected a path, got {type(directory).__name__}"
+            )
+        if capacity is not None and (
+            not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 1
+        ):
+            raise InvalidArgumentError(
+                f"capacity: expected None or a positive number of blocks, got {capacity!r}"
+            )
+        if durability not in DURABILITY:
+            raise InvalidArgumentError(
+                f"durability: expected 'commit' or 'none', got {durability!r}"
+            )
+        if (
+            not isinstance(io_threads, numbers.Integral)
+            or isinstance(io_threads, bool)
+            or io_threads < 1
+        ):
+            raise InvalidArgumentError(
+                f"io_threads: expected a positive number of threads, got {io_threads!r}"
+            )
+        path = os.path.abspath(os.fspath(directory))
+        if not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise InvalidArgumentError(
+                f"directory: {path} {what}; create it (or mount the shared filesystem) first"
+            )
+        self.layout = layout
+        self.directory = path
+        self.durability = durability
+        self.io_threads = int(io_threads)
+        self.stats = TierStats(f"sharedfs:{path}")
+        self._capacity = None if capacity is None else int(capacity)
+        self._root = os.path.join(path, layout.fingerprint.hex())
+        self._known_dirs: set[str] = set()
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._closed = False
+        self._prepare_root()
+
+    # --- the LowerTier interface -------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """The block limit given, or ``sys.maxsize`` when unbounded."""
+        return sys.maxsize if self._capacity is None else self._capacity
+
+    @property
+    def used(self) -> int:
+        """Blocks of this layout in the directory (a directory scan)."""
+        return len(self.keys())
+
+    def put(self, keys: Sequence[bytes], source: HostPool, *, overwrite: bool = False) -> int:
+        """Stores the blocks under ``keys`` from ``source``; returns how many files were written.
+
+        Keys already stored are skipped unless ``overwrite`` (which rewrites them, e.g. to repair
+        a damaged file; readers see the old file or the new one). Raises
+        :class:`BlocksMissingError` before writing anything when a key is absent from ``source``
+        or its DRAM block fails its checksum (that block is dropped from ``source``);
+        :class:`TierFullError` before writing anything when ``capacity`` would be exceeded, or
+        when the filesystem is full; :class:`TransferFailedError` on other I/O errors. Blocks
+        written before an I/O error stay (each is whole).
+        """
+        self._check_open()
+        keys = _check_keys(keys)
+        self._check_pool(source, "source")
+        unique = list(dict.fromkeys(keys))
+        pinned = source.pin(unique)
+        corrupt: list[bytes] = []
+        jobs: list[tuple[bytes, memoryview, int]] = []
+        try:
+            if not pinned.present.all():
+                absent = [k for k, p in zip(unique, pinned.present, strict=True) if not p]
+                present = set(unique) - set(absent)
+                raise BlocksMissingError(
+                    f"keys: {len(absent)} of {len(unique)} keys are not in source "
+                    f"(e.g. {absent[0].hex()}); nothing was written",
+                    loaded=[k in present for k in keys],
+                )
+            todo = list(range(len(unique)))
+            if not overwrite:
+                exists = self._run_all(self._exists, unique)
+                todo = [i for i in todo if not exists[i]]
+            if not todo:
+                return 0
+            if self._capacity is not None:
+                over = self.used + len(todo) - self._capacity
+                if over > 0:
+                    raise TierFullError(
+                        f"keys: {len(todo)} new blocks would exceed the capacity of "
+                        f"{self._capacity} blocks by {over}; delete blocks first or raise it"
+                    )
+            slots = pinned.slots[todo]
+            sums = source.hash_slots(slots)
+            bad = sums != pinned.checksums[todo]
+            if bad.any():
+                corrupt = [unique[i] for i, b in zip(todo, bad.tolist(), strict=True) if b]
+                dropped = set(corrupt)
+                raise BlocksMissingError(
+                    f"keys: {len(corrupt)} blocks in source failed their checksum (e.g. "
+                    f"{corrupt[0].hex()}) and were dropped from it; nothing was written",
+                    loaded=[k not in dropped for k in keys],
+                    corrupt=len(corrupt),
+                )
+            payload = self.layout.payload_bytes
+            for i, slot, checksum in zip(todo, slots.tolist(), sums.tolist(), strict=True):
+                jobs.append((unique[i], source.slot_memory(slot)[:payload], checksum))
+            outcomes = self._run_all(self._write_block, jobs, capture=True)
+        finally:
+            for job in jobs:
+                job[1].release()  # nothing may keep the source's memory exported
+            source.unpin(pinned)
+            if corrupt:
+                source.drop_corrupt(corrupt)
+        written = [o for o in outcomes if not isinstance(o, BaseException)]
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if self.durability == "commit" and written:
+            self._sync_dirs({os.path.dirname(p) for p in written})
+        self.stats.add(puts=len(written), bytes_in=len(written) * self.layout.payload_bytes)
+        if failed:
+            raise _io_error(failed[0], f"writing {len(failed)} of {len(jobs)} blocks") from (
+                failed[0]
+            )
+        return len(written)
+
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Loads the blocks under ``keys`` into ``target`` (a DRAM pool of the same layout).
+
+        Keys already in ``target`` count as loaded and are not read. Raises
+        :class:`BlocksMissingError` (``loaded`` mask over ``keys``; ``corrupt`` = files that
+        failed verification) after committing every good block when any is absent or invalid;
+        :class:`TierFullError` before reading when ``target`` has too few free slots.
+        """
+        self._check_open()
+        keys = _check_keys(keys)
+        self._check_pool(target, "target")
+        reservation = target.reserve(keys)
+        pending: Reservation | None = reservation  # slots neither committed nor aborted yet
+        reads: list[_Read] = []
+        jobs: list[tuple[bytes, memoryview]] = []
+        try:
+            payload = self.layout.payload_bytes
+            for key, slot in zip(reservation.keys, reservation.slots.tolist(), strict=True):
+                jobs.append((key, target.slot_memory(slot)[:payload]))
+            reads = self._run_all(self._read_block, jobs)
+            ok = np.array([r.status == _OK for r in reads], dtype=bool)
+            checksums = np.zeros(0, dtype=np.uint64)
+            if ok.any():
+                expected = np.array([r.checksum for r in reads if r.status == _OK], np.uint64)
+                got = target.hash_slots(reservation.slots[ok])
+                mismatch = np.flatnonzero(ok)[got != expected]
+                for i in mismatch.tolist():
+                    reads[i] = _Read(_CORRUPT, "payload checksum mismatch", reads[i].inode)
+                ok[mismatch] = False
+                checksums = got[got == expected]
+            good = reservation.subset(ok)
+            target.abort(reservation.subset(~ok))
+            pending = good
+            if len(good.slots):
+                target.commit(good, checksums)
+            pending = None
+        finally:
+            for job in jobs:
+                job[1].release()
+            if pending is not None:  # an exception before the verdict: nothing was published
+                target.abort(pending)
+        self._discard_corrupt(reservation.keys, reads)
+        served = {k for k, r in zip(reservation.keys, reads, strict=True) if r.status == _OK}
+        reserved = set(reservation.keys)
+        present = target.contains([k for k in keys if k not in reserved])
+        others = dict(zip([k for k in keys if k not in reserved], present, strict=True))
+        loaded = [k in served if k in reserved else others[k] for k in keys]
+        counts = {s: sum(r.status == s for r in reads) for s in range(5)}
+        corrupt = counts[_CORRUPT]
+        self.stats.add(
+            hits=len(served),
+            misses=len(reads) - len(served),
+            checksum_failures=corrupt,
+            bytes_out=len(served) * self.layout.payload_bytes,
+        )
+        if not all(loaded):
+            raise BlocksMissingError(
+                f"keys: {loaded.count(False)} of {len(keys)} blocks not served "
+                f"({counts[_ABSENT]} absent, {corrupt} corrupt, {counts[_FOREIGN]} of another "
+                f"format, {counts[_ERROR]} unreadable)",
+                loaded=loaded,
+                corrupt=corrupt,
+            )
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether a published file exists for each key (its content is checked by ``get``)."""
+        self._check_open()
+        return self._run_all(self._exists, _check_keys(keys))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Unlinks the files of ``keys`` (readers that already opened one still read it whole);
+        absent keys are skipped. Returns how many were removed."""
+        self._check_open()
+        keys = list(dict.fromkeys(_check_keys(keys)))
+        removed = 0
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise _io_error(exc, f"deleting {key.hex()}") from exc
+            removed += 1
+        if removed and self.durability == "commit":
+            self._sync_dirs({os.path.dirname(self._path(k)) for k in keys})
+        self.stats.add(deletes=removed)
+        return removed
+
+    def keys(self) -> list[bytes]:
+        """Keys of every published block of this layout, sorted (a directory scan: temporary
+        files are not blocks and are never listed)."""
+        self._check_open()
+        out: list[bytes] = []
+        for folder in self._fanout_dirs(self._root):
+            try:
+                entries = os.listdir(folder)
+            except FileNotFoundError:
+                continue
+            prefix = os.path.basename(folder)
+            for name in entries:
+                if name.startswith(".") or not name.endswith(SUFFIX):
+                    continue
+                try:
+                    key = bytes.fromhex(name[: -len(SUFFIX)])
+                except ValueError:
+                    continue
+                if 1 <= len(key) <= MAX_KEY_BYTES and key[:1].hex() == prefix:
+                    out.append(key)
+        return sorted(out)
+
+    def sweep(self, older_than_s: float = 3600.0, *, all_layouts: bool = False) -> int:
+        """Removes temporary files (left by writers that crashed) older than ``older_than_s``
+        seconds, under this layout's directory or, with ``all_layouts``, every layout's.
+        Returns how many were removed. A temporary file younger than the longest write may
+        belong to a live writer: keep the age well above it (and above clock skew between hosts)."""
+        self._check_open()
+        if not isinstance(older_than_s, int | float) or older_than_s < 0:
+            raise InvalidArgumentError(
+                f"older_than_s: expected a non-negative age in seconds, got {older_than_s!r}"
+            )
+        cutoff = time.time() - older_than_s
+        roots = [self._root]
+        if all_layouts:
+            roots = [e.path for e in os.scandir(self.directory) if e.is_dir()]
+        removed = 0
+        for root in roots:
+            for folder in [root, *self._fanout_dirs(root)]:
+                try:
+                    entries = list(os.scandir(folder))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for entry in entries:
+                    if not (entry.name.startswith(".") and TEMP_MARK in entry.name):
+                        continue
+                    try:
+                        if entry.stat(follow_symlinks=False).st_mtime > cutoff:
+                            continue
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        continue
+                    removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Stops the I/O threads. The files stay: they are the tier."""
+        self._closed = True
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def __enter__(self) -> SharedFsPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        limit = "unbounded" if self._capacity is None else f"capacity {self._capacity}"
+        return (
+            f"SharedFsPool({self._root}, {limit}, durability={self.durability!r}, "
+            f"{self.layout.payload_bytes} B blocks)"
+        )
+
+    # --- files -----------------------------------------------------------------------------
+
+    def path_of(self, key: bytes) -> str:
+        """The path a block's file has (whether or not it exists)."""
+        return self._path(_check_keys([key])[0])
+
+    def _path(self, key: bytes) -> str:
+        return f"{self._root}/{key[:1].hex()}/{key.hex()}{SUFFIX}"
+
+    def _exists(self, key: bytes) -> bool:
+        try:
+            os.stat(self._path(key))
+        except OSError:
+            return False
+        return True
+
+    def _write_block(self, job: tuple[bytes, memoryview, int]) -> str:
+        """Writes one block to a temporary name and publishes it; returns its path."""
+        key, payload, checksum = job
+        final = self._path(key)
+        folder = os.path.dirname(final)
+        self._ensure_dir(folder)
+        pid = os.getpid()
+        temp = f"{folder}/.{key.hex()}{TEMP_MARK}{_HOST}-{pid}-{uuid.uuid4().hex[:16]}"
+        header = encode_block_header(
+            key,
+            self.layout.fingerprint,
+            self.layout.payload_bytes,
+            checksum,
+            written_ns=time.time_ns(),
+            writer=f"{_HOST}:{pid}",
+        )
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                _pwritev_all(fd, [header, payload])
+                if self.durability == "commit":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)  # NFS reports write-back errors here: before the rename
+            os.rename(temp, final)
+        except BaseException:
+            _unlink_quietly(temp)
+            raise
+        return final
+
+    def _read_block(self, job: tuple[bytes, memoryview]) -> _Read:
+        """Reads one block file into slot memory and checks its header (not yet its payload)."""
+        key, memory = job
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return _Read(_ABSENT)
+        except OSError as exc:
+            log.warning("tpusync: %s: cannot open: %s", path, exc.strerror)
+            return _Read(_ERROR, reason=str(exc))
+        header = bytearray(HEADER_BYTES)
+        try:
+            st = os.fstat(fd)
+            got = _preadv_all(fd, [header, memory])
+        except OSError as exc:
+            log.warning("tpusync: %s: cannot read: %s", path, exc.strerror)
+            return _Read(_ERROR, reason=str(exc))
+        finally:
+            os.close(fd)
+        inode = (st.st_dev, st.st_ino)
+        want = HEADER_BYTES + self.layout.payload_bytes
+        try:
+            parsed = decode_block_header(header[: min(got, HEADER_BYTES)])
+            if parsed.key != key:
+                raise _Corrupt(f"holds key {parsed.key.hex()}")
+            if parsed.fingerprint != self.layout.fingerprint:
+                raise _Corrupt(f"holds a block of layout {parsed.fingerprint.hex()}")
+            if parsed.payload_bytes != self.layout.payload_bytes:
+                raise _Corrupt(f"payload of {parsed.payload_bytes} bytes")
+            if got != want or st.st_size != want:
+                raise _Corrupt(f"{st.st_size} bytes where a block file has {want}")
+        except _Foreign as exc:
+            log.info("tpusync: %s: %s; not read", path, exc)
+            return _Read(_FOREIGN, reason=str(exc))
+        except _Corrupt as exc:
+            return _Read(_CORRUPT, reason=str(exc), inode=inode)
+        return _Read(_OK, checksum=parsed.checksum, inode=inode)
+
+    def _discard_corrupt(self, keys: list[bytes], reads: list[_Read]) -> None:
+        """Unlinks corrupt files, unless a writer republished the name since they were read."""
+        for key, read in zip(keys, reads, strict=True):
+            if read.status != _CORRUPT:
+                continue
+            path = self._path(key)
+            log.warning("tpusync: %s: corrupt block file (%s); removing it", path, read.reason)
+            with contextlib.suppress(OSError):  # gone, or not ours to remove: a miss either way
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == read.inode:
+                    os.unlink(path)
+
+    def _prepare_root(self) -> None:
+        """Creates this layout's directory and its description file, where writable (a read-only
+        mount is fine for readers: ``put`` then fails with a clear error)."""
+        try:
+            os.makedirs(self._root, exist_ok=True)
+        except OSError as exc:
+            log.info("tpusync: cannot create %s (%s); read-only use", self._root, exc.strerror)
+            return
+        description = os.path.join(self._root, "layout.json")
+        if os.path.exists(description):
+            return
+        text = json.dumps(
+            {"fingerprint": self.layout.fingerprint.hex(), "layout": self.layout.describe()},
+            sort_keys=True,
+            indent=1,
+        )
+        temp = f"{self._root}/.layout.json{TEMP_MARK}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            with open(temp, "x") as f:
+                f.write(text + "\n")
+            os.rename(temp, description)
+        except OSError as exc:
+            _unlink_quietly(temp)
+            log.info("tpusync: cannot write %s: %s", description, exc.strerror)
+
+    def _ensure_dir(self, folder: str) -> None:
+        if folder in self._known_dirs:
+            return
+        try:
+            os.mkdir(folder)
+            if self.durability == "commit":
+                self._sync_dirs({os.path.dirname(folder)})
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)  # the layout directory was removed meanwhile
+        self._known_dirs.add(folder)
+
+    def _sync_dirs(self, folders: set[str]) -> None:
+        for folder in folders:
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+                    raise _io_error(exc, f"syncing the directory {folder}") from exc
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _fanout_dirs(root: str) -> list[str]:
+        try:
+            names = os.listdir(root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [os.path.join(root, n) for n in sorted(names) if _FANOUT.match(n)]
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TpuSyncError(f"{self!r} is closed; open a new SharedFsPool")
+
+    def _check_pool(self, pool: Any, argument: str) -> None:
+        if not isinstance(pool, HostPool):
+            raise InvalidArgumentError(
+                f"{argument}: expected a HostPool (the DRAM tier), got {type(pool).__name__}"
+            )
+        if pool.layout.fingerprint != self.layout.fingerprint:
+            raise InvalidArgumentError(
+                f"{argument}: this HostPool holds blocks of another layout (model "
+                f"{pool.layout.model_id!r}, fingerprint {pool.layout.fingerprint.hex()}) than "
+                f"this SharedFsPool (model {self.layout.model_id!r}, fingerprint "
+                f"{self.layout.fingerprint.hex()}); give both the same PoolLayout"
+            )
+
+    def _run_all(
+        self, fn: Callable[[Any], Any], items: Sequence[Any], *, capture: bool = False
+    ) -> list[Any]:
+        """``fn`` over ``items`` on the I/O threads; returns only once every call has finished
+        (slots handed to a call must not be reused while it runs). With ``capture``, exceptions
+        are returned in place of results; otherwise the first one is raised."""
+        if len(items) <= 1 or self.io_threads == 1:
+            if not capture:
+                return [fn(item) for item in items]
+            out: list[Any] = []
+            for item in items:
+                try:
+                    out.append(fn(item))
+                except Exception as exc:
+                    out.append(exc)
+            return out
+        executor = self._get_executor()
+        futures: list[Future[Any]] = [executor.submit(fn, item) for item in items]
+        try:
+            wait(futures)
+        except BaseException:  # e.g. KeyboardInterrupt: still never return while calls run
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise
+        results = []
+        for future in futures:
+            exc = future.exception()
+            if exc is not None and not capture:
+                raise exc
+            results.append(exc if exc is not None else future.result())
+        return results
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        with self._executor_lock:
+            self._check_open()
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.io_threads, thread_name_prefix="tpusync-sharedfs"
+                )
+            return self._executor
+
+
+def _pwritev_all(fd: int, buffers: list[Any]) -> None:
+    _vectored(os.pwritev, fd, buffers, stop_at_eof=False)
+
+
+def _preadv_all(fd: int, buffers: list[Any]) -> int:
+    """Fills ``buffers`` from the start of the file; returns the bytes read (short at EOF)."""
+    return _vectored(os.preadv, fd, buffers, stop_at_eof=True)
+
+
+def _vectored(
+    op: Callable[[int, list[memoryview], int], int],
+    fd: int,
+    buffers: list[Any],
+    *,
+    stop_at_eof: bool,
+) -> int:
+    """Runs ``pwritev``/``preadv`` from offset 0 until every buffer is done (or EOF). Every view
+    it makes is released before it returns or raises: a view left to a traceback would keep a
+    DRAM pool from closing."""
+    made = [memoryview(b).cast("B") for b in buffers]
+    views = list(made)
+    done = 0
+    try:
+        while views:
+            n = op(fd, views, done)
+            if n <= 0:
+                if stop_at_eof:
+                    break
+                raise OSError(errno.EIO, "the filesystem accepted no bytes")
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+                made.append(views[0])
+        return done
+    finally:
+        for view in made:
+            view.release()
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _io_error(exc: BaseException, what: str) -> TpuSyncError:
+    if isinstance(exc, TpuSyncError):
+        return exc
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return TierFullError(
+                f"keys: the shared filesystem is full ({exc.strerror}) while {what}; free space "
+                "or delete blocks; every block stored is still whole"
+            )
+        return TransferFailedError(
+            f"{what}: {exc.strerror or exc} ({getattr(exc, 'filename', None) or 'no file'}); "
+            "check that the directory is mounted and writable; every block stored is whole"
+        )
+    return TransferFailedError(f"{what}: {exc!r}")
