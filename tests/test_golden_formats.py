@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpusync.tiers import HostPool
+from tpusync.tiers import DiskPool, HostPool, SharedFsPool
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
 import make_golden as golden
@@ -36,3 +36,32 @@ def test_host_pool_v1_reads(tmp_path: Path) -> None:
                 )
     finally:
         pool.close()
+
+
+def _check_loaded(pool: HostPool) -> None:
+    pools = golden.golden_pools()
+    pool.get_to_device(golden.KEYS, pools, [0, 1, 2])
+    for a, device_pool in enumerate(pools):
+        got = np.asarray(device_pool.array)
+        for block, key in enumerate(golden.KEYS):
+            np.testing.assert_array_equal(
+                got[block].view(np.uint32), golden.golden_block(key, a).view(np.uint32)
+            )
+
+
+def test_disk_pool_v1_reads(tmp_path: Path) -> None:
+    shutil.copytree(DATA / "diskpool-v1", tmp_path / "disk")
+    target = HostPool(golden.golden_layout(), 4)
+    with DiskPool(golden.golden_layout(), 4, tmp_path / "disk", on_mismatch="error") as disk:
+        assert sorted(disk.keys()) == sorted(golden.KEYS)
+        disk.get(golden.KEYS, target)
+    _check_loaded(target)
+
+
+def test_shared_fs_v1_reads(tmp_path: Path) -> None:
+    shutil.copytree(DATA / "sharedfs-v1", tmp_path / "shared")
+    target = HostPool(golden.golden_layout(), 4)
+    with SharedFsPool(golden.golden_layout(), tmp_path / "shared") as shared:
+        assert sorted(shared.keys()) == sorted(golden.KEYS)
+        shared.get(golden.KEYS, target)
+    _check_loaded(target)

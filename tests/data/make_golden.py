@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 import tpusync
-from tpusync.tiers import HostPool, PoolLayout
+from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 
 HERE = Path(__file__).parent
 BLOCK_SHAPE = (8, 16)  # float32: 512 bytes per array per block
@@ -52,9 +52,39 @@ def write_host_pool(target: Path) -> None:
         shutil.copyfile(Path(shm_dir) / "tpusync-golden.pool", target)
 
 
+def filled_host_pool() -> HostPool:
+    """An anonymous DRAM pool holding the golden blocks (the source of the other formats)."""
+    pools = golden_pools()
+    for a, pool in enumerate(pools):
+        host = np.stack([golden_block(k, a) for k in KEYS])
+        tpusync.transfer(host, pool, dst_blocks=range(len(KEYS))).result()
+    source = HostPool(golden_layout(), 4)
+    source.put_from_device(KEYS, pools, range(len(KEYS)))
+    return source
+
+
+def write_disk_pool(target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    source = filled_host_pool()
+    with DiskPool(golden_layout(), 4, target, direct_io=False) as disk:
+        disk.put(KEYS, source)
+    (target / "tpusync-disk.lock").unlink(missing_ok=True)  # recreated on open
+
+
+def write_shared_fs(target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir()
+    source = filled_host_pool()
+    with SharedFsPool(golden_layout(), target) as shared:
+        shared.put(KEYS, source)
+
+
 def main() -> None:
     write_host_pool(HERE / "hostpool-v1.pool")
-    print("wrote", *sorted(p.name for p in HERE.glob("*.pool")), file=sys.stderr)
+    write_disk_pool(HERE / "diskpool-v1")
+    write_shared_fs(HERE / "sharedfs-v1")
+    print("wrote", *sorted(p.name for p in HERE.glob("*-v*")), file=sys.stderr)
 
 
 if __name__ == "__main__":
