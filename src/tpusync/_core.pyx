@@ -32,6 +32,13 @@ cdef extern from "sys/mman.h" nogil:
     int MADV_HUGEPAGE
 
 
+cdef cnp.ndarray _segment_table(cnp.ndarray segments):
+    """Checks a segment table (uint64, shape (n, 3)) and returns it C-contiguous."""
+    if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
+        raise ValueError("segments must be a uint64 array of shape (n, 3)")
+    return np.ascontiguousarray(segments)
+
+
 cdef class CopyEngine:
     """A pool of native threads that copies lists of byte segments with the GIL released.
 
@@ -60,10 +67,7 @@ cdef class CopyEngine:
 
     def copy(self, cnp.ndarray segments not None):
         """Copies every segment; returns the number of bytes copied."""
-        if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
-            raise ValueError("segments must be a uint64 array of shape (n, 3)")
-        if not segments.flags.c_contiguous:
-            segments = np.ascontiguousarray(segments)
+        segments = _segment_table(segments)
         cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
         cdef size_t n = <size_t> segments.shape[0]
         cdef uint64_t copied
@@ -74,10 +78,7 @@ cdef class CopyEngine:
     def copy_hashed(self, cnp.ndarray segments not None):
         """Copies every segment and returns a uint64 array: the piece checksum
         (:func:`sum64`) of each segment's bytes, computed in the same pass as the copy."""
-        if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
-            raise ValueError("segments must be a uint64 array of shape (n, 3)")
-        if not segments.flags.c_contiguous:
-            segments = np.ascontiguousarray(segments)
+        segments = _segment_table(segments)
         cdef cnp.ndarray digests = np.empty(segments.shape[0], dtype=np.uint64)
         cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
         cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(digests)
@@ -89,10 +90,7 @@ cdef class CopyEngine:
     def hash(self, cnp.ndarray segments not None):
         """The piece checksum (:func:`sum64`) of each segment's source bytes (the destination
         column is ignored)."""
-        if segments.dtype != np.uint64 or segments.ndim != 2 or segments.shape[1] != 3:
-            raise ValueError("segments must be a uint64 array of shape (n, 3)")
-        if not segments.flags.c_contiguous:
-            segments = np.ascontiguousarray(segments)
+        segments = _segment_table(segments)
         cdef cnp.ndarray digests = np.empty(segments.shape[0], dtype=np.uint64)
         cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
         cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(digests)

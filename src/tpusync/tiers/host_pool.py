@@ -483,20 +483,7 @@ class HostPool:
     def _copy_in(
         self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
     ) -> np.ndarray:
-        from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
-
-        views = self.views()
-        items = [
-            Transfer(pool, view, src_blocks=block_ids, dst_blocks=slots, block_axis=a.block_axis)
-            for pool, view, a in zip(pools, views, self.layout.arrays, strict=True)
-        ]
-        moves = [_plan_move(item) for item in items]
-        if _choose_engine(moves, path) == "native":
-            with _pools_locked(moves):
-                digests = _native_path.run_hashed(moves)
-            return slot_checksums(_slot_major(digests))
-        transfer_batch(items, path="jax").result()
-        return self._hash_slots(slots)
+        return self._move_blocks(pools, block_ids, slots, path, to_device=False)
 
     def _hash_slots(self, slots: np.ndarray) -> np.ndarray:
         """Checksums of committed-or-written slots, from memory (the pure-JAX path's pass)."""
@@ -565,21 +552,39 @@ class HostPool:
     def _copy_out(
         self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
     ) -> np.ndarray:
+        return self._move_blocks(pools, block_ids, slots, path, to_device=True)
+
+    def _move_blocks(
+        self,
+        pools: Sequence[Any],
+        block_ids: np.ndarray,
+        slots: np.ndarray,
+        path: str,
+        *,
+        to_device: bool,
+    ) -> np.ndarray:
+        """Moves device blocks ``block_ids`` to or from ``slots`` (one transfer per array) and
+        returns the blocks' checksums over the bytes moved: computed in the copy pass on the
+        native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
         from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
 
-        views = self.views()
-        items = [
-            Transfer(view, pool, src_blocks=slots, dst_blocks=block_ids, block_axis=a.block_axis)
-            for pool, view, a in zip(pools, views, self.layout.arrays, strict=True)
-        ]
+        items = []
+        for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
+            if to_device:
+                items.append(Transfer(view, pool, slots, block_ids, array.block_axis))
+            else:
+                items.append(Transfer(pool, view, block_ids, slots, array.block_axis))
         moves = [_plan_move(item) for item in items]
         if _choose_engine(moves, path) == "native":
             with _pools_locked(moves):
                 digests = _native_path.run_hashed(moves)
             return slot_checksums(_slot_major(digests))
-        checksums = self._hash_slots(slots)  # slots are pinned: what is hashed is what moves
+        if to_device:
+            checksums = self._hash_slots(slots)  # pinned: what is hashed is what moves
+            transfer_batch(items, path="jax").result()
+            return checksums
         transfer_batch(items, path="jax").result()
-        return checksums
+        return self._hash_slots(slots)
 
     # --- delete, close ----------------------------------------------------------------------
 
