@@ -105,3 +105,16 @@ def test_mapping_is_page_aligned_prefaulted_and_guarded() -> None:
         np.frombuffer(mapping, dtype=np.uint8)
     with pytest.raises(ValueError, match="size must be > 0"):
         _core.Mapping(0)
+
+
+def test_populate_ranges_are_checked() -> None:
+    mapping = _core.Mapping(1 << 20, populate=False)
+    mapping.populate(4096, 8192)
+    mapping.populate()
+    with pytest.raises(ValueError, match="outside the mapping"):
+        mapping.populate(1 << 20, 10)
+    with pytest.raises(ValueError, match="outside the mapping"):
+        mapping.populate(0, (1 << 20) + 1)
+    mapping.close()
+    with pytest.raises(ValueError, match="closed"):
+        mapping.populate()

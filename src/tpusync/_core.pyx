@@ -169,14 +169,21 @@ cdef class Mapping:
         if populate:
             self.populate()
 
-    def populate(self):
-        """Touches every page for writing, so later copies do not pay page faults."""
+    def populate(self, size_t start=0, length=None):
+        """Touches every page of [start, start + length) for writing (default: all), so later
+        copies do not pay page faults. GIL released."""
+        if self._address == NULL:
+            raise ValueError("the mapping is closed")
+        cdef size_t n = self.size - start if length is None else length
+        if start > self.size or n > self.size - start:
+            raise ValueError(f"range {start}+{n} is outside the mapping of {self.size} bytes")
         cdef volatile char *p = <volatile char *> self._address
         cdef size_t i
         cdef size_t page = PAGE_SIZE
+        cdef size_t end = start + n
         with nogil:
-            i = 0
-            while i < self.size:
+            i = start - start % page
+            while i < end:
                 p[i] = p[i]
                 i += page
 

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from tpusync import _core, _native_path
+from tpusync._progress import Progress
 from tpusync.device_pool import DevicePool
 from tpusync.errors import (
     BlockIndexError,
@@ -146,7 +147,9 @@ class HostPool:
         self.attached = False  # True when an existing pool was re-attached
         self.attach_seconds = 0.0
         if name is None:
-            self._mapping = _core.Mapping(self.geometry.file_bytes, populate=populate)
+            self._mapping = _core.Mapping(self.geometry.file_bytes, populate=False)
+            if populate:
+                _prefault(self._mapping, "prefaulting host pool")
             self._write_owner_pid()
         else:
             self.path = pool_path(name, shm_dir)
@@ -241,7 +244,9 @@ class HostPool:
                 raise TierFullError(
                     f"capacity: cannot reserve {_size(need)} in {directory}: {exc.strerror}"
                 ) from None
-            self._mapping = _core.Mapping(need, populate=populate, fd=fd)
+            self._mapping = _core.Mapping(need, populate=False, fd=fd)
+            if populate:
+                _prefault(self._mapping, f"prefaulting {self.path}")
             header = encode_header(self.geometry, os.getpid())
             memoryview(self._mapping)[: len(header)] = header
             # Visible under its name only when fully set up; link() never replaces a pool that
@@ -702,6 +707,22 @@ class HostPool:
         if unique and len(np.unique(ids)) != len(ids):
             raise BlockIndexError("block_ids: a device block appears twice; each is written once")
         return ids
+
+
+PROGRESS_MIN_BYTES = 1 << 30  # pools smaller than this prefault silently (under a second)
+_PREFAULT_STEP = 64 << 20
+
+
+def _prefault(mapping: _core.Mapping, label: str) -> None:
+    """Touches every page once, with a progress report for large pools."""
+    if mapping.size < PROGRESS_MIN_BYTES:
+        mapping.populate()
+        return
+    with Progress(label, mapping.size) as progress:
+        for start in range(0, mapping.size, _PREFAULT_STEP):
+            length = min(_PREFAULT_STEP, mapping.size - start)
+            mapping.populate(start, length)
+            progress.advance(length)
 
 
 def num_blocks(pool: DevicePool | jax.Array, block_axis: int) -> int:

@@ -1,0 +1,34 @@
+"""Progress reports on long work: a redrawn line on a terminal, log lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+
+from tpusync import _progress
+from tpusync._progress import Progress
+
+
+def test_terminal_progress_redraws_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(_progress.sys, "stderr", screen)
+    with Progress("prefaulting", 4 << 30) as progress:
+        for _ in range(4):
+            progress.advance(1 << 30)
+    text = screen.getvalue()
+    assert text.startswith("\rprefaulting [") and "4.00/4.00 GiB" in text
+    assert text.endswith(" s\n") and text.count("\n") == 1
+
+
+def test_log_progress_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="tpusync"), Progress("copying", 2 << 30) as p:
+        p.advance(2 << 30)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == "tpusync: copying (2.00 GiB)..."
+    assert messages[1].startswith("tpusync: copying done in ")
