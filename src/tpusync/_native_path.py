@@ -19,6 +19,7 @@ import numpy as np
 from tpusync import _core
 from tpusync._layout import DeviceSide, HostSide, Move
 from tpusync._plan import Region, segments
+from tpusync.device_pool import wait_for_readers
 
 _engine: _core.CopyEngine | None = None
 _engine_lock = threading.Lock()
@@ -106,14 +107,22 @@ def plan_segments(move: Move, holds: list[Any], merge: bool = True) -> list[np.n
     return parts
 
 
+def _prepare_destinations(moves: list[Move]) -> None:
+    """Waits for every reader of every destination pool (see device_pool), all at once."""
+    pools = {}
+    for move in moves:
+        if isinstance(move.dst, DeviceSide) and move.dst.pool is not None:
+            pools[id(move.dst.pool)] = move.dst.pool
+    if pools:
+        wait_for_readers(list(pools.values()))
+
+
 def run_hashed(moves: list[Move]) -> list[np.ndarray]:
     """Like :func:`run`, and returns for each move the checksum (``_core.sum64``) of every piece
     it copied, computed
     in the same pass: an array of shape (shard groups, outer pieces, blocks), from the first
     replica of each group. Sources and destinations must not overlap."""
-    for move in moves:
-        if isinstance(move.dst, DeviceSide) and move.dst.pool is not None:
-            move.dst.pool._wait_for_readers()
+    _prepare_destinations(moves)
     holds: list[Any] = []
     try:
         tables, shapes = [], []
@@ -178,9 +187,7 @@ def run(moves: list[Move]) -> int:
     each through a staging buffer where it overlaps itself: the same result as the pure-JAX
     path, which runs pairs in order.
     """
-    for move in moves:
-        if isinstance(move.dst, DeviceSide) and move.dst.pool is not None:
-            move.dst.pool._wait_for_readers()
+    _prepare_destinations(moves)
     holds: list[Any] = []
     try:
         tables = []

@@ -121,9 +121,17 @@ class DevicePool:
     def _wait_for_readers(self) -> jax.Array:
         """Runs the donated identity step (see the module docstring) and returns the array
         whose memory may now be written raw. Call with the lock held."""
-        self._array = _donated_identity()(self._array)
-        self._array.block_until_ready()
+        wait_for_readers([self])
         return self._array
+
+
+def wait_for_readers(pools: list[DevicePool]) -> None:
+    """The donated identity step of several pools: all dispatched first, then waited for, so
+    the pools' readers are waited for concurrently. Call with the pools' locks held."""
+    for pool in pools:
+        pool._array = _donated_identity()(pool._array)
+    for pool in pools:
+        pool._array.block_until_ready()
 
     def _replace(self, array: jax.Array) -> None:
         """Swaps in the result of a donated pure-JAX write. Call with the lock held."""
