@@ -54,11 +54,11 @@ def test_raw_write_waits_for_readers_of_the_pool() -> None:
 
 
 def test_write_race_detects_a_missing_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    def only_wait_for_the_array(self: DevicePool) -> jax.Array:
-        self._array.block_until_ready()  # waits for the writer of the array, not its readers
-        return self._array
+    def only_wait_for_the_arrays(pools: list[DevicePool]) -> None:
+        for pool in pools:  # waits for the writer of each array, not for its readers
+            pool._array.block_until_ready()
 
-    monkeypatch.setattr(DevicePool, "_wait_for_readers", only_wait_for_the_array)
+    monkeypatch.setattr(_native_path, "wait_for_readers", only_wait_for_the_arrays)
     assert _write_race_corruptions(ROUNDS) > 0
 
 

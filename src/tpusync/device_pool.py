@@ -124,15 +124,6 @@ class DevicePool:
         wait_for_readers([self])
         return self._array
 
-
-def wait_for_readers(pools: list[DevicePool]) -> None:
-    """The donated identity step of several pools: all dispatched first, then waited for, so
-    the pools' readers are waited for concurrently. Call with the pools' locks held."""
-    for pool in pools:
-        pool._array = _donated_identity()(pool._array)
-    for pool in pools:
-        pool._array.block_until_ready()
-
     def _replace(self, array: jax.Array) -> None:
         """Swaps in the result of a donated pure-JAX write. Call with the lock held."""
         self._array = array
@@ -150,3 +141,12 @@ def _check_alive(array: jax.Array, argument: str) -> None:
             f"{argument}: this jax.Array was deleted or donated; pass the array that the "
             "donating computation returned (for a DevicePool, read pool.array again)"
         )
+
+
+def wait_for_readers(pools: list[DevicePool]) -> None:
+    """The donated identity step of several pools: all dispatched first, then waited for, so
+    the pools' readers are waited for concurrently. Call with the pools' locks held."""
+    for pool in pools:
+        pool._array = _donated_identity()(pool._array)
+    for pool in pools:
+        pool._array.block_until_ready()
