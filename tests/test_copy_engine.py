@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _core
-from tpusync._plan import merge_runs
 
 STREAMING_JOB = 8 << 20  # the engine streams jobs at least this large (copy_engine.c)
 
@@ -83,11 +82,29 @@ def test_engine_rejects_bad_tables() -> None:
         _core.CopyEngine(0)
 
 
-def test_merge_runs_joins_only_runs_contiguous_on_both_sides() -> None:
-    src = np.array([0, 10, 20, 50, 60], dtype=np.int64)
-    dst = np.array([100, 110, 130, 140, 150], dtype=np.int64)
-    merged = merge_runs(src, dst, 10)
-    assert merged.tolist() == [[0, 100, 20], [20, 130, 10], [50, 140, 20]]
+def test_block_segments_merge_only_runs_contiguous_on_both_sides() -> None:
+    outer = np.array([1000], dtype=np.int64)
+    dst_outer = np.array([5000], dtype=np.int64)
+    src_blocks = np.array([0, 1, 2, 5, 6], dtype=np.int64)
+    dst_blocks = np.array([0, 1, 3, 4, 5], dtype=np.int64)
+    merged = _core.block_segments(outer, 10, dst_outer, 10, src_blocks, dst_blocks, 10)
+    assert merged.tolist() == [[1000, 5000, 20], [1020, 5030, 10], [1050, 5040, 20]]
+    unmerged = _core.block_segments(
+        outer, 10, dst_outer, 10, src_blocks, dst_blocks, 10, merge=False
+    )
+    assert len(unmerged) == 5 and unmerged[:, 2].tolist() == [10] * 5
+    two_outer = _core.block_segments(
+        np.array([0, 100], dtype=np.int64),
+        10,
+        np.array([0, 20], dtype=np.int64),
+        10,
+        np.array([0, 1], dtype=np.int64),
+        np.array([0, 1], dtype=np.int64),
+        10,
+    )
+    assert two_outer.tolist() == [[0, 0, 20], [100, 20, 20]]  # rows of different outers
+    with pytest.raises(ValueError, match="differ in length"):
+        _core.block_segments(outer, 10, dst_outer, 10, src_blocks, dst_blocks[:2], 10)
 
 
 def test_mapping_is_page_aligned_prefaulted_and_guarded() -> None:

@@ -3,7 +3,7 @@
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
 from libc.errno cimport errno
-from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport strerror
 from posix.mman cimport (
     MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap,
@@ -30,6 +30,38 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 cdef extern from "sys/mman.h" nogil:
     int madvise(void *addr, size_t length, int advice)
     int MADV_HUGEPAGE
+
+
+def block_segments(
+    const int64_t[::1] src_outer, int64_t src_block_stride,
+    const int64_t[::1] dst_outer, int64_t dst_block_stride,
+    const int64_t[::1] src_blocks, const int64_t[::1] dst_blocks,
+    uint64_t nbytes, bint merge=True,
+):
+    """Rows (src, dst, nbytes) moving ``src_blocks[i]`` to ``dst_blocks[i]`` for every outer
+    index o: addresses ``*_outer[o] + *_blocks[i] * *_block_stride``, in (o, i) order. With
+    ``merge``, a row continuing the previous one on both sides extends it."""
+    cdef Py_ssize_t n_outer = src_outer.shape[0], n_blocks = src_blocks.shape[0]
+    if dst_outer.shape[0] != n_outer or dst_blocks.shape[0] != n_blocks:
+        raise ValueError("source and destination lists differ in length")
+    cdef cnp.ndarray table = np.empty((n_outer * n_blocks, 3), dtype=np.uint64)
+    cdef uint64_t[:, ::1] out = table
+    cdef Py_ssize_t o, i, rows = 0
+    cdef uint64_t s, d
+    with nogil:
+        for o in range(n_outer):
+            for i in range(n_blocks):
+                s = <uint64_t> (src_outer[o] + src_blocks[i] * src_block_stride)
+                d = <uint64_t> (dst_outer[o] + dst_blocks[i] * dst_block_stride)
+                if (merge and rows > 0 and out[rows - 1, 0] + out[rows - 1, 2] == s
+                        and out[rows - 1, 1] + out[rows - 1, 2] == d):
+                    out[rows - 1, 2] += nbytes
+                else:
+                    out[rows, 0] = s
+                    out[rows, 1] = d
+                    out[rows, 2] = nbytes
+                    rows += 1
+    return table[:rows]
 
 
 cdef cnp.ndarray _segment_table(cnp.ndarray segments):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -134,34 +133,20 @@ def segments(
     """Rows (src_address, dst_address, nbytes) for moving src_blocks[i] -> dst_blocks[i], in
     (outer index, block) order; with ``merge``, neighbours that are contiguous on both sides
     become one row (hashed copies keep one row per piece instead)."""
+    from tpusync import _core
+
     nbytes = block_bytes(src.shape, itemsize, block_axis)
-    src_outer = strided_offsets(src.shape, src.strides, block_axis)
-    dst_outer = strided_offsets(dst.shape, dst.strides, block_axis)
-    src_addr = (
-        src.base + src_outer[:, None] + src_blocks[None, :] * src.strides[block_axis]
-    ).ravel()
-    dst_addr = (
-        dst.base + dst_outer[:, None] + dst_blocks[None, :] * dst.strides[block_axis]
-    ).ravel()
-    if not merge:
-        return np.stack(
-            [src_addr, dst_addr, np.full(len(src_addr), nbytes, dtype=np.int64)], axis=1
-        ).astype(np.uint64)
-    return merge_runs(src_addr, dst_addr, nbytes)
-
-
-def merge_runs(src_addr: np.ndarray, dst_addr: np.ndarray, nbytes: int) -> np.ndarray:
-    if len(src_addr) == 0 or nbytes == 0:
+    if nbytes == 0 or len(src_blocks) == 0:
         return np.empty((0, 3), dtype=np.uint64)
-    continues = (np.diff(src_addr) == nbytes) & (np.diff(dst_addr) == nbytes)
-    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
-    lengths = np.diff(np.append(starts, len(src_addr))) * nbytes
-    out = np.empty((len(starts), 3), dtype=np.uint64)
-    out[:, 0] = src_addr[starts]
-    out[:, 1] = dst_addr[starts]
-    out[:, 2] = lengths
-    return out
-
-
-def as_index_array(value: Any) -> np.ndarray:
-    return np.asarray(value, dtype=np.int64)
+    src_outer = src.base + strided_offsets(src.shape, src.strides, block_axis)
+    dst_outer = dst.base + strided_offsets(dst.shape, dst.strides, block_axis)
+    return _core.block_segments(
+        src_outer,
+        src.strides[block_axis],
+        dst_outer,
+        dst.strides[block_axis],
+        np.ascontiguousarray(src_blocks, dtype=np.int64),
+        np.ascontiguousarray(dst_blocks, dtype=np.int64),
+        nbytes,
+        merge,
+    )

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from tpusync._layout import resolve_device
+from tpusync._plan import c_strides
 from tpusync.device_pool import DevicePool
 from tpusync.errors import InvalidArgumentError
 
@@ -215,8 +216,8 @@ class PoolLayout:
         itemsize = array.np_dtype.itemsize
         inner = array.shard_block_shape[array.block_axis :]
         outer = array.outer_shape
-        inner_strides = _c_strides(inner, itemsize)
-        outer_strides = _c_strides(outer, array.piece_bytes)
+        inner_strides = c_strides(inner, itemsize)
+        outer_strides = c_strides(outer, array.piece_bytes)
         shape = (*outer, n_slots, *inner)
         strides = (*outer_strides, self.slot_bytes, *inner_strides)
         if array.n_shards > 1:
@@ -230,11 +231,3 @@ class PoolLayout:
             offset=offset + self.offsets[array_index],
             strides=strides,
         )
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
