@@ -382,23 +382,18 @@ class HostPool:
                 )
             slots = np.array([self._free.pop() for _ in fresh], dtype=np.int64)
             chosen = [keys[i] for i in fresh]
-            for key, slot in zip(chosen, slots.tolist(), strict=True):
-                self._begin_write(slot, key)
-                self._writing.add(key)
+            self._begin_writes(slots, chosen)
+            self._writing.update(chosen)
         return Reservation(chosen, np.array(fresh, dtype=np.int64), slots)
 
     def commit(self, reservation: Reservation, checksums: np.ndarray) -> None:
         """Publishes reserved slots whose bytes are fully written, with their checksums."""
         with self._lock:
             self._open_base()
-            for key, slot, checksum in zip(
-                reservation.keys,
-                reservation.slots.tolist(),
-                np.asarray(checksums).tolist(),
-                strict=True,
-            ):
-                self._commit(slot, key, checksum)
-                self._writing.discard(key)
+            self._commit_records(reservation.slots, np.asarray(checksums, dtype=np.uint64))
+            for key, slot in zip(reservation.keys, reservation.slots.tolist(), strict=True):
+                self._index[key] = slot
+            self._writing.difference_update(reservation.keys)
         self.stats.add(
             bytes_in=len(reservation.slots) * self.layout.payload_bytes,
             puts=len(reservation.slots),
@@ -470,20 +465,24 @@ class HostPool:
                     self._free.append(slot)
         self.stats.add(checksum_failures=len(keys))
 
-    def _begin_write(self, slot: int, key: bytes) -> None:
-        record = self._records[slot]
-        record["state"] = WRITING  # first: a crash from here on leaves a torn slot, never a block
-        record["key_len"] = len(key)
-        record["key"] = key.ljust(MAX_KEY_BYTES, b"\0")
+    def _begin_writes(self, slots: np.ndarray, keys: list[bytes]) -> None:
+        records = self._records
+        records["state"][slots] = WRITING  # first: a crash from here on leaves a torn slot
+        records["key_len"][slots] = [len(k) for k in keys]
+        records["key"][slots] = [k.ljust(MAX_KEY_BYTES, b"\0") for k in keys]
 
-    def _commit(self, slot: int, key: bytes, checksum: int) -> None:
-        self._sequence += 1
-        record = self._records[slot]
-        record["checksum"] = checksum
-        record["length"] = self.layout.payload_bytes
-        record["sequence"] = self._sequence
-        record["state"] = COMMITTED  # last: the block becomes visible
-        self._index[key] = slot
+    def _commit_records(self, slots: np.ndarray, checksums: np.ndarray) -> None:
+        if len(slots) != len(checksums):
+            raise InvalidArgumentError(
+                f"checksums: {len(checksums)} for {len(slots)} reserved slots; give one per slot"
+            )
+        records = self._records
+        first = self._sequence + 1
+        self._sequence += len(slots)
+        records["checksum"][slots] = checksums
+        records["length"][slots] = self.layout.payload_bytes
+        records["sequence"][slots] = np.arange(first, first + len(slots), dtype=np.uint64)
+        records["state"][slots] = COMMITTED  # last: the blocks become visible
 
     def _copy_in(
         self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
