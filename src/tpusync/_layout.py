@@ -9,6 +9,7 @@ one distinct shard (single-device or replicated) may leave that axis out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,23 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> IndexKey:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
+@functools.lru_cache(maxsize=256)
+def _shard_groups(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[tuple[ShardGroup, ...], tuple[int, ...]]:
+    """The distinct addressable shards of arrays of ``shape`` under ``sharding``, in the
+    documented order, and the shard shape (cached: pools keep their sharding)."""
+    index_map = sharding.addressable_devices_indices_map(shape)
+    groups: dict[IndexKey, list[Any]] = {}
+    for device, index in index_map.items():
+        groups.setdefault(_index_key(index, shape), []).append(device)
+    ordered = tuple(
+        ShardGroup(key, tuple(sorted(groups[key], key=lambda d: d.id)))
+        for key in sorted(groups, key=lambda k: tuple(start for start, _ in k))
+    )
+    return ordered, tuple(int(n) for n in sharding.shard_shape(shape))
+
+
 def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
     """Cuts a device side into shard groups from its sharding alone (no buffer is touched).
 
@@ -96,20 +114,15 @@ def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
         finally:
             pool._lock.release()
     shape = tuple(int(n) for n in array.shape)
-    index_map = array.sharding.addressable_devices_indices_map(shape)
-    if not index_map:
+    try:
+        ordered, shard_shape = _shard_groups(array.sharding, shape)
+    except TypeError:  # an unhashable sharding: no caching
+        ordered, shard_shape = _shard_groups.__wrapped__(array.sharding, shape)
+    if not ordered:
         raise WrongDeviceError(
             f"{argument}: no shard of this array is addressable from process "
             f"{jax.process_index()}; transfer it in a process that owns some of its devices"
         )
-    groups: dict[IndexKey, list[Any]] = {}
-    for device, index in index_map.items():
-        groups.setdefault(_index_key(index, shape), []).append(device)
-    ordered = tuple(
-        ShardGroup(key, tuple(sorted(groups[key], key=lambda d: d.id)))
-        for key in sorted(groups, key=lambda k: tuple(start for start, _ in k))
-    )
-    shard_shape = tuple(int(n) for n in array.sharding.shard_shape(shape))
     return DeviceSide(argument, array, pool, shard_shape, ordered)
 
 

@@ -62,12 +62,13 @@ def pair_block_lists(
             f"dst_blocks: {len(dst)} destination {what} for {len(src)} source {what}; "
             "src_blocks[i] goes to dst_blocks[i], so both need the same length"
         )
-    if len(np.unique(dst)) != len(dst):
-        values, counts = np.unique(dst, return_counts=True)
-        raise BlockIndexError(
-            f"dst_blocks: destination block {int(values[counts > 1][0])} appears more than "
-            "once; each destination block may be written once per transfer"
-        )
+    if len(dst) > 1:
+        counts = np.bincount(dst)  # indices are in range and non-negative by now
+        if counts.max() > 1:
+            raise BlockIndexError(
+                f"dst_blocks: destination block {int(np.argmax(counts > 1))} appears more "
+                "than once; each destination block may be written once per transfer"
+            )
     return src, dst
 
 
