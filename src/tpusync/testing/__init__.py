@@ -1,0 +1,5 @@
+"""Test and demo helpers. Not part of the store: nothing in :mod:`tpusync` imports this package.
+
+:mod:`tpusync.testing.model` is a small decoder-only transformer in pure JAX with a paged KV cache,
+used to prove that KV blocks saved and loaded by the store give exactly the same results.
+"""
