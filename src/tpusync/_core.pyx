@@ -110,25 +110,24 @@ cdef class CopyEngine:
     def copy_hashed(self, cnp.ndarray segments not None):
         """Copies every segment and returns a uint64 array: the piece checksum
         (:func:`sum64`) of each segment's bytes, computed in the same pass as the copy."""
-        segments = _segment_table(segments)
-        cdef cnp.ndarray digests = np.empty(segments.shape[0], dtype=np.uint64)
-        cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
-        cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(digests)
-        cdef size_t n = <size_t> segments.shape[0]
-        with nogil:
-            tps_engine_copy_hashed(self._engine, segs, n, out, self.min_parallel_bytes)
-        return digests
+        return self._checksums(segments, copy=True)
 
     def hash(self, cnp.ndarray segments not None):
         """The piece checksum (:func:`sum64`) of each segment's source bytes (the destination
         column is ignored)."""
+        return self._checksums(segments, copy=False)
+
+    cdef cnp.ndarray _checksums(self, cnp.ndarray segments, bint copy):
         segments = _segment_table(segments)
         cdef cnp.ndarray digests = np.empty(segments.shape[0], dtype=np.uint64)
         cdef const tps_segment *segs = <const tps_segment *> cnp.PyArray_DATA(segments)
         cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(digests)
         cdef size_t n = <size_t> segments.shape[0]
         with nogil:
-            tps_engine_hash(self._engine, segs, n, out, self.min_parallel_bytes)
+            if copy:
+                tps_engine_copy_hashed(self._engine, segs, n, out, self.min_parallel_bytes)
+            else:
+                tps_engine_hash(self._engine, segs, n, out, self.min_parallel_bytes)
         return digests
 
 
