@@ -14,6 +14,10 @@ The ownership contract (written once, here):
 * Every transfer that touches a pool holds the pool's lock while it runs, so transfers into and out
   of one pool never interleave.
 * No other ``jax.Array`` is ever written: a device destination that is not a pool is rejected.
+* Blocks being saved are held: while a save still reads a block (see
+  :meth:`tpusync.kv.KVCacheStore.save`), a transfer that would write it raises
+  :class:`~tpusync.errors.BlocksHeldError` and changes nothing. The engine's own model steps do
+  not go through tpusync: it must not write a held block until the save reports ``released``.
 * On the CPU backend a new pool first copies its array into memory that XLA allocated: there,
   ``jax.device_put`` of an aligned numpy array shares that array's memory (jax 0.10 does so even
   with ``may_alias=False``), and a raw write must never reach the caller's numpy array. Arrays
@@ -23,6 +27,7 @@ The ownership contract (written once, here):
 
 from __future__ import annotations
 
+import collections
 import threading
 from functools import cache
 from typing import Any
@@ -31,7 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpusync.errors import ArrayDeletedError, InvalidArgumentError, ShapeMismatchError
+from tpusync.errors import (
+    ArrayDeletedError,
+    BlocksHeldError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+)
 
 __all__ = ["DevicePool"]
 
@@ -66,6 +76,8 @@ class DevicePool:
         self.name = name
         self._array = array
         self._lock = threading.RLock()
+        self._held: dict[int, collections.Counter[int]] = {}  # block axis -> held block ids
+        self._held_lock = threading.Lock()
 
     @classmethod
     def zeros(
@@ -117,6 +129,44 @@ class DevicePool:
                     "reshard it to the pool's sharding first"
                 )
             self._array = array
+
+    def hold_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
+        """Marks blocks as being read by a save: transfers refuse to write them until
+        :meth:`release_blocks` (holds are counted; each hold is released once)."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        with self._held_lock:
+            self._held.setdefault(block_axis, collections.Counter()).update(ids.tolist())
+
+    def release_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
+        """Drops one hold from each block (the save no longer reads it)."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        with self._held_lock:
+            held = self._held.get(block_axis)
+            if held is None:
+                return
+            held.subtract(ids.tolist())
+            for block in ids.tolist():
+                if held[block] <= 0:
+                    del held[block]
+
+    def held_blocks(self, block_axis: int = 0) -> list[int]:
+        """The blocks a save still reads (sorted)."""
+        with self._held_lock:
+            return sorted(self._held.get(block_axis, ()))
+
+    def _check_writable(self, block_ids: np.ndarray, block_axis: int, argument: str) -> None:
+        """Raises BlocksHeldError when a transfer would write a held block."""
+        with self._held_lock:
+            held = self._held.get(block_axis)
+            if not held:
+                return
+            busy = [b for b in np.unique(block_ids).tolist() if held.get(b, 0) > 0]
+        if busy:
+            raise BlocksHeldError(
+                f"{argument}: blocks {busy[:8]}{'...' if len(busy) > 8 else ''} of pool "
+                f"{self.name!r} are still being saved; wait for the save's `released` future "
+                "before writing them"
+            )
 
     def _wait_for_readers(self) -> jax.Array:
         """Runs the donated identity step (see the module docstring) and returns the array

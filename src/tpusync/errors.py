@@ -5,15 +5,19 @@ from __future__ import annotations
 __all__ = [
     "ArrayDeletedError",
     "BlockIndexError",
+    "BlocksHeldError",
     "BlocksMissingError",
     "DtypeMismatchError",
     "InvalidArgumentError",
+    "NamespaceMismatchError",
     "NativePathUnavailableError",
     "NotAPoolError",
     "PoolBusyError",
     "PoolFormatError",
     "ReadOnlyDestinationError",
+    "SessionNotFoundError",
     "ShapeMismatchError",
+    "StaleHandleError",
     "TierFullError",
     "TpuSyncError",
     "TransferFailedError",
@@ -80,6 +84,25 @@ class PoolFormatError(TpuSyncError, ValueError):
 
 class TierFullError(TpuSyncError, MemoryError):
     """A tier has no room: too few free slots, or /dev/shm or the disk is too small."""
+
+
+class BlocksHeldError(TpuSyncError, RuntimeError):
+    """A transfer would write device blocks that a save is still reading."""
+
+
+class StaleHandleError(InvalidArgumentError):
+    """A lookup handle was already loaded or released, or belongs to another store."""
+
+
+class NamespaceMismatchError(InvalidArgumentError):
+    """A namespace names another model, block layout or shard than the store serves."""
+
+
+class SessionNotFoundError(TpuSyncError, KeyError):
+    """No offloaded session has this id (never offloaded, restored, or dropped)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
 
 
 class BlocksMissingError(TpuSyncError, KeyError):

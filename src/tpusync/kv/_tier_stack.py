@@ -1,0 +1,358 @@
+"""The KV store's tier policy: LRU order per tier, pins, demotion, promotion and write-back.
+
+Tiers are ordered top down: DRAM (a :class:`~tpusync.tiers.HostPool`) first, then the lower
+tiers (disk, shared filesystem). Blocks move only through DRAM: lower tiers read from and write
+into DRAM slots.
+
+* **LRU per tier.** Each tier keeps its keys oldest first; a hit or a store moves a key to the
+  end.
+* **Room.** A tier that needs ``n`` free slots evicts its oldest blocks that are neither pinned
+  (a lookup handle, a prefetch or a restore holds them) nor kept by a session at the bottom.
+  DRAM demotes a victim to the next tier first unless that tier already holds it; a lower tier
+  drops its victims (every save is written through to all lower tiers in the background, so the
+  tiers below usually hold it already). A session's block is never dropped: in DRAM it may be
+  demoted, in the lowest tier that holds it it stays.
+* **Promotion.** A block found only in a lower tier is read back into DRAM and stays there.
+* **Write-back.** Blocks saved to DRAM are queued for the lower tiers; the queue holds at most
+  ``writeback_max_bytes`` of blocks not yet written (then a save waits, or the blocks are left to
+  be demoted on eviction: the ``"wait"`` and ``"skip"`` policies).
+
+Locks, always taken in this order: a tier's *room lock* (lower index first; held while making
+room and filling the room, so no one else takes the freed slots), then ``lock`` (metadata: LRU,
+pins, kept keys; held briefly, never while waiting on I/O of another tier's room).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+
+from tpusync.errors import BlocksMissingError, TierFullError, TpuSyncError
+from tpusync.tiers.base import LowerTier
+from tpusync.tiers.host_pool import HostPool
+
+log = logging.getLogger("tpusync.kv")
+
+_ROUNDS = 4  # stale LRU entries (blocks dropped behind our back) cost at most a few rounds
+
+
+class TierStack:
+    """DRAM plus lower tiers, with the store's policy state. Thread-safe."""
+
+    def __init__(
+        self,
+        dram: HostPool,
+        lower: Sequence[tuple[str, LowerTier]],
+        *,
+        writeback_max_bytes: int,
+        writeback_policy: str,
+    ) -> None:
+        self.dram = dram
+        self.names = ["dram", *(name for name, _ in lower)]
+        self.tiers: list[HostPool | LowerTier] = [dram, *(tier for _, tier in lower)]
+        self.block_bytes = dram.layout.payload_bytes
+        self.lock = threading.RLock()
+        self._room_locks = [threading.Lock() for _ in self.tiers]
+        self._lru = [collections.OrderedDict.fromkeys(t.keys()) for t in self.tiers]
+        self._pins: collections.Counter[bytes] = collections.Counter()
+        self._kept: collections.Counter[bytes] = collections.Counter()
+        self._doomed: set[bytes] = set()  # purged while pinned: dropped at the last unpin
+        self.counters: collections.Counter[str] = collections.Counter()
+        # write-back queue
+        self._wb_policy = writeback_policy
+        self._wb_max = writeback_max_bytes
+        self._wb_cond = threading.Condition(threading.Lock())
+        self._wb_queue: collections.deque[list[bytes]] = collections.deque()
+        self._wb_bytes = 0  # queued or being written
+        self._wb_busy = 0
+        self._wb_stop = False
+        self._wb_thread: threading.Thread | None = None
+        if len(self.tiers) > 1:
+            self._wb_thread = threading.Thread(
+                target=self._writeback_loop, name="tpusync-kv-writeback", daemon=True
+            )
+            self._wb_thread.start()
+
+    # --- metadata --------------------------------------------------------------------------
+
+    def touch(self, tier: int, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            lru = self._lru[tier]
+            for key in keys:
+                lru[key] = None
+                lru.move_to_end(key)
+
+    def forget(self, tier: int, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for key in keys:
+                self._lru[tier].pop(key, None)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            self._pins.update(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            self._pins.subtract(keys)
+            released = [k for k in set(keys) if self._pins[k] <= 0]
+            for key in released:
+                del self._pins[key]
+            doomed = [k for k in released if k in self._doomed]
+            self._doomed.difference_update(doomed)
+        if doomed:
+            self.delete_everywhere(doomed)
+
+    def keep(self, keys: Sequence[bytes]) -> None:
+        """Marks keys as a session's: never dropped (see the module docstring)."""
+        with self.lock:
+            self._kept.update(keys)
+
+    def unkeep(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            self._kept.subtract(keys)
+            for key in set(keys):
+                if self._kept[key] <= 0:
+                    del self._kept[key]
+
+    def pinned(self, key: bytes) -> bool:
+        return self._pins.get(key, 0) > 0
+
+    def locate(self, keys: Sequence[bytes], *, prefix: bool) -> list[int]:
+        """The first tier holding each key (-1: none). With ``prefix``, stops at the first key
+        held nowhere (the list is then that long). Call with ``lock`` held to pin the result."""
+        where = [-1] * len(keys)
+        todo = list(range(len(keys)))
+        for t, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            found = tier.contains([keys[i] for i in todo])
+            rest = []
+            for i, hit in zip(todo, found, strict=True):
+                if hit:
+                    where[i] = t
+                else:
+                    rest.append(i)
+            todo = rest
+        if prefix:
+            n = next((i for i, t in enumerate(where) if t < 0), len(where))
+            return where[:n]
+        return where
+
+    # --- room ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def room(self, tier: int, blocks: int) -> Iterator[None]:
+        """Holds ``tier``'s room lock with at least ``blocks`` free slots (evicting for them)
+        until the block ends; the caller fills the room inside."""
+        with self._room_locks[tier]:
+            self._make_room(tier, blocks)
+            yield
+
+    def _free(self, tier: int) -> int:
+        store = self.tiers[tier]
+        if tier == 0:
+            return self.dram.free
+        if store.capacity >= sys.maxsize:
+            return sys.maxsize
+        free = getattr(store, "free", None)
+        return int(free) if free is not None else store.capacity - store.used
+
+    def _make_room(self, tier: int, blocks: int) -> None:
+        """Evicts until ``blocks`` slots are free. Call with the tier's room lock held."""
+        store = self.tiers[tier]
+        if blocks > store.capacity:
+            raise TierFullError(
+                f"{self.names[tier]} tier: {blocks} blocks do not fit in its "
+                f"{store.capacity} slots; raise its capacity_blocks"
+            )
+        bottom = tier == len(self.tiers) - 1
+        for _ in range(_ROUNDS):
+            need = blocks - self._free(tier)
+            if need <= 0:
+                return
+            with self.lock:
+                victims = []
+                for key in self._lru[tier]:
+                    if self._pins.get(key, 0) > 0:
+                        continue
+                    if self._kept.get(key, 0) > 0 and (bottom or tier > 0):
+                        continue  # a session's block is only ever demoted out of DRAM
+                    victims.append(key)
+                    if len(victims) == need:
+                        break
+            if not victims:
+                break
+            if tier == 0 and not bottom:
+                self._demote(victims)
+            with self.lock:
+                # a lookup may have pinned a victim meanwhile: it stays
+                victims = [k for k in victims if self._pins.get(k, 0) <= 0]
+                if tier == 0 and not bottom:
+                    held = self.tiers[1].contains(victims)
+                    victims = [
+                        k for k, h in zip(victims, held, strict=True) if h or not self._kept.get(k)
+                    ]
+                dropped = store.delete(victims)
+                still = store.contains(victims)
+                for key, present in zip(victims, still, strict=True):
+                    if not present:
+                        self._lru[tier].pop(key, None)
+            self.counters["evictions"] += dropped
+            if tier > 0 or bottom:
+                store.stats.add(evictions=dropped)
+        if self._free(tier) < blocks:
+            raise TierFullError(
+                f"{self.names[tier]} tier: {blocks} free blocks needed, {self._free(tier)} free "
+                f"of {store.capacity}; the rest are pinned by lookups or held by sessions — "
+                "release handles, drop sessions or raise capacity_blocks"
+            )
+
+    def _demote(self, keys: list[bytes]) -> None:
+        """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them)."""
+        below = self.tiers[1]
+        absent = [k for k, h in zip(keys, below.contains(keys), strict=True) if not h]
+        if not absent:
+            return
+        written = self._put_down(1, absent)
+        self.counters["demotions"] += written
+        self.dram.stats.add(evictions=len(absent))
+
+    def _put_down(self, tier: int, keys: list[bytes]) -> int:
+        """Copies DRAM blocks into lower ``tier`` (making room there); returns blocks written.
+        Blocks DRAM lost meanwhile are skipped."""
+        store = self.tiers[tier]
+        keys = [k for k, h in zip(keys, self.dram.contains(keys), strict=True) if h]
+        if not keys:
+            return 0
+        with self._room_locks[tier]:
+            self._make_room(tier, len(keys))
+            try:
+                written = store.put(keys, self.dram)
+            except BlocksMissingError as missing:  # evicted or found corrupt in DRAM meanwhile
+                keys = [k for k, ok in zip(keys, missing.loaded, strict=True) if ok]
+                written = store.put(keys, self.dram) if keys else 0
+        self.touch(tier, keys)
+        return written
+
+    # --- promotion -------------------------------------------------------------------------
+
+    def promote(self, keys: Sequence[bytes]) -> list[bool]:
+        """Reads the keys DRAM lacks from the first lower tier holding them into DRAM; returns
+        which keys DRAM holds afterwards. Blocks failing their checksum are misses (the lower
+        tier counts and drops them). Pin the keys first, so that making room cannot evict them."""
+        where = self.locate(keys, prefix=False)
+        wanted = [i for i, t in enumerate(where) if t > 0]
+        if wanted:
+            with self.room(0, len(wanted)):
+                for t in range(1, len(self.tiers)):
+                    subset = [keys[i] for i in wanted if where[i] == t]
+                    if not subset:
+                        continue
+                    try:
+                        self.tiers[t].get(subset, self.dram)
+                        loaded = subset
+                    except BlocksMissingError as missing:
+                        loaded = [k for k, ok in zip(subset, missing.loaded, strict=True) if ok]
+                        self.counters["lower_tier_misses"] += len(subset) - len(loaded)
+                    self.touch(t, loaded)
+                    self.touch(0, loaded)
+                    self.counters["promotions"] += len(loaded)
+        return self.dram.contains(keys)
+
+    # --- write-back ------------------------------------------------------------------------
+
+    def writeback_admit(self, blocks: int) -> bool:
+        """Takes queue room for ``blocks`` under the policy: waits for it (``"wait"``) or
+        answers False (``"skip"``). False with no lower tier to write to."""
+        if self._wb_thread is None or not blocks:
+            return False
+        nbytes = blocks * self.block_bytes
+        with self._wb_cond:
+            if self._wb_policy == "skip":
+                if self._wb_bytes and self._wb_bytes + nbytes > self._wb_max:
+                    self.counters["writeback_skipped"] += blocks
+                    return False
+            else:
+                while self._wb_bytes and self._wb_bytes + nbytes > self._wb_max:
+                    self.counters["writeback_waits"] += 1
+                    self._wb_cond.wait()
+            self._wb_bytes += nbytes
+            return True
+
+    def writeback_enqueue(self, keys: list[bytes], admitted_blocks: int) -> None:
+        """Queues keys for the lower tiers (room taken by :meth:`writeback_admit`)."""
+        with self._wb_cond:
+            self._wb_bytes -= (admitted_blocks - len(keys)) * self.block_bytes
+            if keys:
+                self._wb_queue.append(keys)
+            self._wb_cond.notify_all()
+
+    def _writeback_loop(self) -> None:
+        while True:
+            with self._wb_cond:
+                while not self._wb_queue and not self._wb_stop:
+                    self._wb_cond.wait()
+                if not self._wb_queue:
+                    return
+                keys = self._wb_queue.popleft()
+                self._wb_busy += 1
+            try:
+                for tier in range(1, len(self.tiers)):
+                    absent = [
+                        k
+                        for k, h in zip(keys, self.tiers[tier].contains(keys), strict=True)
+                        if not h
+                    ]
+                    if absent:
+                        self.counters["writeback_written"] += self._put_down(tier, absent)
+            except TpuSyncError as error:  # a full or failing tier: the blocks stay in DRAM
+                self.counters["writeback_failed"] += len(keys)
+                log.warning("tpusync kv: write-back of %d blocks failed: %s", len(keys), error)
+            except Exception:  # never let the thread die silently; the blocks stay in DRAM
+                self.counters["writeback_failed"] += len(keys)
+                log.exception("tpusync kv: write-back failed")
+            finally:
+                with self._wb_cond:
+                    self._wb_busy -= 1
+                    self._wb_bytes -= len(keys) * self.block_bytes
+                    self._wb_cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until the write-back queue is empty; False on timeout."""
+        with self._wb_cond:
+            return self._wb_cond.wait_for(
+                lambda: not self._wb_queue and not self._wb_busy, timeout=timeout
+            )
+
+    def writeback_pending_bytes(self) -> int:
+        with self._wb_cond:
+            return self._wb_bytes
+
+    # --- deletion, shutdown ----------------------------------------------------------------
+
+    def delete_everywhere(self, keys: Sequence[bytes]) -> int:
+        """Drops unpinned keys from every tier (pinned ones are dropped at their last unpin);
+        returns the blocks dropped."""
+        dropped = 0
+        with self.lock:
+            pinned = [k for k in keys if self._pins.get(k, 0) > 0]
+            self._doomed.update(pinned)
+            free = [k for k in keys if self._pins.get(k, 0) <= 0]
+            for t, tier in enumerate(self.tiers):
+                if free:
+                    dropped += tier.delete(free)
+                    self.forget(
+                        t, [k for k, h in zip(free, tier.contains(free), strict=True) if not h]
+                    )
+        return dropped
+
+    def close(self) -> None:
+        with self._wb_cond:
+            self._wb_stop = True
+            self._wb_cond.notify_all()
+        if self._wb_thread is not None:
+            self._wb_thread.join()

@@ -1,0 +1,158 @@
+"""Typed configuration of a KV cache store: its namespace, its tiers and their capacities."""
+
+from __future__ import annotations
+
+import numbers
+import os
+from dataclasses import dataclass, field
+
+from tpusync.errors import InvalidArgumentError
+from tpusync.kv.keys import DEFAULT_SECRET, KeyScheme
+
+__all__ = ["DiskTier", "DramTier", "KVStoreConfig", "SharedFsTier"]
+
+WRITEBACK_POLICIES = ("wait", "skip")
+
+
+def _positive(value: object, argument: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise InvalidArgumentError(f"{argument}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _directory(value: object, argument: str) -> str:
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise InvalidArgumentError(f"{argument}: expected a directory path, got {value!r}")
+    return os.fspath(value)
+
+
+@dataclass(frozen=True)
+class DramTier:
+    """The DRAM tier (always present): anonymous memory, or named in ``shm_dir`` so that a
+    restarted process finds its blocks (and offloaded sessions) again.
+
+    Args:
+      capacity_blocks: slots in the pool.
+      name: None for anonymous memory; a name to live in ``shm_dir``/tpusync-<name>.pool.
+      shm_dir: where named pools live.
+      populate: touch every page at creation (copies never pay page faults).
+    """
+
+    capacity_blocks: int
+    name: str | None = None
+    shm_dir: str = "/dev/shm"
+    populate: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self.capacity_blocks, "dram.capacity_blocks")
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """A local-SSD tier (:class:`tpusync.tiers.DiskPool`) in ``directory``.
+
+    Args:
+      durability: ``"commit"`` (a block counts as stored once its data and record are synced)
+        or ``"none"`` (faster; after power loss recent blocks may be missing, never wrong).
+    """
+
+    directory: str | os.PathLike[str]
+    capacity_blocks: int
+    durability: str = "commit"
+    direct_io: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        _directory(self.directory, "disk.directory")
+        _positive(self.capacity_blocks, "disk.capacity_blocks")
+
+
+@dataclass(frozen=True)
+class SharedFsTier:
+    """A shared-filesystem tier (:class:`tpusync.tiers.SharedFsPool`) that other hosts read.
+
+    Args:
+      capacity_blocks: None for no limit of ours (the filesystem's size is the limit).
+    """
+
+    directory: str | os.PathLike[str]
+    capacity_blocks: int | None = None
+    durability: str = "commit"
+
+    def __post_init__(self) -> None:
+        _directory(self.directory, "shared_fs.directory")
+        if self.capacity_blocks is not None:
+            _positive(self.capacity_blocks, "shared_fs.capacity_blocks")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """Everything a :class:`~tpusync.kv.KVCacheStore` needs besides its device pools.
+
+    Args:
+      model_id, weight_version, salt, shard_rank, shard_count: the namespace (see
+        :class:`~tpusync.kv.Namespace`); blocks are shared only within one namespace.
+      block_size: tokens per block; must match the device pool's block.
+      dram, disk, shared_fs: the tiers, top down. DRAM is always first.
+      secret: the deployment secret that keys every block hash. The default is a fixed
+        development secret: fine for one trusted deployment, but give your own wherever tenants
+        or hosts should not be able to compute each other's keys.
+      key_scheme: how tokens become keys (default :class:`~tpusync.kv.Blake2bChainKeys`).
+      block_axis: the block axis of every device pool (vLLM's ``(2, num_blocks, ...)``: 1).
+      writeback_max_bytes: bytes saved to DRAM but not yet written to the lower tiers that may
+        be queued; beyond it ``writeback_policy`` applies.
+      writeback_policy: ``"wait"`` — a save waits until the queue has room (the device blocks
+        stay held longer); ``"skip"`` — the blocks stay in DRAM only, and are written down when
+        DRAM evicts them. Either way memory stays bounded.
+      path: the transfer path (``"auto"``, ``"native"`` or ``"jax"``).
+    """
+
+    model_id: str
+    block_size: int
+    dram: DramTier
+    disk: DiskTier | None = None
+    shared_fs: SharedFsTier | None = None
+    weight_version: str = "0"
+    salt: bytes = b""
+    shard_rank: int = 0
+    shard_count: int = 1
+    secret: bytes = field(default=DEFAULT_SECRET, repr=False)
+    key_scheme: KeyScheme | None = None
+    block_axis: int = 0
+    writeback_max_bytes: int = 256 << 20
+    writeback_policy: str = "wait"
+    path: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise InvalidArgumentError(
+                f"model_id: expected a non-empty string, got {self.model_id!r}"
+            )
+        _positive(self.block_size, "block_size")
+        if not isinstance(self.dram, DramTier):
+            raise InvalidArgumentError(
+                f"dram: expected a DramTier(capacity_blocks=...), got {type(self.dram).__name__}"
+            )
+        if self.disk is not None and not isinstance(self.disk, DiskTier):
+            raise InvalidArgumentError(
+                f"disk: expected a DiskTier or None, got {type(self.disk).__name__}"
+            )
+        if self.shared_fs is not None and not isinstance(self.shared_fs, SharedFsTier):
+            raise InvalidArgumentError(
+                f"shared_fs: expected a SharedFsTier or None, got {type(self.shared_fs).__name__}"
+            )
+        if not isinstance(self.block_axis, numbers.Integral) or self.block_axis < 0:
+            raise InvalidArgumentError(f"block_axis: expected an int >= 0, got {self.block_axis!r}")
+        _positive(self.writeback_max_bytes, "writeback_max_bytes")
+        if self.writeback_policy not in WRITEBACK_POLICIES:
+            raise InvalidArgumentError(
+                f"writeback_policy: expected 'wait' or 'skip', got {self.writeback_policy!r}"
+            )
+        if self.path not in ("auto", "native", "jax"):
+            raise InvalidArgumentError(
+                f"path: expected 'auto', 'native' or 'jax', got {self.path!r}"
+            )
+        if self.key_scheme is not None and not isinstance(self.key_scheme, KeyScheme):
+            raise InvalidArgumentError(
+                "key_scheme: expected an object with name, namespace_tag(), block_keys() and "
+                f"tail_key(), got {type(self.key_scheme).__name__}"
+            )

@@ -1,0 +1,736 @@
+"""KVCacheStore: prefix caching of paged KV blocks across DRAM, /dev/shm, disk and shared FS.
+
+Pins and ownership (the contract, written once):
+
+* :meth:`KVCacheStore.lookup` grants pins: the returned :class:`LookupResult` holds one pin on
+  each block of the longest cached prefix, in whichever tier it rests. A pinned block is never
+  evicted from any tier, nor dropped by :meth:`KVCacheStore.purge` (a purge drops it at its last
+  unpin).
+* Exactly one of :meth:`KVCacheStore.load` and :meth:`KVCacheStore.release` consumes the handle
+  and drops its pins; using it again raises :class:`~tpusync.errors.StaleHandleError`. A load
+  that raises (bad block ids, held blocks, a failed copy) leaves the handle and its pins as they
+  were: release it, or retry. A load that finds blocks missing or corrupt is not a failure: it
+  loads the good prefix, reports how many tokens it loaded, and the caller recomputes the rest.
+  A handle used as a context manager is released on exit unless it was loaded.
+* :meth:`KVCacheStore.save` holds the device blocks it reads: until its ``released`` future
+  completes, transfers into those blocks raise :class:`~tpusync.errors.BlocksHeldError`, and the
+  engine must not let its own model steps write them. After ``released`` the blocks are the
+  engine's again; the save's result (``durable``) follows when the blocks are committed to DRAM.
+* Offloaded sessions keep their blocks from being dropped until restored or dropped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import numbers
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tpusync.device_pool import DevicePool
+from tpusync.errors import (
+    BlockIndexError,
+    BlocksMissingError,
+    InvalidArgumentError,
+    NamespaceMismatchError,
+    SessionNotFoundError,
+    StaleHandleError,
+)
+from tpusync.kv._sessions import SessionManifests, SessionRecord
+from tpusync.kv._tier_stack import TierStack
+from tpusync.kv.config import KVStoreConfig
+from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
+from tpusync.tiers.base import LowerTier
+from tpusync.tiers.disk_pool import DiskPool
+from tpusync.tiers.host_pool import HostPool, pool_path
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.shared_fs_pool import SharedFsPool
+
+__all__ = [
+    "KVCacheStore",
+    "LoadResult",
+    "LookupResult",
+    "SaveFuture",
+    "SaveResult",
+    "SessionRestore",
+]
+
+log = logging.getLogger("tpusync.kv")
+T = TypeVar("T")
+_handle_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class LookupResult:
+    """The longest cached prefix of a token list, with pins on its blocks (see the module
+    docstring). ``cached_tokens`` is a multiple of the block size; ``tiers[i]`` names the tier
+    block ``i`` was found in. On a full hit the caller still recomputes the last token (for its
+    logits): load every block, then prefill from ``min(cached_tokens, len(tokens) - 1)``."""
+
+    cached_tokens: int
+    total_tokens: int
+    keys: tuple[bytes, ...]
+    tiers: tuple[str, ...]
+    _store: KVCacheStore | None = field(repr=False)
+    _id: int = field(default_factory=lambda: next(_handle_ids), repr=False)
+    _state: str = field(default="open", repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def open(self) -> bool:
+        """True until loaded or released."""
+        return self._state == "open"
+
+    def __enter__(self) -> LookupResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._state == "open" and self._store is not None:
+            self._store.release(self)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load put into the device blocks: the first ``loaded_blocks`` blocks
+    (``loaded_tokens`` tokens) are valid; recompute from ``loaded_tokens`` on."""
+
+    loaded_tokens: int
+    loaded_blocks: int
+    requested_blocks: int
+    bytes: int
+    seconds: float
+    promoted_blocks: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A finished save: ``stored_blocks`` were copied into DRAM, ``skipped_blocks`` were
+    already cached (not copied again)."""
+
+    stored_blocks: int
+    skipped_blocks: int
+    bytes: int
+    seconds: float
+
+
+class SaveFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """The future of a save: its result is the :class:`SaveResult` once the blocks are durable
+    in DRAM; :attr:`released` completes (with None) as soon as the device blocks are no longer
+    read, even when the save fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def __await__(self) -> Any:
+        import asyncio
+
+        return asyncio.wrap_future(self).__await__()
+
+
+@dataclass(frozen=True)
+class SessionRestore:
+    """A restored session: its ``tokens``, of which the first ``loaded_tokens`` have their KV
+    in the device blocks (all of them unless a block was lost or corrupt: recompute the rest)."""
+
+    session_id: str
+    tokens: np.ndarray
+    loaded_tokens: int
+    bytes: int
+    seconds: float
+
+
+class KVCacheStore:
+    """Prefix cache of KV blocks over a device pool and the tiers below it.
+
+    Args:
+      config: the namespace, tiers and policies (:class:`~tpusync.kv.KVStoreConfig`).
+      device_pools: the engine's KV arrays as :class:`~tpusync.DevicePool` (per-layer or
+        stacked; K and V together or apart), every one indexed by block on
+        ``config.block_axis``. A block of the store spans the same block index of every pool.
+
+    Every call has a blocking form and an ``_async`` form returning a future; see the module
+    docstring for pins and ownership.
+    """
+
+    def __init__(self, config: KVStoreConfig, device_pools: Sequence[DevicePool]) -> None:
+        if not isinstance(config, KVStoreConfig):
+            raise InvalidArgumentError(
+                f"config: expected a KVStoreConfig, got {type(config).__name__}"
+            )
+        if isinstance(device_pools, DevicePool) or not isinstance(device_pools, Sequence):
+            raise InvalidArgumentError(
+                "device_pools: expected a list of DevicePools (one per KV array), got "
+                f"{type(device_pools).__name__}"
+            )
+        if not device_pools:
+            raise InvalidArgumentError("device_pools: the list is empty; give the KV arrays")
+        for i, pool in enumerate(device_pools):
+            if not isinstance(pool, DevicePool):
+                raise InvalidArgumentError(
+                    f"device_pools[{i}]: expected a DevicePool, got {type(pool).__name__}; "
+                    "wrap the engine's KV arrays in tpusync.DevicePool"
+                )
+        axis = config.block_axis
+        counts = {pool.shape[axis] if axis < len(pool.shape) else -1 for pool in device_pools}
+        if len(counts) != 1 or -1 in counts:
+            raise InvalidArgumentError(
+                f"device_pools: every pool needs the same number of blocks on block_axis={axis}; "
+                f"got {sorted(counts)}"
+            )
+        self.config = config
+        self.pools = list(device_pools)
+        self.num_device_blocks = counts.pop()
+        self.layout = PoolLayout.from_pools(config.model_id, self.pools, block_axis=axis)
+        self.namespace = Namespace(
+            config.model_id,
+            self.layout.fingerprint,
+            config.weight_version,
+            config.shard_rank,
+            config.shard_count,
+            config.salt,
+        )
+        self.scheme: KeyScheme = config.key_scheme or Blake2bChainKeys(config.secret)
+        self.block_size = config.block_size
+        self._closed = False
+        self._handles: dict[int, LookupResult] = {}
+        self._session_saves: dict[str, SaveFuture] = {}
+        self._handles_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self._counters: dict[str, int] = dict.fromkeys(
+            ["lookups", "lookup_blocks", "hit_blocks", "loads", "loaded_blocks",
+             "load_misses", "saves", "saved_blocks", "save_skipped_blocks", "prefetched_blocks"],
+            0,
+        )  # fmt: skip
+        opened: list[Any] = []
+        try:
+            dram = HostPool(
+                self.layout,
+                config.dram.capacity_blocks,
+                name=config.dram.name,
+                shm_dir=config.dram.shm_dir,
+                populate=config.dram.populate,
+            )
+            opened.append(dram)
+            lower: list[tuple[str, LowerTier]] = []
+            if config.disk is not None:
+                disk = DiskPool(
+                    self.layout,
+                    config.disk.capacity_blocks,
+                    config.disk.directory,
+                    durability=config.disk.durability,
+                    direct_io=config.disk.direct_io,
+                )
+                opened.append(disk)
+                lower.append(("disk", disk))
+            if config.shared_fs is not None:
+                shared = SharedFsPool(
+                    self.layout,
+                    config.shared_fs.directory,
+                    capacity=config.shared_fs.capacity_blocks,
+                    durability=config.shared_fs.durability,
+                )
+                opened.append(shared)
+                lower.append(("shared_fs", shared))
+            self._stack = TierStack(
+                dram,
+                lower,
+                writeback_max_bytes=config.writeback_max_bytes,
+                writeback_policy=config.writeback_policy,
+            )
+        except BaseException:
+            for tier in reversed(opened):
+                tier.close()
+            raise
+        self.dram = dram
+        self._sessions = SessionManifests(self._session_dir())
+        for record in self._sessions.all():
+            self._stack.keep(record.keys)
+        self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tpusync-kv")
+
+    def _session_dir(self) -> Path | None:
+        config = self.config
+        if config.dram.name is not None:
+            path = pool_path(config.dram.name, config.dram.shm_dir)
+            return path.with_name(path.name.removesuffix(".pool") + ".sessions")
+        if config.disk is not None:
+            return Path(config.disk.directory) / "sessions"
+        return None
+
+    # --- validation ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this KVCacheStore is closed; create a new one")
+
+    def _namespace(self, namespace: Namespace | None) -> Namespace:
+        if namespace is None:
+            return self.namespace
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgumentError(
+                f"namespace: expected a tpusync.kv.Namespace, got {type(namespace).__name__}"
+            )
+        own = self.namespace
+        for name in ("model_id", "layout_fingerprint", "shard_rank", "shard_count"):
+            if getattr(namespace, name) != getattr(own, name):
+                raise NamespaceMismatchError(
+                    f"namespace: its {name} ({getattr(namespace, name)!r}) differs from this "
+                    f"store's ({getattr(own, name)!r}); only weight_version and salt may vary "
+                    "per call (use store.namespace with dataclasses.replace)"
+                )
+        return namespace
+
+    def _keys(self, tokens: Any, namespace: Namespace | None) -> tuple[np.ndarray, list[bytes]]:
+        toks = check_tokens(tokens)
+        return toks, self.scheme.block_keys(self._namespace(namespace), toks, self.block_size)
+
+    def _check_block_ids(self, block_ids: Any, needed: int, *, at_most: bool) -> np.ndarray:
+        """Device block ids as int64: in range, unique, and ``needed`` of them (or, with
+        ``at_most``, 1..needed; without, at least ``needed`` — extra ids are ignored)."""
+        argument = "device_block_ids"
+        if isinstance(block_ids, str | bytes) or block_ids is None:
+            raise InvalidArgumentError(
+                f"{argument}: expected a list of block ids, got {block_ids!r}"
+            )
+        if isinstance(block_ids, Sequence) and any(
+            isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in block_ids
+        ):
+            raise InvalidArgumentError(f"{argument}: block ids must be integers")
+        ids = np.asarray(block_ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"{argument}: expected a 1-D list of integer block ids, got shape {ids.shape} "
+                f"dtype {ids.dtype}"
+            )
+        ids = ids.astype(np.int64)
+        if at_most:
+            if len(ids) > needed:
+                raise InvalidArgumentError(
+                    f"{argument}: {len(ids)} block ids for a hit of {needed} blocks; give at "
+                    "most one per cached block"
+                )
+        elif len(ids) < needed:
+            raise InvalidArgumentError(
+                f"{argument}: {len(ids)} block ids for {needed} blocks; give one per block"
+            )
+        else:
+            ids = ids[:needed]
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_device_blocks):
+            raise BlockIndexError(
+                f"{argument}: ids must be in 0..{self.num_device_blocks - 1}, got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+        if len(np.unique(ids)) != len(ids):
+            raise BlockIndexError(f"{argument}: a block id appears more than once")
+        return ids
+
+    def _check_writable(self, ids: np.ndarray) -> None:
+        for pool in self.pools:
+            pool._check_writable(ids, self.config.block_axis, "device_block_ids")
+
+    def _check_handle(self, result: Any) -> LookupResult:
+        if not isinstance(result, LookupResult):
+            raise InvalidArgumentError(
+                f"result: expected the LookupResult of lookup(), got {type(result).__name__}"
+            )
+        if result._store is not self:
+            raise StaleHandleError("result: this handle belongs to another KVCacheStore")
+        if result._state != "open":
+            raise StaleHandleError(
+                f"result: this handle was already {result._state}; look the tokens up again"
+            )
+        return result
+
+    def _count(self, **counts: int) -> None:
+        with self._counters_lock:
+            for name, value in counts.items():
+                self._counters[name] += value
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        self._check_open()
+        return self._calls.submit(fn, *args)
+
+    # --- lookup, load, release -------------------------------------------------------------
+
+    def lookup(self, tokens: Any, *, namespace: Namespace | None = None) -> LookupResult:
+        """The longest prefix of ``tokens`` cached in any tier, with its blocks pinned."""
+        self._check_open()
+        toks, keys = self._keys(tokens, namespace)
+        stack = self._stack
+        with stack.lock:
+            where = stack.locate(keys, prefix=True)
+            hit = keys[: len(where)]
+            stack.pin(hit)
+        result = LookupResult(
+            cached_tokens=len(hit) * self.block_size,
+            total_tokens=len(toks),
+            keys=tuple(hit),
+            tiers=tuple(stack.names[t] for t in where),
+            _store=self,
+        )
+        with self._handles_lock:
+            self._handles[result._id] = result
+        self._count(lookups=1, lookup_blocks=len(keys), hit_blocks=len(hit))
+        return result
+
+    def lookup_async(
+        self, tokens: Any, *, namespace: Namespace | None = None
+    ) -> concurrent.futures.Future[LookupResult]:
+        toks = check_tokens(tokens)
+        self._namespace(namespace)
+        return self._submit(lambda: self.lookup(toks, namespace=namespace))
+
+    def release(self, result: LookupResult) -> None:
+        """Drops a handle's pins without loading (consumes it)."""
+        self._check_handle(result)
+        self._finish(result, "released")
+
+    def _finish(self, result: LookupResult, state: str) -> None:
+        with self._handles_lock:
+            if result._state != "open":
+                raise StaleHandleError(f"result: this handle was already {result._state}")
+            result._state = state
+            self._handles.pop(result._id, None)
+        self._stack.unpin(list(result.keys))
+
+    def load(self, result: LookupResult, device_block_ids: Any) -> LoadResult:
+        """Loads the hit's blocks into ``device_block_ids`` (one per cached block, in order;
+        fewer loads only the first ones) and consumes the handle.
+
+        Blocks found only in lower tiers are promoted into DRAM first. Returns how many tokens
+        were loaded: all cached ones, unless blocks were lost or failed their checksum (a miss,
+        counted; the blocks after the first miss are not loaded)."""
+        self._check_open()
+        self._check_handle(result)
+        ids = self._check_block_ids(device_block_ids, result.num_blocks, at_most=True)
+        self._check_writable(ids)
+        start = time.perf_counter()
+        keys = list(result.keys[: len(ids)])
+        loaded, promoted = self._load_keys(keys, ids)
+        seconds = time.perf_counter() - start
+        self._finish(result, "loaded")
+        self._count(loads=1, loaded_blocks=loaded, load_misses=len(keys) - loaded)
+        return LoadResult(
+            loaded_tokens=loaded * self.block_size,
+            loaded_blocks=loaded,
+            requested_blocks=len(keys),
+            bytes=loaded * self.layout.payload_bytes,
+            seconds=seconds,
+            promoted_blocks=promoted,
+        )
+
+    def load_async(
+        self, result: LookupResult, device_block_ids: Any
+    ) -> concurrent.futures.Future[LoadResult]:
+        self._check_handle(result)
+        return self._submit(self.load, result, device_block_ids)
+
+    def _load_keys(self, keys: list[bytes], ids: np.ndarray) -> tuple[int, int]:
+        """Promotes and loads pinned ``keys`` into ``ids``; returns (leading blocks loaded,
+        blocks promoted from lower tiers)."""
+        if not keys:
+            return 0, 0
+        stack = self._stack
+        before = stack.counters["promotions"]
+        in_dram = stack.promote(keys)
+        promoted = stack.counters["promotions"] - before
+        prefix = next((i for i, ok in enumerate(in_dram) if not ok), len(keys))
+        if not prefix:
+            return 0, promoted
+        try:
+            self.dram.get_to_device(keys[:prefix], self.pools, ids[:prefix], path=self.config.path)
+            loaded = prefix
+        except BlocksMissingError as missing:
+            loaded = next((i for i, ok in enumerate(missing.loaded) if not ok), prefix)
+        stack.touch(0, keys[:loaded])
+        return loaded, promoted
+
+    # --- save ------------------------------------------------------------------------------
+
+    def save(
+        self, tokens: Any, device_block_ids: Any, *, namespace: Namespace | None = None
+    ) -> SaveResult:
+        """Saves the KV of every full block of ``tokens`` (``device_block_ids[i]`` holds block
+        ``i``; ids past the full blocks are ignored) and waits until it is durable in DRAM."""
+        return self.save_async(tokens, device_block_ids, namespace=namespace).result()
+
+    def save_async(
+        self, tokens: Any, device_block_ids: Any, *, namespace: Namespace | None = None
+    ) -> SaveFuture:
+        """Starts a save; see :class:`SaveFuture` for its two completions."""
+        self._check_open()
+        _, keys = self._keys(tokens, namespace)
+        ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
+        return self._start_save(keys, ids)
+
+    def _start_save(self, keys: list[bytes], ids: np.ndarray) -> SaveFuture:
+        future = SaveFuture()
+        for pool in self.pools:
+            pool.hold_blocks(ids, self.config.block_axis)
+        try:
+            self._calls.submit(self._run_save, keys, ids, future)
+        except BaseException:
+            self._release_blocks(ids, future)
+            raise
+        return future
+
+    def _release_blocks(self, ids: np.ndarray, future: SaveFuture) -> None:
+        for pool in self.pools:
+            pool.release_blocks(ids, self.config.block_axis)
+        if not future.released.done():
+            future.released.set_result(None)
+
+    def _run_save(self, keys: list[bytes], ids: np.ndarray, future: SaveFuture) -> None:
+        start = time.perf_counter()
+        stack = self._stack
+        admitted = 0
+        try:
+            with stack.lock:
+                where = stack.locate(keys, prefix=False)
+            fresh = [i for i, t in enumerate(where) if t < 0]
+            for t in set(where) - {-1}:
+                stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
+            if stack.writeback_admit(len(fresh)):
+                admitted = len(fresh)
+            stored = []
+            if fresh:
+                new_keys = [keys[i] for i in fresh]
+                with stack.room(0, len(fresh)):
+                    self.dram.put_from_device(
+                        new_keys, self.pools, ids[fresh], path=self.config.path
+                    )
+                stored = [
+                    k for k, ok in zip(new_keys, self.dram.contains(new_keys), strict=True) if ok
+                ]
+                stack.touch(0, stored)
+        except BaseException as error:
+            self._release_blocks(ids, future)
+            if admitted:
+                stack.writeback_enqueue([], admitted)
+            future.set_exception(error)
+            return
+        self._release_blocks(ids, future)
+        if admitted:
+            stack.writeback_enqueue(stored, admitted)
+        self._count(saves=1, saved_blocks=len(stored), save_skipped_blocks=len(keys) - len(fresh))
+        future.set_result(
+            SaveResult(
+                stored_blocks=len(stored),
+                skipped_blocks=len(keys) - len(fresh),
+                bytes=len(stored) * self.layout.payload_bytes,
+                seconds=time.perf_counter() - start,
+            )
+        )
+
+    # --- prefetch --------------------------------------------------------------------------
+
+    def prefetch(
+        self, tokens: Any, *, namespace: Namespace | None = None
+    ) -> concurrent.futures.Future[int]:
+        """Starts moving the cached prefix of ``tokens`` up into DRAM (from disk or shared FS)
+        ahead of a lookup and load; the future answers how many of its blocks DRAM then holds."""
+        self._check_open()
+        _, keys = self._keys(tokens, namespace)
+        return self._submit(self._run_prefetch, keys)
+
+    def _run_prefetch(self, keys: list[bytes]) -> int:
+        stack = self._stack
+        with stack.lock:
+            hit = keys[: len(stack.locate(keys, prefix=True))]
+            stack.pin(hit)
+        try:
+            in_dram = stack.promote(hit)
+        finally:
+            stack.unpin(hit)
+        n = next((i for i, ok in enumerate(in_dram) if not ok), len(hit))
+        self._count(prefetched_blocks=n)
+        return n
+
+    # --- sessions --------------------------------------------------------------------------
+
+    def offload_session(
+        self,
+        session_id: str,
+        tokens: Any,
+        device_block_ids: Any,
+        *,
+        namespace: Namespace | None = None,
+    ) -> SaveFuture:
+        """Moves a paused session's KV — every token, the partial last block too — out of device
+        memory into the store and keeps it from being dropped until :meth:`restore_session` or
+        :meth:`drop_session`. Offloading an id again replaces the old session. Returns the
+        save's future (free the device blocks after ``released``)."""
+        self._check_open()
+        session_id = _check_session_id(session_id)
+        ns = self._namespace(namespace)
+        toks, keys = self._keys(tokens, namespace)
+        n_full = len(keys)
+        if len(toks) > n_full * self.block_size:
+            parent = keys[-1] if keys else None
+            tail = toks[n_full * self.block_size :]
+            keys = [*keys, self.scheme.tail_key(ns, parent, session_id, tail)]
+        ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
+        record = SessionRecord(session_id, toks.copy(), tuple(keys))
+        self._stack.keep(keys)
+        old = self._sessions.put(record)
+        if old is not None:
+            self._end_session(old, drop_tail=old.keys[-1] not in keys)
+        future = self._start_save(keys, ids)
+        with self._handles_lock:
+            self._session_saves[session_id] = future
+        return future
+
+    def restore_session(
+        self, session_id: str, device_block_ids: Any, *, timeout: float | None = None
+    ) -> SessionRestore:
+        """Loads an offloaded session's KV into ``device_block_ids`` (one per block of its
+        tokens, the partial last block included) and ends the session; its full blocks stay
+        cached as ordinary prefix blocks."""
+        self._check_open()
+        session_id = _check_session_id(session_id)
+        record = self._sessions.get(session_id)
+        if record is None:
+            raise SessionNotFoundError(
+                f"session_id: no offloaded session {session_id!r} (never offloaded, already "
+                "restored, or dropped)"
+            )
+        ids = self._check_block_ids(device_block_ids, len(record.keys), at_most=False)
+        self._check_writable(ids)
+        with self._handles_lock:
+            saving = self._session_saves.pop(session_id, None)
+        if saving is not None:
+            saving.result(timeout)  # the offload's own save must land first
+        keys = list(record.keys)
+        start = time.perf_counter()
+        self._stack.pin(keys)
+        try:
+            loaded, _ = self._load_keys(keys, ids)
+        finally:
+            self._stack.unpin(keys)
+        seconds = time.perf_counter() - start
+        if self._sessions.pop(session_id) is not None:
+            self._end_session(record, drop_tail=True)
+        tokens = record.tokens
+        loaded_tokens = min(loaded * self.block_size, len(tokens))
+        return SessionRestore(
+            session_id, tokens, loaded_tokens, loaded * self.layout.payload_bytes, seconds
+        )
+
+    def restore_session_async(
+        self, session_id: str, device_block_ids: Any
+    ) -> concurrent.futures.Future[SessionRestore]:
+        return self._submit(self.restore_session, session_id, device_block_ids)
+
+    def drop_session(self, session_id: str) -> None:
+        """Forgets an offloaded session; its full blocks stay cached as ordinary blocks."""
+        self._check_open()
+        session_id = _check_session_id(session_id)
+        record = self._sessions.pop(session_id)
+        if record is None:
+            raise SessionNotFoundError(f"session_id: no offloaded session {session_id!r}")
+        with self._handles_lock:
+            saving = self._session_saves.pop(session_id, None)
+        if saving is not None:
+            concurrent.futures.wait([saving])
+        self._end_session(record, drop_tail=True)
+
+    def sessions(self) -> list[str]:
+        """Ids of the offloaded sessions (including those found after a restart)."""
+        return [r.session_id for r in self._sessions.all()]
+
+    def _end_session(self, record: SessionRecord, *, drop_tail: bool) -> None:
+        self._stack.unkeep(list(record.keys))
+        n_full = len(record.tokens) // self.block_size
+        if drop_tail and len(record.keys) > n_full:  # the tail block serves nobody else
+            self._stack.delete_everywhere([record.keys[-1]])
+
+    # --- purge, stats, close ---------------------------------------------------------------
+
+    def purge(self, namespace: Namespace | None = None) -> int:
+        """Drops every block of ``namespace`` (default: the store's) from every tier, and its
+        sessions; pinned blocks go at their last unpin. Returns the blocks dropped now."""
+        self._check_open()
+        tag = self.scheme.namespace_tag(self._namespace(namespace))
+        self._stack.flush()
+        for record in self._sessions.all():
+            if record.keys and record.keys[0].startswith(tag):
+                self._sessions.pop(record.session_id)
+                self._stack.unkeep(list(record.keys))
+        keys: set[bytes] = set()
+        for tier in self._stack.tiers:
+            keys.update(k for k in tier.keys() if k.startswith(tag))  # noqa: SIM118 (a tier)
+        return self._stack.delete_everywhere(sorted(keys))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until saved blocks are written to every lower tier; False on timeout."""
+        return self._stack.flush(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the store and of each tier (plus blocks used and capacity)."""
+        stack = self._stack
+        with self._counters_lock:
+            store: dict[str, Any] = dict(self._counters)
+        store.update(stack.counters)
+        store["writeback_pending_bytes"] = stack.writeback_pending_bytes()
+        store["sessions"] = len(self._sessions.all())
+        with self._handles_lock:
+            store["open_handles"] = len(self._handles)
+        tiers = {}
+        for name, tier in zip(stack.names, stack.tiers, strict=True):
+            entry: dict[str, Any] = dict(tier.stats.as_dict())
+            entry["capacity"] = tier.capacity
+            entry["used"] = tier.used
+            tiers[name] = entry
+        return {"store": store, "tiers": tiers}
+
+    def close(self) -> None:
+        """Finishes queued work (saves, write-back), then closes the tiers. A named DRAM pool
+        and the disk tier keep their blocks (and sessions) for the next process. Open handles
+        become invalid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._calls.shutdown(wait=True)
+        self._stack.flush()
+        self._stack.close()
+        with self._handles_lock:
+            for handle in self._handles.values():
+                handle._state = "closed"
+            self._handles.clear()
+        for tier in reversed(self._stack.tiers):
+            tier.close()
+
+    def __enter__(self) -> KVCacheStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        tiers = ", ".join(self._stack.names)
+        return (
+            f"KVCacheStore(model_id={self.config.model_id!r}, block_size={self.block_size}, "
+            f"tiers=[{tiers}], dram {self.dram.used}/{self.dram.capacity} blocks)"
+        )
+
+
+def _check_session_id(session_id: Any) -> str:
+    if not isinstance(session_id, str) or not 1 <= len(session_id) <= 256:
+        raise InvalidArgumentError(
+            f"session_id: expected a string of 1 to 256 characters, got {session_id!r}"
+        )
+    return session_id
