@@ -29,6 +29,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 from tpusync.errors import BlocksMissingError, TierFullError, TpuSyncError
@@ -37,7 +38,7 @@ from tpusync.tiers.host_pool import HostPool
 
 log = logging.getLogger("tpusync.kv")
 
-_ROUNDS = 4  # stale LRU entries (blocks dropped behind our back) cost at most a few rounds
+_WRITEBACK_WAIT_S = 30.0  # how long making room waits for write-back to free busy slots
 
 
 class TierStack:
@@ -62,6 +63,7 @@ class TierStack:
         self._kept: collections.Counter[bytes] = collections.Counter()
         self._doomed: set[bytes] = set()  # purged while pinned: dropped at the last unpin
         self.counters: collections.Counter[str] = collections.Counter()
+        self._counters_lock = threading.Lock()
         # write-back queue
         self._wb_policy = writeback_policy
         self._wb_max = writeback_max_bytes
@@ -69,6 +71,7 @@ class TierStack:
         self._wb_queue: collections.deque[list[bytes]] = collections.deque()
         self._wb_bytes = 0  # queued or being written
         self._wb_busy = 0
+        self._wb_active: set[bytes] = set()  # keys whose DRAM slots write-back reads now
         self._wb_stop = False
         self._wb_thread: threading.Thread | None = None
         if len(self.tiers) > 1:
@@ -78,6 +81,15 @@ class TierStack:
             self._wb_thread.start()
 
     # --- metadata --------------------------------------------------------------------------
+
+    def bump(self, name: str, value: int = 1) -> None:
+        """Adds to a policy counter (a Counter's += is not atomic across threads)."""
+        with self._counters_lock:
+            self.counters[name] += value
+
+    def counters_snapshot(self) -> dict[str, int]:
+        with self._counters_lock:
+            return dict(self.counters)
 
     def touch(self, tier: int, keys: Sequence[bytes]) -> None:
         with self.lock:
@@ -170,21 +182,27 @@ class TierStack:
                 f"{store.capacity} slots; raise its capacity_blocks"
             )
         bottom = tier == len(self.tiers) - 1
-        for _ in range(_ROUNDS):
-            need = blocks - self._free(tier)
-            if need <= 0:
-                return
+        deadline = time.monotonic() + _WRITEBACK_WAIT_S
+        while (need := blocks - self._free(tier)) > 0:
+            with self._wb_cond:
+                busy = set(self._wb_active) if tier == 0 else set()
             with self.lock:
-                victims = []
+                victims, waiting = [], False
                 for key in self._lru[tier]:
                     if self._pins.get(key, 0) > 0:
                         continue
                     if self._kept.get(key, 0) > 0 and (bottom or tier > 0):
                         continue  # a session's block is only ever demoted out of DRAM
+                    if key in busy:  # being written down: its slot is read right now
+                        waiting = True
+                        continue
                     victims.append(key)
                     if len(victims) == need:
                         break
             if not victims:
+                if waiting and time.monotonic() < deadline:
+                    self._wait_writeback_progress()
+                    continue
                 break
             if tier == 0 and not bottom:
                 self._demote(victims)
@@ -192,18 +210,19 @@ class TierStack:
                 # a lookup may have pinned a victim meanwhile: it stays
                 victims = [k for k in victims if self._pins.get(k, 0) <= 0]
                 if tier == 0 and not bottom:
-                    held = self.tiers[1].contains(victims)
-                    victims = [
-                        k for k, h in zip(victims, held, strict=True) if h or not self._kept.get(k)
-                    ]
+                    below = set(present(self.tiers[1], victims))
+                    victims = [k for k in victims if k in below or not self._kept.get(k)]
                 dropped = store.delete(victims)
-                still = store.contains(victims)
-                for key, present in zip(victims, still, strict=True):
-                    if not present:
-                        self._lru[tier].pop(key, None)
-            self.counters["evictions"] += dropped
+                gone = absent(store, victims)
+                for key in gone:
+                    self._lru[tier].pop(key, None)
+            self.bump("evictions", dropped)
             if tier > 0 or bottom:
                 store.stats.add(evictions=dropped)
+            if not gone:
+                if time.monotonic() >= deadline:
+                    break
+                self._wait_writeback_progress()
         if self._free(tier) < blocks:
             raise TierFullError(
                 f"{self.names[tier]} tier: {blocks} free blocks needed, {self._free(tier)} free "
@@ -214,18 +233,18 @@ class TierStack:
     def _demote(self, keys: list[bytes]) -> None:
         """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them)."""
         below = self.tiers[1]
-        absent = [k for k, h in zip(keys, below.contains(keys), strict=True) if not h]
-        if not absent:
+        missing = absent(below, keys)
+        if not missing:
             return
-        written = self._put_down(1, absent)
-        self.counters["demotions"] += written
-        self.dram.stats.add(evictions=len(absent))
+        written = self._put_down(1, missing)
+        self.bump("demotions", written)
+        self.dram.stats.add(evictions=len(missing))
 
     def _put_down(self, tier: int, keys: list[bytes]) -> int:
         """Copies DRAM blocks into lower ``tier`` (making room there); returns blocks written.
         Blocks DRAM lost meanwhile are skipped."""
         store = self.tiers[tier]
-        keys = [k for k, h in zip(keys, self.dram.contains(keys), strict=True) if h]
+        keys = present(self.dram, keys)
         if not keys:
             return 0
         with self._room_locks[tier]:
@@ -240,11 +259,13 @@ class TierStack:
 
     # --- promotion -------------------------------------------------------------------------
 
-    def promote(self, keys: Sequence[bytes]) -> list[bool]:
+    def promote(self, keys: Sequence[bytes]) -> tuple[list[bool], int]:
         """Reads the keys DRAM lacks from the first lower tier holding them into DRAM; returns
         which keys DRAM holds afterwards. Blocks failing their checksum are misses (the lower
-        tier counts and drops them). Pin the keys first, so that making room cannot evict them."""
+        tier counts and drops them), and how many blocks moved up. Pin the keys first, so that
+        making room cannot evict them."""
         where = self.locate(keys, prefix=False)
+        promoted = 0
         wanted = [i for i, t in enumerate(where) if t > 0]
         if wanted:
             with self.room(0, len(wanted)):
@@ -257,11 +278,12 @@ class TierStack:
                         loaded = subset
                     except BlocksMissingError as missing:
                         loaded = [k for k, ok in zip(subset, missing.loaded, strict=True) if ok]
-                        self.counters["lower_tier_misses"] += len(subset) - len(loaded)
+                        self.bump("lower_tier_misses", len(subset) - len(loaded))
                     self.touch(t, loaded)
                     self.touch(0, loaded)
-                    self.counters["promotions"] += len(loaded)
-        return self.dram.contains(keys)
+                    self.bump("promotions", len(loaded))
+                    promoted += len(loaded)
+        return self.dram.contains(keys), promoted
 
     # --- write-back ------------------------------------------------------------------------
 
@@ -274,11 +296,11 @@ class TierStack:
         with self._wb_cond:
             if self._wb_policy == "skip":
                 if self._wb_bytes and self._wb_bytes + nbytes > self._wb_max:
-                    self.counters["writeback_skipped"] += blocks
+                    self.bump("writeback_skipped", blocks)
                     return False
             else:
                 while self._wb_bytes and self._wb_bytes + nbytes > self._wb_max:
-                    self.counters["writeback_waits"] += 1
+                    self.bump("writeback_waits", 1)
                     self._wb_cond.wait()
             self._wb_bytes += nbytes
             return True
@@ -300,26 +322,29 @@ class TierStack:
                     return
                 keys = self._wb_queue.popleft()
                 self._wb_busy += 1
+                self._wb_active.update(keys)
             try:
                 for tier in range(1, len(self.tiers)):
-                    absent = [
-                        k
-                        for k, h in zip(keys, self.tiers[tier].contains(keys), strict=True)
-                        if not h
-                    ]
-                    if absent:
-                        self.counters["writeback_written"] += self._put_down(tier, absent)
+                    missing = absent(self.tiers[tier], keys)
+                    if missing:
+                        self.bump("writeback_written", self._put_down(tier, missing))
             except TpuSyncError as error:  # a full or failing tier: the blocks stay in DRAM
-                self.counters["writeback_failed"] += len(keys)
+                self.bump("writeback_failed", len(keys))
                 log.warning("tpusync kv: write-back of %d blocks failed: %s", len(keys), error)
             except Exception:  # never let the thread die silently; the blocks stay in DRAM
-                self.counters["writeback_failed"] += len(keys)
+                self.bump("writeback_failed", len(keys))
                 log.exception("tpusync kv: write-back failed")
             finally:
                 with self._wb_cond:
+                    self._wb_active.difference_update(keys)
                     self._wb_busy -= 1
                     self._wb_bytes -= len(keys) * self.block_bytes
                     self._wb_cond.notify_all()
+
+    def _wait_writeback_progress(self) -> None:
+        with self._wb_cond:
+            if self._wb_busy:
+                self._wb_cond.wait(timeout=0.5)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until the write-back queue is empty; False on timeout."""
@@ -345,9 +370,7 @@ class TierStack:
             for t, tier in enumerate(self.tiers):
                 if free:
                     dropped += tier.delete(free)
-                    self.forget(
-                        t, [k for k, h in zip(free, tier.contains(free), strict=True) if not h]
-                    )
+                    self.forget(t, absent(tier, free))
         return dropped
 
     def close(self) -> None:
@@ -356,3 +379,13 @@ class TierStack:
             self._wb_cond.notify_all()
         if self._wb_thread is not None:
             self._wb_thread.join()
+
+
+def present(tier: HostPool | LowerTier, keys: Sequence[bytes]) -> list[bytes]:
+    """The keys ``tier`` holds, in order."""
+    return [k for k, hit in zip(keys, tier.contains(keys), strict=True) if hit]
+
+
+def absent(tier: HostPool | LowerTier, keys: Sequence[bytes]) -> list[bytes]:
+    """The keys ``tier`` lacks, in order."""
+    return [k for k, hit in zip(keys, tier.contains(keys), strict=True) if not hit]

@@ -25,6 +25,7 @@ import concurrent.futures
 import itertools
 import logging
 import numbers
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +45,7 @@ from tpusync.errors import (
     StaleHandleError,
 )
 from tpusync.kv._sessions import SessionManifests, SessionRecord
-from tpusync.kv._tier_stack import TierStack
+from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
 from tpusync.tiers.base import LowerTier
@@ -228,6 +229,7 @@ class KVCacheStore:
             opened.append(dram)
             lower: list[tuple[str, LowerTier]] = []
             if config.disk is not None:
+                os.makedirs(config.disk.directory, exist_ok=True)
                 disk = DiskPool(
                     self.layout,
                     config.disk.capacity_blocks,
@@ -238,6 +240,7 @@ class KVCacheStore:
                 opened.append(disk)
                 lower.append(("disk", disk))
             if config.shared_fs is not None:
+                os.makedirs(config.shared_fs.directory, exist_ok=True)
                 shared = SharedFsPool(
                     self.layout,
                     config.shared_fs.directory,
@@ -445,9 +448,7 @@ class KVCacheStore:
         if not keys:
             return 0, 0
         stack = self._stack
-        before = stack.counters["promotions"]
-        in_dram = stack.promote(keys)
-        promoted = stack.counters["promotions"] - before
+        in_dram, promoted = stack.promote(keys)
         prefix = next((i for i, ok in enumerate(in_dram) if not ok), len(keys))
         if not prefix:
             return 0, promoted
@@ -513,9 +514,7 @@ class KVCacheStore:
                     self.dram.put_from_device(
                         new_keys, self.pools, ids[fresh], path=self.config.path
                     )
-                stored = [
-                    k for k, ok in zip(new_keys, self.dram.contains(new_keys), strict=True) if ok
-                ]
+                stored = present(self.dram, new_keys)
                 stack.touch(0, stored)
         except BaseException as error:
             self._release_blocks(ids, future)
@@ -553,7 +552,7 @@ class KVCacheStore:
             hit = keys[: len(stack.locate(keys, prefix=True))]
             stack.pin(hit)
         try:
-            in_dram = stack.promote(hit)
+            in_dram, _ = stack.promote(hit)
         finally:
             stack.unpin(hit)
         n = next((i for i, ok in enumerate(in_dram) if not ok), len(hit))
@@ -684,7 +683,7 @@ class KVCacheStore:
         stack = self._stack
         with self._counters_lock:
             store: dict[str, Any] = dict(self._counters)
-        store.update(stack.counters)
+        store.update(stack.counters_snapshot())
         store["writeback_pending_bytes"] = stack.writeback_pending_bytes()
         store["sessions"] = len(self._sessions.all())
         with self._handles_lock:
