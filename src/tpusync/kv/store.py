@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import numbers
 import os
 import threading
 import time
@@ -309,12 +308,11 @@ class KVCacheStore:
             raise InvalidArgumentError(
                 f"{argument}: expected a list of block ids, got {block_ids!r}"
             )
-        if isinstance(block_ids, Sequence) and any(
-            isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in block_ids
-        ):
-            raise InvalidArgumentError(f"{argument}: block ids must be integers")
-        ids = np.asarray(block_ids)
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        try:
+            ids = np.asarray(block_ids)
+        except (TypeError, ValueError) as error:
+            raise InvalidArgumentError(f"{argument}: not a list of block ids ({error})") from None
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # floats, bools, objects
             raise InvalidArgumentError(
                 f"{argument}: expected a 1-D list of integer block ids, got shape {ids.shape} "
                 f"dtype {ids.dtype}"

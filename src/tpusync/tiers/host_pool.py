@@ -737,6 +737,10 @@ def _size(nbytes: int) -> str:
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    if isinstance(keys, list | tuple) and all(
+        type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES for key in keys
+    ):
+        return list(keys)  # the common case, checked in one pass
     out = []
     for i, key in enumerate(keys):
         if not isinstance(key, bytes | bytearray | memoryview):
