@@ -61,7 +61,7 @@ def test_cli_info_json() -> None:
 
 
 def test_cli_demo_small_run_reports_equal_bits() -> None:
-    result = _run("demo", "--layers", "1", "--repeats", "1")
+    result = _run("demo", "--transfer", "--layers", "1", "--repeats", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all bits equal" in result.stdout
     assert "DIFFERENT" not in result.stdout

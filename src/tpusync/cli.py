@@ -1,4 +1,4 @@
-"""The `tpusync` command: info, demo, shm (more arrive with the KV store and the cluster)."""
+"""The `tpusync` command: info, demo, shm (more arrive with the cluster)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _shm(argv: list[str]) -> int:
 USAGE = """usage: tpusync {info,demo,shm} [options]
 
   info   which engine each device gets and why; host limits
-  demo   offload and reload scattered KV blocks, verify bits, show GB/s
+  demo   prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
   shm    list or remove named host pools in /dev/shm"""
 
 

@@ -1,127 +1,365 @@
-"""`tpusync demo`: offload scattered KV blocks of a paged cache to host memory and back.
+"""`tpusync demo`: prefix caching end to end — a long prompt cold, then warm from every tier.
 
-Embedded defaults, CPU, no servers: builds a paged KV cache (per layer, K and V apart), saves a
-scattered set of blocks to a host pool of slots with one ``transfer_batch``, loads them back into
-other blocks, on the native and the pure-JAX path, checks every bit, and prints a table beside the
-machine's memory-copy rate measured in the same run.
+Embedded defaults, CPU, no servers; temporary directories and the /dev/shm pool are removed
+after. A small JAX transformer with a paged KV cache (``tpusync.testing``) serves one long prompt
+cold and saves its KV; then the same prompt is served warm from DRAM, from local disk and from a
+shared-filesystem directory; an agent session is paused (its KV offloaded) and resumed into other
+blocks; finally a new process attaches to the /dev/shm pool the first one left and serves the
+prompt from it. Compilation is excluded on both sides (a throwaway request of the same shapes
+runs first; JAX's persistent compilation cache makes later runs start faster). Every warm output
+is compared with the cold one: greedy tokens equal, logits equal bit for bit.
+
+    tpusync demo [--tokens 8192] [--new-tokens 8] [--plot ttft.png] [--transfer]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import hashlib
+import json
 import os
-import statistics
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import jax
 import numpy as np
 
-from tpusync.device_pool import DevicePool
-from tpusync.host_buffer import HostBuffer
-from tpusync.info import info
-from tpusync.transfer import Transfer, transfer_batch
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpusync" / "jax"
 
 
 @dataclass
-class DemoConfig:
-    layers: int = 4
-    num_blocks: int = 1024
-    block_size: int = 16
-    kv_heads: int = 8
-    head_dim: int = 128
-    dtype: str = "bfloat16"
-    blocks_moved: int = 384
-    repeats: int = 5
-    seed: int = 0
+class Row:
+    scenario: str
+    tier: str
+    ttft_s: float
+    reused_tokens: int
+    loaded_bytes: int
+    load_gbps: float | None
+    matches: bool | None  # None: the reference itself
 
 
-def _memcpy_gbps(nbytes: int, repeats: int) -> float:
-    threads = len(os.sched_getaffinity(0))
-    src, dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
-    bounds = np.linspace(0, nbytes, threads + 1).astype(int)
-    parts = [slice(a, b) for a, b in itertools.pairwise(bounds)]
-    times = []
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            start = time.perf_counter()
-            list(pool.map(lambda s: np.copyto(dst[s], src[s]), parts))
-            times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+def _setup_jax(cache_dir: str | None) -> None:
+    import jax
+
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def run(config: DemoConfig) -> bool:
-    """Runs the demo, prints its table, returns whether every bit matched."""
-    print(info())
-    rng = np.random.default_rng(config.seed)
-    block_shape = (config.block_size, config.kv_heads, config.head_dim)
-    shape = (config.num_blocks, *block_shape)
-    dtype = np.dtype(config.dtype)
-    bits = np.dtype(f"uint{dtype.itemsize * 8}")
-    originals = [
-        rng.integers(0, np.iinfo(bits).max, size=shape, dtype=bits, endpoint=True).view(dtype)
-        for _ in range(2 * config.layers)
-    ]
-    # A host pool of slots: each slot holds one block of every (layer, K/V) array, so one slot
-    # is one cached token block of the whole model.
-    slots = HostBuffer((config.blocks_moved, 2 * config.layers, *block_shape), dtype)
-    # Blocks saved and the blocks they are loaded into are disjoint, so every repeat moves the
-    # same bytes and the final check can compare against the original arrays.
-    shuffled = rng.permutation(config.num_blocks)
-    chosen = shuffled[: config.blocks_moved]
-    targets = shuffled[config.blocks_moved : 2 * config.blocks_moved]
-    slot_ids = np.arange(config.blocks_moved)
-    nbytes = 0
-    rows = []
-    all_match = True
-    for path in ("native", "jax"):
-        pools = [DevicePool(jax.device_put(a, may_alias=False)) for a in originals]
-        save = [Transfer(p, slots.array[:, i], chosen, slot_ids) for i, p in enumerate(pools)]
-        load = [Transfer(slots.array[:, i], p, slot_ids, targets) for i, p in enumerate(pools)]
-        timings: dict[str, list[float]] = {"save (device->host)": [], "load (host->device)": []}
-        for repeat in range(config.repeats + 1):
-            start = time.perf_counter()
-            nbytes = transfer_batch(save, path=path).result(timeout=120)
-            saved = time.perf_counter() - start
-            start = time.perf_counter()
-            transfer_batch(load, path=path).result(timeout=120)
-            loaded = time.perf_counter() - start
-            if repeat:  # the first round compiles and warms up
-                timings["save (device->host)"].append(saved)
-                timings["load (host->device)"].append(loaded)
-        match = all(
-            np.array_equal(np.asarray(p.array)[targets].view(bits), originals[i][chosen].view(bits))
-            for i, p in enumerate(pools)
-        )
-        all_match &= match
-        for name, values in timings.items():
-            seconds = statistics.median(values)
-            rows.append((name, path, nbytes, seconds, match))
-    limit = _memcpy_gbps(nbytes, config.repeats)
-    print(
-        f"\n{config.layers} layers x K,V; {config.blocks_moved} of {config.num_blocks} blocks of "
-        f"{block_shape} {dtype}, scattered; median of {config.repeats}"
+def _model_config(tokens: int, new_tokens: int) -> Any:
+    from tpusync.testing import model as M
+
+    # 8 KV heads of 32: a block is 16 tokens x 16 KiB per (layer, K/V) array, 128 KiB in all.
+    base = M.ModelConfig(n_kv_heads=8, head_dim=32)
+    per_seq = M.blocks_needed(base, tokens + 2 * new_tokens + base.block_size)
+    return M.ModelConfig(
+        n_kv_heads=8,
+        head_dim=32,
+        max_blocks_per_seq=per_seq,
+        num_blocks=2 * per_seq + 16,
     )
-    header = f"{'direction':<22}{'path':<8}{'MiB':>8}{'ms':>9}{'GB/s':>8}{'x memcpy':>10}  bits"
+
+
+def _store_config(
+    blocks: int, shm_name: str, disk: Path | None, shared: Path | None, block_size: int
+) -> Any:
+    from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
+
+    return KVStoreConfig(
+        model_id="tpusync-demo-model",
+        block_size=block_size,
+        dram=DramTier(capacity_blocks=2 * blocks + 16, name=shm_name),
+        disk=DiskTier(disk, capacity_blocks=2 * blocks + 16) if disk else None,
+        shared_fs=SharedFsTier(shared) if shared else None,
+    )
+
+
+def _digest(logits: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(logits).tobytes(), digest_size=16).hexdigest()
+
+
+def _prompt(tokens: int, vocab: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, tokens).astype(np.int32)
+
+
+def _load_row(scenario: str, request: Any, cold: Any) -> Row:
+    load = request.load
+    return Row(
+        scenario,
+        request.lookup_tiers[0] if request.lookup_tiers else "-",
+        request.ttft_s,
+        request.cached_tokens,
+        load.bytes if load else 0,
+        load.gbps if load else None,
+        bool(
+            np.array_equal(request.tokens, cold.tokens)
+            and np.array_equal(request.prefill_logits, cold.prefill_logits)
+        ),
+    )
+
+
+def _memcpy_gbps(nbytes: int) -> float:
+    from tpusync.demo_transfer import _memcpy_gbps as measure
+
+    return measure(nbytes, 5)
+
+
+def run(
+    tokens: int, new_tokens: int, cache_dir: str | None, plot: str | None, seed: int = 0
+) -> bool:
+    _setup_jax(cache_dir)
+    from tpusync.testing.engine import ToyEngine
+
+    config = _model_config(tokens, new_tokens)
+    blocks = -(-tokens // config.block_size)
+    work = Path(tempfile.mkdtemp(prefix="tpusync-demo-"))
+    shm_name = f"demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    rows: list[Row] = []
+    ok = True
+    try:
+        store_config = _store_config(
+            blocks, shm_name, work / "disk", work / "shared", config.block_size
+        )
+        engine = ToyEngine(config, store_config)
+        kv_mib = blocks * engine.block_bytes() / 2**20
+        print(
+            f"model: {config.n_layers} layers, {config.n_kv_heads} KV heads of {config.head_dim}, "
+            f"block {config.block_size} tokens = {engine.block_bytes() // 1024} KiB of KV; "
+            f"prompt {tokens} tokens = {kv_mib:.0f} MiB of KV"
+        )
+        print("tiers: DRAM in /dev/shm (named), local disk, shared FS — all under", work)
+        print("compiling (a throwaway request of the same shapes; excluded from TTFT) ...")
+        start = time.perf_counter()
+        engine.warmup(tokens, new_tokens, cold=True)
+        print(f"  {time.perf_counter() - start:.1f} s")
+        prompt = _prompt(tokens, config.vocab_size, seed)
+        print("cold prefill, then save ...")
+        cold = engine.generate(prompt, new_tokens, use_cache=False, boundary=tokens - 1)
+        engine.store.flush()
+        rows.append(Row("cold prefill", "-", cold.ttft_s, 0, 0, None, None))
+
+        print("warm requests ...")
+        rows.append(_load_row("warm, full hit", engine.generate(prompt, new_tokens), cold))
+        engine.store.evict(prompt, tier="dram")
+        rows.append(_load_row("warm, DRAM evicted", engine.generate(prompt, new_tokens), cold))
+        engine.store.evict(prompt, tier="dram")
+        engine.store.evict(prompt, tier="disk")
+        rows.append(_load_row("warm, DRAM+disk evicted", engine.generate(prompt, new_tokens), cold))
+
+        print("agent session: pause after the first tokens, resume in other blocks ...")
+        whole = engine.generate(prompt, 2 * new_tokens, save=False)
+        first = engine.generate(prompt, new_tokens, keep_blocks=True, save=False)
+        engine.pause("agent-1", first)
+        resumed = engine.resume("agent-1", int(first.tokens[-1]), new_tokens)
+        rows.append(
+            Row(
+                "agent resume",
+                "session",
+                resumed.ttft_s,
+                resumed.cached_tokens,
+                len(first.kv_tokens) * engine.block_bytes() // config.block_size,
+                None,
+                bool(np.array_equal(np.concatenate([first.tokens, resumed.tokens]), whole.tokens)),
+            )
+        )
+        stats = engine.store.stats()
+        engine.close()  # the named pool stays in /dev/shm for the next process
+
+        print("restart: a new process attaches to the /dev/shm pool ...")
+        child = _run_child(
+            tokens, new_tokens, cache_dir, shm_name, prompt_seed=seed, model=config, blocks=blocks
+        )
+        rows.append(
+            Row(
+                "new process, /dev/shm",
+                child["tier"],
+                child["ttft_s"],
+                child["cached_tokens"],
+                child["loaded_bytes"],
+                child["load_gbps"],
+                child["tokens"] == cold.tokens.tolist()
+                and child["logits"] == _digest(cold.prefill_logits),
+            )
+        )
+        limit = _memcpy_gbps(int(kv_mib * 2**20))
+        ok = all(r.matches is not False for r in rows)
+        _print_table(rows, limit, tokens)
+        _print_stats(stats)
+        if plot:
+            _plot(rows, plot, tokens)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        from tpusync.tiers.host_pool import pool_path
+
+        path = pool_path(shm_name)
+        path.unlink(missing_ok=True)
+        shutil.rmtree(path.with_name(path.name.removesuffix(".pool") + ".sessions"), True)
+    return ok
+
+
+def _run_child(
+    tokens: int,
+    new_tokens: int,
+    cache_dir: str | None,
+    shm_name: str,
+    *,
+    prompt_seed: int,
+    model: Any,
+    blocks: int,
+) -> dict[str, Any]:
+    spec = {
+        "tokens": tokens,
+        "new_tokens": new_tokens,
+        "cache_dir": cache_dir,
+        "shm_name": shm_name,
+        "seed": prompt_seed,
+    }
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tpusync.demo", "--child", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        out, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    if process.returncode != 0:
+        raise RuntimeError(f"the restarted process failed (exit {process.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _child(spec: dict[str, Any]) -> None:
+    """The restarted server: attaches to the named pool, warms up, serves the prompt."""
+    _setup_jax(spec["cache_dir"])
+    from tpusync.testing.engine import ToyEngine
+
+    tokens, new_tokens = spec["tokens"], spec["new_tokens"]
+    config = _model_config(tokens, new_tokens)
+    blocks = -(-tokens // config.block_size)
+    store_config = _store_config(blocks, spec["shm_name"], None, None, config.block_size)
+    engine = ToyEngine(config, store_config)
+    engine.warmup(tokens, new_tokens, cold=False)
+    request = engine.generate(_prompt(tokens, config.vocab_size, spec["seed"]), new_tokens)
+    engine.close()
+    load = request.load
+    print(
+        json.dumps(
+            {
+                "tier": request.lookup_tiers[0] if request.lookup_tiers else "-",
+                "ttft_s": request.ttft_s,
+                "cached_tokens": request.cached_tokens,
+                "loaded_bytes": load.bytes if load else 0,
+                "load_gbps": load.gbps if load else None,
+                "tokens": request.tokens.tolist(),
+                "logits": _digest(request.prefill_logits),
+                "attach_ms": engine.store.dram.attach_seconds * 1e3,
+            }
+        )
+    )
+
+
+def _print_table(rows: list[Row], limit: float, tokens: int) -> None:
+    cold = rows[0].ttft_s
+    print(f"\nTime to first token, {tokens}-token prompt (compilation excluded on both sides)")
+    header = (
+        f"{'scenario':<24}{'served from':<13}{'TTFT ms':>10}{'vs cold':>9}{'reused':>8}"
+        f"{'KV MiB':>8}{'load GB/s':>11}  output"
+    )
     print(header)
     print("-" * len(header))
-    for name, path, moved, seconds, match in rows:
-        gbps = moved / seconds / 1e9
+    for r in rows:
+        change = "" if r is rows[0] else f"{(r.ttft_s / cold - 1) * 100:+.1f}%"
+        gbps = f"{r.load_gbps:.2f}" if r.load_gbps else "-"
+        match = "reference" if r.matches is None else ("equal" if r.matches else "DIFFERENT")
         print(
-            f"{name:<22}{path:<8}{moved / 2**20:>8.1f}{seconds * 1e3:>9.2f}{gbps:>8.2f}"
-            f"{gbps / limit:>10.2f}  {'equal' if match else 'DIFFERENT'}"
+            f"{r.scenario:<24}{r.tier:<13}{r.ttft_s * 1e3:>10.1f}{change:>9}{r.reused_tokens:>8}"
+            f"{r.loaded_bytes / 2**20:>8.1f}{gbps:>11}  {match}"
         )
-    print(f"memcpy limit (np.copyto, one thread per core): {limit:.2f} GB/s")
-    return all_match
+    print(f"memcpy limit (np.copyto, one thread per core, same size): {limit:.2f} GB/s")
+    print("'equal': greedy tokens equal and the first token's logits equal bit for bit")
+
+
+def _print_stats(stats: dict[str, Any]) -> None:
+    store = stats["store"]
+    print(
+        f"store: {store['hit_blocks']} blocks hit, {store['saved_blocks']} saved, "
+        f"{store['demotions']} demoted, {store['promotions']} promoted, "
+        f"{store['writeback_written']} written back"
+    )
+    for name, tier in stats["tiers"].items():
+        print(
+            f"  {name:<10} hits {tier['hits']:>5}  misses {tier['misses']:>4}  checksum failures "
+            f"{tier['checksum_failures']}  used {tier['used']}"
+        )
+
+
+def _plot(rows: list[Row], path: str, tokens: int) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'tpusync[demo]' (or matplotlib)")
+        return
+    figure, axis = plt.subplots(figsize=(8, 4))
+    names = [f"{r.scenario}\n({r.tier})" if r.tier != "-" else r.scenario for r in rows]
+    bars = axis.bar(
+        names, [r.ttft_s * 1e3 for r in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1)
+    )
+    axis.set_yscale("log")
+    axis.set_ylabel("time to first token (ms, log)")
+    axis.set_title(f"tpusync prefix cache: {tokens}-token prompt, CPU")
+    axis.bar_label(bars, fmt="%.0f")
+    plt.setp(axis.get_xticklabels(), fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpusync demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=DemoConfig.layers)
-    parser.add_argument("--repeats", type=int, default=DemoConfig.repeats)
-    args = parser.parse_args(argv)
-    ok = run(DemoConfig(layers=args.layers, repeats=args.repeats))
-    print("all bits equal" if ok else "MISMATCH: some bits differ")
+    parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT bars (matplotlib)")
+    parser.add_argument(
+        "--compile-cache",
+        default=str(DEFAULT_CACHE),
+        help="JAX persistent compilation cache directory ('' to disable)",
+    )
+    parser.add_argument(
+        "--transfer", action="store_true", help="run the transfer demo instead (GB/s table)"
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args(argv)
+    if args.child:
+        _child(json.loads(args.child))
+        return 0
+    if args.transfer:
+        from tpusync.demo_transfer import main as transfer_main
+
+        return transfer_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.tokens < 32 or args.new_tokens < 1:
+        parser.error("--tokens must be >= 32 and --new-tokens >= 1")
+    start = time.perf_counter()
+    ok = run(args.tokens, args.new_tokens, args.compile_cache or None, args.plot)
+    print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    print("all outputs equal" if ok else "MISMATCH: some outputs differ")
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,6 +38,16 @@ from tpusync.tiers.host_pool import HostPool
 
 log = logging.getLogger("tpusync.kv")
 
+POLICY_COUNTERS = (
+    "evictions",
+    "demotions",
+    "promotions",
+    "lower_tier_misses",
+    "writeback_written",
+    "writeback_skipped",
+    "writeback_waits",
+    "writeback_failed",
+)
 _WRITEBACK_WAIT_S = 30.0  # how long making room waits for write-back to free busy slots
 
 
@@ -62,7 +72,9 @@ class TierStack:
         self._pins: collections.Counter[bytes] = collections.Counter()
         self._kept: collections.Counter[bytes] = collections.Counter()
         self._doomed: set[bytes] = set()  # purged while pinned: dropped at the last unpin
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter(
+            dict.fromkeys(POLICY_COUNTERS, 0)
+        )
         self._counters_lock = threading.Lock()
         # write-back queue
         self._wb_policy = writeback_policy
@@ -229,6 +241,31 @@ class TierStack:
                 f"of {store.capacity}; the rest are pinned by lookups or held by sessions — "
                 "release handles, drop sessions or raise capacity_blocks"
             )
+
+    def evict(self, tier: int, keys: Sequence[bytes]) -> int:
+        """Moves ``keys`` out of ``tier`` now: DRAM demotes to the next tier first (if any);
+        pinned blocks, and session blocks that would be dropped, stay. Returns blocks removed."""
+        store = self.tiers[tier]
+        bottom = tier == len(self.tiers) - 1
+        with self._room_locks[tier]:
+            with self.lock:
+                victims = [k for k in present(store, keys) if self._pins.get(k, 0) <= 0]
+            if tier == 0 and not bottom:
+                self._demote(victims)
+                below = set(present(self.tiers[1], victims))
+            else:
+                below = set()
+            with self.lock:
+                victims = [
+                    k
+                    for k in victims
+                    if self._pins.get(k, 0) <= 0 and (k in below or not self._kept.get(k))
+                ]
+                dropped = store.delete(victims)
+                for key in absent(store, victims):
+                    self._lru[tier].pop(key, None)
+        self.bump("evictions", dropped)
+        return dropped
 
     def _demote(self, keys: list[bytes]) -> None:
         """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them)."""

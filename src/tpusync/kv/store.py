@@ -655,6 +655,23 @@ class KVCacheStore:
         if drop_tail and len(record.keys) > n_full:  # the tail block serves nobody else
             self._stack.delete_everywhere([record.keys[-1]])
 
+    # --- eviction, purge, stats, close -----------------------------------------------------
+
+    def evict(
+        self, tokens: Any, *, tier: str = "dram", namespace: Namespace | None = None
+    ) -> int:
+        """Moves the cached blocks of ``tokens`` out of ``tier`` now (``"dram"`` demotes them
+        to the next tier first, if there is one; a lower tier drops them). Pinned blocks, and
+        session blocks that would be lost, stay. Returns the blocks removed from ``tier``. The
+        policy evicts on its own; this is for callers that know better (and for benchmarks)."""
+        self._check_open()
+        names = self._stack.names
+        if tier not in names:
+            raise InvalidArgumentError(f"tier: expected one of {names}, got {tier!r}")
+        _, keys = self._keys(tokens, namespace)
+        self._stack.flush()  # queued write-back of these blocks lands first
+        return self._stack.evict(names.index(tier), keys)
+
     # --- purge, stats, close ---------------------------------------------------------------
 
     def purge(self, namespace: Namespace | None = None) -> int:

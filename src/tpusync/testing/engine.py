@@ -224,6 +224,29 @@ class ToyEngine:
             np.concatenate([tokens, [next_token], np.asarray(out[:-1], np.int32)]),
         )
 
+    def warmup(self, prompt_len: int, n_new: int = 1, *, cold: bool = True) -> None:
+        """Compiles what a request of ``prompt_len`` tokens runs, so timings exclude compilation:
+        with ``cold`` the whole cold path (a throwaway prompt prefilled with a boundary at its
+        last token, which also covers the warm path), else only the warm path (the last token
+        and the decode steps over whatever KV the blocks hold; the results are discarded)."""
+        dummy = (np.arange(prompt_len, dtype=np.int64) * 7919 % self.config.vocab_size).astype(
+            np.int32
+        )
+        for pool in self.kv:  # compiles the pools' donated identity step (see DevicePool)
+            with pool._lock:
+                pool._wait_for_readers()
+        if cold:
+            self.generate(dummy, n_new, use_cache=False, save=False, boundary=prompt_len - 1)
+            return
+        blocks = self.allocate(M.blocks_needed(self.config, prompt_len + max(n_new, 1) - 1))
+        table = np.asarray(blocks, dtype=np.int32)
+        first = M.generate_greedy(
+            self.params, self.config, self._arrays(), dummy, table, 1, cached_len=prompt_len - 1
+        )
+        self._update(first.kv_pools)
+        self._decode(int(first.tokens[0]), table, prompt_len, n_new)
+        self.free(blocks)
+
     def block_bytes(self) -> int:
         """KV bytes of one block across all pools."""
         return sum(int(np.prod(p.shape[1:])) * p.dtype.itemsize for p in self.kv)
