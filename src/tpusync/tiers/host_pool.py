@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,7 @@ class HostPool:
         self._retired: set[int] = set()  # dropped while pinned: freed by the last unpin
         self._sequence = 0
         self._free = self._scan_records()
+        self._last_pools: tuple[tuple[weakref.ref[Any], ...], int] | None = None
 
     # --- opening ---------------------------------------------------------------------------
 
@@ -665,17 +667,17 @@ class HostPool:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _check_device_side(
-        self, pools: Sequence[Any], block_ids: Sequence[int] | np.ndarray, *, unique: bool
-    ) -> np.ndarray:
-        """Checks the device pools against the layout and the block ids against the pools;
-        returns the block ids as int64."""
-        if isinstance(pools, DevicePool | jax.Array) or len(pools) != len(self.layout.arrays):
-            count = 1 if isinstance(pools, DevicePool | jax.Array) else len(pools)
-            raise InvalidArgumentError(
-                f"pools: {count} arrays for a layout of {len(self.layout.arrays)}; pass a list "
-                "with one per layout array, in the layout's order"
-            )
+    def _checked_count(self, pools: Sequence[Any]) -> int:
+        """Checks the pools' layout against the pool's; returns their number of blocks. The
+        answer for the last list of DevicePools is kept: a DevicePool's shape, dtype and
+        sharding never change, so the same pools need no second check."""
+        cached = self._last_pools
+        if (
+            cached is not None
+            and len(cached[0]) == len(pools)
+            and all(ref() is pool for ref, pool in zip(cached[0], pools, strict=True))
+        ):
+            return cached[1]
         other = PoolLayout.from_pools(
             self.layout.model_id,
             pools,
@@ -694,6 +696,22 @@ class HostPool:
                 f"pools: the arrays hold different numbers of blocks {sorted(counts)}"
             )
         (count,) = counts
+        if all(isinstance(pool, DevicePool) for pool in pools):
+            self._last_pools = (tuple(weakref.ref(pool) for pool in pools), count)
+        return count
+
+    def _check_device_side(
+        self, pools: Sequence[Any], block_ids: Sequence[int] | np.ndarray, *, unique: bool
+    ) -> np.ndarray:
+        """Checks the device pools against the layout and the block ids against the pools;
+        returns the block ids as int64."""
+        if isinstance(pools, DevicePool | jax.Array) or len(pools) != len(self.layout.arrays):
+            count = 1 if isinstance(pools, DevicePool | jax.Array) else len(pools)
+            raise InvalidArgumentError(
+                f"pools: {count} arrays for a layout of {len(self.layout.arrays)}; pass a list "
+                "with one per layout array, in the layout's order"
+            )
+        count = self._checked_count(pools)
         ids = np.asarray(block_ids)
         if ids.dtype == np.bool_ or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
             raise InvalidArgumentError(f"block_ids: expected integers, got dtype {ids.dtype}")
