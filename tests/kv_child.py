@@ -29,7 +29,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -40,13 +45,107 @@ from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
 from tpusync.testing.engine import Request, ToyEngine
 from tpusync.testing.model import ModelConfig
 
+# The small model every KV test uses: a compile costs well under a second on 2 cores.
+MODEL: dict[str, int] = {
+    "n_layers": 2,
+    "d_model": 64,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "head_dim": 16,
+    "d_ff": 128,
+    "vocab_size": 256,
+    "block_size": 16,
+    "num_blocks": 256,
+    "max_blocks_per_seq": 64,
+    "max_chunk": 128,
+}
+SHM_DIR = "/dev/shm"
+CHILD_TIMEOUT_S = 120.0
+
+# --- the parent's side ---------------------------------------------------------------------
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def write_spec(spec: dict[str, Any], workdir: Path) -> Path:
+    path = workdir / f"spec-{uuid.uuid4().hex[:8]}.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def run(spec: dict[str, Any], workdir: Path, *, timeout: float = CHILD_TIMEOUT_S) -> list[Any]:
+    """Runs one child to its end (killed by pid past ``timeout``); returns its results."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(write_spec(spec, workdir))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(child)
+        raise AssertionError(f"kv_child did not finish within {timeout} s") from None
+    if child.returncode != 0:
+        raise AssertionError(f"kv_child failed (exit {child.returncode}):\n{err[-6000:]}")
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"kv_child printed no result:\n{out[-2000:]}\n{err[-4000:]}"
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def start(spec: dict[str, Any], workdir: Path) -> subprocess.Popen[str]:
+    """Starts a child that prints ``ready`` and runs until killed (a ``save_loop``)."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, str(write_spec(spec, workdir))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=child_env(),
+    )
+    assert child.stdout is not None
+    line = child.stdout.readline()  # "ready", or EOF if the child died first
+    if line.strip() != "ready":
+        stop(child)
+        raise AssertionError(f"kv_child did not start (said {line!r}, exit {child.returncode})")
+    return child
+
+
+def stop(child: subprocess.Popen[str]) -> None:
+    """SIGKILLs a child by pid (if still running) and reaps it."""
+    if child.poll() is None:
+        os.kill(child.pid, signal.SIGKILL)
+    child.communicate(timeout=30)
+
+
+def remove_named_pool(name: str, shm_dir: str = SHM_DIR) -> None:
+    """Removes a named pool, its sessions and any temporary file of an interrupted creation."""
+    base = Path(shm_dir)
+    (base / f"tpusync-{name}.pool").unlink(missing_ok=True)
+    shutil.rmtree(base / f"tpusync-{name}.sessions", ignore_errors=True)
+    for temp in base.glob(f".tpusync-{name}.pool.tmp-*"):
+        temp.unlink(missing_ok=True)
+
+
+def unique_name(label: str) -> str:
+    return f"kvtest-{label}-{uuid.uuid4().hex[:12]}"
+
+
+def logits_hex(logits: Any) -> str:
+    return np.asarray(logits, np.float32).tobytes().hex()
+
+
+# --- the child's side ----------------------------------------------------------------------
+
 
 def store_config(spec: dict[str, Any]) -> KVStoreConfig:
     disk = spec.get("disk")
     shared = spec.get("shared_fs")
     return KVStoreConfig(
         model_id=spec["model_id"],
-        block_size=spec["block_size"],
+        block_size=spec.get("block_size", MODEL["block_size"]),
         dram=DramTier(**spec["dram"]),
         disk=DiskTier(**disk) if disk else None,
         shared_fs=SharedFsTier(**shared) if shared else None,
@@ -56,7 +155,7 @@ def store_config(spec: dict[str, Any]) -> KVStoreConfig:
 def request_json(request: Request) -> dict[str, Any]:
     return {
         "tokens": request.tokens.astype(int).tolist(),
-        "logits": np.asarray(request.prefill_logits, np.float32).tobytes().hex(),
+        "logits": logits_hex(request.prefill_logits),
         "cached_tokens": int(request.cached_tokens),
         "lookup_tiers": list(request.lookup_tiers),
         "loaded_tokens": None if request.load is None else int(request.load.loaded_tokens),
