@@ -201,13 +201,35 @@ def test_shared_fs_hit_from_another_process_is_exact(tmp_path: Path, rng: np.ran
     assert stats["tiers"]["shared_fs"]["checksum_failures"] == 0
 
 
+def test_prefetch_from_disk_then_warm_is_exact(
+    tmp_path: Path, params: Any, rng: np.random.Generator
+):
+    """After a restart (empty DRAM), prefetch moves the cached prefix up from disk; the warm
+    request is then served from DRAM, exactly."""
+    tiers = {"disk": {"directory": str(tmp_path / "disk"), "capacity_blocks": 64}}
+    prompt = _tokens(rng, 64)
+    engine = _engine(params, **tiers)
+    cold = engine.generate(prompt, 8, use_cache=False, save=True, boundary=63)
+    engine.close()
+    engine = _engine(params, **tiers)
+    try:
+        store = engine.store
+        assert store is not None
+        assert store.prefetch(prompt).result(timeout=60) == 4
+        warm = engine.generate(prompt, 8)
+        assert warm.lookup_tiers == ("dram",) * 4
+        _assert_same(warm, cold)
+        stats = store.stats()["store"]
+        assert stats["prefetched_blocks"] == 4 and stats["promotions"] == 4
+    finally:
+        engine.close()
+
+
 # --- agent sessions ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("prompt_len", [40, 48])
-def test_pause_resume_equals_uninterrupted(
-    params: Any, rng: np.random.Generator, prompt_len: int
-):
+def test_pause_resume_equals_uninterrupted(params: Any, rng: np.random.Generator, prompt_len: int):
     """generate(n1) + pause + resume(n2) into other device blocks == generate(n1 + n2)."""
     engine = _engine(params)
     try:
@@ -235,14 +257,54 @@ def test_pause_resume_equals_uninterrupted(
         engine.close()
 
 
-@pytest.mark.parametrize("exit_1", ["close", "abrupt"])
-def test_session_survives_restart(
-    tmp_path: Path, rng: np.random.Generator, shm_name: str, exit_1: str
+def test_paused_session_demoted_to_disk_resumes_exactly(
+    tmp_path: Path, params: Any, rng: np.random.Generator
 ):
-    """Child 1 pauses a session into a named /dev/shm pool and exits; child 2 resumes it."""
+    """A paused session's blocks (its partial last block too) are pushed out of a small DRAM
+    into the disk tier by other requests; the resume promotes them back, exactly."""
+    tiers = {
+        "dram": {"capacity_blocks": 6},
+        "disk": {"directory": str(tmp_path / "disk"), "capacity_blocks": 64},
+    }
+    engine = _engine(params, **tiers)
+    try:
+        store = engine.store
+        assert store is not None
+        prompt = _tokens(rng, 44)
+        n1, n2 = 9, 12
+        full = engine.generate(prompt, n1 + n2, use_cache=False, save=False)
+        first = engine.generate(prompt, n1, use_cache=False, save=False, keep_blocks=True)
+        engine.pause("agent-1", first)  # 52 KV tokens: 3 full blocks and a partial one
+        for _ in range(3):  # 9 other blocks through 6 DRAM slots
+            engine.generate(_tokens(rng, 48), 1, use_cache=False, save=True)
+        assert store.flush(timeout=60)
+        with store.lookup(first.kv_tokens) as hit:
+            assert hit.num_blocks == 3 and "disk" in hit.tiers  # demoted, not dropped
+        resumed = engine.resume("agent-1", int(first.tokens[-1]), n2)
+        np.testing.assert_array_equal(np.concatenate([first.tokens, resumed.tokens]), full.tokens)
+        assert resumed.cached_tokens == len(first.kv_tokens)
+        assert store.stats()["store"]["promotions"] >= 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("where", "exit_1"), [("shm", "close"), ("shm", "abrupt"), ("disk", "close")]
+)
+def test_session_survives_restart(
+    tmp_path: Path, rng: np.random.Generator, shm_name: str, where: str, exit_1: str
+):
+    """Child 1 pauses a session and exits; child 2 resumes it: from a named /dev/shm pool
+    (closed, or left without closing anything), or through a disk tier under anonymous DRAM (the
+    manifests then live in the disk directory)."""
     prompt = _tokens(rng, 40)
     n1, n2 = 9, 12
-    store = {"model_id": "toy-kv-model", "dram": {"capacity_blocks": 64, "name": shm_name}}
+    store: dict[str, Any] = {"model_id": "toy-kv-model"}
+    if where == "shm":
+        store["dram"] = {"capacity_blocks": 64, "name": shm_name}
+    else:
+        store["dram"] = {"capacity_blocks": 64}
+        store["disk"] = {"directory": str(tmp_path / "disk"), "capacity_blocks": 64}
     base = {"prompt": prompt.tolist(), "use_cache": False, "save": False}
     first = kv_child.run(
         {
@@ -269,12 +331,15 @@ def test_session_survives_restart(
                 ["sessions", {}],
                 ["resume", {"session": "agent-1", "next_token": paused["tokens"][-1], "n_new": n2}],
                 ["sessions", {}],
+                ["stats", {}],
             ],
         },
         tmp_path,
     )
-    before, resumed, after = second
+    before, resumed, after, stats = second
     assert before == ["agent-1"]
     assert resumed["tokens"] == full["tokens"][n1:]
     assert resumed["cached_tokens"] == len(prompt) + n1 - 1  # every KV token restored
     assert after == []
+    if where == "disk":
+        assert stats["store"]["promotions"] == -(-(len(prompt) + n1 - 1) // BS)

@@ -211,7 +211,14 @@ class TierStack:
                     victims.append(key)
                     if len(victims) == need:
                         break
-            if not victims:
+                stale = absent(store, victims)  # dropped behind our back (e.g. found corrupt)
+                for key in stale:
+                    self._lru[tier].pop(key, None)
+            if stale:
+                continue
+            if len(victims) < need:
+                # Never evict for a request that cannot be met: wait for write-back to finish
+                # with the slots it reads, or fail with everything still cached.
                 if waiting and time.monotonic() < deadline:
                     self._wait_writeback_progress()
                     continue
@@ -229,8 +236,7 @@ class TierStack:
                 for key in gone:
                     self._lru[tier].pop(key, None)
             self.bump("evictions", dropped)
-            if tier > 0 or bottom:
-                store.stats.add(evictions=dropped)
+            store.stats.add(evictions=dropped)
             if not gone:
                 if time.monotonic() >= deadline:
                     break
@@ -265,6 +271,7 @@ class TierStack:
                 for key in absent(store, victims):
                     self._lru[tier].pop(key, None)
         self.bump("evictions", dropped)
+        store.stats.add(evictions=dropped)
         return dropped
 
     def _demote(self, keys: list[bytes]) -> None:
@@ -275,7 +282,6 @@ class TierStack:
             return
         written = self._put_down(1, missing)
         self.bump("demotions", written)
-        self.dram.stats.add(evictions=len(missing))
 
     def _put_down(self, tier: int, keys: list[bytes]) -> int:
         """Copies DRAM blocks into lower ``tier`` (making room there); returns blocks written.

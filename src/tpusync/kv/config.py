@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 from dataclasses import dataclass, field
 
 from tpusync.errors import InvalidArgumentError
@@ -12,12 +13,18 @@ from tpusync.kv.keys import DEFAULT_SECRET, KeyScheme
 __all__ = ["DiskTier", "DramTier", "KVStoreConfig", "SharedFsTier"]
 
 WRITEBACK_POLICIES = ("wait", "skip")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")  # as HostPool names
 
 
 def _positive(value: object, argument: str) -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise InvalidArgumentError(f"{argument}: expected a positive int, got {value!r}")
     return int(value)
+
+
+def _durability(value: object, argument: str) -> None:
+    if value not in ("commit", "none"):
+        raise InvalidArgumentError(f"{argument}: expected 'commit' or 'none', got {value!r}")
 
 
 def _directory(value: object, argument: str) -> str:
@@ -45,6 +52,11 @@ class DramTier:
 
     def __post_init__(self) -> None:
         _positive(self.capacity_blocks, "dram.capacity_blocks")
+        if self.name is not None and not _NAME.match(str(self.name)):
+            raise InvalidArgumentError(
+                f"dram.name: {self.name!r} must be letters, digits, '.', '_' or '-' "
+                "(at most 101, starting with a letter or digit)"
+            )
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,11 @@ class DiskTier:
     def __post_init__(self) -> None:
         _directory(self.directory, "disk.directory")
         _positive(self.capacity_blocks, "disk.capacity_blocks")
+        _durability(self.durability, "disk.durability")
+        if not (self.direct_io is True or self.direct_io is False or self.direct_io == "auto"):
+            raise InvalidArgumentError(
+                f"disk.direct_io: expected True, False or 'auto', got {self.direct_io!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,7 @@ class SharedFsTier:
         _directory(self.directory, "shared_fs.directory")
         if self.capacity_blocks is not None:
             _positive(self.capacity_blocks, "shared_fs.capacity_blocks")
+        _durability(self.durability, "shared_fs.durability")
 
 
 @dataclass(frozen=True)
@@ -140,7 +158,11 @@ class KVStoreConfig:
             raise InvalidArgumentError(
                 f"shared_fs: expected a SharedFsTier or None, got {type(self.shared_fs).__name__}"
             )
-        if not isinstance(self.block_axis, numbers.Integral) or self.block_axis < 0:
+        if (
+            not isinstance(self.block_axis, numbers.Integral)
+            or isinstance(self.block_axis, bool)
+            or self.block_axis < 0
+        ):
             raise InvalidArgumentError(f"block_axis: expected an int >= 0, got {self.block_axis!r}")
         _positive(self.writeback_max_bytes, "writeback_max_bytes")
         if self.writeback_policy not in WRITEBACK_POLICIES:

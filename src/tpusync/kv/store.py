@@ -400,9 +400,19 @@ class KVCacheStore:
         self._check_handle(result)
         self._finish(result, "released")
 
-    def _finish(self, result: LookupResult, state: str) -> None:
+    def _claim(self, result: LookupResult) -> None:
+        """Marks a handle as being loaded, atomically: a second load or a release of it now
+        raises StaleHandleError instead of racing this one."""
         with self._handles_lock:
             if result._state != "open":
+                raise StaleHandleError(
+                    f"result: this handle was already {result._state}; look the tokens up again"
+                )
+            result._state = "loading"
+
+    def _finish(self, result: LookupResult, state: str, *, claimed: bool = False) -> None:
+        with self._handles_lock:
+            if result._state != ("loading" if claimed else "open"):
                 raise StaleHandleError(f"result: this handle was already {result._state}")
             result._state = state
             self._handles.pop(result._id, None)
@@ -419,11 +429,17 @@ class KVCacheStore:
         self._check_handle(result)
         ids = self._check_block_ids(device_block_ids, result.num_blocks, at_most=True)
         self._check_writable(ids)
+        self._claim(result)
         start = time.perf_counter()
         keys = list(result.keys[: len(ids)])
-        loaded, promoted = self._load_keys(keys, ids)
+        try:
+            loaded, promoted = self._load_keys(keys, ids)
+        except BaseException:
+            with self._handles_lock:
+                result._state = "open"  # a failed load leaves the handle and its pins
+            raise
         seconds = time.perf_counter() - start
-        self._finish(result, "loaded")
+        self._finish(result, "loaded", claimed=True)
         self._count(loads=1, loaded_blocks=loaded, load_misses=len(keys) - loaded)
         return LoadResult(
             loaded_tokens=loaded * self.block_size,
@@ -566,6 +582,20 @@ class KVCacheStore:
         device_block_ids: Any,
         *,
         namespace: Namespace | None = None,
+    ) -> SaveResult:
+        """Offloads a paused session (see :meth:`offload_session_async`) and waits until it is
+        durable in DRAM; the device blocks are free when this returns."""
+        return self.offload_session_async(
+            session_id, tokens, device_block_ids, namespace=namespace
+        ).result()
+
+    def offload_session_async(
+        self,
+        session_id: str,
+        tokens: Any,
+        device_block_ids: Any,
+        *,
+        namespace: Namespace | None = None,
     ) -> SaveFuture:
         """Moves a paused session's KV — every token, the partial last block too — out of device
         memory into the store and keeps it from being dropped until :meth:`restore_session` or
@@ -585,7 +615,7 @@ class KVCacheStore:
         self._stack.keep(keys)
         old = self._sessions.put(record)
         if old is not None:
-            self._end_session(old, drop_tail=old.keys[-1] not in keys)
+            self._end_session(old, drop_tail=bool(old.keys) and old.keys[-1] not in keys)
         future = self._start_save(keys, ids)
         with self._handles_lock:
             self._session_saves[session_id] = future
@@ -657,9 +687,7 @@ class KVCacheStore:
 
     # --- eviction, purge, stats, close -----------------------------------------------------
 
-    def evict(
-        self, tokens: Any, *, tier: str = "dram", namespace: Namespace | None = None
-    ) -> int:
+    def evict(self, tokens: Any, *, tier: str = "dram", namespace: Namespace | None = None) -> int:
         """Moves the cached blocks of ``tokens`` out of ``tier`` now (``"dram"`` demotes them
         to the next tier first, if there is one; a lower tier drops them). Pinned blocks, and
         session blocks that would be lost, stay. Returns the blocks removed from ``tier``. The

@@ -178,7 +178,9 @@ class ToyEngine:
         blocks; returns the seconds until the blocks were released."""
         assert self.store is not None and request.blocks, "generate(..., keep_blocks=True) first"
         start = time.perf_counter()
-        future = self.store.offload_session(session_id, request.kv_tokens, list(request.blocks))
+        future = self.store.offload_session_async(
+            session_id, request.kv_tokens, list(request.blocks)
+        )
         future.released.result()
         released = time.perf_counter() - start
         self.free(list(request.blocks))
