@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -827,3 +828,23 @@ def test_random_sharded_moves_match_numpy(arrays, mesh, path, case):
         dst_blocks,
         n_host=shape[axis],
     )
+
+
+def test_a_non_default_device_layout_goes_to_the_jax_path() -> None:
+    """The native engine reads row-major shards only; an array with a transposed device layout
+    (and the cached answer for the default one) must say so, and auto-pick pure JAX."""
+    from jax.experimental.layout import Format, Layout
+
+    from tpusync._native_path import unavailable_reason
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    make = jax.jit(
+        lambda: jnp.arange(12.0).reshape(3, 4), out_shardings=Format(Layout((1, 0)), sharding)
+    )
+    transposed = make()
+    for _ in range(2):  # the second answer comes from the per-layout cache
+        assert unavailable_reason(transposed) == "non-default device layout (1, 0): pure JAX"
+        assert unavailable_reason(jnp.zeros((3, 4))) is None
+    out = np.empty((3, 4), np.float32)
+    tpusync.transfer(transposed, out).result(timeout=30)
+    np.testing.assert_array_equal(out, np.arange(12.0).reshape(3, 4))
