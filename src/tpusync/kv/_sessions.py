@@ -1,6 +1,7 @@
 """Offloaded agent sessions: which blocks hold a paused session's KV, kept across restarts.
 
-A session's manifest (its id, tokens and block keys) is a small JSON file in the sessions
+A session's manifest (its id, tokens and block keys, and the model id and KV layout it belongs
+to) is a small JSON file in the sessions
 directory beside the tier that survives a restart (the named /dev/shm pool, else the disk tier),
 written to a temporary name and renamed, with a BLAKE2b digest of its content; a manifest that
 fails to parse or to match its digest is ignored and removed (its blocks are then ordinary cache
@@ -34,16 +35,23 @@ class SessionRecord:
 class SessionManifests:
     """Session records in memory, mirrored to ``directory`` when given."""
 
-    def __init__(self, directory: Path | None) -> None:
+    def __init__(self, directory: Path | None, owner: tuple[str, str]) -> None:
         self.directory = directory
+        self.owner = owner  # (model id, layout fingerprint hex): whose sessions these are
         self._records: dict[str, SessionRecord] = {}
         self._lock = threading.Lock()
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             for path in sorted(directory.glob("*.json")):
-                record = _read(path)
+                record = _read(path, owner)
                 if record is None:
-                    log.warning("tpusync kv: ignoring damaged session manifest %s", path)
+                    # damaged, or left by another model or KV layout (whose tier was recreated
+                    # cold): its KV is gone, so the session is too
+                    log.warning(
+                        "tpusync kv: dropping session manifest %s (damaged or of "
+                        "another model or layout)",
+                        path,
+                    )
                     path.unlink(missing_ok=True)
                 else:
                     self._records[record.session_id] = record
@@ -64,7 +72,7 @@ class SessionManifests:
             old = self._records.get(record.session_id)
             self._records[record.session_id] = record
             if self.directory is not None:
-                _write(self._path(record.session_id), record)
+                _write(self._path(record.session_id), record, self.owner)
             return old
 
     def pop(self, session_id: str) -> SessionRecord | None:
@@ -80,9 +88,11 @@ class SessionManifests:
         return self.directory / f"{name}.json"
 
 
-def _body(record: SessionRecord) -> dict[str, object]:
+def _body(record: SessionRecord, owner: tuple[str, str]) -> dict[str, object]:
     return {
         "version": MANIFEST_VERSION,
+        "model_id": owner[0],
+        "layout": owner[1],
         "session_id": record.session_id,
         "tokens": record.tokens.astype(int).tolist(),
         "keys": [k.hex() for k in record.keys],
@@ -94,8 +104,8 @@ def _digest(body: dict[str, object]) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _write(path: Path, record: SessionRecord) -> None:
-    body = _body(record)
+def _write(path: Path, record: SessionRecord, owner: tuple[str, str]) -> None:
+    body = _body(record, owner)
     text = json.dumps({"body": body, "digest": _digest(body)})
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.{threading.get_ident()}")
     with open(tmp, "w") as handle:
@@ -105,11 +115,13 @@ def _write(path: Path, record: SessionRecord) -> None:
     os.replace(tmp, path)
 
 
-def _read(path: Path) -> SessionRecord | None:
+def _read(path: Path, owner: tuple[str, str]) -> SessionRecord | None:
     try:
         data = json.loads(path.read_text())
         body = data["body"]
         if data["digest"] != _digest(body) or body["version"] != MANIFEST_VERSION:
+            return None
+        if (body["model_id"], body["layout"]) != owner:
             return None
         tokens = np.asarray(body["tokens"], dtype=np.int64)
         if tokens.ndim != 1 or (tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF)):

@@ -209,6 +209,7 @@ class KVCacheStore:
         self._closed = False
         self._handles: dict[int, LookupResult] = {}
         self._session_saves: dict[str, SaveFuture] = {}
+        self._saving: set[SaveFuture] = set()  # saves not yet durable (flush waits for them)
         self._handles_lock = threading.Lock()
         self._counters_lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(
@@ -259,7 +260,9 @@ class KVCacheStore:
                 tier.close()
             raise
         self.dram = dram
-        self._sessions = SessionManifests(self._session_dir())
+        self._sessions = SessionManifests(
+            self._session_dir(), owner=(config.model_id, self.layout.fingerprint.hex())
+        )
         for record in self._sessions.all():
             self._stack.keep(record.keys)
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tpusync-kv")
@@ -373,7 +376,8 @@ class KVCacheStore:
         toks, keys = self._keys(tokens, namespace)
         stack = self._stack
         with stack.lock:
-            where = stack.locate(keys, prefix=True)
+            # Every loaded block passes through DRAM, pinned: a longer hit could never load.
+            where = stack.locate(keys, prefix=True)[: self.dram.capacity]
             hit = keys[: len(where)]
             stack.pin(hit)
         result = LookupResult(
@@ -496,12 +500,20 @@ class KVCacheStore:
         future = SaveFuture()
         for pool in self.pools:
             pool.hold_blocks(ids, self.config.block_axis)
+        with self._handles_lock:
+            self._saving.add(future)
+        future.add_done_callback(self._save_done)
         try:
             self._calls.submit(self._run_save, keys, ids, future)
-        except BaseException:
+        except BaseException as error:
             self._release_blocks(ids, future)
+            future.set_exception(error)
             raise
         return future
+
+    def _save_done(self, future: SaveFuture) -> None:
+        with self._handles_lock:
+            self._saving.discard(future)
 
     def _release_blocks(self, ids: np.ndarray, future: SaveFuture) -> None:
         for pool in self.pools:
@@ -697,7 +709,7 @@ class KVCacheStore:
         if tier not in names:
             raise InvalidArgumentError(f"tier: expected one of {names}, got {tier!r}")
         _, keys = self._keys(tokens, namespace)
-        self._stack.flush()  # queued write-back of these blocks lands first
+        self.flush()  # saves and queued write-back of these blocks land first
         return self._stack.evict(names.index(tier), keys)
 
     # --- purge, stats, close ---------------------------------------------------------------
@@ -707,7 +719,7 @@ class KVCacheStore:
         sessions; pinned blocks go at their last unpin. Returns the blocks dropped now."""
         self._check_open()
         tag = self.scheme.namespace_tag(self._namespace(namespace))
-        self._stack.flush()
+        self.flush()
         for record in self._sessions.all():
             if record.keys and record.keys[0].startswith(tag):
                 self._sessions.pop(record.session_id)
@@ -718,8 +730,16 @@ class KVCacheStore:
         return self._stack.delete_everywhere(sorted(keys))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits until saved blocks are written to every lower tier; False on timeout."""
-        return self._stack.flush(timeout)
+        """Waits until every save started so far is durable in DRAM and written to every lower
+        tier; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._handles_lock:
+            saving = list(self._saving)
+        _, pending = concurrent.futures.wait(saving, timeout)
+        if pending:
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._stack.flush(left)
 
     def stats(self) -> dict[str, Any]:
         """Counters of the store and of each tier (plus blocks used and capacity)."""

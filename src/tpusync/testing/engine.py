@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpusync.device_pool import DevicePool
+from tpusync.errors import SessionNotFoundError, TierFullError
 from tpusync.kv import KVCacheStore, KVStoreConfig, LoadResult
 from tpusync.testing import model as M
 
@@ -71,6 +72,7 @@ class ToyEngine:
         ]
         self.store = KVCacheStore(store_config, self.kv) if store_config is not None else None
         self._free = list(range(config.num_blocks - 1, -1, -1))
+        self._saves: list[Any] = []  # save futures not yet checked (wait_saves)
 
     # --- blocks ----------------------------------------------------------------------------
 
@@ -113,40 +115,47 @@ class ToyEngine:
         n_new = max(int(n_new), 1)
         total = len(prompt) + n_new - 1
         blocks = self.allocate(M.blocks_needed(self.config, total))
-        table = np.asarray(blocks, dtype=np.int32)
-        load = None
-        tiers: tuple[str, ...] = ()
-        start = time.perf_counter()
-        cached = 0
-        if self.store is not None and use_cache:
-            hit = self.store.lookup(prompt)
-            tiers = hit.tiers
-            if hit.num_blocks:
-                load = self.store.load(hit, blocks[: hit.num_blocks])
-                cached = min(load.loaded_tokens, len(prompt) - 1)
-            else:
-                self.store.release(hit)
-        elif boundary:
-            _, pools = M.prefill(
-                self.params, self.config, self._arrays(), prompt[:boundary], table, 0
+        try:
+            table = np.asarray(blocks, dtype=np.int32)
+            load = None
+            tiers: tuple[str, ...] = ()
+            start = time.perf_counter()
+            cached = 0
+            if self.store is not None and use_cache:
+                try:
+                    with self.store.lookup(prompt) as hit:  # released unless loaded
+                        tiers = hit.tiers
+                        if hit.num_blocks:
+                            load = self.store.load(hit, blocks[: hit.num_blocks])
+                            cached = min(load.loaded_tokens, len(prompt) - 1)
+                except TierFullError:  # no DRAM room to stage the hit: serve it cold
+                    load, cached = None, 0
+            elif boundary:
+                _, pools = M.prefill(
+                    self.params, self.config, self._arrays(), prompt[:boundary], table, 0
+                )
+                self._update(pools)
+                cached = boundary
+            first = M.generate_greedy(
+                self.params,
+                self.config,
+                self._arrays(),
+                prompt,
+                table,
+                1,
+                chunk=chunk,
+                cached_len=cached,
             )
-            self._update(pools)
-            cached = boundary
-        first = M.generate_greedy(
-            self.params,
-            self.config,
-            self._arrays(),
-            prompt,
-            table,
-            1,
-            chunk=chunk,
-            cached_len=cached,
-        )
-        self._update(first.kv_pools)
-        ttft = time.perf_counter() - start
-        out = self._decode(int(first.tokens[0]), table, len(prompt), n_new)
-        if save and self.store is not None:
-            self.store.save_async(prompt, blocks).released.result()
+            self._update(first.kv_pools)
+            ttft = time.perf_counter() - start
+            out = self._decode(int(first.tokens[0]), table, len(prompt), n_new)
+            if save and self.store is not None:
+                saving = self.store.save_async(prompt, blocks)
+                saving.released.result()
+                self._saves.append(saving)
+        except BaseException:
+            self.free(blocks)  # a failed request leaks no device blocks
+            raise
         if not keep_blocks:
             self.free(blocks)
         return Request(
@@ -193,10 +202,15 @@ class ToyEngine:
         assert self.store is not None
         start = time.perf_counter()
         record = self.store._sessions.get(session_id)
-        n_kv = len(record.tokens) if record is not None else 0
-        blocks = self.allocate(M.blocks_needed(self.config, n_kv + n_new))
+        if record is None:
+            raise SessionNotFoundError(f"session_id: no paused session {session_id!r}")
+        blocks = self.allocate(M.blocks_needed(self.config, len(record.tokens) + n_new))
         table = np.asarray(blocks, dtype=np.int32)
-        restored = self.store.restore_session(session_id, blocks)
+        try:
+            restored = self.store.restore_session(session_id, blocks)
+        except BaseException:
+            self.free(blocks)
+            raise
         tokens = restored.tokens.astype(np.int32)
         if restored.loaded_tokens < len(tokens):  # lost blocks: recompute their KV
             _, pools = M.prefill(
@@ -253,6 +267,15 @@ class ToyEngine:
         """KV bytes of one block across all pools."""
         return sum(int(np.prod(p.shape[1:])) * p.dtype.itemsize for p in self.kv)
 
+    def wait_saves(self) -> None:
+        """Waits for the saves started so far and raises the first one's error."""
+        saves, self._saves = self._saves, []
+        for future in saves:
+            future.result()
+
     def close(self) -> None:
         if self.store is not None:
-            self.store.close()
+            try:
+                self.wait_saves()
+            finally:
+                self.store.close()
