@@ -7,7 +7,10 @@ SPEC (JSON)::
 
     {"model": {ModelConfig fields}, "store": {"model_id": ..., "dram": {DramTier fields},
      "disk": {DiskTier fields} | null, "shared_fs": {SharedFsTier fields} | null},
-     "ops": [[op, {args}], ...], "exit": "close" | "abrupt"}
+     "ops": [[op, {args}], ...], "exit": "close" | "abrupt", "jax_cache": dir | null}
+
+``jax_cache`` is a persistent compilation cache directory: the children of one test session
+compile the model once instead of each child compiling it again.
 
 Ops (each appends one entry to the results):
 
@@ -69,7 +72,16 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
+def jax_cache_dir(workdir: Path) -> Path:
+    """The persistent compilation cache of this pytest session: beside the tests' tmp_paths
+    (``workdir`` is one of them), so every child of the session shares it."""
+    path = workdir.parent / "kv-child-jax-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def write_spec(spec: dict[str, Any], workdir: Path) -> Path:
+    spec = {"jax_cache": str(jax_cache_dir(workdir)), **spec}
     path = workdir / f"spec-{uuid.uuid4().hex[:8]}.json"
     path.write_text(json.dumps(spec))
     return path
@@ -195,6 +207,10 @@ def save_loop(engine: ToyEngine, refs_path: str, seed: int) -> None:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
+    if spec.get("jax_cache"):  # compiled code shared by the children of one test session
+        jax.config.update("jax_compilation_cache_dir", spec["jax_cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     config = ModelConfig(**spec["model"])
     engine = ToyEngine(config, store_config(spec["store"]))
     store = engine.store
