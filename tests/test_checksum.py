@@ -48,6 +48,37 @@ def test_crc_continues_and_paths_agree(data: bytes, cut: int) -> None:
         _core._force_portable_checksum(False)
 
 
+def _raw_crc(crc: int, data: bytes) -> int:
+    """CRC-32C without the pre/post inversions, as the piece checksum's lanes run."""
+    return ~_core.crc32c(data, ~crc & 0xFFFFFFFF) & 0xFFFFFFFF
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    crc=st.integers(0, 2**32 - 1),
+    nbytes=st.one_of(st.integers(0, 300), st.integers(0, 200_000)),
+    portable=st.booleans(),
+)
+def test_crc_shift_is_a_crc_over_zero_bytes(crc: int, nbytes: int, portable: bool) -> None:
+    """The fused copy joins lanes of pieces run apart with this shift: it must be exact."""
+    expected = _raw_crc(crc, bytes(nbytes))
+    _core._force_portable_checksum(portable)
+    try:
+        assert _core._crc32c_shift(crc, nbytes) == expected
+    finally:
+        _core._force_portable_checksum(False)
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(0, 20), columns=st.integers(0, 9), seed=st.integers(0, 2**64 - 1))
+def test_xxh64_rows_hashes_each_row(rows: int, columns: int, seed: int) -> None:
+    values = np.random.default_rng(rows * 10 + columns).integers(
+        0, 2**64 - 1, (rows, columns), dtype=np.uint64, endpoint=True
+    )
+    expected = [xxhash.xxh64_intdigest(row.tobytes(), seed) for row in values]
+    np.testing.assert_array_equal(_core.xxh64_rows(values, seed), np.array(expected, np.uint64))
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.binary(min_size=0, max_size=3000), seed=st.integers(0, 2**64 - 1))
 def test_xxh64_matches_the_reference(data: bytes, seed: int) -> None:
@@ -70,9 +101,12 @@ def test_sum64_detects_single_bit_flips_and_swaps() -> None:
 
 @pytest.mark.parametrize("dst_offset", [0, 8, 16, 24, 3])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_fused_copy_checksums_equal_a_separate_pass(dst_offset: int, streaming: bool) -> None:
+@pytest.mark.parametrize("size", [20_000, 200_000], ids=["one-stream", "four-streams"])
+def test_fused_copy_checksums_equal_a_separate_pass(
+    dst_offset: int, streaming: bool, size: int
+) -> None:
     rng = np.random.default_rng(dst_offset)
-    piece = 200_000 + dst_offset  # odd sizes: heads, 192-byte steps and tails all happen
+    piece = size + dst_offset  # odd sizes: heads, 192-byte steps and tails all happen
     n = (STREAMING_JOB // piece + 2) if streaming else 5
     src = rng.integers(0, 256, n * piece + 64, dtype=np.uint8)
     dst = np.zeros(n * piece + 128, dtype=np.uint8)

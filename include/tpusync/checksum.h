@@ -30,6 +30,11 @@ uint64_t tps_xxh64(const void *data, size_t n, uint64_t seed);
  * a previous value (0 for a fresh start): crc32c("123456789") == 0xE3069283. */
 uint32_t tps_crc32c(uint32_t crc, const void *data, size_t n);
 
+/* The raw CRC-32C value c (no pre/post inversion) continued over m zero bytes: c * x^(8m) mod
+ * the polynomial. Joins lanes computed over consecutive pieces apart:
+ * raw(c, A || B) == tps_crc32c_shift(raw(c, A), |B|) ^ raw(0, B). */
+uint32_t tps_crc32c_shift(uint32_t c, uint64_t m);
+
 /* The piece checksum of tpusync's stored blocks (format 1): three CRC-32C lanes over the
  * data's 8-byte words (word i feeds lane i % 3, so the three run in parallel), the trailing
  * bytes fed to lane 0, and the lanes and the length mixed into 64 bits. Incremental; any

@@ -26,5 +26,6 @@ cdef extern from "tpusync/copy_engine.h" nogil:
 cdef extern from "tpusync/checksum.h" nogil:
     uint64_t tps_xxh64(const void *data, size_t n, uint64_t seed)
     uint32_t tps_crc32c(uint32_t crc, const void *data, size_t n)
+    uint32_t tps_crc32c_shift(uint32_t crc, uint64_t nbytes)
     uint64_t tps_sum64(const void *data, size_t n)
     void tps_checksum_force_portable(int on)

@@ -13,7 +13,8 @@ cimport numpy as cnp
 
 from tpusync._copy_engine cimport (
     tps_engine, tps_engine_copy, tps_engine_copy_hashed, tps_engine_create, tps_engine_destroy,
-    tps_engine_hash, tps_engine_threads, tps_segment, tps_xxh64, tps_crc32c, tps_sum64,
+    tps_engine_hash, tps_engine_threads, tps_segment, tps_xxh64, tps_crc32c, tps_crc32c_shift,
+    tps_sum64,
     tps_checksum_force_portable,
 )
 
@@ -153,6 +154,12 @@ def crc32c(data, uint32_t crc=0):
     return crc
 
 
+def _crc32c_shift(uint32_t crc, uint64_t nbytes):
+    """Tests only: a raw CRC-32C value (no inversions) continued over ``nbytes`` zero bytes,
+    as the fused copy joins the lanes of pieces computed apart."""
+    return tps_crc32c_shift(crc, nbytes)
+
+
 def _force_portable_checksum(bint on):
     """Tests only: use the table CRC-32C instead of the CPU instruction."""
     tps_checksum_force_portable(on)
@@ -167,6 +174,21 @@ def xxh64(data, uint64_t seed=0):
     with nogil:
         digest = tps_xxh64(p, n, seed)
     return digest
+
+
+def xxh64_rows(const uint64_t[:, ::1] rows not None, uint64_t seed=0):
+    """XXH64 of each row's bytes (the row's uint64 values in memory order), as a uint64 array:
+    one call for many short rows, GIL released."""
+    cdef Py_ssize_t n = rows.shape[0], i
+    cdef size_t row_bytes = <size_t> rows.shape[1] * 8
+    cdef cnp.ndarray out = np.empty(n, dtype=np.uint64)
+    cdef uint64_t *digests = <uint64_t *> cnp.PyArray_DATA(out)
+    cdef const uint64_t *base = &rows[0, 0] if n and row_bytes else NULL
+    with nogil:
+        for i in range(n):
+            digests[i] = tps_xxh64(base + i * rows.shape[1] if base != NULL else NULL,
+                                   row_bytes, seed)
+    return out
 
 
 cdef class Mapping:
