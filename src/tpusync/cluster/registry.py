@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 MAX_KEY_BYTES = 32
+MAX_TIER_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,14 @@ def check_ttl(ttl_s: float) -> float:
     if not isinstance(ttl_s, int | float) or isinstance(ttl_s, bool) or not 0 < ttl_s <= 86400:
         raise InvalidArgumentError(f"ttl_s: expected seconds in (0, 86400], got {ttl_s!r}")
     return float(ttl_s)
+
+
+def check_tier(tier: str) -> str:
+    if not isinstance(tier, str) or not 1 <= len(tier) <= MAX_TIER_CHARS:
+        raise InvalidArgumentError(
+            f"tier: expected a tier name of 1 to {MAX_TIER_CHARS} characters, got {tier!r}"
+        )
+    return tier
 
 
 def longest_prefix(
@@ -200,6 +209,7 @@ class MemoryRegistry:
 
     def publish(self, node_id: str, keys: Sequence[bytes], tier: str) -> None:
         keys = check_keys(keys)
+        check_tier(tier)
         with self._lock:
             if not self._alive(node_id, self._clock()):
                 raise InvalidArgumentError(

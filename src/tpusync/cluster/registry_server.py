@@ -1,0 +1,617 @@
+"""Serving a registry over TCP: :class:`RegistryServer` (any :class:`Registry`, typically the
+embedded :class:`MemoryRegistry`) and :class:`RemoteRegistry`, a client that is itself a
+:class:`Registry`.
+
+Wire format (version 1): every message is a frame — a 4-byte big-endian length, then that many
+bytes of UTF-8 JSON (at most 16 MiB; a larger length closes the connection). Keys travel as hex
+strings. One request, one response, matched by a request id::
+
+    request:  {"id": 7, "method": "holders", "params": {"keys": ["0a1b..", ...]}}
+    response: {"id": 7, "result": [[["node-a", "dram"]], []]}
+    error:    {"id": 7, "error": {"type": "InvalidArgumentError", "message": "..."}}
+
+Both ends authenticate each other first with a shared secret (HMAC-SHA256 challenge-response,
+no secret on the wire)::
+
+    server -> {"hello": "tpusync-registry", "version": 1, "nonce": hex(ns)}
+    client -> {"nonce": hex(nc), "mac": hex(HMAC(secret, b"client" + ns + nc))}
+    server -> {"mac": hex(HMAC(secret, b"server" + ns + nc))}     (or an error, then close)
+
+The connection is not encrypted: run it on a trusted network (the MACs stop strangers from
+using or impersonating the registry, not eavesdroppers from reading which blocks exist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tpusync.cluster.registry import (
+    Holder,
+    NodeInfo,
+    Registry,
+    check_keys,
+    check_tier,
+    check_ttl,
+)
+from tpusync.errors import InvalidArgumentError, TpuSyncError
+
+__all__ = [
+    "AuthenticationError",
+    "RegistryServer",
+    "RegistryUnavailableError",
+    "RemoteRegistry",
+]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "tpusync-registry"
+VERSION = 1
+MAX_FRAME = 16 * 1024 * 1024
+NONCE_BYTES = 32
+MIN_SECRET_BYTES = 16
+BATCH_KEYS = 4096  # keys per request: far below MAX_FRAME even for 32-byte keys
+
+
+class RegistryUnavailableError(TpuSyncError, ConnectionError):
+    """The registry cannot be reached or did not answer (connection refused or lost, timeout,
+    a server-side failure); the cause is chained."""
+
+
+class AuthenticationError(TpuSyncError, PermissionError):
+    """The other end of a registry connection does not know the shared secret."""
+
+
+# -- shared helpers (also used by the Redis and JAX backends) ------------------------------------
+
+
+def check_node(node: NodeInfo) -> NodeInfo:
+    """A NodeInfo whose fields all have the types the wire formats carry."""
+    if not isinstance(node, NodeInfo):
+        raise InvalidArgumentError(f"node: expected a NodeInfo, got {type(node).__name__}")
+    if not isinstance(node.addresses, tuple | list) or not all(
+        isinstance(a, str) for a in node.addresses
+    ):
+        raise InvalidArgumentError(
+            f"node.addresses: expected a tuple of 'host:port' strings, got {node.addresses!r}"
+        )
+    if not isinstance(node.group, str):
+        raise InvalidArgumentError(f"node.group: expected a string, got {node.group!r}")
+    for name in ("shard_rank", "shard_count"):
+        value = getattr(node, name)
+        if type(value) is not int or value < (0 if name == "shard_rank" else 1):
+            raise InvalidArgumentError(
+                f"node.{name}: expected an integer >= {0 if name == 'shard_rank' else 1}, "
+                f"got {value!r}"
+            )
+    return node
+
+
+def check_node_id(node_id: str) -> str:
+    if not isinstance(node_id, str) or not 1 <= len(node_id) <= 128:
+        raise InvalidArgumentError(
+            f"node_id: expected a string of 1 to 128 characters, got {node_id!r}"
+        )
+    return node_id
+
+
+def node_to_dict(node: NodeInfo) -> dict[str, Any]:
+    return {
+        "node_id": node.node_id,
+        "addresses": list(node.addresses),
+        "group": node.group,
+        "shard_rank": node.shard_rank,
+        "shard_count": node.shard_count,
+    }
+
+
+def node_from_dict(data: Any, argument: str = "node") -> NodeInfo:
+    """The NodeInfo of :func:`node_to_dict`'s output, every field type-checked."""
+    if not isinstance(data, dict) or not isinstance(data.get("node_id"), str):
+        raise InvalidArgumentError(f"{argument}: expected a node record, got {data!r:.200}")
+    unknown = set(data) - {"node_id", "addresses", "group", "shard_rank", "shard_count"}
+    if unknown:
+        raise InvalidArgumentError(f"{argument}: unknown fields {sorted(unknown)}")
+    addresses = data.get("addresses", [])
+    if not isinstance(addresses, list):
+        raise InvalidArgumentError(f"{argument}.addresses: expected a list, got {addresses!r}")
+    node = NodeInfo(
+        node_id=data["node_id"],
+        addresses=tuple(addresses),
+        group=data.get("group", ""),
+        shard_rank=data.get("shard_rank", 0),
+        shard_count=data.get("shard_count", 1),
+    )
+    return check_node(node)
+
+
+def _keys_from_hex(value: Any) -> list[bytes]:
+    if not isinstance(value, list):
+        raise InvalidArgumentError(f"keys: expected a list of hex strings, got {value!r:.200}")
+    out = []
+    for i, item in enumerate(value):
+        try:
+            out.append(bytes.fromhex(item))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"keys[{i}]: expected a hex string, got {item!r:.100}"
+            ) from None
+    return check_keys(out)
+
+
+# -- framing -------------------------------------------------------------------------------------
+
+
+class _ProtocolError(Exception):
+    """The peer broke the wire format (the connection cannot continue)."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise EOFError("connection closed by peer")
+        got += r
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if length > MAX_FRAME:
+        raise _ProtocolError(f"a frame of {length} bytes exceeds the limit of {MAX_FRAME}")
+    return _recv_exact(sock, length)
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    if len(payload) > MAX_FRAME:
+        raise _ProtocolError(f"a frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME}")
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def _send_json(sock: socket.socket, obj: Any) -> None:
+    _send_frame(sock, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def _recv_json(sock: socket.socket) -> Any:
+    try:
+        return json.loads(_recv_frame(sock))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _ProtocolError(f"a frame is not JSON: {exc}") from None
+
+
+def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    return hmac.new(secret, role + nonce_s + nonce_c, hashlib.sha256).digest()
+
+
+def _hex_nonce(value: Any) -> bytes | None:
+    try:
+        raw = bytes.fromhex(value)
+    except (TypeError, ValueError):
+        return None
+    return raw if len(raw) == NONCE_BYTES else None
+
+
+def _check_secret(secret: bytes) -> bytes:
+    if type(secret) is not bytes or len(secret) < MIN_SECRET_BYTES:
+        raise InvalidArgumentError(
+            f"secret: expected bytes of at least {MIN_SECRET_BYTES} (e.g. "
+            f"secrets.token_bytes(32), shared by server and clients), got "
+            f"{type(secret).__name__}" + (f" of {len(secret)}" if isinstance(secret, bytes) else "")
+        )
+    return secret
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) as a (host, port) pair."""
+    if not isinstance(address, str) or ":" not in address:
+        raise InvalidArgumentError(f"address: expected 'host:port', got {address!r}")
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"address: expected 'host:port', got {address!r}")
+    return host, int(port)
+
+
+# -- server --------------------------------------------------------------------------------------
+
+
+class RegistryServer:
+    """Serves ``registry`` to :class:`RemoteRegistry` clients that know ``secret``.
+
+    Starts listening at once (``port=0``: a free port; see :attr:`address`); a thread per
+    connection. :meth:`close` stops it (the registry itself is left open: it is the caller's).
+
+    Args:
+      registry: any :class:`Registry` (its ``sweep()``, where it has one, is served too).
+      host, port: where to listen.
+      secret: shared with the clients; at least 16 bytes (``secrets.token_bytes(32)``).
+      handshake_timeout_s: a peer that does not authenticate within this is dropped.
+      max_connections: connections beyond this are closed at once.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes,
+        handshake_timeout_s: float = 10.0,
+        max_connections: int = 256,
+    ) -> None:
+        if not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a Registry, got {type(registry).__name__}"
+            )
+        self._secret = _check_secret(secret)
+        self._registry = registry
+        self._handshake_timeout = float(handshake_timeout_s)
+        self._max_connections = int(max_connections)
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closed = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=128)
+        bound = self._sock.getsockname()
+        self._host, self._port = bound[0], bound[1]
+        self._methods: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "ping": lambda p: "pong",
+            "register": self._register,
+            "heartbeat": lambda p: registry.heartbeat(
+                check_node_id(p.get("node_id")), check_ttl(p.get("ttl_s"))
+            ),
+            "unregister": lambda p: registry.unregister(check_node_id(p.get("node_id"))),
+            "publish": lambda p: registry.publish(
+                check_node_id(p.get("node_id")),
+                _keys_from_hex(p.get("keys")),
+                check_tier(p.get("tier")),
+            ),
+            "withdraw": lambda p: registry.withdraw(
+                check_node_id(p.get("node_id")), _keys_from_hex(p.get("keys"))
+            ),
+            "holders": lambda p: [
+                [[h.node_id, h.tier] for h in held]
+                for held in registry.holders(_keys_from_hex(p.get("keys")))
+            ],
+            "nodes": lambda p: [node_to_dict(n) for n in registry.nodes()],
+            "sweep": self._sweep,
+        }
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"tpusync-registry-server:{self._port}", daemon=True
+        )
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        """Where clients connect: ``"host:port"``."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._port}"
+
+    def _register(self, params: dict[str, Any]) -> None:
+        self._registry.register(node_from_dict(params.get("node")), check_ttl(params.get("ttl_s")))
+
+    def _sweep(self, params: dict[str, Any]) -> int:
+        sweep = getattr(self._registry, "sweep", None)
+        if sweep is None:
+            raise InvalidArgumentError(f"{type(self._registry).__name__} has no sweep()")
+        return int(sweep())
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue  # e.g. ECONNABORTED: keep serving
+            with self._lock:
+                if self._closed or len(self._conns) >= self._max_connections:
+                    conn.close()
+                    continue
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="tpusync-registry-conn", daemon=True
+                )
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._handshake_timeout)
+            if not self._handshake(conn):
+                return
+            conn.settimeout(None)
+            while not self._closed:
+                try:
+                    request = _recv_json(conn)
+                except _ProtocolError as exc:
+                    if "exceeds" in str(exc):
+                        _send_json(conn, _error(None, "ProtocolError", str(exc)))
+                        return  # the oversized body is unread: the stream is lost
+                    _send_json(conn, _error(None, "ProtocolError", str(exc)))
+                    continue
+                _send_json(conn, self._handle(request))
+        except (OSError, EOFError, _ProtocolError):
+            pass  # the peer went away or broke the format: drop it
+        except Exception:  # never let one connection take anything else down
+            log.exception("registry server: connection handler failed")
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        _send_json(conn, {"hello": PROTOCOL, "version": VERSION, "nonce": nonce_s.hex()})
+        answer = _recv_json(conn)
+        nonce_c = _hex_nonce(answer.get("nonce")) if isinstance(answer, dict) else None
+        mac = answer.get("mac") if isinstance(answer, dict) else None
+        try:
+            mac_bytes = bytes.fromhex(mac) if isinstance(mac, str) else b""
+        except ValueError:
+            mac_bytes = b""
+        if nonce_c is None or not hmac.compare_digest(
+            mac_bytes, _mac(self._secret, b"client", nonce_s, nonce_c)
+        ):
+            _send_json(conn, _error(None, "AuthenticationError", "authentication failed"))
+            return False
+        _send_json(conn, {"mac": _mac(self._secret, b"server", nonce_s, nonce_c).hex()})
+        return True
+
+    def _handle(self, request: Any) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            return _error(None, "ProtocolError", "a request must be a JSON object")
+        rid = request.get("id")
+        if rid is not None and (type(rid) is not int or not 0 <= rid < 2**63):
+            return _error(None, "ProtocolError", "id: expected an integer or null")
+        method, params = request.get("method"), request.get("params", {})
+        handler = self._methods.get(method) if isinstance(method, str) else None
+        if handler is None:
+            return _error(rid, "ProtocolError", f"unknown method {method!r:.100}")
+        if not isinstance(params, dict):
+            return _error(rid, "ProtocolError", "params: expected a JSON object")
+        try:
+            return {"id": rid, "result": handler(params)}
+        except InvalidArgumentError as exc:
+            return _error(rid, "InvalidArgumentError", str(exc))
+        except Exception as exc:  # the registry failed: report it, keep serving
+            log.warning("registry server: %s failed: %r", method, exc)
+            return _error(rid, "ServerError", f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Stops accepting, closes every connection and waits (briefly) for their threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.items())
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        self._sock.close()
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(timeout=5)
+        for _, thread in conns:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> RegistryServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _error(rid: int | None, kind: str, message: str) -> dict[str, Any]:
+    return {"id": rid, "error": {"type": kind, "message": message}}
+
+
+# -- client --------------------------------------------------------------------------------------
+
+
+class RemoteRegistry:
+    """A :class:`Registry` served by a :class:`RegistryServer` at ``address`` (``"host:port"``).
+
+    Connects (and authenticates both ways) at once; one connection, used under a lock. A broken
+    connection is re-made once per call; every socket operation times out after ``timeout_s``.
+
+    Raises:
+      AuthenticationError: the server and this client do not share ``secret``.
+      RegistryUnavailableError: the server cannot be reached, or stopped answering.
+    """
+
+    def __init__(self, address: str, *, secret: bytes, timeout_s: float = 10.0) -> None:
+        self._host, self._port = parse_address(address)
+        self._address = address
+        self._secret = _check_secret(secret)
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise InvalidArgumentError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
+        self._timeout = float(timeout_s)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self._closed = False
+        with self._lock:
+            self._connect()
+
+    def _connect(self) -> None:
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
+        except OSError as exc:
+            raise RegistryUnavailableError(
+                f"cannot connect to the registry server at {self._address}: {exc}"
+            ) from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_json(sock)
+            if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL:
+                raise _ProtocolError(f"not a tpusync registry server: {hello!r:.200}")
+            if hello.get("version") != VERSION:
+                raise _ProtocolError(f"wire version {hello.get('version')!r}, expected {VERSION}")
+            nonce_s = _hex_nonce(hello.get("nonce"))
+            if nonce_s is None:
+                raise _ProtocolError("the server's nonce is malformed")
+            nonce_c = secrets.token_bytes(NONCE_BYTES)
+            mac = _mac(self._secret, b"client", nonce_s, nonce_c)
+            _send_json(sock, {"nonce": nonce_c.hex(), "mac": mac.hex()})
+            try:
+                answer = _recv_json(sock)
+            except (EOFError, ConnectionError) as exc:
+                raise AuthenticationError(
+                    f"the registry server at {self._address} closed the connection during "
+                    "authentication: does it use the same secret?"
+                ) from exc
+            if isinstance(answer, dict) and "error" in answer:
+                raise AuthenticationError(
+                    f"the registry server at {self._address} rejected this client's secret: "
+                    "pass the secret the server was started with"
+                )
+            theirs = answer.get("mac") if isinstance(answer, dict) else None
+            expected = _mac(self._secret, b"server", nonce_s, nonce_c)
+            try:
+                ok = isinstance(theirs, str) and hmac.compare_digest(
+                    bytes.fromhex(theirs), expected
+                )
+            except ValueError:
+                ok = False
+            if not ok:
+                raise AuthenticationError(
+                    f"the registry server at {self._address} does not know the shared secret "
+                    "(an impostor, or a server started with another secret)"
+                )
+        except AuthenticationError:
+            sock.close()
+            raise
+        except (OSError, EOFError, _ProtocolError) as exc:
+            sock.close()
+            raise RegistryUnavailableError(
+                f"the registry server at {self._address} failed the handshake: {exc}"
+            ) from exc
+        self._sock = sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _call(self, method: str, params: dict[str, Any]) -> Any:
+        with self._lock:
+            if self._closed:
+                raise RegistryUnavailableError("this RemoteRegistry was closed")
+            self._next_id += 1
+            rid = self._next_id
+            payload = json.dumps({"id": rid, "method": method, "params": params}).encode()
+            for attempt in range(2):
+                if self._sock is None:
+                    self._connect()
+                sock = self._sock
+                assert sock is not None
+                try:
+                    _send_frame(sock, payload)
+                    response = _recv_json(sock)
+                except TimeoutError as exc:
+                    self._drop()
+                    raise RegistryUnavailableError(
+                        f"the registry server at {self._address} did not answer {method} "
+                        f"within {self._timeout} s"
+                    ) from exc
+                except (OSError, EOFError) as exc:
+                    self._drop()
+                    if attempt == 0:
+                        continue  # reconnect once
+                    raise RegistryUnavailableError(
+                        f"lost the connection to the registry server at {self._address}: {exc}"
+                    ) from exc
+                except _ProtocolError as exc:
+                    self._drop()
+                    raise RegistryUnavailableError(
+                        f"the registry server at {self._address} broke the protocol: {exc}"
+                    ) from exc
+                break
+        if not isinstance(response, dict) or response.get("id") != rid:
+            with self._lock:
+                self._drop()
+            raise RegistryUnavailableError(
+                f"the registry server at {self._address} answered out of turn: {response!r:.200}"
+            )
+        error = response.get("error")
+        if error is not None:
+            kind = error.get("type") if isinstance(error, dict) else None
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            if kind == "InvalidArgumentError":
+                raise InvalidArgumentError(message)
+            raise RegistryUnavailableError(
+                f"the registry server at {self._address} failed {method}: {message}"
+            )
+        return response.get("result")
+
+    def ping(self) -> None:
+        self._call("ping", {})
+
+    def register(self, node: NodeInfo, ttl_s: float) -> None:
+        check_node(node)
+        self._call("register", {"node": node_to_dict(node), "ttl_s": check_ttl(ttl_s)})
+
+    def heartbeat(self, node_id: str, ttl_s: float) -> bool:
+        ttl = check_ttl(ttl_s)
+        return bool(self._call("heartbeat", {"node_id": check_node_id(node_id), "ttl_s": ttl}))
+
+    def unregister(self, node_id: str) -> None:
+        self._call("unregister", {"node_id": check_node_id(node_id)})
+
+    def publish(self, node_id: str, keys: Sequence[bytes], tier: str) -> None:
+        keys = check_keys(keys)
+        check_tier(tier)
+        check_node_id(node_id)
+        for i in range(0, max(len(keys), 1), BATCH_KEYS):
+            batch = [k.hex() for k in keys[i : i + BATCH_KEYS]]
+            self._call("publish", {"node_id": node_id, "keys": batch, "tier": tier})
+
+    def withdraw(self, node_id: str, keys: Sequence[bytes]) -> None:
+        keys = check_keys(keys)
+        check_node_id(node_id)
+        for i in range(0, len(keys), BATCH_KEYS):
+            batch = [k.hex() for k in keys[i : i + BATCH_KEYS]]
+            self._call("withdraw", {"node_id": node_id, "keys": batch})
+
+    def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
+        keys = check_keys(keys)
+        out: list[list[Holder]] = []
+        for i in range(0, len(keys), BATCH_KEYS):
+            batch = keys[i : i + BATCH_KEYS]
+            result = self._call("holders", {"keys": [k.hex() for k in batch]})
+            if not isinstance(result, list) or len(result) != len(batch):
+                raise RegistryUnavailableError(f"malformed holders answer: {result!r:.200}")
+            out.extend(sorted(Holder(str(n), str(t)) for n, t in held) for held in result)
+        return out
+
+    def nodes(self) -> list[NodeInfo]:
+        result = self._call("nodes", {})
+        return [node_from_dict(d) for d in result]
+
+    def sweep(self) -> int:
+        """Runs the served registry's sweep (where it has one); returns the nodes removed."""
+        return int(self._call("sweep", {}))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> RemoteRegistry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
