@@ -56,16 +56,6 @@ uint64_t tps_sum64(const void *data, size_t n);
  * destination that cannot be aligned to 16 bytes at a 24-byte group boundary of the checksum. */
 int tps_sum64_copy_streaming(tps_sum64_state *state, void *dst, const void *src, size_t n);
 
-/* The same for TPS_SUM64_WAYS separate copies of n bytes each, interleaved 192 bytes at a time so
- * that several streams of lines are in flight (one small piece at a time is latency-bound).
- * Each state gets exactly what tps_sum64_copy_streaming would give it. Returns 0 (doing
- * nothing) unless SSE4.2 is there, every destination is 16-byte aligned and no state has
- * pending bytes. */
-#define TPS_SUM64_WAYS 4
-int tps_sum64_copy_streaming_ways(tps_sum64_state *states[TPS_SUM64_WAYS],
-                                  void *const dst[TPS_SUM64_WAYS],
-                                  const void *const src[TPS_SUM64_WAYS], size_t n);
-
 /* Forces the portable (table) CRC-32C code instead of the CPU's instruction: for tests. */
 void tps_checksum_force_portable(int on);
 

@@ -417,49 +417,7 @@ __attribute__((target("sse4.2"))) static void copy_crc_streams(uint32_t lanes[3]
     lanes[j] = c;
   }
 }
-
-/* Separate copies of the same length, a 192-byte step of each in turn (see the header). */
-__attribute__((target("sse4.2"))) static void copy_crc_ways(
-    tps_sum64_state *states[TPS_SUM64_WAYS], void *const dst[TPS_SUM64_WAYS],
-    const void *const src[TPS_SUM64_WAYS], size_t blocks) {
-  uint64_t l[TPS_SUM64_WAYS][3];
-  for (int k = 0; k < TPS_SUM64_WAYS; k++)
-    for (int j = 0; j < 3; j++) l[k][j] = states[k]->lanes[j];
-  for (size_t offset = 0; offset < blocks * 192; offset += 192) {
-    for (int k = 0; k < TPS_SUM64_WAYS; k++) {
-      const char *s = (const char *)src[k] + offset;
-      _mm_prefetch(s + PREFETCH_AHEAD, _MM_HINT_T0);
-      _mm_prefetch(s + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-      _mm_prefetch(s + PREFETCH_AHEAD + 128, _MM_HINT_T0);
-      copy_crc_step(l[k], (char *)dst[k] + offset, s);
-    }
-  }
-  for (int k = 0; k < TPS_SUM64_WAYS; k++)
-    for (int j = 0; j < 3; j++) states[k]->lanes[j] = (uint32_t)l[k][j];
-}
 #endif
-
-int tps_sum64_copy_streaming_ways(tps_sum64_state *states[TPS_SUM64_WAYS],
-                                  void *const dst[TPS_SUM64_WAYS],
-                                  const void *const src[TPS_SUM64_WAYS], size_t n) {
-#if defined(__x86_64__)
-  if (!have_sse42()) return 0;
-  for (int k = 0; k < TPS_SUM64_WAYS; k++)
-    if (states[k]->n_pending != 0 || (uintptr_t)dst[k] % 16 != 0) return 0;
-  size_t blocks = n / 192;
-  if (blocks) copy_crc_ways(states, dst, src, blocks);
-  size_t done = blocks * 192;
-  for (int k = 0; k < TPS_SUM64_WAYS; k++) {
-    states[k]->total += done;
-    tps_sum64_update(states[k], (const char *)src[k] + done, n - done);
-    memcpy((char *)dst[k] + done, (const char *)src[k] + done, n - done);
-  }
-  return 1;
-#else
-  (void)states, (void)dst, (void)src, (void)n;
-  return 0;
-#endif
-}
 
 int tps_sum64_copy_streaming(tps_sum64_state *s, void *dst, const void *src, size_t n) {
 #if defined(__x86_64__)

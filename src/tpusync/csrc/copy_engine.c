@@ -31,8 +31,6 @@ typedef struct tps_job {
  * rate for scattered 1 MiB blocks). */
 #define TPS_STREAMING_MIN_JOB (8u << 20)
 #define TPS_STREAMING_MIN_PIECE 4096u
-/* Pieces this large already run several streams each (tps_sum64_copy_streaming splits them). */
-#define TPS_WAYS_MAX_PIECE (32u << 10)
 
 #if TPS_HAVE_STREAMING
 /* 64 bytes from src to dst with non-temporal stores (dst 16-byte aligned). */
@@ -155,43 +153,12 @@ static void copy_hash_segment(const tps_job *job, size_t index) {
   job->digests[index] = tps_sum64_digest(&state);
 }
 
-#if TPS_HAVE_STREAMING
-/* Segments [index, index + TPS_SUM64_WAYS) copied and checksummed together when they have the
- * same length below the size where one segment already runs several streams; 0 if not done. */
-static int copy_hash_ways(const tps_job *job, size_t index) {
-  if (!job->streaming || job->hash_only || index + TPS_SUM64_WAYS > job->n_segments) return 0;
-  const tps_segment *s = &job->segments[index];
-  uint64_t n = s->nbytes;
-  if (n >= TPS_WAYS_MAX_PIECE || n < 192) return 0;
-  tps_sum64_state states[TPS_SUM64_WAYS], *state_of[TPS_SUM64_WAYS];
-  void *dst[TPS_SUM64_WAYS];
-  const void *src[TPS_SUM64_WAYS];
-  for (int k = 0; k < TPS_SUM64_WAYS; k++) {
-    if (s[k].nbytes != n) return 0;
-    tps_sum64_init(&states[k]);
-    state_of[k] = &states[k];
-    dst[k] = (void *)(uintptr_t)s[k].dst;
-    src[k] = (const void *)(uintptr_t)s[k].src;
-  }
-  if (!tps_sum64_copy_streaming_ways(state_of, dst, src, n)) return 0;
-  for (int k = 0; k < TPS_SUM64_WAYS; k++) job->digests[index + k] = tps_sum64_digest(&states[k]);
-  return 1;
-}
-#endif
-
 static void run_part(const tps_job *job, int part) {
   if (job->digests) {
-    /* Segments are handed out TPS_SUM64_WAYS at a time, so that small pieces of one length
-     * (KV blocks: 4-32 KiB per layer) are copied several at once. */
     for (;;) {
-      size_t index = atomic_fetch_add(job->next_segment, TPS_SUM64_WAYS);
+      size_t index = atomic_fetch_add(job->next_segment, 1);
       if (index >= job->n_segments) break;
-#if TPS_HAVE_STREAMING
-      if (copy_hash_ways(job, index)) continue;
-#endif
-      size_t end = index + TPS_SUM64_WAYS < job->n_segments ? index + TPS_SUM64_WAYS
-                                                            : job->n_segments;
-      for (size_t i = index; i < end; i++) copy_hash_segment(job, i);
+      copy_hash_segment(job, index);
     }
 #if TPS_HAVE_STREAMING
     if (job->streaming) _mm_sfence();
