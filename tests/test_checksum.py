@@ -101,7 +101,9 @@ def test_sum64_detects_single_bit_flips_and_swaps() -> None:
 
 @pytest.mark.parametrize("dst_offset", [0, 8, 16, 24, 3])
 @pytest.mark.parametrize("streaming", [False, True])
-@pytest.mark.parametrize("size", [20_000, 200_000], ids=["one-stream", "four-streams"])
+@pytest.mark.parametrize(
+    "size", [4096, 20_000, 200_000], ids=["page-pieces", "one-stream", "four-streams"]
+)
 def test_fused_copy_checksums_equal_a_separate_pass(
     dst_offset: int, streaming: bool, size: int
 ) -> None:
@@ -131,4 +133,32 @@ def test_fused_copy_checksums_equal_a_separate_pass(
         np.testing.assert_array_equal(
             dst[dst_offset + i * piece : dst_offset + (i + 1) * piece], expected
         )
+        assert digests[i] == _core.sum64(expected)
+
+
+def test_fused_copy_of_mixed_lengths_and_alignments() -> None:
+    """Segments are copied several at once only when their lengths agree and every destination
+    is aligned; any mix must give each segment its own bytes and checksum."""
+    rng = np.random.default_rng(11)
+    lengths = rng.choice([4096, 4096, 4096, 8192, 300, 16_000], size=3000)
+    lengths[:800] = 16_384  # long runs of one length, as KV pieces are
+    offsets = np.concatenate([[0], np.cumsum(lengths + 16)])
+    src = rng.integers(0, 256, int(offsets[-1]) + 64, dtype=np.uint8)
+    dst = np.zeros(int(offsets[-1]) + 64, dtype=np.uint8)
+    shift = np.where(rng.random(len(lengths)) < 0.05, 8, 0)  # a few destinations unaligned
+    table = np.stack(
+        [
+            src.ctypes.data + offsets[:-1] + 3,
+            dst.ctypes.data + offsets[:-1] + shift,
+            lengths,
+        ],
+        axis=1,
+    ).astype(np.uint64)
+    assert lengths.sum() >= STREAMING_JOB
+    digests = _core.CopyEngine(2).copy_hashed(table)
+    for i in range(len(lengths)):
+        a, n = int(offsets[i]), int(lengths[i])
+        expected = src[a + 3 : a + 3 + n]
+        got = dst[a + shift[i] : a + shift[i] + n]
+        np.testing.assert_array_equal(got, expected)
         assert digests[i] == _core.sum64(expected)

@@ -55,6 +55,10 @@ uint64_t tps_sum64(const void *data, size_t n);
  * in one pass. Returns 0 (doing nothing) where the fast path does not apply: no SSE4.2, or a
  * destination that cannot be aligned to 16 bytes at a 24-byte group boundary of the checksum. */
 int tps_sum64_copy_streaming(tps_sum64_state *state, void *dst, const void *src, size_t n);
+/* The same, prefetching `next` (where the caller reads on after this piece; may be NULL) while
+ * the end of this piece is copied: pieces of a few KiB are otherwise all latency. */
+int tps_sum64_copy_streaming_next(tps_sum64_state *state, void *dst, const void *src, size_t n,
+                                  const void *next);
 
 /* Forces the portable (table) CRC-32C code instead of the CPU's instruction: for tests. */
 void tps_checksum_force_portable(int on);

@@ -31,6 +31,7 @@ typedef struct tps_job {
  * rate for scattered 1 MiB blocks). */
 #define TPS_STREAMING_MIN_JOB (8u << 20)
 #define TPS_STREAMING_MIN_PIECE 4096u
+#define TPS_HASH_BATCH 8 /* segments a hashed job hands out at a time */
 
 #if TPS_HAVE_STREAMING
 /* 64 bytes from src to dst with non-temporal stores (dst 16-byte aligned). */
@@ -126,7 +127,7 @@ static void copy_byte_range(const tps_job *job, uint64_t begin, uint64_t end) {
 /* Checksums and copies one segment in 24 KiB steps: each step is checksummed from the source,
  * then copied while it is still in the cache, so the data crosses the memory bus once. The
  * checksum (tps_sum64) is of the bytes that were copied. */
-static void copy_hash_segment(const tps_job *job, size_t index) {
+static void copy_hash_segment(const tps_job *job, size_t index, const void *next) {
   const tps_segment *s = &job->segments[index];
   const char *src = (const char *)(uintptr_t)s->src;
   char *dst = (char *)(uintptr_t)s->dst;
@@ -139,7 +140,7 @@ static void copy_hash_segment(const tps_job *job, size_t index) {
   }
 #if TPS_HAVE_STREAMING
   /* Large jobs: one loop that loads, checksums and streams each line (no second read). */
-  if (job->streaming && tps_sum64_copy_streaming(&state, dst, src, s->nbytes)) {
+  if (job->streaming && tps_sum64_copy_streaming_next(&state, dst, src, s->nbytes, next)) {
     job->digests[index] = tps_sum64_digest(&state);
     return;
   }
@@ -155,10 +156,17 @@ static void copy_hash_segment(const tps_job *job, size_t index) {
 
 static void run_part(const tps_job *job, int part) {
   if (job->digests) {
+    /* A few segments per grab, so that each knows the next one its thread reads (and
+     * prefetches it while finishing): KV pieces are often only a few KiB. */
     for (;;) {
-      size_t index = atomic_fetch_add(job->next_segment, 1);
+      size_t index = atomic_fetch_add(job->next_segment, TPS_HASH_BATCH);
       if (index >= job->n_segments) break;
-      copy_hash_segment(job, index);
+      size_t end = index + TPS_HASH_BATCH < job->n_segments ? index + TPS_HASH_BATCH
+                                                            : job->n_segments;
+      for (size_t i = index; i < end; i++) {
+        const void *next = i + 1 < end ? (const void *)(uintptr_t)job->segments[i + 1].src : NULL;
+        copy_hash_segment(job, i, next);
+      }
     }
 #if TPS_HAVE_STREAMING
     if (job->streaming) _mm_sfence();
