@@ -62,7 +62,10 @@ def _pin_buffer(data: jax.Array) -> Any:
 def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
     """Per shard group, the region of each replica (in the group's device order)."""
     array = side.current()
-    by_device = {shard.device: shard.data for shard in array.addressable_shards}
+    if len(side.groups) == 1 and len(array.sharding.device_set) == 1:
+        by_device = {side.groups[0].devices[0]: array}  # one shard: the array is its data
+    else:
+        by_device = {shard.device: shard.data for shard in array.addressable_shards}
     itemsize = side.dtype.itemsize
     out = []
     for group in side.groups:

@@ -47,8 +47,9 @@ __all__ = ["DevicePool"]
 
 
 @cache
-def _donated_identity() -> Any:
-    return jax.jit(lambda array: array, donate_argnums=0)
+def _donated_identity(count: int = 1) -> Any:
+    """A donated identity over ``count`` arrays: one dispatch waits for the readers of all."""
+    return jax.jit(lambda *arrays: arrays, donate_argnums=tuple(range(count)))
 
 
 @cache
@@ -194,9 +195,15 @@ def _check_alive(array: jax.Array, argument: str) -> None:
 
 
 def wait_for_readers(pools: list[DevicePool]) -> None:
-    """The donated identity step of several pools: all dispatched first, then waited for, so
-    the pools' readers are waited for concurrently. Call with the pools' locks held."""
+    """The donated identity step of several pools: one dispatch per set of devices (a jitted
+    call spans one), then waited for, so the pools' readers are waited for concurrently. Call
+    with the pools' locks held."""
+    groups: dict[frozenset[Any], list[DevicePool]] = {}
     for pool in pools:
-        pool._array = _donated_identity()(pool._array)
+        groups.setdefault(frozenset(pool._array.sharding.device_set), []).append(pool)
+    for group in groups.values():
+        arrays = _donated_identity(len(group))(*(pool._array for pool in group))
+        for pool, array in zip(group, arrays, strict=True):
+            pool._array = array
     for pool in pools:
         pool._array.block_until_ready()

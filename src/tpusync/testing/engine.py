@@ -13,6 +13,7 @@ the same floats in the same order: equal greedy tokens, logits equal bit for bit
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpusync.device_pool import DevicePool
+from tpusync.device_pool import DevicePool, wait_for_readers
 from tpusync.errors import SessionNotFoundError, TierFullError
 from tpusync.kv import KVCacheStore, KVStoreConfig, LoadResult
 from tpusync.testing import model as M
@@ -248,9 +249,10 @@ class ToyEngine:
         dummy = (np.arange(prompt_len, dtype=np.int64) * 7919 % self.config.vocab_size).astype(
             np.int32
         )
-        for pool in self.kv:  # compiles the pools' donated identity step (see DevicePool)
-            with pool._lock:
-                pool._wait_for_readers()
+        with contextlib.ExitStack() as locks:  # compiles the pools' donated identity step
+            for pool in self.kv:
+                locks.enter_context(pool._lock)
+            wait_for_readers(self.kv)
         if cold:
             self.generate(dummy, n_new, use_cache=False, save=False, boundary=prompt_len - 1)
             return
