@@ -14,6 +14,7 @@ dropped), never data.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import numbers
@@ -168,6 +169,7 @@ class HostPool:
         self._sequence = 0
         self._free = self._scan_records()
         self._last_pools: tuple[tuple[weakref.ref[Any], ...], int] | None = None
+        self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], list[Any]]] = {}
 
     # --- opening ---------------------------------------------------------------------------
 
@@ -574,6 +576,15 @@ class HostPool:
         native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
         from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
 
+        moves = self._kept_moves(pools, block_ids, slots, to_device)
+        if moves is not None and path != "jax":
+            with _pools_locked(moves):
+                if _native_ready(pools):
+                    if to_device:  # what validation would check, had it run for this call
+                        for pool, array in zip(pools, self.layout.arrays, strict=True):
+                            pool._check_writable(block_ids, array.block_axis, "block_ids")
+                    digests = _native_path.run_hashed(moves)
+                    return slot_checksums(_slot_major(digests))
         items = []
         for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
             if to_device:
@@ -591,6 +602,39 @@ class HostPool:
             return checksums
         transfer_batch(items, path="jax").result()
         return self._hash_slots(slots)
+
+    def _kept_moves(
+        self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, to_device: bool
+    ) -> list[Any] | None:
+        """The validated moves between ``pools`` and the slot views, with this call's block
+        lists: validation (endpoints, shapes, dtypes, shards) runs once per list of DevicePools
+        and direction, since a DevicePool's shape, dtype and sharding never change and the slot
+        views are fixed. None for pools that are not all DevicePools."""
+        from tpusync.transfer import Transfer, _plan_move
+
+        if not all(isinstance(pool, DevicePool) for pool in pools):
+            return None
+        kept = self._moves_kept.get(to_device)
+        if (
+            kept is None
+            or not all(ref() is pool for ref, pool in zip(kept[0], pools, strict=True))
+            or len(kept[0]) != len(pools)
+        ):
+            one = np.zeros(1, dtype=np.int64)
+            moves = []
+            for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
+                if to_device:
+                    item = Transfer(view, pool, one, one, array.block_axis)
+                else:
+                    item = Transfer(pool, view, one, one, array.block_axis)
+                moves.append(_plan_move(item))
+            kept = (tuple(weakref.ref(pool) for pool in pools), moves)
+            self._moves_kept[to_device] = kept
+        src, dst = (slots, block_ids) if to_device else (block_ids, slots)
+        return [
+            dataclasses.replace(move, src_blocks=src, dst_blocks=dst, whole=False)
+            for move in kept[1]
+        ]
 
     # --- delete, close ----------------------------------------------------------------------
 
@@ -634,6 +678,7 @@ class HostPool:
         with self._lock:
             if self._base is None:
                 return
+            self._moves_kept.clear()  # they hold views of the slots
             base, records = self._base, self._records
             self._base = self._records = None  # type: ignore[assignment]
             del base, records
@@ -770,6 +815,12 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
             )
         out.append(key)
     return out
+
+
+def _native_ready(pools: Sequence[DevicePool]) -> bool:
+    """Whether the native engine can move every pool's current array (its layout may change
+    between calls, unlike its shape); called with the pools locked."""
+    return all(_native_path.unavailable_reason(pool._array) is None for pool in pools)
 
 
 def _slot_major(digests: list[np.ndarray]) -> np.ndarray:
