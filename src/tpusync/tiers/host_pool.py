@@ -169,6 +169,10 @@ class HostPool:
         self._sequence = 0
         self._free = self._scan_records()
         self._last_pools: tuple[tuple[weakref.ref[Any], ...], int] | None = None
+        # Slots whose pages are mapped: all of a pool created with populate=True; none of a
+        # re-attached one (its pages exist in /dev/shm but this process has not mapped them;
+        # a copy maps the slots it touches in one call first, instead of a fault per page).
+        self._populated = np.full(capacity, populate and not self.attached, dtype=bool)
         self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], list[Any]]] = {}
 
     # --- opening ---------------------------------------------------------------------------
@@ -439,6 +443,7 @@ class HostPool:
         views of the pool's memory are alive."""
         if not 0 <= int(slot) < self.capacity:
             raise InvalidArgumentError(f"slot: {slot} is out of range 0..{self.capacity - 1}")
+        self._ensure_populated(np.array([int(slot)]))
         start = self.geometry.data_offset + int(slot) * self.layout.slot_bytes
         return memoryview(self._open_base())[start : start + self.layout.slot_bytes]
 
@@ -576,6 +581,7 @@ class HostPool:
         native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
         from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
 
+        self._ensure_populated(slots)
         moves = self._kept_moves(pools, block_ids, slots, to_device)
         if moves is not None and path != "jax":
             with _pools_locked(moves):
@@ -602,6 +608,20 @@ class HostPool:
             return checksums
         transfer_batch(items, path="jax").result()
         return self._hash_slots(slots)
+
+    def _ensure_populated(self, slots: np.ndarray) -> None:
+        """Maps the pages of ``slots`` not yet mapped, a run of neighbouring slots per call."""
+        todo = slots[~self._populated[slots]]
+        if not len(todo):
+            return
+        todo = np.unique(todo)
+        breaks = np.flatnonzero(np.diff(todo) != 1) + 1
+        base = self.geometry.data_offset
+        for run in np.split(todo, breaks):
+            self._mapping.populate(
+                base + int(run[0]) * self.layout.slot_bytes, len(run) * self.layout.slot_bytes
+            )
+        self._populated[todo] = True
 
     def _kept_moves(
         self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, to_device: bool
