@@ -120,13 +120,17 @@ class TierStack:
             self._pins.update(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> None:
+        pins, doomed = self._pins, []
         with self.lock:
-            self._pins.subtract(keys)
-            released = [k for k in set(keys) if self._pins[k] <= 0]
-            for key in released:
-                del self._pins[key]
-            doomed = [k for k in released if k in self._doomed]
-            self._doomed.difference_update(doomed)
+            for key in keys:
+                count = pins.get(key, 0) - 1
+                if count > 0:
+                    pins[key] = count
+                elif key in pins:
+                    del pins[key]
+                    if key in self._doomed:
+                        self._doomed.discard(key)
+                        doomed.append(key)
         if doomed:
             self.delete_everywhere(doomed)
 
@@ -307,6 +311,9 @@ class TierStack:
         which keys DRAM holds afterwards. Blocks failing their checksum are misses (the lower
         tier counts and drops them), and how many blocks moved up. Pin the keys first, so that
         making room cannot evict them."""
+        in_dram = self.dram.contains(keys)
+        if all(in_dram):
+            return in_dram, 0
         where = self.locate(keys, prefix=False)
         promoted = 0
         wanted = [i for i, t in enumerate(where) if t > 0]
