@@ -173,6 +173,15 @@ class HostPool:
         # re-attached one (its pages exist in /dev/shm but this process has not mapped them;
         # a copy maps the slots it touches in one call first, instead of a fault per page).
         self._populated = np.full(capacity, populate and not self.attached, dtype=bool)
+        self._mapper_stop = threading.Event()
+        self._mapper: threading.Thread | None = None
+        if self.attached and populate:
+            # Map the re-attached pool's pages in the background, so that the first requests
+            # after a restart do not pay for it (a copy maps what it needs itself meanwhile).
+            self._mapper = threading.Thread(
+                target=self._map_in_background, name="tpusync-pool-mapper", daemon=True
+            )
+            self._mapper.start()
         self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], list[Any]]] = {}
 
     # --- opening ---------------------------------------------------------------------------
@@ -609,6 +618,14 @@ class HostPool:
         transfer_batch(items, path="jax").result()
         return self._hash_slots(slots)
 
+    def _map_in_background(self) -> None:
+        step = max(1, (64 << 20) // self.layout.slot_bytes)  # 64 MiB a call: stops promptly
+        for first in range(0, self.capacity, step):
+            if self._mapper_stop.is_set():
+                return
+            slots = np.arange(first, min(first + step, self.capacity))
+            self._ensure_populated(slots)
+
     def _ensure_populated(self, slots: np.ndarray) -> None:
         """Maps the pages of ``slots`` not yet mapped, a run of neighbouring slots per call."""
         todo = slots[~self._populated[slots]]
@@ -695,6 +712,10 @@ class HostPool:
 
         Refuses (and stays open) while views from :meth:`views` or :meth:`slot_memory` are
         alive, since they would point into unmapped memory."""
+        if self._mapper is not None:  # it maps pages of the mapping about to go away
+            self._mapper_stop.set()
+            self._mapper.join()
+            self._mapper = None
         with self._lock:
             if self._base is None:
                 return
