@@ -1,12 +1,26 @@
-"""Across hosts: the registry of who holds which block (and, to come, leases, the TCP data plane
-and store nodes).
+"""Across hosts: the registry of who holds which block, leases, the TCP data plane (and, to come,
+store nodes).
 
 Registry backends: :class:`MemoryRegistry` (embedded; serve it to other processes with
 :class:`RegistryServer`, reach it with :class:`RemoteRegistry`), :class:`RedisRegistry` (Redis or
 Valkey; needs ``tpusync[cluster]``) and :class:`JaxRegistry` (the coordination service of a
 ``jax.distributed`` job).
+
+Data plane: :class:`BlockServer` serves a HostPool's blocks, :class:`BlockClient` pulls them into
+another HostPool (straight into its slots, verified, under a :class:`LeaseTable` lease),
+:class:`RemotePool` is the read side of a lower tier over a client; :mod:`tpusync.cluster.wire`
+is the block frame.
 """
 
+from tpusync.cluster.dataplane import (
+    BlockClient,
+    BlockServer,
+    PeerUnavailableError,
+    PullResult,
+    RemoteOperationUnsupportedError,
+    RemotePool,
+)
+from tpusync.cluster.leases import Lease, LeaseTable
 from tpusync.cluster.registry import (
     Holder,
     MemoryRegistry,
@@ -23,17 +37,27 @@ from tpusync.cluster.registry_server import (
     RegistryUnavailableError,
     RemoteRegistry,
 )
+from tpusync.cluster.wire import FrameError
 
 __all__ = [
     "AuthenticationError",
+    "BlockClient",
+    "BlockServer",
+    "FrameError",
     "Holder",
     "JaxRegistry",
+    "Lease",
+    "LeaseTable",
     "MemoryRegistry",
     "NodeInfo",
+    "PeerUnavailableError",
+    "PullResult",
     "RedisRegistry",
     "Registry",
     "RegistryServer",
     "RegistryUnavailableError",
+    "RemoteOperationUnsupportedError",
+    "RemotePool",
     "RemoteRegistry",
     "longest_common_prefix",
     "longest_prefix",

@@ -1,0 +1,1105 @@
+"""The TCP data plane: :class:`BlockServer` serves a HostPool's blocks to peers,
+:class:`BlockClient` pulls them straight into a local HostPool's slots, :class:`RemotePool` is
+the read side of the :class:`~tpusync.tiers.LowerTier` interface over a client.
+
+Connection: TCP, then the registry's mutual HMAC-SHA256 handshake (same frames, same shared
+secret rules: see :mod:`tpusync.cluster.registry_server`); nothing but the handshake is answered
+before it succeeds. Then control requests are the registry's frames (4-byte big-endian length +
+JSON object, ``{"id", "method", "params"}`` -> ``{"id", "result"}`` or ``{"id", "error"}``)::
+
+    hello    {"protocol": "tpusync-blocks", "version": 1}
+             -> {"protocol", "version", "server_id", "fingerprint" (hex), "payload_bytes",
+                 "capacity", "lease_ttl_s"}
+    acquire  {"keys": [hex, ...], "ttl_s": s}   -> {"lease", "present", "checksums", "ttl_s"}
+    renew    {"lease": id, "ttl_s": s}          -> bool
+    release  {"lease": id}                       -> bool (held the whole time)
+    contains {"keys": [hex, ...]}                -> [bool, ...]
+    stat     {}                                  -> {"capacity", "used"}
+    get      {"lease": id, "keys": [hex, ...]}   -> binary frames, not JSON (see
+             :mod:`tpusync.cluster.wire`): per key in order a BLOCK frame (header + payload) or
+             a MISSING frame, then END; or an ERROR frame, which ends the response.
+
+A pull (:meth:`BlockClient.pull`): reserve slots in the target for the keys it lacks, acquire a
+lease on them (the server pins the present ones and hands out their recorded checksums), stripe
+``get`` requests over the client's connections (one thread each), receive every payload with
+``recv_into`` straight into its reserved slot, verify every block (header checksum = lease
+checksum = checksum of the received bytes, fingerprint = the target's), release the lease, and
+commit the verified blocks only if the release answered True (the lease never expired: see
+:mod:`tpusync.cluster.leases` for the timing rule); everything else is aborted. A connection
+that breaks, times out or breaks the format loses the blocks not yet complete on it (their
+slots are aborted; the connection is re-made on the next pull).
+
+The server pins the slots of every ``get`` while it sends them (on top of the lease's pins) and
+sends each payload from a view of its slot (``sendmsg``, no copy).
+
+Not encrypted: run it on a trusted network (the MACs stop strangers, not eavesdroppers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tpusync.cluster import wire
+from tpusync.cluster.leases import LeaseTable
+from tpusync.cluster.registry import check_keys
+from tpusync.cluster.registry_server import (
+    NONCE_BYTES,
+    AuthenticationError,
+    _check_secret,
+    _error,
+    _hex_nonce,
+    _mac,
+    _ProtocolError,
+    _recv_json,
+    _send_frame,
+    _send_json,
+    parse_address,
+)
+from tpusync.cluster.registry_server import PROTOCOL as HANDSHAKE_PROTOCOL
+from tpusync.cluster.registry_server import VERSION as HANDSHAKE_VERSION
+from tpusync.errors import (
+    BlocksMissingError,
+    InvalidArgumentError,
+    TpuSyncError,
+)
+from tpusync.tiers.host_pool import HostPool, Reservation
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.stats import TierStats
+
+__all__ = [
+    "BlockClient",
+    "BlockServer",
+    "PeerUnavailableError",
+    "RemoteOperationUnsupportedError",
+    "RemotePool",
+]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "tpusync-blocks"
+VERSION = 1
+MAX_KEYS_PER_REQUEST = 4096
+MAX_ERROR_BYTES = 4096
+DEADLINE_FRACTION = 0.8  # a pull's deadline: this share of the granted TTL (the timing rule)
+
+
+class PeerUnavailableError(TpuSyncError, ConnectionError):
+    """A block server cannot be reached, failed the handshake or did not answer; the cause is
+    chained."""
+
+
+class RemoteOperationUnsupportedError(TpuSyncError, NotImplementedError):
+    """The remote tier does not offer this operation (yet): it is read-only."""
+
+
+class _ConnectionLost(PeerUnavailableError):
+    """The server closed or reset a connection (e.g. an idle one it timed out): worth one retry
+    on a fresh connection."""
+
+
+class _StreamError(Exception):
+    """The block stream of one connection cannot continue (the connection is dropped)."""
+
+
+# -- the handshake (the registry's, on the same primitives) --------------------------------------
+
+
+def _server_handshake(conn: socket.socket, secret: bytes) -> bool:
+    """The registry server's side of the mutual HMAC handshake (wire-identical to
+    RegistryServer's); False (after telling the peer) when the peer does not know ``secret``."""
+    nonce_s = secrets.token_bytes(NONCE_BYTES)
+    _send_json(
+        conn, {"hello": HANDSHAKE_PROTOCOL, "version": HANDSHAKE_VERSION, "nonce": nonce_s.hex()}
+    )
+    answer = _recv_json(conn)
+    nonce_c = _hex_nonce(answer.get("nonce")) if isinstance(answer, dict) else None
+    mac = answer.get("mac") if isinstance(answer, dict) else None
+    try:
+        mac_bytes = bytes.fromhex(mac) if isinstance(mac, str) else b""
+    except ValueError:
+        mac_bytes = b""
+    if nonce_c is None or not hmac.compare_digest(
+        mac_bytes, _mac(secret, b"client", nonce_s, nonce_c)
+    ):
+        _send_json(conn, _error(None, "AuthenticationError", "authentication failed"))
+        return False
+    _send_json(conn, {"mac": _mac(secret, b"server", nonce_s, nonce_c).hex()})
+    return True
+
+
+def _client_handshake(sock: socket.socket, secret: bytes, where: str) -> None:
+    """The registry client's side of the handshake. Raises AuthenticationError, or
+    _ProtocolError / OSError / EOFError for a peer that is not a tpusync server."""
+    hello = _recv_json(sock)
+    if not isinstance(hello, dict) or hello.get("hello") != HANDSHAKE_PROTOCOL:
+        raise _ProtocolError(f"not a tpusync server: {hello!r:.200}")
+    if hello.get("version") != HANDSHAKE_VERSION:
+        raise _ProtocolError(f"handshake version {hello.get('version')!r}")
+    nonce_s = _hex_nonce(hello.get("nonce"))
+    if nonce_s is None:
+        raise _ProtocolError("the server's nonce is malformed")
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    _send_json(
+        sock, {"nonce": nonce_c.hex(), "mac": _mac(secret, b"client", nonce_s, nonce_c).hex()}
+    )
+    try:
+        answer = _recv_json(sock)
+    except (EOFError, ConnectionError) as exc:
+        raise AuthenticationError(
+            f"the block server at {where} closed the connection during authentication: does it "
+            "use the same secret?"
+        ) from exc
+    if isinstance(answer, dict) and "error" in answer:
+        raise AuthenticationError(
+            f"the block server at {where} rejected this client's secret: pass the secret the "
+            "server was started with"
+        )
+    theirs = answer.get("mac") if isinstance(answer, dict) else None
+    try:
+        ok = isinstance(theirs, str) and hmac.compare_digest(
+            bytes.fromhex(theirs), _mac(secret, b"server", nonce_s, nonce_c)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise AuthenticationError(
+            f"the block server at {where} does not know the shared secret (an impostor, or a "
+            "server started with another secret)"
+        )
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Sends every buffer in order with ``sendmsg`` (no joining copy), handling short sends."""
+    views = [memoryview(b) for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            first = views[0]
+            if sent >= first.nbytes:
+                sent -= first.nbytes
+                views.pop(0)
+            else:
+                views[0] = first[sent:]
+                sent = 0
+
+
+def _keys_param(value: Any) -> list[bytes]:
+    if not isinstance(value, list) or len(value) > MAX_KEYS_PER_REQUEST:
+        raise InvalidArgumentError(
+            f"keys: expected a list of at most {MAX_KEYS_PER_REQUEST} hex strings"
+        )
+    out = []
+    for i, item in enumerate(value):
+        try:
+            out.append(bytes.fromhex(item))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"keys[{i}]: expected a hex string") from None
+    return check_keys(out)
+
+
+def _lease_param(value: Any) -> int:
+    if type(value) is not int or not 0 < value < 2**63:
+        raise InvalidArgumentError(f"lease: expected a lease id, got {value!r:.50}")
+    return value
+
+
+def _ttl_param(value: Any, default: float, top: float) -> float:
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise InvalidArgumentError(f"ttl_s: expected seconds > 0, got {value!r:.50}")
+    return min(float(value), top)
+
+
+def _parse_path(text: str) -> tuple[tuple[str, int] | None, tuple[str, int]]:
+    """``"remote"`` or ``"local>remote"``: remote is ``"host:port"``; local is a host (bound
+    with port 0) or ``"host:port"`` / ``"[v6]:port"``."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"addresses: expected 'host:port' strings, got {text!r}")
+    if ">" not in text:
+        return None, parse_address(text)
+    local, _, remote = text.partition(">")
+    remote_address = parse_address(remote)
+    host, port = local, "0"
+    if local.startswith("[") or local.count(":") == 1:
+        host, _, port = local.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidArgumentError(
+            f"addresses: {text!r}: expected 'local>host:port' with a local host or host:port"
+        )
+    return (host, int(port)), remote_address
+
+
+# -- server ----------------------------------------------------------------------------------
+
+
+class BlockServer:
+    """Serves ``pool``'s blocks to :class:`BlockClient` peers that know ``secret``.
+
+    Listens at once (``port=0``: a free port; see :attr:`address`); a thread per connection.
+    :meth:`close` stops it and releases every lease (the pool stays open: it is the caller's).
+
+    Args:
+      pool: the HostPool whose committed blocks are served.
+      secret: shared with the clients; at least 16 bytes.
+      host, port: where to listen.
+      lease_ttl_s: the longest lease granted (a client may ask for less).
+      handshake_timeout_s: a peer that does not authenticate within this is dropped.
+      io_timeout_s: a connection idle (or stuck sending) this long is closed.
+      max_connections: connections beyond this are closed at once.
+      clock: the lease table's clock (tests).
+    """
+
+    def __init__(
+        self,
+        pool: HostPool,
+        *,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_ttl_s: float = 10.0,
+        handshake_timeout_s: float = 10.0,
+        io_timeout_s: float = 300.0,
+        max_connections: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(pool, HostPool):
+            raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
+        self._secret = _check_secret(secret)
+        if not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600:
+            raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
+        self.pool = pool
+        self.lease_ttl_s = float(lease_ttl_s)
+        self.leases = LeaseTable(pool, clock=clock)
+        self.server_id = secrets.token_hex(8)
+        self._handshake_timeout = float(handshake_timeout_s)
+        self._io_timeout = float(io_timeout_s)
+        self._max_connections = int(max_connections)
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closed = False
+        self.rejected = 0  # peers that failed authentication
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=128)
+        bound = self._sock.getsockname()
+        self._host, self._port = bound[0], bound[1]
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"tpusync-block-server:{self._port}", daemon=True
+        )
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            with self._lock:
+                if self._closed or len(self._conns) >= self._max_connections:
+                    conn.close()
+                    continue
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="tpusync-block-conn", daemon=True
+                )
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._handshake_timeout)
+            if not _server_handshake(conn, self._secret):
+                with self._lock:
+                    self.rejected += 1
+                return
+            conn.settimeout(self._io_timeout)
+            while not self._closed:
+                request = _recv_json(conn)
+                if isinstance(request, dict) and request.get("method") == "get":
+                    rid = request.get("id")
+                    params = request.get("params")
+                    if type(rid) is not int or not 0 <= rid < 2**64 or not isinstance(params, dict):
+                        _send_json(conn, _error(None, "ProtocolError", "get: bad id or params"))
+                        return
+                    if not self._handle_get(conn, rid, params):
+                        return
+                    continue
+                _send_json(conn, self._handle(request))
+        except (OSError, EOFError, _ProtocolError):
+            pass  # the peer went away or broke the format: drop it
+        except Exception:  # never let one connection take anything else down
+            log.exception("block server: connection handler failed")
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _handle(self, request: Any) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            return _error(None, "ProtocolError", "a request must be a JSON object")
+        rid = request.get("id")
+        if rid is not None and (type(rid) is not int or not 0 <= rid < 2**63):
+            return _error(None, "ProtocolError", "id: expected an integer or null")
+        method, params = request.get("method"), request.get("params", {})
+        if not isinstance(params, dict):
+            return _error(rid, "ProtocolError", "params: expected a JSON object")
+        handler = {
+            "hello": self._hello,
+            "acquire": self._acquire,
+            "renew": self._renew,
+            "release": lambda p: self.leases.release(_lease_param(p.get("lease"))),
+            "contains": lambda p: self.pool.contains(_keys_param(p.get("keys"))),
+            "stat": lambda p: {"capacity": self.pool.capacity, "used": self.pool.used},
+        }.get(method if isinstance(method, str) else "")
+        if handler is None:
+            return _error(rid, "ProtocolError", f"unknown method {method!r:.100}")
+        try:
+            return {"id": rid, "result": handler(params)}
+        except InvalidArgumentError as exc:
+            return _error(rid, "InvalidArgumentError", str(exc))
+        except Exception as exc:
+            log.warning("block server: %s failed: %r", method, exc)
+            return _error(rid, "ServerError", f"{type(exc).__name__}: {exc}")
+
+    def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
+        if params.get("protocol") != PROTOCOL or params.get("version") != VERSION:
+            raise InvalidArgumentError(
+                f"this server speaks {PROTOCOL} version {VERSION}, not "
+                f"{params.get('protocol')!r:.50} version {params.get('version')!r:.20}"
+            )
+        layout = self.pool.layout
+        return {
+            "protocol": PROTOCOL,
+            "version": VERSION,
+            "server_id": self.server_id,
+            "fingerprint": layout.fingerprint.hex(),
+            "payload_bytes": layout.payload_bytes,
+            "capacity": self.pool.capacity,
+            "lease_ttl_s": self.lease_ttl_s,
+        }
+
+    def _acquire(self, params: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys_param(params.get("keys"))
+        ttl = _ttl_param(params.get("ttl_s"), self.lease_ttl_s, self.lease_ttl_s)
+        lease = self.leases.acquire(keys, ttl)
+        return {
+            "lease": lease.lease_id,
+            "present": lease.present,
+            "checksums": lease.checksums,
+            "ttl_s": lease.ttl_s,
+        }
+
+    def _renew(self, params: dict[str, Any]) -> bool:
+        ttl = _ttl_param(params.get("ttl_s"), self.lease_ttl_s, self.lease_ttl_s)
+        return self.leases.renew(_lease_param(params.get("lease")), ttl)
+
+    def _send_error(self, conn: socket.socket, rid: int, message: str) -> None:
+        data = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+        header = wire.encode_header(
+            wire.ERROR, rid, b"", self.pool.layout.fingerprint, payload_length=len(data)
+        )
+        _send_buffers(conn, [header, data])
+
+    def _handle_get(self, conn: socket.socket, rid: int, params: dict[str, Any]) -> bool:
+        """Answers one ``get`` with block frames; False when the connection must close."""
+        try:
+            lease = self.leases.lookup(_lease_param(params.get("lease")))
+            keys = _keys_param(params.get("keys"))
+        except InvalidArgumentError as exc:
+            self._send_error(conn, rid, str(exc))
+            return True
+        if lease is None:
+            self._send_error(conn, rid, "lease: unknown or expired; acquire a new one")
+            return True
+        leased = {k for k, p in zip(lease.keys, lease.present, strict=True) if p}
+        layout = self.pool.layout
+        fingerprint, size = layout.fingerprint, layout.payload_bytes
+        try:
+            pinned = self.pool.pin(keys)  # held while sending, whatever the lease does
+        except InvalidArgumentError as exc:  # e.g. the pool was closed
+            self._send_error(conn, rid, str(exc))
+            return True
+        try:
+            for key, slot, present, checksum in zip(
+                keys,
+                pinned.slots.tolist(),
+                pinned.present.tolist(),
+                pinned.checksums.tolist(),
+                strict=True,
+            ):
+                if not present or key not in leased:
+                    conn.sendall(wire.encode_header(wire.MISSING, rid, key, fingerprint))
+                    continue
+                header = wire.encode_header(
+                    wire.BLOCK, rid, key, fingerprint, payload_length=size, checksum=checksum
+                )
+                with self.pool.slot_memory(slot) as memory, memory[:size] as payload:
+                    self._send_block(conn, header, payload)
+            conn.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
+        finally:
+            self.pool.unpin(pinned)
+        return True
+
+    def _send_block(self, conn: socket.socket, header: bytes, payload: memoryview) -> None:
+        """Sends one BLOCK frame (a hook for tests that damage frames)."""
+        _send_buffers(conn, [header, payload])
+
+    def close(self) -> None:
+        """Stops accepting, closes every connection, waits (briefly) for their threads and
+        releases every lease."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.items())
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(timeout=5)
+        for _, thread in conns:
+            thread.join(timeout=5)
+        self.leases.close()
+
+    def __enter__(self) -> BlockServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- client ----------------------------------------------------------------------------------
+
+
+class _Connection:
+    """One path to the server: a socket (bound to ``local`` when given) and its request ids."""
+
+    def __init__(
+        self,
+        local: tuple[str, int] | None,
+        remote: tuple[str, int],
+        label: str,
+        secret: bytes,
+        timeout: float,
+    ) -> None:
+        self.local, self.remote, self.label = local, remote, label
+        self._secret, self._timeout = secret, timeout
+        self.sock: socket.socket | None = None
+        self.hello: dict[str, Any] = {}
+        self._next_id = 0
+
+    def next_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def ensure(self) -> None:
+        """Connects (or re-connects a socket the server closed meanwhile)."""
+        if self.sock is not None and not self._alive(self.sock):
+            self.drop()
+        if self.sock is None:
+            self.connect()
+
+    @staticmethod
+    def _alive(sock: socket.socket) -> bool:
+        """False when the server closed the socket (or left bytes nobody asked for)."""
+        try:
+            sock.setblocking(False)
+            try:
+                sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return True  # nothing pending: idle and open
+            finally:
+                sock.setblocking(True)
+        except OSError:
+            pass
+        return False
+
+    def connect(self) -> None:
+        try:
+            sock = socket.create_connection(
+                self.remote, timeout=self._timeout, source_address=self.local
+            )
+        except OSError as exc:
+            raise PeerUnavailableError(
+                f"cannot connect to the block server at {self.label}: {exc}"
+            ) from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _client_handshake(sock, self._secret, self.label)
+            self.sock = sock
+            hello = self.call("hello", {"protocol": PROTOCOL, "version": VERSION})
+            if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
+                raise _ProtocolError(f"not a tpusync block server: {hello!r:.200}")
+            self.hello = hello
+        except AuthenticationError:
+            self.drop(sock)
+            raise
+        except (OSError, EOFError, _ProtocolError, PeerUnavailableError) as exc:
+            self.drop(sock)
+            if isinstance(exc, PeerUnavailableError):
+                raise
+            raise PeerUnavailableError(
+                f"the block server at {self.label} failed the handshake: {exc}"
+            ) from exc
+
+    def drop(self, sock: socket.socket | None = None) -> None:
+        sock = sock or self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self.sock = None
+
+    def call(self, method: str, params: dict[str, Any]) -> Any:
+        """One JSON request and its answer. Raises PeerUnavailableError (the connection is
+        dropped) or InvalidArgumentError (the server refused the arguments)."""
+        sock = self.sock
+        if sock is None:
+            raise PeerUnavailableError(f"not connected to {self.label}")
+        rid = self.next_id()
+        try:
+            sock.settimeout(self._timeout)
+            _send_json(sock, {"id": rid, "method": method, "params": params})
+            response = _recv_json(sock)
+        except (OSError, EOFError, _ProtocolError) as exc:
+            self.drop()
+            lost = isinstance(exc, EOFError | ConnectionError)
+            raise (_ConnectionLost if lost else PeerUnavailableError)(
+                f"the block server at {self.label} did not answer {method}: {exc!r}"
+            ) from exc
+        if not isinstance(response, dict) or response.get("id") != rid:
+            self.drop()
+            raise PeerUnavailableError(
+                f"the block server at {self.label} answered out of turn: {response!r:.200}"
+            )
+        error = response.get("error")
+        if error is not None:
+            kind = error.get("type") if isinstance(error, dict) else None
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            if kind == "InvalidArgumentError":
+                raise InvalidArgumentError(f"{self.label}: {message}")
+            raise PeerUnavailableError(
+                f"the block server at {self.label} failed {method}: {message}"
+            )
+        return response.get("result")
+
+    def send_get(self, lease_id: int, keys: Sequence[bytes]) -> int:
+        assert self.sock is not None
+        rid = self.next_id()
+        body = {
+            "id": rid,
+            "method": "get",
+            "params": {"lease": lease_id, "keys": [k.hex() for k in keys]},
+        }
+        _send_frame(self.sock, json.dumps(body, separators=(",", ":")).encode())
+        return rid
+
+    def recv_into(self, view: memoryview, deadline: float) -> None:
+        """Fills ``view`` from the socket before ``deadline`` (monotonic)."""
+        assert self.sock is not None
+        got, n = 0, view.nbytes
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the pull's deadline passed")
+            self.sock.settimeout(min(self._timeout, left))
+            r = self.sock.recv_into(view[got:], n - got)
+            if r == 0:
+                raise EOFError("connection closed by the server")
+            got += r
+
+
+@dataclass
+class PullResult:
+    """What a pull did: ``loaded[i]`` for ``keys[i]``; ``corrupt`` blocks failed verification;
+    ``error`` is the first transport or protocol failure (None when there was none);
+    ``released`` is False when the lease lapsed (then nothing was committed)."""
+
+    loaded: list[bool]
+    corrupt: int = 0
+    error: BaseException | None = None
+    released: bool = True
+    bytes_received: int = field(default=0)
+
+
+class BlockClient:
+    """Pulls blocks from one :class:`BlockServer` into local HostPools.
+
+    Give ``address`` (``"host:port"``) or ``addresses`` (paths to the same server: each
+    ``"host:port"`` or ``"local>host:port"``, where the local address is bound before
+    connecting, e.g. ``"10.0.1.5>10.0.1.9:7000"`` to use one NIC per path); ``connections``
+    (default: one per address) sockets are opened, path ``i % len(addresses)`` each, and a pull's
+    keys are striped over them, one thread per connection.
+
+    Connects and authenticates at once. ``timeout_s`` bounds every socket operation;
+    ``lease_ttl_s`` is asked of the server (which may grant less); a pull stops receiving after
+    DEADLINE_FRACTION of the granted TTL (the timing rule of :mod:`tpusync.cluster.leases`).
+    One pull at a time per client (calls are serialized).
+
+    Raises:
+      AuthenticationError: the server and this client do not share ``secret``.
+      PeerUnavailableError: the server cannot be reached or is not a block server.
+      InvalidArgumentError: the addresses lead to different servers.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        addresses: Sequence[str] | None = None,
+        connections: int | None = None,
+        secret: bytes,
+        timeout_s: float = 10.0,
+        lease_ttl_s: float | None = None,
+    ) -> None:
+        if (address is None) == (addresses is None):
+            raise InvalidArgumentError("address, addresses: give exactly one of them")
+        paths_text = [address] if address is not None else list(addresses or [])
+        if not paths_text:
+            raise InvalidArgumentError("addresses: expected at least one address")
+        paths = [_parse_path(p) for p in paths_text]
+        count = len(paths) if connections is None else connections
+        if type(count) is not int or not 1 <= count <= 64:
+            raise InvalidArgumentError(f"connections: expected 1 to 64, got {connections!r}")
+        self._secret = _check_secret(secret)
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise InvalidArgumentError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
+        if lease_ttl_s is not None and (
+            not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600
+        ):
+            raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
+        self._timeout = float(timeout_s)
+        self._ttl = lease_ttl_s
+        self._lock = threading.Lock()
+        self._conns = [
+            _Connection(*paths[i % len(paths)], paths_text[i % len(paths)], secret, self._timeout)
+            for i in range(count)
+        ]
+        self.label = paths_text[0]
+        self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="tpusync-pull")
+        self._closed = False
+        self.server_id: str | None = None
+        try:
+            for conn in self._conns:
+                conn.connect()
+                self._check_same_server(conn)
+        except BaseException:
+            self.close()
+            raise
+        hello = self._conns[0].hello
+        self.fingerprint = bytes.fromhex(str(hello.get("fingerprint", "")))
+        self.payload_bytes = int(hello.get("payload_bytes", 0))
+        self.server_capacity = int(hello.get("capacity", 0))
+
+    def _check_same_server(self, conn: _Connection) -> None:
+        server_id = conn.hello.get("server_id")
+        if self.server_id is None:
+            self.server_id = server_id
+        elif server_id != self.server_id:
+            raise InvalidArgumentError(
+                f"addresses: {conn.label} leads to another block server than {self.label}; "
+                "every path of a client must reach the same server"
+            )
+
+    def _ensure(self, conn: _Connection) -> None:
+        conn.ensure()
+        self._check_same_server(conn)
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def _request(self, conn: _Connection, method: str, params: dict[str, Any]) -> Any:
+        """One control request on ``conn``, retried once on a fresh connection when the server
+        had closed the old one. (A retried ``acquire`` may leave a lease to expire; a retried
+        ``release`` answers False, and the pull is discarded: both safe.)"""
+        self._ensure(conn)
+        try:
+            return conn.call(method, params)
+        except _ConnectionLost:
+            self._ensure(conn)
+            return conn.call(method, params)
+
+    def _call(self, method: str, params: dict[str, Any]) -> Any:
+        with self._lock:
+            self._check_open()
+            return self._request(self._conns[0], method, params)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = check_keys(keys)
+        out: list[bool] = []
+        for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+            batch = keys[i : i + MAX_KEYS_PER_REQUEST]
+            result = self._call("contains", {"keys": [k.hex() for k in batch]})
+            if not isinstance(result, list) or len(result) != len(batch):
+                raise PeerUnavailableError(f"malformed contains answer: {result!r:.200}")
+            out.extend(bool(x) for x in result)
+        return out
+
+    def stat(self) -> dict[str, int]:
+        result = self._call("stat", {})
+        if not isinstance(result, dict):
+            raise PeerUnavailableError(f"malformed stat answer: {result!r:.200}")
+        return {"capacity": int(result.get("capacity", 0)), "used": int(result.get("used", 0))}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this BlockClient is closed")
+
+    # --- pull -------------------------------------------------------------------------------
+
+    def pull(self, keys: Sequence[bytes], target: HostPool) -> list[bool]:
+        """Copies the server's blocks under ``keys`` into ``target``; returns for each key
+        whether ``target`` now holds it (keys it already held count as True).
+
+        A key is False when the server lacks it, its block failed verification, the lease
+        lapsed (see the module docstring), or the connection carrying it broke before the block
+        was complete. Raises InvalidArgumentError (another block layout),
+        :class:`~tpusync.errors.TierFullError` (too few free slots in ``target``; nothing is
+        moved), AuthenticationError, or PeerUnavailableError when no lease could be taken.
+        """
+        return self.pull_result(keys, target).loaded
+
+    def pull_result(self, keys: Sequence[bytes], target: HostPool) -> PullResult:
+        """:meth:`pull`, with the counts and the first failure (see :class:`PullResult`)."""
+        keys = check_keys(keys)
+        if not isinstance(target, HostPool):
+            raise InvalidArgumentError(f"target: expected a HostPool, got {type(target).__name__}")
+        if target.layout.fingerprint != self.fingerprint:
+            raise InvalidArgumentError(
+                f"target: the HostPool holds another block layout (model "
+                f"{target.layout.model_id!r}, {target.layout.payload_bytes} B blocks) than the "
+                f"server at {self.label} ({self.payload_bytes} B blocks)"
+            )
+        total = PullResult(loaded=[])
+        loaded: dict[bytes, bool] = {}
+        with self._lock:
+            self._check_open()
+            unique = list(dict.fromkeys(keys))
+            for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
+                part = self._pull_batch(unique[i : i + MAX_KEYS_PER_REQUEST], target, loaded)
+                total.corrupt += part.corrupt
+                total.bytes_received += part.bytes_received
+                total.released = total.released and part.released
+                total.error = total.error or part.error
+        total.loaded = [loaded.get(k, False) for k in keys]
+        return total
+
+    def _pull_batch(
+        self, keys: list[bytes], target: HostPool, loaded: dict[bytes, bool]
+    ) -> PullResult:
+        result = PullResult(loaded=[])
+        reservation = target.reserve(keys)  # TierFullError: nothing taken
+        reserved = set(reservation.keys)
+        others = [k for k in keys if k not in reserved]
+        if others:
+            loaded.update(zip(others, target.contains(others), strict=True))
+        if not reservation.keys:
+            return result
+        n = len(reservation.keys)
+        good = np.zeros(n, dtype=bool)
+        jobs: list[Future[Any]] = []
+        try:
+            lease_conn = self._conns[0]
+            start = time.monotonic()
+            params: dict[str, Any] = {"keys": [k.hex() for k in reservation.keys]}
+            if self._ttl is not None:
+                params["ttl_s"] = self._ttl
+            lease = self._request(lease_conn, "acquire", params)
+            lease_id, present, expected, ttl = _check_lease(lease, n)
+            deadline = start + ttl * DEADLINE_FRACTION
+            wanted = np.flatnonzero(present)
+            stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
+            jobs += [
+                self._executor.submit(
+                    self._receive_stripe,
+                    conn,
+                    lease_id,
+                    reservation,
+                    stripe,
+                    expected,
+                    target,
+                    deadline,
+                )
+                for conn, stripe in zip(self._conns, stripes, strict=True)
+                if len(stripe)
+            ]
+            wait(jobs)  # every stripe has stopped writing into the slots
+            for job in jobs:
+                ok, corrupt, nbytes, error = job.result()
+                good |= ok
+                result.corrupt += corrupt
+                result.bytes_received += nbytes
+                result.error = result.error or error
+            try:
+                released = self._request(lease_conn, "release", {"lease": lease_id}) is True
+            except (PeerUnavailableError, InvalidArgumentError) as exc:
+                released = False
+                result.error = result.error or exc
+            result.released = released
+            if not released:
+                if good.any():
+                    log.warning(
+                        "tpusync: pull from %s: the lease lapsed before its release; "
+                        "discarding %d received blocks",
+                        self.label,
+                        int(good.sum()),
+                    )
+                good[:] = False
+        except BaseException:
+            wait(jobs)  # no stripe writes into a slot once it is aborted
+            target.abort(reservation)
+            raise
+        if (~good).any():
+            target.abort(reservation.subset(~good))
+        if good.any():
+            target.commit(reservation.subset(good), expected[good])
+        loaded.update(zip(reservation.keys, good.tolist(), strict=True))
+        if result.error is not None:
+            log.warning("tpusync: pull from %s: %s", self.label, result.error)
+        return result
+
+    def _receive_stripe(
+        self,
+        conn: _Connection,
+        lease_id: int,
+        reservation: Reservation,
+        indices: np.ndarray,
+        expected: np.ndarray,
+        target: HostPool,
+        deadline: float,
+    ) -> tuple[np.ndarray, int, int, BaseException | None]:
+        """Receives the blocks ``indices`` of the reservation over ``conn``; returns the mask
+        of verified blocks (over the whole reservation), the corrupt count, the bytes received
+        and the failure that ended the stream early (if any)."""
+        n = len(reservation.keys)
+        ok = np.zeros(n, dtype=bool)
+        complete = np.zeros(n, dtype=bool)
+        layout = target.layout
+        size = layout.payload_bytes
+        limit = max(size, MAX_ERROR_BYTES)
+        header_buf = bytearray(wire.HEADER_SIZE)
+        header_view = memoryview(header_buf)
+        error: BaseException | None = None
+        nbytes = 0
+        try:
+            self._ensure(conn)
+            keys = [reservation.keys[i] for i in indices.tolist()]
+            rid = conn.send_get(lease_id, keys)
+            try:
+                conn.recv_into(header_view, deadline)
+            except (EOFError, ConnectionError):
+                # Closed before the first frame (an idle connection the server had just timed
+                # out): nothing was written anywhere; ask once more on a fresh connection.
+                conn.drop()
+                self._ensure(conn)
+                rid = conn.send_get(lease_id, keys)
+                conn.recv_into(header_view, deadline)
+            for n_done, (i, key) in enumerate(zip(indices.tolist(), keys, strict=True)):
+                if n_done:
+                    conn.recv_into(header_view, deadline)
+                header = wire.decode_header(header_buf, max_payload=limit)
+                self._check_frame(header, rid, conn)
+                if header.frame_type == wire.END:
+                    raise _StreamError("the response ended early")
+                if header.key != key:
+                    raise _StreamError(f"a frame for {header.key.hex()}, expected {key.hex()}")
+                if header.frame_type == wire.MISSING:
+                    continue
+                if header.payload_length != size:
+                    raise _StreamError(f"a block of {header.payload_length} B, expected {size}")
+                slot = int(reservation.slots[i])
+                with target.slot_memory(slot) as memory, memory[:size] as payload:
+                    conn.recv_into(payload, deadline)
+                nbytes += size
+                complete[i] = True
+                ok[i] = header.fingerprint == layout.fingerprint and header.checksum == int(
+                    expected[i]
+                )
+            conn.recv_into(header_view, deadline)
+            header = wire.decode_header(header_buf, max_payload=limit)
+            self._check_frame(header, rid, conn)
+            if header.frame_type != wire.END:
+                raise _StreamError(f"a {header.type_name} frame after the last block")
+        except (OSError, EOFError, wire.FrameError, _StreamError, _ProtocolError) as exc:
+            error = exc
+            conn.drop()  # the stream's position is unknown
+        except PeerUnavailableError as exc:
+            error = exc
+        if ok.any():
+            picked = np.flatnonzero(ok)
+            sums = target.hash_slots(reservation.slots[picked])
+            ok[picked] = sums == expected[picked]
+        corrupt = int((complete & ~ok).sum())
+        if corrupt:
+            log.warning(
+                "tpusync: pull from %s: %d blocks failed verification; dropped", conn.label, corrupt
+            )
+        return ok, corrupt, nbytes, error
+
+    def _check_frame(self, header: wire.FrameHeader, rid: int, conn: _Connection) -> None:
+        if header.request_id != rid:
+            raise _StreamError(f"a frame for request {header.request_id}, expected {rid}")
+        if header.frame_type == wire.ERROR:
+            if header.payload_length > MAX_ERROR_BYTES:
+                raise _StreamError(f"an error message of {header.payload_length} B")
+            message = bytearray(header.payload_length)
+            conn.recv_into(memoryview(message), time.monotonic() + self._timeout)
+            raise _StreamError(
+                f"the server failed the request: {message.decode('utf-8', 'replace')}"
+            )
+
+    def close(self) -> None:
+        """Closes every connection (a pull in progress fails)."""
+        self._closed = True
+        for conn in self._conns:
+            conn.drop()
+        self._executor.shutdown(wait=False)
+
+    def __enter__(self) -> BlockClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_lease(lease: Any, n: int) -> tuple[int, np.ndarray, np.ndarray, float]:
+    """The fields of an acquire answer, checked (PeerUnavailableError when malformed)."""
+    try:
+        lease_id = lease["lease"]
+        present = lease["present"]
+        checksums = lease["checksums"]
+        ttl = lease["ttl_s"]
+        if (
+            type(lease_id) is not int
+            or not isinstance(present, list)
+            or not isinstance(checksums, list)
+            or len(present) != n
+            or len(checksums) != n
+            or not all(type(p) is bool for p in present)
+            or not all(type(c) is int and 0 <= c < 2**64 for c in checksums)
+            or not isinstance(ttl, int | float)
+            or not ttl > 0
+        ):
+            raise TypeError
+    except (KeyError, TypeError):
+        raise PeerUnavailableError(f"malformed acquire answer: {lease!r:.200}") from None
+    return (
+        lease_id,
+        np.array(present, dtype=bool),
+        np.array(checksums, dtype=np.uint64),
+        float(ttl),
+    )
+
+
+# -- the remote tier -------------------------------------------------------------------------
+
+
+class RemotePool:
+    """The read side of the :class:`~tpusync.tiers.LowerTier` interface over a
+    :class:`BlockClient`: ``get`` pulls blocks into a HostPool; ``contains``, ``capacity`` and
+    ``used`` ask the server.
+
+    The tier is read-only for now: ``put``, ``delete`` and ``keys`` raise
+    :class:`RemoteOperationUnsupportedError` (blocks reach a peer by its own saves; the
+    registry says who holds what). ``close`` closes the client only when ``owns_client``.
+    """
+
+    def __init__(self, client: BlockClient, layout: PoolLayout, *, owns_client: bool = True):
+        if not isinstance(client, BlockClient):
+            raise InvalidArgumentError(
+                f"client: expected a BlockClient, got {type(client).__name__}"
+            )
+        if not isinstance(layout, PoolLayout) or layout.fingerprint != client.fingerprint:
+            raise InvalidArgumentError(
+                f"layout: the server at {client.label} serves another block layout than this one"
+            )
+        self.client = client
+        self.layout = layout
+        self.stats = TierStats(f"remote:{client.label}")
+        self._owns = owns_client
+
+    @property
+    def capacity(self) -> int:
+        return self.client.stat()["capacity"]
+
+    @property
+    def used(self) -> int:
+        return self.client.stat()["used"]
+
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Loads the blocks under ``keys`` into ``target`` (see :meth:`BlockClient.pull`);
+        raises BlocksMissingError with a ``loaded`` mask when any was not loaded."""
+        result = self.client.pull_result(keys, target)
+        hits = sum(result.loaded)
+        self.stats.add(
+            hits=hits,
+            misses=len(result.loaded) - hits,
+            bytes_out=result.bytes_received,
+            checksum_failures=result.corrupt,
+        )
+        if hits < len(result.loaded):
+            error = BlocksMissingError(
+                f"keys: {len(result.loaded) - hits} of {len(result.loaded)} blocks not served by "
+                f"{self.client.label} ({result.corrupt} failed verification"
+                + ("" if result.released else ", the lease lapsed")
+                + ")",
+                loaded=result.loaded,
+                corrupt=result.corrupt,
+            )
+            if result.error is not None:
+                raise error from result.error
+            raise error
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.client.contains(keys)
+
+    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+        raise RemoteOperationUnsupportedError(
+            "put: a RemotePool is read-only; the peer stores blocks from its own saves"
+        )
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        raise RemoteOperationUnsupportedError("delete: a RemotePool is read-only")
+
+    def keys(self) -> list[bytes]:
+        raise RemoteOperationUnsupportedError(
+            "keys: a RemotePool does not list its peer's keys; ask the registry"
+        )
+
+    def close(self) -> None:
+        if self._owns:
+            self.client.close()
+
+    def __enter__(self) -> RemotePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
