@@ -38,7 +38,6 @@ Not encrypted: run it on a trusted network (the MACs stop strangers, not eavesdr
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import secrets
@@ -56,20 +55,17 @@ from tpusync.cluster import wire
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import check_keys
 from tpusync.cluster.registry_server import (
-    NONCE_BYTES,
     AuthenticationError,
     _check_secret,
     _error,
-    _hex_nonce,
-    _mac,
     _ProtocolError,
     _recv_json,
     _send_frame,
     _send_json,
+    client_handshake,
     parse_address,
+    server_handshake,
 )
-from tpusync.cluster.registry_server import PROTOCOL as HANDSHAKE_PROTOCOL
-from tpusync.cluster.registry_server import VERSION as HANDSHAKE_VERSION
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -115,70 +111,6 @@ class _StreamError(Exception):
 
 
 # -- the handshake (the registry's, on the same primitives) --------------------------------------
-
-
-def _server_handshake(conn: socket.socket, secret: bytes) -> bool:
-    """The registry server's side of the mutual HMAC handshake (wire-identical to
-    RegistryServer's); False (after telling the peer) when the peer does not know ``secret``."""
-    nonce_s = secrets.token_bytes(NONCE_BYTES)
-    _send_json(
-        conn, {"hello": HANDSHAKE_PROTOCOL, "version": HANDSHAKE_VERSION, "nonce": nonce_s.hex()}
-    )
-    answer = _recv_json(conn)
-    nonce_c = _hex_nonce(answer.get("nonce")) if isinstance(answer, dict) else None
-    mac = answer.get("mac") if isinstance(answer, dict) else None
-    try:
-        mac_bytes = bytes.fromhex(mac) if isinstance(mac, str) else b""
-    except ValueError:
-        mac_bytes = b""
-    if nonce_c is None or not hmac.compare_digest(
-        mac_bytes, _mac(secret, b"client", nonce_s, nonce_c)
-    ):
-        _send_json(conn, _error(None, "AuthenticationError", "authentication failed"))
-        return False
-    _send_json(conn, {"mac": _mac(secret, b"server", nonce_s, nonce_c).hex()})
-    return True
-
-
-def _client_handshake(sock: socket.socket, secret: bytes, where: str) -> None:
-    """The registry client's side of the handshake. Raises AuthenticationError, or
-    _ProtocolError / OSError / EOFError for a peer that is not a tpusync server."""
-    hello = _recv_json(sock)
-    if not isinstance(hello, dict) or hello.get("hello") != HANDSHAKE_PROTOCOL:
-        raise _ProtocolError(f"not a tpusync server: {hello!r:.200}")
-    if hello.get("version") != HANDSHAKE_VERSION:
-        raise _ProtocolError(f"handshake version {hello.get('version')!r}")
-    nonce_s = _hex_nonce(hello.get("nonce"))
-    if nonce_s is None:
-        raise _ProtocolError("the server's nonce is malformed")
-    nonce_c = secrets.token_bytes(NONCE_BYTES)
-    _send_json(
-        sock, {"nonce": nonce_c.hex(), "mac": _mac(secret, b"client", nonce_s, nonce_c).hex()}
-    )
-    try:
-        answer = _recv_json(sock)
-    except (EOFError, ConnectionError) as exc:
-        raise AuthenticationError(
-            f"the block server at {where} closed the connection during authentication: does it "
-            "use the same secret?"
-        ) from exc
-    if isinstance(answer, dict) and "error" in answer:
-        raise AuthenticationError(
-            f"the block server at {where} rejected this client's secret: pass the secret the "
-            "server was started with"
-        )
-    theirs = answer.get("mac") if isinstance(answer, dict) else None
-    try:
-        ok = isinstance(theirs, str) and hmac.compare_digest(
-            bytes.fromhex(theirs), _mac(secret, b"server", nonce_s, nonce_c)
-        )
-    except ValueError:
-        ok = False
-    if not ok:
-        raise AuthenticationError(
-            f"the block server at {where} does not know the shared secret (an impostor, or a "
-            "server started with another secret)"
-        )
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -336,7 +268,7 @@ class BlockServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self._handshake_timeout)
-            if not _server_handshake(conn, self._secret):
+            if not server_handshake(conn, self._secret):
                 with self._lock:
                     self.rejected += 1
                 return
@@ -555,7 +487,7 @@ class _Connection:
             ) from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _client_handshake(sock, self._secret, self.label)
+            client_handshake(sock, self._secret, f"the block server at {self.label}")
             self.sock = sock
             hello = self.call("hello", {"protocol": PROTOCOL, "version": VERSION})
             if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:

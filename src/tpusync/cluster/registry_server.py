@@ -227,6 +227,68 @@ def parse_address(address: str) -> tuple[str, int]:
 # -- server --------------------------------------------------------------------------------------
 
 
+def server_handshake(conn: socket.socket, secret: bytes) -> bool:
+    """The server's side of the mutual HMAC-SHA256 challenge-response (registry and data
+    plane): False, after telling the peer, when the peer does not prove ``secret``."""
+    nonce_s = secrets.token_bytes(NONCE_BYTES)
+    _send_json(conn, {"hello": PROTOCOL, "version": VERSION, "nonce": nonce_s.hex()})
+    answer = _recv_json(conn)
+    nonce_c = _hex_nonce(answer.get("nonce")) if isinstance(answer, dict) else None
+    mac = answer.get("mac") if isinstance(answer, dict) else None
+    try:
+        mac_bytes = bytes.fromhex(mac) if isinstance(mac, str) else b""
+    except ValueError:
+        mac_bytes = b""
+    if nonce_c is None or not hmac.compare_digest(
+        mac_bytes, _mac(secret, b"client", nonce_s, nonce_c)
+    ):
+        _send_json(conn, _error(None, "AuthenticationError", "authentication failed"))
+        return False
+    _send_json(conn, {"mac": _mac(secret, b"server", nonce_s, nonce_c).hex()})
+    return True
+
+
+def client_handshake(sock: socket.socket, secret: bytes, peer: str) -> None:
+    """The client's side: proves ``secret`` and checks that the server knows it too. ``peer``
+    names the server in errors ("the registry server at host:port"). Raises
+    AuthenticationError, or _ProtocolError / OSError / EOFError for a peer that is not a
+    tpusync server."""
+    hello = _recv_json(sock)
+    if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL:
+        raise _ProtocolError(f"not a tpusync server: {hello!r:.200}")
+    if hello.get("version") != VERSION:
+        raise _ProtocolError(f"wire version {hello.get('version')!r}, expected {VERSION}")
+    nonce_s = _hex_nonce(hello.get("nonce"))
+    if nonce_s is None:
+        raise _ProtocolError("the server's nonce is malformed")
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    _send_json(
+        sock, {"nonce": nonce_c.hex(), "mac": _mac(secret, b"client", nonce_s, nonce_c).hex()}
+    )
+    try:
+        answer = _recv_json(sock)
+    except (EOFError, ConnectionError) as exc:
+        raise AuthenticationError(
+            f"{peer} closed the connection during authentication: does it use the same secret?"
+        ) from exc
+    if isinstance(answer, dict) and "error" in answer:
+        raise AuthenticationError(
+            f"{peer} rejected this client's secret: pass the secret the server was started with"
+        )
+    theirs = answer.get("mac") if isinstance(answer, dict) else None
+    try:
+        ok = isinstance(theirs, str) and hmac.compare_digest(
+            bytes.fromhex(theirs), _mac(secret, b"server", nonce_s, nonce_c)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise AuthenticationError(
+            f"{peer} does not know the shared secret (an impostor, or a server started with "
+            "another secret)"
+        )
+
+
 class RegistryServer:
     """Serves ``registry`` to :class:`RemoteRegistry` clients that know ``secret``.
 
@@ -353,22 +415,7 @@ class RegistryServer:
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> bool:
-        nonce_s = secrets.token_bytes(NONCE_BYTES)
-        _send_json(conn, {"hello": PROTOCOL, "version": VERSION, "nonce": nonce_s.hex()})
-        answer = _recv_json(conn)
-        nonce_c = _hex_nonce(answer.get("nonce")) if isinstance(answer, dict) else None
-        mac = answer.get("mac") if isinstance(answer, dict) else None
-        try:
-            mac_bytes = bytes.fromhex(mac) if isinstance(mac, str) else b""
-        except ValueError:
-            mac_bytes = b""
-        if nonce_c is None or not hmac.compare_digest(
-            mac_bytes, _mac(self._secret, b"client", nonce_s, nonce_c)
-        ):
-            _send_json(conn, _error(None, "AuthenticationError", "authentication failed"))
-            return False
-        _send_json(conn, {"mac": _mac(self._secret, b"server", nonce_s, nonce_c).hex()})
-        return True
+        return server_handshake(conn, self._secret)
 
     def _handle(self, request: Any) -> dict[str, Any]:
         if not isinstance(request, dict):
@@ -455,42 +502,7 @@ class RemoteRegistry:
             ) from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_json(sock)
-            if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL:
-                raise _ProtocolError(f"not a tpusync registry server: {hello!r:.200}")
-            if hello.get("version") != VERSION:
-                raise _ProtocolError(f"wire version {hello.get('version')!r}, expected {VERSION}")
-            nonce_s = _hex_nonce(hello.get("nonce"))
-            if nonce_s is None:
-                raise _ProtocolError("the server's nonce is malformed")
-            nonce_c = secrets.token_bytes(NONCE_BYTES)
-            mac = _mac(self._secret, b"client", nonce_s, nonce_c)
-            _send_json(sock, {"nonce": nonce_c.hex(), "mac": mac.hex()})
-            try:
-                answer = _recv_json(sock)
-            except (EOFError, ConnectionError) as exc:
-                raise AuthenticationError(
-                    f"the registry server at {self._address} closed the connection during "
-                    "authentication: does it use the same secret?"
-                ) from exc
-            if isinstance(answer, dict) and "error" in answer:
-                raise AuthenticationError(
-                    f"the registry server at {self._address} rejected this client's secret: "
-                    "pass the secret the server was started with"
-                )
-            theirs = answer.get("mac") if isinstance(answer, dict) else None
-            expected = _mac(self._secret, b"server", nonce_s, nonce_c)
-            try:
-                ok = isinstance(theirs, str) and hmac.compare_digest(
-                    bytes.fromhex(theirs), expected
-                )
-            except ValueError:
-                ok = False
-            if not ok:
-                raise AuthenticationError(
-                    f"the registry server at {self._address} does not know the shared secret "
-                    "(an impostor, or a server started with another secret)"
-                )
+            client_handshake(sock, self._secret, f"the registry server at {self._address}")
         except AuthenticationError:
             sock.close()
             raise
