@@ -34,6 +34,9 @@ cdef extern from "sys/mman.h" nogil:
 
 # Linux >= 5.14: map a range's pages in one call (faulting them one by one cost ~6 us per page
 # in a VM here). Older kernels answer EINVAL and the range is touched page by page instead.
+# For pages that exist already (a re-attached /dev/shm pool) mapping them for reading is enough
+# and cheaper: 512 MiB in ~25 ms read against ~65 ms write here.
+cdef int MADV_POPULATE_READ_ = 22
 cdef int MADV_POPULATE_WRITE_ = 23
 
 
@@ -226,9 +229,10 @@ cdef class Mapping:
         if populate:
             self.populate()
 
-    def populate(self, size_t start=0, length=None):
-        """Touches every page of [start, start + length) for writing (default: all), so later
-        copies do not pay page faults. GIL released."""
+    def populate(self, size_t start=0, length=None, *, bint write=True):
+        """Maps every page of [start, start + length) (default: all), for writing (allocating
+        fresh pages) or, with ``write=False``, for reading pages that exist (a re-attached shared
+        file), so later copies do not pay page faults. GIL released."""
         if self._address == NULL:
             raise ValueError("the mapping is closed")
         cdef size_t n = self.size - start if length is None else length
@@ -243,9 +247,9 @@ cdef class Mapping:
         with nogil:
             if n:
                 done = madvise(<void *> (<char *> self._address + first), end - first,
-                               MADV_POPULATE_WRITE_) == 0
+                               MADV_POPULATE_WRITE_ if write else MADV_POPULATE_READ_) == 0
             i = first
-            while not done and i < end:
+            while not done and i < end:  # old kernels: a write touch maps either way
                 p[i] = p[i]
                 i += page
 

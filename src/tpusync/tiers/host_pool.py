@@ -636,7 +636,11 @@ class HostPool:
         base = self.geometry.data_offset
         for run in np.split(todo, breaks):
             self._mapping.populate(
-                base + int(run[0]) * self.layout.slot_bytes, len(run) * self.layout.slot_bytes
+                base + int(run[0]) * self.layout.slot_bytes,
+                len(run) * self.layout.slot_bytes,
+                # /dev/shm pages exist (allocated at creation): mapping them to read is cheaper;
+                # anonymous memory has no pages until written
+                write=self.path is None,
             )
         self._populated[todo] = True
 
