@@ -14,6 +14,7 @@ dropped), never data.
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import fcntl
 import logging
@@ -174,14 +175,14 @@ class HostPool:
         # a copy maps the slots it touches in one call first, instead of a fault per page).
         self._populated = np.full(capacity, populate and not self.attached, dtype=bool)
         self._mapper_stop = threading.Event()
-        self._mapper: threading.Thread | None = None
+        self._mapper_done: threading.Event | None = None
         if self.attached and populate:
             # Map the re-attached pool's pages in the background, so that the first requests
             # after a restart do not pay for it (a copy maps what it needs itself meanwhile).
-            self._mapper = threading.Thread(
-                target=self._map_in_background, name="tpusync-pool-mapper", daemon=True
-            )
-            self._mapper.start()
+            # A raw thread: threading.Thread.start() waits for the new thread to run, which
+            # cost milliseconds of the attach on 2 busy cores.
+            self._mapper_done = threading.Event()
+            _thread.start_new_thread(self._map_in_background, (self._mapper_done,))
         self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], list[Any]]] = {}
 
     # --- opening ---------------------------------------------------------------------------
@@ -618,13 +619,17 @@ class HostPool:
         transfer_batch(items, path="jax").result()
         return self._hash_slots(slots)
 
-    def _map_in_background(self) -> None:
-        step = max(1, (64 << 20) // self.layout.slot_bytes)  # 64 MiB a call: stops promptly
-        for first in range(0, self.capacity, step):
-            if self._mapper_stop.is_set():
-                return
-            slots = np.arange(first, min(first + step, self.capacity))
-            self._ensure_populated(slots)
+    def _map_in_background(self, done: threading.Event) -> None:
+        try:
+            step = max(1, (64 << 20) // self.layout.slot_bytes)  # 64 MiB a call: stops promptly
+            for first in range(0, self.capacity, step):
+                if self._mapper_stop.is_set():
+                    return
+                self._ensure_populated(np.arange(first, min(first + step, self.capacity)))
+        except Exception:  # mapping is an optimisation: a copy maps what it needs itself
+            log.debug("tpusync: background mapping of %s stopped", self.path, exc_info=True)
+        finally:
+            done.set()
 
     def _ensure_populated(self, slots: np.ndarray) -> None:
         """Maps the pages of ``slots`` not yet mapped, a run of neighbouring slots per call."""
@@ -716,10 +721,10 @@ class HostPool:
 
         Refuses (and stays open) while views from :meth:`views` or :meth:`slot_memory` are
         alive, since they would point into unmapped memory."""
-        if self._mapper is not None:  # it maps pages of the mapping about to go away
+        if self._mapper_done is not None:  # it maps pages of the mapping about to go away
             self._mapper_stop.set()
-            self._mapper.join()
-            self._mapper = None
+            self._mapper_done.wait()
+            self._mapper_done = None
         with self._lock:
             if self._base is None:
                 return
