@@ -55,6 +55,7 @@ from tpusync.cluster import wire
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import check_keys
 from tpusync.cluster.registry_server import (
+    AuthenticatedTcpServer,
     AuthenticationError,
     _check_secret,
     _error,
@@ -64,7 +65,6 @@ from tpusync.cluster.registry_server import (
     _send_json,
     client_handshake,
     parse_address,
-    server_handshake,
 )
 from tpusync.errors import (
     BlocksMissingError,
@@ -182,7 +182,7 @@ def _parse_path(text: str) -> tuple[tuple[str, int] | None, tuple[str, int]]:
 # -- server ----------------------------------------------------------------------------------
 
 
-class BlockServer:
+class BlockServer(AuthenticatedTcpServer):
     """Serves ``pool``'s blocks to :class:`BlockClient` peers that know ``secret``.
 
     Listens at once (``port=0``: a free port; see :attr:`address`); a thread per connection.
@@ -214,85 +214,39 @@ class BlockServer:
     ) -> None:
         if not isinstance(pool, HostPool):
             raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
-        self._secret = _check_secret(secret)
+        _check_secret(secret)
         if not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600:
             raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
+        super().__init__(
+            host,
+            port,
+            secret=secret,
+            handshake_timeout_s=handshake_timeout_s,
+            max_connections=max_connections,
+        )
         self.pool = pool
         self.lease_ttl_s = float(lease_ttl_s)
         self.leases = LeaseTable(pool, clock=clock)
         self.server_id = secrets.token_hex(8)
-        self._handshake_timeout = float(handshake_timeout_s)
         self._io_timeout = float(io_timeout_s)
-        self._max_connections = int(max_connections)
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._closed = False
-        self.rejected = 0  # peers that failed authentication
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=128)
-        bound = self._sock.getsockname()
-        self._host, self._port = bound[0], bound[1]
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name=f"tpusync-block-server:{self._port}", daemon=True
-        )
-        self._acceptor.start()
+        self._start()
 
-    @property
-    def address(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._port}"
+    _thread_name = "tpusync-block-server"
 
-    @property
-    def port(self) -> int:
-        return self._port
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
+    def _serve_connection(self, conn: socket.socket) -> None:
+        conn.settimeout(self._io_timeout)
+        while not self._closed:
+            request = _recv_json(conn)
+            if isinstance(request, dict) and request.get("method") == "get":
+                rid = request.get("id")
+                params = request.get("params")
+                if type(rid) is not int or not 0 <= rid < 2**64 or not isinstance(params, dict):
+                    _send_json(conn, _error(None, "ProtocolError", "get: bad id or params"))
+                    return
+                if not self._handle_get(conn, rid, params):
                     return
                 continue
-            with self._lock:
-                if self._closed or len(self._conns) >= self._max_connections:
-                    conn.close()
-                    continue
-                thread = threading.Thread(
-                    target=self._serve, args=(conn,), name="tpusync-block-conn", daemon=True
-                )
-                self._conns[conn] = thread
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._handshake_timeout)
-            if not server_handshake(conn, self._secret):
-                with self._lock:
-                    self.rejected += 1
-                return
-            conn.settimeout(self._io_timeout)
-            while not self._closed:
-                request = _recv_json(conn)
-                if isinstance(request, dict) and request.get("method") == "get":
-                    rid = request.get("id")
-                    params = request.get("params")
-                    if type(rid) is not int or not 0 <= rid < 2**64 or not isinstance(params, dict):
-                        _send_json(conn, _error(None, "ProtocolError", "get: bad id or params"))
-                        return
-                    if not self._handle_get(conn, rid, params):
-                        return
-                    continue
-                _send_json(conn, self._handle(request))
-        except (OSError, EOFError, _ProtocolError):
-            pass  # the peer went away or broke the format: drop it
-        except Exception:  # never let one connection take anything else down
-            log.exception("block server: connection handler failed")
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
+            _send_json(conn, self._handle(request))
 
     def _handle(self, request: Any) -> dict[str, Any]:
         if not isinstance(request, dict):
@@ -407,27 +361,8 @@ class BlockServer:
     def close(self) -> None:
         """Stops accepting, closes every connection, waits (briefly) for their threads and
         releases every lease."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns = list(self._conns.items())
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        for conn, _ in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._acceptor.join(timeout=5)
-        for _, thread in conns:
-            thread.join(timeout=5)
+        super().close()
         self.leases.close()
-
-    def __enter__(self) -> BlockServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # -- client ----------------------------------------------------------------------------------

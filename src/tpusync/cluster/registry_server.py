@@ -289,7 +289,124 @@ def client_handshake(sock: socket.socket, secret: bytes, peer: str) -> None:
         )
 
 
-class RegistryServer:
+class AuthenticatedTcpServer:
+    """A TCP listener that serves each connection on its own thread once the peer has passed
+    the mutual handshake (:func:`server_handshake`): the part the registry server and the block
+    server share. Subclasses implement :meth:`_serve_connection` and call :meth:`_start` at the
+    end of their ``__init__``.
+
+    Args:
+      host, port: where to listen (``port=0``: a free port; see :attr:`address`).
+      secret: shared with the clients; at least 16 bytes.
+      handshake_timeout_s: a peer that does not authenticate within this is dropped.
+      max_connections: connections beyond this are closed at once.
+    """
+
+    _thread_name = "tpusync-server"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        secret: bytes,
+        handshake_timeout_s: float,
+        max_connections: int,
+    ) -> None:
+        self._secret = _check_secret(secret)
+        self._handshake_timeout = float(handshake_timeout_s)
+        self._max_connections = int(max_connections)
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closed = False
+        self.rejected = 0  # peers that failed authentication
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=128)
+        bound = self._sock.getsockname()
+        self._host, self._port = bound[0], bound[1]
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"{self._thread_name}:{self._port}", daemon=True
+        )
+
+    def _start(self) -> None:
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        """Where clients connect: ``"host:port"``."""
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue  # e.g. ECONNABORTED: keep serving
+            with self._lock:
+                if self._closed or len(self._conns) >= self._max_connections:
+                    conn.close()
+                    continue
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name=f"{self._thread_name}-conn", daemon=True
+                )
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._handshake_timeout)
+            if not server_handshake(conn, self._secret):
+                with self._lock:
+                    self.rejected += 1
+                return
+            self._serve_connection(conn)
+        except (OSError, EOFError, _ProtocolError):
+            pass  # the peer went away or broke the format: drop it
+        except Exception:  # never let one connection take anything else down
+            log.exception("%s: connection handler failed", type(self).__name__)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        """Serves an authenticated connection until the peer leaves or the server closes."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stops accepting, closes every connection and waits (briefly) for their threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.items())
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        self._sock.close()
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        if self._acceptor.is_alive():
+            self._acceptor.join(timeout=5)
+        for _, thread in conns:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RegistryServer(AuthenticatedTcpServer):
     """Serves ``registry`` to :class:`RemoteRegistry` clients that know ``secret``.
 
     Starts listening at once (``port=0``: a free port; see :attr:`address`); a thread per
@@ -317,17 +434,14 @@ class RegistryServer:
             raise InvalidArgumentError(
                 f"registry: expected a Registry, got {type(registry).__name__}"
             )
-        self._secret = _check_secret(secret)
+        super().__init__(
+            host,
+            port,
+            secret=secret,
+            handshake_timeout_s=handshake_timeout_s,
+            max_connections=max_connections,
+        )
         self._registry = registry
-        self._handshake_timeout = float(handshake_timeout_s)
-        self._max_connections = int(max_connections)
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._closed = False
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=128)
-        bound = self._sock.getsockname()
-        self._host, self._port = bound[0], bound[1]
         self._methods: dict[str, Callable[[dict[str, Any]], Any]] = {
             "ping": lambda p: "pong",
             "register": self._register,
@@ -350,16 +464,7 @@ class RegistryServer:
             "nodes": lambda p: [node_to_dict(n) for n in registry.nodes()],
             "sweep": self._sweep,
         }
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name=f"tpusync-registry-server:{self._port}", daemon=True
-        )
-        self._acceptor.start()
-
-    @property
-    def address(self) -> str:
-        """Where clients connect: ``"host:port"``."""
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._port}"
+        self._start()
 
     def _register(self, params: dict[str, Any]) -> None:
         self._registry.register(node_from_dict(params.get("node")), check_ttl(params.get("ttl_s")))
@@ -370,52 +475,19 @@ class RegistryServer:
             raise InvalidArgumentError(f"{type(self._registry).__name__} has no sweep()")
         return int(sweep())
 
-    def _accept_loop(self) -> None:
-        while True:
+    _thread_name = "tpusync-registry-server"
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        while not self._closed:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue  # e.g. ECONNABORTED: keep serving
-            with self._lock:
-                if self._closed or len(self._conns) >= self._max_connections:
-                    conn.close()
-                    continue
-                thread = threading.Thread(
-                    target=self._serve, args=(conn,), name="tpusync-registry-conn", daemon=True
-                )
-                self._conns[conn] = thread
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._handshake_timeout)
-            if not self._handshake(conn):
-                return
-            conn.settimeout(None)
-            while not self._closed:
-                try:
-                    request = _recv_json(conn)
-                except _ProtocolError as exc:
-                    if "exceeds" in str(exc):
-                        _send_json(conn, _error(None, "ProtocolError", str(exc)))
-                        return  # the oversized body is unread: the stream is lost
-                    _send_json(conn, _error(None, "ProtocolError", str(exc)))
-                    continue
-                _send_json(conn, self._handle(request))
-        except (OSError, EOFError, _ProtocolError):
-            pass  # the peer went away or broke the format: drop it
-        except Exception:  # never let one connection take anything else down
-            log.exception("registry server: connection handler failed")
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
-
-    def _handshake(self, conn: socket.socket) -> bool:
-        return server_handshake(conn, self._secret)
+                request = _recv_json(conn)
+            except _ProtocolError as exc:
+                _send_json(conn, _error(None, "ProtocolError", str(exc)))
+                if "exceeds" in str(exc):
+                    return  # the oversized body is unread: the stream is lost
+                continue
+            _send_json(conn, self._handle(request))
 
     def _handle(self, request: Any) -> dict[str, Any]:
         if not isinstance(request, dict):
@@ -436,29 +508,6 @@ class RegistryServer:
         except Exception as exc:  # the registry failed: report it, keep serving
             log.warning("registry server: %s failed: %r", method, exc)
             return _error(rid, "ServerError", f"{type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        """Stops accepting, closes every connection and waits (briefly) for their threads."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns = list(self._conns.items())
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
-        self._sock.close()
-        for conn, _ in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._acceptor.join(timeout=5)
-        for _, thread in conns:
-            thread.join(timeout=5)
-
-    def __enter__(self) -> RegistryServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _error(rid: int | None, kind: str, message: str) -> dict[str, Any]:
