@@ -19,6 +19,9 @@ Ops (each appends one entry to the results):
 * ``pause``: session, request (the name given to a generate with keep_blocks) -> released.
 * ``resume``: session, next_token, n_new -> the same fields as generate.
 * ``sessions`` -> the offloaded session ids; ``stats`` -> store.stats().
+
+``store.remote`` (``{"address", "secret_hex"}``) reads another process's DRAM tier through a
+``RemotePool`` (disaggregated prefill -> decode).
 * ``save_loop``: refs (an .npz written by the parent: ``p<i>`` holds prompt i's tokens and
   ``kv<i>`` its reference KV, shape (pools, blocks, *block)), seed. Prints ``ready`` and saves,
   loads and purges forever (the parent SIGKILLs it).
@@ -152,15 +155,30 @@ def logits_hex(logits: Any) -> str:
 # --- the child's side ----------------------------------------------------------------------
 
 
-def store_config(spec: dict[str, Any]) -> KVStoreConfig:
+def store_config(spec: dict[str, Any], model: ModelConfig | None = None) -> KVStoreConfig:
+    """The store of ``spec``; ``"remote": {"address", "secret_hex"}`` adds another process's
+    DRAM tier, read through a RemotePool (needs ``model`` for the block layout)."""
     disk = spec.get("disk")
     shared = spec.get("shared_fs")
+    extra: tuple[tuple[str, Any], ...] = ()
+    if spec.get("remote"):
+        from tpusync.cluster import BlockClient, RemotePool
+        from tpusync.testing.model import init_kv_pools
+        from tpusync.tiers import PoolLayout
+
+        assert model is not None
+        layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
+        client = BlockClient(
+            spec["remote"]["address"], secret=bytes.fromhex(spec["remote"]["secret_hex"])
+        )
+        extra = (("remote", RemotePool(client, layout)),)
     return KVStoreConfig(
         model_id=spec["model_id"],
         block_size=spec.get("block_size", MODEL["block_size"]),
         dram=DramTier(**spec["dram"]),
         disk=DiskTier(**disk) if disk else None,
         shared_fs=SharedFsTier(**shared) if shared else None,
+        extra_tiers=extra,
     )
 
 
@@ -212,7 +230,7 @@ def main() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     config = ModelConfig(**spec["model"])
-    engine = ToyEngine(config, store_config(spec["store"]))
+    engine = ToyEngine(config, store_config(spec["store"], config))
     store = engine.store
     assert store is not None
     kept: dict[str, Request] = {}

@@ -899,6 +899,8 @@ class RemotePool:
     registry says who holds what). ``close`` closes the client only when ``owns_client``.
     """
 
+    read_only = True  # a store reads through it and never writes, demotes to or evicts from it
+
     def __init__(self, client: BlockClient, layout: PoolLayout, *, owns_client: bool = True):
         if not isinstance(client, BlockClient):
             raise InvalidArgumentError(

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from tpusync.errors import BlocksMissingError, TierFullError, TpuSyncError
+from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.tiers.base import LowerTier
 from tpusync.tiers.host_pool import HostPool
 
@@ -68,7 +68,17 @@ class TierStack:
         self.block_bytes = dram.layout.payload_bytes
         self.lock = threading.RLock()
         self._room_locks = [threading.Lock() for _ in self.tiers]
-        self._lru = [collections.OrderedDict.fromkeys(t.keys()) for t in self.tiers]
+        # Read-only tiers (e.g. another host's DRAM through a RemotePool) are searched and
+        # promoted from, never written, demoted to or evicted from.
+        self.read_only = [bool(getattr(t, "read_only", False)) for t in self.tiers]
+        self.read_only[0] = False
+        writable = [t for t in range(1, len(self.tiers)) if not self.read_only[t]]
+        self._below: int | None = writable[0] if writable else None  # where DRAM demotes to
+        self._writable_lower = writable
+        self._lru = [
+            collections.OrderedDict.fromkeys([] if ro else t.keys())
+            for t, ro in zip(self.tiers, self.read_only, strict=True)
+        ]
         self._pins: collections.Counter[bytes] = collections.Counter()
         self._kept: collections.Counter[bytes] = collections.Counter()
         self._doomed: set[bytes] = set()  # purged while pinned: dropped at the last unpin
@@ -86,7 +96,7 @@ class TierStack:
         self._wb_active: set[bytes] = set()  # keys whose DRAM slots write-back reads now
         self._wb_stop = False
         self._wb_thread: threading.Thread | None = None
-        if len(self.tiers) > 1:
+        if writable:
             self._wb_thread = threading.Thread(
                 target=self._writeback_loop, name="tpusync-kv-writeback", daemon=True
             )
@@ -197,7 +207,7 @@ class TierStack:
                 f"{self.names[tier]} tier: {blocks} blocks do not fit in its "
                 f"{store.capacity} slots; raise its capacity_blocks"
             )
-        bottom = tier == len(self.tiers) - 1
+        bottom = tier > 0 or self._below is None  # nowhere to demote to: victims are dropped
         deadline = time.monotonic() + _WRITEBACK_WAIT_S
         while (need := blocks - self._free(tier)) > 0:
             with self._wb_cond:
@@ -227,13 +237,13 @@ class TierStack:
                     self._wait_writeback_progress()
                     continue
                 break
-            if tier == 0 and not bottom:
+            if not bottom:
                 self._demote(victims)
             with self.lock:
                 # a lookup may have pinned a victim meanwhile: it stays
                 victims = [k for k in victims if self._pins.get(k, 0) <= 0]
-                if tier == 0 and not bottom:
-                    below = set(present(self.tiers[1], victims))
+                if not bottom:
+                    below = set(present(self.tiers[self._below], victims))
                     victims = [k for k in victims if k in below or not self._kept.get(k)]
                 dropped = store.delete(victims)
                 gone = absent(store, victims)
@@ -256,13 +266,15 @@ class TierStack:
         """Moves ``keys`` out of ``tier`` now: DRAM demotes to the next tier first (if any);
         pinned blocks, and session blocks that would be dropped, stay. Returns blocks removed."""
         store = self.tiers[tier]
-        bottom = tier == len(self.tiers) - 1
+        if self.read_only[tier]:
+            raise InvalidArgumentError(f"tier: {self.names[tier]!r} is read-only here")
+        bottom = tier > 0 or self._below is None
         with self._room_locks[tier]:
             with self.lock:
                 victims = [k for k in present(store, keys) if self._pins.get(k, 0) <= 0]
-            if tier == 0 and not bottom:
+            if not bottom:
                 self._demote(victims)
-                below = set(present(self.tiers[1], victims))
+                below = set(present(self.tiers[self._below], victims))
             else:
                 below = set()
             with self.lock:
@@ -280,11 +292,11 @@ class TierStack:
 
     def _demote(self, keys: list[bytes]) -> None:
         """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them)."""
-        below = self.tiers[1]
-        missing = absent(below, keys)
+        assert self._below is not None
+        missing = absent(self.tiers[self._below], keys)
         if not missing:
             return
-        written = self._put_down(1, missing)
+        written = self._put_down(self._below, missing)
         self.bump("demotions", written)
 
     def _put_down(self, tier: int, keys: list[bytes]) -> int:
@@ -329,7 +341,8 @@ class TierStack:
                     except BlocksMissingError as missing:
                         loaded = [k for k, ok in zip(subset, missing.loaded, strict=True) if ok]
                         self.bump("lower_tier_misses", len(subset) - len(loaded))
-                    self.touch(t, loaded)
+                    if not self.read_only[t]:
+                        self.touch(t, loaded)
                     self.touch(0, loaded)
                     self.bump("promotions", len(loaded))
                     promoted += len(loaded)
@@ -374,7 +387,7 @@ class TierStack:
                 self._wb_busy += 1
                 self._wb_active.update(keys)
             try:
-                for tier in range(1, len(self.tiers)):
+                for tier in self._writable_lower:
                     missing = absent(self.tiers[tier], keys)
                     if missing:
                         self.bump("writeback_written", self._put_down(tier, missing))
@@ -418,7 +431,7 @@ class TierStack:
             self._doomed.update(pinned)
             free = [k for k in keys if self._pins.get(k, 0) <= 0]
             for t, tier in enumerate(self.tiers):
-                if free:
+                if free and not self.read_only[t]:
                     dropped += tier.delete(free)
                     self.forget(t, absent(tier, free))
         return dropped

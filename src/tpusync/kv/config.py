@@ -6,6 +6,7 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv.keys import DEFAULT_SECRET, KeyScheme
@@ -115,6 +116,11 @@ class KVStoreConfig:
         development secret: fine for one trusted deployment, but give your own wherever tenants
         or hosts should not be able to compute each other's keys.
       key_scheme: how tokens become keys (default :class:`~tpusync.kv.Blake2bChainKeys`).
+      extra_tiers: ``(name, tier)`` pairs of lower tiers the caller opened (any
+        :class:`~tpusync.tiers.LowerTier`, e.g. a :class:`tpusync.cluster.RemotePool` reading
+        another host's DRAM), searched after disk and shared FS. A tier with ``read_only =
+        True`` is only read (hits are promoted into DRAM), never written or evicted from. The
+        store does not close them.
       block_axis: the block axis of every device pool (vLLM's ``(2, num_blocks, ...)``: 1).
       writeback_max_bytes: bytes saved to DRAM but not yet written to the lower tiers that may
         be queued; beyond it ``writeback_policy`` applies.
@@ -135,6 +141,7 @@ class KVStoreConfig:
     shard_count: int = 1
     secret: bytes = field(default=DEFAULT_SECRET, repr=False)
     key_scheme: KeyScheme | None = None
+    extra_tiers: tuple[tuple[str, Any], ...] = ()
     block_axis: int = 0
     writeback_max_bytes: int = 256 << 20
     writeback_policy: str = "wait"
@@ -173,6 +180,24 @@ class KVStoreConfig:
             raise InvalidArgumentError(
                 f"path: expected 'auto', 'native' or 'jax', got {self.path!r}"
             )
+        from tpusync.tiers.base import LowerTier
+
+        names = {"dram", "disk", "shared_fs"}
+        for i, entry in enumerate(self.extra_tiers):
+            if (
+                not isinstance(entry, tuple)
+                or len(entry) != 2
+                or not isinstance(entry[0], str)
+                or not isinstance(entry[1], LowerTier)
+            ):
+                raise InvalidArgumentError(
+                    f"extra_tiers[{i}]: expected a (name, LowerTier) pair, got {entry!r:.100}"
+                )
+            if entry[0] in names:
+                raise InvalidArgumentError(
+                    f"extra_tiers[{i}]: the name {entry[0]!r} is taken; give each tier its own"
+                )
+            names.add(entry[0])
         if self.key_scheme is not None and not isinstance(self.key_scheme, KeyScheme):
             raise InvalidArgumentError(
                 "key_scheme: expected an object with name, namespace_tag(), block_keys() and "

@@ -42,6 +42,7 @@ from tpusync.errors import (
     NamespaceMismatchError,
     SessionNotFoundError,
     StaleHandleError,
+    TpuSyncError,
 )
 from tpusync.kv._sessions import SessionManifests, SessionRecord
 from tpusync.kv._tier_stack import TierStack, present
@@ -249,6 +250,7 @@ class KVCacheStore:
                 )
                 opened.append(shared)
                 lower.append(("shared_fs", shared))
+            lower.extend(config.extra_tiers)
             self._stack = TierStack(
                 dram,
                 lower,
@@ -725,8 +727,9 @@ class KVCacheStore:
                 self._sessions.pop(record.session_id)
                 self._stack.unkeep(list(record.keys))
         keys: set[bytes] = set()
-        for tier in self._stack.tiers:
-            keys.update(k for k in tier.keys() if k.startswith(tag))  # noqa: SIM118 (a tier)
+        for tier, read_only in zip(self._stack.tiers, self._stack.read_only, strict=True):
+            if not read_only:
+                keys.update(k for k in tier.keys() if k.startswith(tag))  # noqa: SIM118
         return self._stack.delete_everywhere(sorted(keys))
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -754,8 +757,10 @@ class KVCacheStore:
         tiers = {}
         for name, tier in zip(stack.names, stack.tiers, strict=True):
             entry: dict[str, Any] = dict(tier.stats.as_dict())
-            entry["capacity"] = tier.capacity
-            entry["used"] = tier.used
+            try:
+                entry["capacity"], entry["used"] = tier.capacity, tier.used
+            except TpuSyncError:  # a remote tier that does not answer now
+                entry["capacity"] = entry["used"] = -1
             tiers[name] = entry
         return {"store": store, "tiers": tiers}
 
@@ -773,8 +778,10 @@ class KVCacheStore:
             for handle in self._handles.values():
                 handle._state = "closed"
             self._handles.clear()
+        extra = {id(tier) for _, tier in self.config.extra_tiers}  # the caller's to close
         for tier in reversed(self._stack.tiers):
-            tier.close()
+            if id(tier) not in extra:
+                tier.close()
 
     def __enter__(self) -> KVCacheStore:
         return self

@@ -1,0 +1,112 @@
+"""Disaggregated prefill -> decode: a decode process reads the prefill process's KV over TCP.
+
+The prefill side (this process) runs the model cold on a prompt, saves its KV into its store,
+and serves its DRAM tier with a ``BlockServer``. A decode process (a real child) whose store
+reads that tier through a ``RemotePool`` looks the prompt up, pulls the prefix over an
+authenticated TCP connection into its own DRAM tier and device pool, and decodes: its greedy
+tokens and first-token logits equal the prefill side's cold run with the same chunk boundary.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import kv_child
+import numpy as np
+import pytest
+
+from tpusync.cluster import BlockServer
+from tpusync.testing.engine import ToyEngine
+from tpusync.testing.model import ModelConfig, init_params
+
+CFG = ModelConfig(**kv_child.MODEL)
+
+
+@pytest.fixture(scope="module")
+def params() -> Any:
+    return init_params(CFG)
+
+
+@pytest.mark.parametrize("prompt_len", [64, 77])
+def test_decode_process_pulls_the_prefix_over_tcp_and_matches(
+    tmp_path: Path, params: Any, rng: np.random.Generator, prompt_len: int
+) -> None:
+    model_id = "toy-disaggregated"
+    prefill = ToyEngine(
+        CFG,
+        kv_child.store_config({"model_id": model_id, "dram": {"capacity_blocks": 32}}),
+        params=params,
+    )
+    secret = secrets.token_bytes(32)
+    try:
+        prompt = rng.integers(0, CFG.vocab_size, prompt_len).astype(np.int32)
+        # the warm run loads the full blocks and prefills from there (the last token at least):
+        # the cold reference splits its prefill at the same place
+        boundary = min(prompt_len // CFG.block_size * CFG.block_size, prompt_len - 1)
+        cold = prefill.generate(prompt, 4, use_cache=False, save=True, boundary=boundary)
+        prefill.wait_saves()
+        with BlockServer(prefill.store.dram, secret=secret) as server:
+            spec = {
+                "model": kv_child.MODEL,
+                "store": {
+                    "model_id": model_id,
+                    "dram": {"capacity_blocks": 32},
+                    "remote": {"address": server.address, "secret_hex": secret.hex()},
+                },
+                "ops": [["generate", {"prompt": prompt.tolist(), "n_new": 4, "save": False}]],
+                "jax_cache": str(kv_child.jax_cache_dir(tmp_path)),
+            }
+            (decode,) = kv_child.run(spec, tmp_path)
+            served = server.leases.expired, server.rejected
+    finally:
+        prefill.close()
+    full = prompt_len // CFG.block_size
+    assert decode["lookup_tiers"] == ["remote"] * full  # every full block came over TCP
+    assert decode["cached_tokens"] == boundary
+    assert decode["tokens"] == cold.tokens.tolist()
+    assert decode["logits"] == kv_child.logits_hex(cold.prefill_logits)
+    assert served == (0, 0)  # no lease ran out, no peer was refused
+
+
+def test_a_decode_process_with_the_wrong_secret_gets_nothing(
+    tmp_path: Path, params: Any, rng: np.random.Generator
+) -> None:
+    prefill = ToyEngine(
+        CFG,
+        kv_child.store_config({"model_id": "toy-dis-2", "dram": {"capacity_blocks": 16}}),
+        params=params,
+    )
+    try:
+        prefill.generate(rng.integers(0, CFG.vocab_size, 48), 1, use_cache=False)
+        prefill.wait_saves()
+        with BlockServer(prefill.store.dram, secret=secrets.token_bytes(32)) as server:
+            spec = {
+                "model": kv_child.MODEL,
+                "store": {
+                    "model_id": "toy-dis-2",
+                    "dram": {"capacity_blocks": 16},
+                    "remote": {"address": server.address, "secret_hex": "ab" * 32},
+                },
+                "ops": [],
+                "jax_cache": str(kv_child.jax_cache_dir(tmp_path)),
+            }
+            with pytest.raises(AssertionError, match="AuthenticationError"):
+                kv_child.run(spec, tmp_path)
+            assert server.rejected >= 1
+    finally:
+        prefill.close()
+
+
+def test_extra_tiers_are_checked() -> None:
+    from tpusync.errors import InvalidArgumentError
+    from tpusync.kv import DramTier, KVStoreConfig
+
+    for bad, match in [
+        ((("remote", object()),), r"extra_tiers\[0\]: expected a \(name, LowerTier\)"),
+        (("remote",), r"extra_tiers\[0\]"),
+        ((("disk", None),), r"extra_tiers\[0\]"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            KVStoreConfig("m", 16, DramTier(4), extra_tiers=bad)
