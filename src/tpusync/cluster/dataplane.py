@@ -226,7 +226,11 @@ class BlockServer(AuthenticatedTcpServer):
         )
         self.pool = pool
         self.lease_ttl_s = float(lease_ttl_s)
-        self.leases = LeaseTable(pool, clock=clock)
+        try:
+            self.leases = LeaseTable(pool, clock=clock)
+        except BaseException:
+            self._sock.close()  # listening already: give the port back
+            raise
         self.server_id = secrets.token_hex(8)
         self._io_timeout = float(io_timeout_s)
         self._start()
