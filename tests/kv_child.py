@@ -21,7 +21,8 @@ Ops (each appends one entry to the results):
 * ``sessions`` -> the offloaded session ids; ``stats`` -> store.stats().
 
 ``store.remote`` (``{"address", "secret_hex"}``) reads another process's DRAM tier through a
-``RemotePool`` (disaggregated prefill -> decode).
+``RemotePool``; ``store.cluster`` (``{"registry", "secret_hex"}``) reads whatever live nodes the
+registry lists, through a ``RegistryPool`` (disaggregated prefill -> decode).
 * ``save_loop``: refs (an .npz written by the parent: ``p<i>`` holds prompt i's tokens and
   ``kv<i>`` its reference KV, shape (pools, blocks, *block)), seed. Prints ``ready`` and saves,
   loads and purges forever (the parent SIGKILLs it).
@@ -172,6 +173,16 @@ def store_config(spec: dict[str, Any], model: ModelConfig | None = None) -> KVSt
             spec["remote"]["address"], secret=bytes.fromhex(spec["remote"]["secret_hex"])
         )
         extra = (("remote", RemotePool(client, layout)),)
+    if spec.get("cluster"):  # only the registry's address: holders found through it
+        from tpusync.cluster import RegistryPool, RemoteRegistry
+        from tpusync.testing.model import init_kv_pools
+        from tpusync.tiers import PoolLayout
+
+        assert model is not None
+        secret = bytes.fromhex(spec["cluster"]["secret_hex"])
+        layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
+        registry = RemoteRegistry(spec["cluster"]["registry"], secret=secret)
+        extra = (("cluster", RegistryPool(registry, layout, secret=secret, exclude="decode")),)
     return KVStoreConfig(
         model_id=spec["model_id"],
         block_size=spec.get("block_size", MODEL["block_size"]),

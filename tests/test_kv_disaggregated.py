@@ -17,7 +17,7 @@ import kv_child
 import numpy as np
 import pytest
 
-from tpusync.cluster import BlockServer
+from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer
 from tpusync.testing.engine import ToyEngine
 from tpusync.testing.model import ModelConfig, init_params
 
@@ -110,3 +110,65 @@ def test_extra_tiers_are_checked() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=match):
             KVStoreConfig("m", 16, DramTier(4), extra_tiers=bad)
+
+
+def test_decode_process_given_only_the_registry_address(
+    tmp_path: Path, params: Any, rng: np.random.Generator
+) -> None:
+    """The prefill store publishes its DRAM keys to a registry served over TCP; a decode child
+    that knows only the registry's address finds the holder, pulls the prefix and matches the
+    cold run. After the prefill side evicts the prefix from DRAM, the registry no longer lists
+    it and the decode side misses (recomputes) instead of pulling."""
+    secret = secrets.token_bytes(32)
+    registry = MemoryRegistry()
+    prefill = ToyEngine(
+        CFG,
+        kv_child.store_config({"model_id": "toy-dis-3", "dram": {"capacity_blocks": 32}}),
+        params=params,
+    )
+    prompt = rng.integers(0, CFG.vocab_size, 80).astype(np.int32)
+    try:
+        with (
+            RegistryServer(registry, secret=secret) as registry_server,
+            BlockServer(prefill.store.dram, secret=secret) as blocks,
+        ):
+            prefill.store.publish_to(
+                registry, NodeInfo("prefill", addresses=(blocks.address,)), ttl_s=5.0
+            )
+            cold = prefill.generate(prompt, 3, use_cache=False, save=True, boundary=79)
+            prefill.wait_saves()
+            assert prefill.store.flush(30)
+            assert all(registry.holders(prefill.store._keys(prompt, None)[1]))
+
+            def decode() -> dict[str, Any]:
+                spec = {
+                    "model": kv_child.MODEL,
+                    "store": {
+                        "model_id": "toy-dis-3",
+                        "dram": {"capacity_blocks": 32},
+                        "cluster": {
+                            "registry": registry_server.address,
+                            "secret_hex": secret.hex(),
+                        },
+                    },
+                    "ops": [["generate", {"prompt": prompt.tolist(), "n_new": 3, "save": False}]],
+                    "jax_cache": str(kv_child.jax_cache_dir(tmp_path)),
+                }
+                (result,) = kv_child.run(spec, tmp_path)
+                return result
+
+            warm = decode()
+            assert warm["lookup_tiers"] == ["cluster"] * 5
+            assert warm["cached_tokens"] == 79
+            assert warm["tokens"] == cold.tokens.tolist()
+            assert warm["logits"] == kv_child.logits_hex(cold.prefill_logits)
+
+            assert prefill.store.evict(prompt, tier="dram") == 5  # no lower tier: dropped
+            assert prefill.store.flush(30)
+            assert not any(registry.holders(prefill.store._keys(prompt, None)[1]))
+            missed = decode()
+            assert missed["lookup_tiers"] == [] and missed["cached_tokens"] == 0
+            assert missed["tokens"] == cold.tokens.tolist()  # recomputed, same answer
+    finally:
+        prefill.close()
+    assert registry.nodes() == []  # close() unregistered the node

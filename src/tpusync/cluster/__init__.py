@@ -30,6 +30,7 @@ from tpusync.cluster.registry import (
     longest_prefix,
 )
 from tpusync.cluster.registry_jax import JaxRegistry
+from tpusync.cluster.registry_pool import RegistryPool
 from tpusync.cluster.registry_redis import RedisRegistry
 from tpusync.cluster.registry_server import (
     AuthenticationError,
@@ -54,6 +55,7 @@ __all__ = [
     "PullResult",
     "RedisRegistry",
     "Registry",
+    "RegistryPool",
     "RegistryServer",
     "RegistryUnavailableError",
     "RemoteOperationUnsupportedError",

@@ -30,7 +30,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.tiers.base import LowerTier
@@ -82,6 +82,9 @@ class TierStack:
         self._pins: collections.Counter[bytes] = collections.Counter()
         self._kept: collections.Counter[bytes] = collections.Counter()
         self._doomed: set[bytes] = set()  # purged while pinned: dropped at the last unpin
+        # Told of keys DRAM gained and lost (the store's registry link); called without locks.
+        self.on_dram_added: Callable[[list[bytes]], None] | None = None
+        self.on_dram_removed: Callable[[list[bytes]], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter(
             dict.fromkeys(POLICY_COUNTERS, 0)
         )
@@ -155,6 +158,14 @@ class TierStack:
             for key in set(keys):
                 if self._kept[key] <= 0:
                     del self._kept[key]
+
+    def dram_added(self, keys: Sequence[bytes]) -> None:
+        if keys and self.on_dram_added is not None:
+            self.on_dram_added(list(keys))
+
+    def dram_removed(self, keys: Sequence[bytes]) -> None:
+        if keys and self.on_dram_removed is not None:
+            self.on_dram_removed(list(keys))
 
     def pinned(self, key: bytes) -> bool:
         return self._pins.get(key, 0) > 0
@@ -249,6 +260,8 @@ class TierStack:
                 gone = absent(store, victims)
                 for key in gone:
                     self._lru[tier].pop(key, None)
+            if tier == 0:
+                self.dram_removed(gone)
             self.bump("evictions", dropped)
             store.stats.add(evictions=dropped)
             if not gone:
@@ -284,8 +297,11 @@ class TierStack:
                     if self._pins.get(k, 0) <= 0 and (k in below or not self._kept.get(k))
                 ]
                 dropped = store.delete(victims)
-                for key in absent(store, victims):
+                gone = absent(store, victims)
+                for key in gone:
                     self._lru[tier].pop(key, None)
+        if tier == 0:
+            self.dram_removed(gone)
         self.bump("evictions", dropped)
         store.stats.add(evictions=dropped)
         return dropped
@@ -344,6 +360,7 @@ class TierStack:
                     if not self.read_only[t]:
                         self.touch(t, loaded)
                     self.touch(0, loaded)
+                    self.dram_added(loaded)
                     self.bump("promotions", len(loaded))
                     promoted += len(loaded)
         return self.dram.contains(keys), promoted
@@ -430,10 +447,15 @@ class TierStack:
             pinned = [k for k in keys if self._pins.get(k, 0) > 0]
             self._doomed.update(pinned)
             free = [k for k in keys if self._pins.get(k, 0) <= 0]
+            gone: list[bytes] = []
             for t, tier in enumerate(self.tiers):
                 if free and not self.read_only[t]:
                     dropped += tier.delete(free)
-                    self.forget(t, absent(tier, free))
+                    lost = absent(tier, free)
+                    self.forget(t, lost)
+                    if t == 0:
+                        gone = lost
+        self.dram_removed(gone)
         return dropped
 
     def close(self) -> None:

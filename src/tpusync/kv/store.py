@@ -44,6 +44,7 @@ from tpusync.errors import (
     StaleHandleError,
     TpuSyncError,
 )
+from tpusync.kv._registry_link import RegistryLink
 from tpusync.kv._sessions import SessionManifests, SessionRecord
 from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
@@ -210,6 +211,7 @@ class KVCacheStore:
         self._closed = False
         self._handles: dict[int, LookupResult] = {}
         self._session_saves: dict[str, SaveFuture] = {}
+        self._registry_link: RegistryLink | None = None
         self._saving: set[SaveFuture] = set()  # saves not yet durable (flush waits for them)
         self._handles_lock = threading.Lock()
         self._counters_lock = threading.Lock()
@@ -544,6 +546,7 @@ class KVCacheStore:
                     )
                 stored = present(self.dram, new_keys)
                 stack.touch(0, stored)
+                stack.dram_added(stored)
         except BaseException as error:
             self._release_blocks(ids, future)
             if admitted:
@@ -699,6 +702,30 @@ class KVCacheStore:
         if drop_tail and len(record.keys) > n_full:  # the tail block serves nobody else
             self._stack.delete_everywhere([record.keys[-1]])
 
+    # --- the cluster ------------------------------------------------------------------------
+
+    def publish_to(self, registry: Any, node: Any, *, ttl_s: float = 10.0) -> None:
+        """Tells ``registry`` (a :class:`tpusync.cluster.Registry`) which blocks this store's
+        DRAM tier holds, as ``node`` (a :class:`tpusync.cluster.NodeInfo` whose ``addresses``
+        are where a :class:`tpusync.cluster.BlockServer` serves :attr:`dram`): everything it
+        holds now, then every block a save or promotion adds and every block DRAM drops, under
+        a node lease renewed every ``ttl_s / 3``. :meth:`close` unregisters the node."""
+        from tpusync.cluster.registry import NodeInfo, Registry, check_ttl
+
+        self._check_open()
+        if not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster Registry, got {type(registry).__name__}"
+            )
+        if not isinstance(node, NodeInfo):
+            raise InvalidArgumentError(f"node: expected a NodeInfo, got {type(node).__name__}")
+        if self._registry_link is not None:
+            raise InvalidArgumentError("registry: this store already publishes to a registry")
+        link = RegistryLink(registry, node, check_ttl(ttl_s), self.dram.keys)
+        self._registry_link = link
+        self._stack.on_dram_added = link.added
+        self._stack.on_dram_removed = link.removed
+
     # --- eviction, purge, stats, close -----------------------------------------------------
 
     def evict(self, tokens: Any, *, tier: str = "dram", namespace: Namespace | None = None) -> int:
@@ -734,7 +761,7 @@ class KVCacheStore:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every save started so far is durable in DRAM and written to every lower
-        tier; False on timeout."""
+        tier (and, when publishing to a registry, published there); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._handles_lock:
             saving = list(self._saving)
@@ -742,7 +769,13 @@ class KVCacheStore:
         if pending:
             return False
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._stack.flush(left)
+        done = self._stack.flush(left)
+        if done and self._registry_link is not None:
+            try:  # the registry learns of what those saves added
+                self._registry_link.flush_changes()
+            except (TpuSyncError, OSError) as error:
+                log.warning("tpusync kv: registry update failed: %s", error)
+        return done
 
     def stats(self) -> dict[str, Any]:
         """Counters of the store and of each tier (plus blocks used and capacity)."""
@@ -774,6 +807,9 @@ class KVCacheStore:
         self._calls.shutdown(wait=True)
         self._stack.flush()
         self._stack.close()
+        if self._registry_link is not None:
+            self._stack.on_dram_added = self._stack.on_dram_removed = None
+            self._registry_link.close()
         with self._handles_lock:
             for handle in self._handles.values():
                 handle._state = "closed"
