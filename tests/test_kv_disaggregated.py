@@ -172,3 +172,45 @@ def test_decode_process_given_only_the_registry_address(
     finally:
         prefill.close()
     assert registry.nodes() == []  # close() unregistered the node
+
+
+def test_tensor_parallel_shards_agree_through_the_registry(rng: np.random.Generator) -> None:
+    """Two shards of one model (shard_rank 0 and 1, each its own store with its own keys)
+    publish to one registry: a prefix counts only as far as every shard holds it."""
+    import jax.numpy as jnp
+
+    from tpusync import DevicePool
+    from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+
+    registry = MemoryRegistry()
+    stores = []
+    for rank in range(2):
+        pools = [
+            DevicePool(jnp.asarray(rng.standard_normal((32, 16, 2, 8), dtype=np.float32)))
+            for _ in range(2)
+        ]
+        config = KVStoreConfig("toy-tp", 16, DramTier(32), shard_rank=rank, shard_count=2)
+        store = KVCacheStore(config, pools)
+        store.publish_to(
+            registry, NodeInfo(f"tp-{rank}", group="tp", shard_rank=rank, shard_count=2)
+        )
+        stores.append(store)
+    try:
+        tokens = rng.integers(0, 1000, 4 * 16)
+        stores[0].save(tokens, [0, 1, 2, 3])
+        assert stores[0].flush(30)
+        with stores[0].lookup(tokens) as hit:
+            assert hit.num_blocks == 0  # shard 1 holds none of it yet
+        stores[1].save(tokens[: 2 * 16], [5, 6])
+        assert stores[1].flush(30)
+        with stores[0].lookup(tokens) as hit:
+            assert hit.num_blocks == 2  # both shards hold the first two blocks
+        with stores[1].lookup(tokens) as hit:
+            assert hit.num_blocks == 2  # shard 1 itself holds only two
+        stores[1].save(tokens, [5, 6, 7, 8])
+        assert stores[1].flush(30)
+        with stores[0].lookup(tokens) as hit:
+            assert hit.num_blocks == 4
+    finally:
+        for store in stores:
+            store.close()

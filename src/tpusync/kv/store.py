@@ -22,6 +22,7 @@ Pins and ownership (the contract, written once):
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -378,10 +379,11 @@ class KVCacheStore:
         """The longest prefix of ``tokens`` cached in any tier, with its blocks pinned."""
         self._check_open()
         toks, keys = self._keys(tokens, namespace)
+        agreed = self._shards_agree(toks, namespace, len(keys))
         stack = self._stack
         with stack.lock:
             # Every loaded block passes through DRAM, pinned: a longer hit could never load.
-            where = stack.locate(keys, prefix=True)[: self.dram.capacity]
+            where = stack.locate(keys, prefix=True)[: min(self.dram.capacity, agreed)]
             hit = keys[: len(where)]
             stack.pin(hit)
         result = LookupResult(
@@ -395,6 +397,30 @@ class KVCacheStore:
             self._handles[result._id] = result
         self._count(lookups=1, lookup_blocks=len(keys), hit_blocks=len(hit))
         return result
+
+    def _shards_agree(self, tokens: np.ndarray, namespace: Namespace | None, n: int) -> int:
+        """With tensor parallelism (``shard_count > 1``) and a registry (:meth:`publish_to`),
+        how many leading blocks every other shard holds too (per the registry): a block counts
+        only where all shards have it, since each shard stores only its own part. Without a
+        registry, the local tiers alone decide."""
+        ns = self._namespace(namespace)
+        link = self._registry_link
+        if ns.shard_count <= 1 or link is None:
+            return n
+        from tpusync.cluster.registry import longest_common_prefix
+
+        others = [
+            self.scheme.block_keys(
+                dataclasses.replace(ns, shard_rank=rank), tokens, self.block_size
+            )
+            for rank in range(ns.shard_count)
+            if rank != ns.shard_rank
+        ]
+        try:
+            return longest_common_prefix(link.registry, others)  # type: ignore[arg-type]
+        except (TpuSyncError, OSError) as error:  # no answer: no agreement, a miss
+            log.warning("tpusync kv: registry lookup for the other shards failed: %s", error)
+            return 0
 
     def lookup_async(
         self, tokens: Any, *, namespace: Namespace | None = None
