@@ -42,6 +42,7 @@ import json
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +64,7 @@ from tpusync.cluster.registry_server import (
     _recv_json,
     _send_frame,
     _send_json,
+    check_transport,
     client_handshake,
     parse_address,
 )
@@ -118,6 +120,11 @@ class _StreamError(Exception):
 
 def _send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Sends every buffer in order with ``sendmsg`` (no joining copy), handling short sends."""
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: the record layer copies anyway
+        for buffer in buffers:
+            if len(buffer):
+                sock.sendall(buffer)
+        return
     views = [memoryview(b) for b in buffers if len(b)]
     while views:
         sent = sock.sendmsg(views)
@@ -211,6 +218,8 @@ class BlockServer(AuthenticatedTcpServer):
         io_timeout_s: float = 300.0,
         max_connections: int = 256,
         clock: Callable[[], float] = time.monotonic,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
     ) -> None:
         if not isinstance(pool, HostPool):
             raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
@@ -223,6 +232,8 @@ class BlockServer(AuthenticatedTcpServer):
             secret=secret,
             handshake_timeout_s=handshake_timeout_s,
             max_connections=max_connections,
+            tls=tls,
+            insecure=insecure,
         )
         self.pool = pool
         self.lease_ttl_s = float(lease_ttl_s)
@@ -382,9 +393,10 @@ class _Connection:
         label: str,
         secret: bytes,
         timeout: float,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.local, self.remote, self.label = local, remote, label
-        self._secret, self._timeout = secret, timeout
+        self._secret, self._timeout, self._tls = secret, timeout, tls
         self.sock: socket.socket | None = None
         self.hello: dict[str, Any] = {}
         self._next_id = 0
@@ -403,6 +415,8 @@ class _Connection:
     @staticmethod
     def _alive(sock: socket.socket) -> bool:
         """False when the server closed the socket (or left bytes nobody asked for)."""
+        if isinstance(sock, ssl.SSLSocket):
+            return True  # no peeking through TLS: a closed one fails on use and is retried
         try:
             sock.setblocking(False)
             try:
@@ -426,6 +440,8 @@ class _Connection:
             ) from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
             client_handshake(sock, self._secret, f"the block server at {self.label}")
             self.sock = sock
             hello = self.call("hello", {"protocol": PROTOCOL, "version": VERSION})
@@ -551,6 +567,8 @@ class BlockClient:
         secret: bytes,
         timeout_s: float = 10.0,
         lease_ttl_s: float | None = None,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
     ) -> None:
         if (address is None) == (addresses is None):
             raise InvalidArgumentError("address, addresses: give exactly one of them")
@@ -558,6 +576,8 @@ class BlockClient:
         if not paths_text:
             raise InvalidArgumentError("addresses: expected at least one address")
         paths = [_parse_path(p) for p in paths_text]
+        for _, remote in paths:
+            check_transport(remote[0], tls, insecure, "addresses")
         count = len(paths) if connections is None else connections
         if type(count) is not int or not 1 <= count <= 64:
             raise InvalidArgumentError(f"connections: expected 1 to 64, got {connections!r}")
@@ -572,7 +592,9 @@ class BlockClient:
         self._ttl = lease_ttl_s
         self._lock = threading.Lock()
         self._conns = [
-            _Connection(*paths[i % len(paths)], paths_text[i % len(paths)], secret, self._timeout)
+            _Connection(
+                *paths[i % len(paths)], paths_text[i % len(paths)], secret, self._timeout, tls
+            )
             for i in range(count)
         ]
         self.label = paths_text[0]

@@ -12,6 +12,7 @@ prefill process saved and published (:meth:`tpusync.kv.KVCacheStore.publish_to`)
 
 from __future__ import annotations
 
+import ssl
 import sys
 import threading
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ class RegistryPool:
       exclude: this node's id (its own blocks are found in its local tiers).
       connections: connections per peer (striping).
       timeout_s: every socket operation's timeout.
+      tls, insecure: as for :class:`~tpusync.cluster.BlockClient` (TLS off loopback).
     """
 
     read_only = True
@@ -49,6 +51,8 @@ class RegistryPool:
         exclude: str | None = None,
         connections: int = 1,
         timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
     ) -> None:
         if not isinstance(registry, Registry):
             raise InvalidArgumentError(
@@ -65,6 +69,7 @@ class RegistryPool:
         self._exclude = exclude
         self._connections = connections
         self._timeout = timeout_s
+        self._tls, self._insecure = tls, insecure
         self._peers: dict[str, RemotePool] = {}
         self._lock = threading.Lock()
 
@@ -99,6 +104,8 @@ class RegistryPool:
                 connections=self._connections,
                 secret=self._secret,
                 timeout_s=self._timeout,
+                tls=self._tls,
+                insecure=self._insecure,
             )
             peer = self._peers[node_id] = RemotePool(client, self.layout)
             return peer

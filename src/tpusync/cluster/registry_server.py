@@ -26,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -227,6 +229,29 @@ def parse_address(address: str) -> tuple[str, int]:
 # -- server --------------------------------------------------------------------------------------
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) stays on this machine."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_transport(host: str, tls: ssl.SSLContext | None, insecure: bool, argument: str) -> None:
+    """Off loopback, traffic is encrypted unless the caller says otherwise: a checksum does not
+    stop a forged or altered block, and the handshake proves the peers but hides nothing."""
+    if tls is not None and not isinstance(tls, ssl.SSLContext):
+        raise InvalidArgumentError(f"tls: expected an ssl.SSLContext, got {type(tls).__name__}")
+    if tls is None and not insecure and not is_loopback(host):
+        raise InvalidArgumentError(
+            f"{argument}: {host!r} is not a loopback address, and traffic off loopback is "
+            "encrypted by default: pass tls=ssl.SSLContext(...) (server side: with its "
+            "certificate; client side: trusting it), or insecure=True to send it in the clear"
+        )
+
+
 def server_handshake(conn: socket.socket, secret: bytes) -> bool:
     """The server's side of the mutual HMAC-SHA256 challenge-response (registry and data
     plane): False, after telling the peer, when the peer does not prove ``secret``."""
@@ -300,6 +325,8 @@ class AuthenticatedTcpServer:
       secret: shared with the clients; at least 16 bytes.
       handshake_timeout_s: a peer that does not authenticate within this is dropped.
       max_connections: connections beyond this are closed at once.
+      tls: a server-side ``ssl.SSLContext`` (with its certificate) to encrypt every connection;
+        required off loopback unless ``insecure=True``.
     """
 
     _thread_name = "tpusync-server"
@@ -312,7 +339,11 @@ class AuthenticatedTcpServer:
         secret: bytes,
         handshake_timeout_s: float,
         max_connections: int,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
     ) -> None:
+        check_transport(host, tls, insecure, "host")
+        self._tls = tls
         self._secret = _check_secret(secret)
         self._handshake_timeout = float(handshake_timeout_s)
         self._max_connections = int(max_connections)
@@ -363,6 +394,11 @@ class AuthenticatedTcpServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self._handshake_timeout)
+            if self._tls is not None:
+                raw = conn
+                conn = self._tls.wrap_socket(raw, server_side=True)
+                with self._lock:  # close() shuts down what is tracked: the wrapped socket
+                    self._conns[conn] = self._conns.pop(raw)
             if not server_handshake(conn, self._secret):
                 with self._lock:
                     self.rejected += 1
@@ -429,6 +465,8 @@ class RegistryServer(AuthenticatedTcpServer):
         secret: bytes,
         handshake_timeout_s: float = 10.0,
         max_connections: int = 256,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
     ) -> None:
         if not isinstance(registry, Registry):
             raise InvalidArgumentError(
@@ -440,6 +478,8 @@ class RegistryServer(AuthenticatedTcpServer):
             secret=secret,
             handshake_timeout_s=handshake_timeout_s,
             max_connections=max_connections,
+            tls=tls,
+            insecure=insecure,
         )
         self._registry = registry
         self._methods: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -528,8 +568,18 @@ class RemoteRegistry:
       RegistryUnavailableError: the server cannot be reached, or stopped answering.
     """
 
-    def __init__(self, address: str, *, secret: bytes, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: bytes,
+        timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
+    ) -> None:
         self._host, self._port = parse_address(address)
+        check_transport(self._host, tls, insecure, "address")
+        self._tls = tls
         self._address = address
         self._secret = _check_secret(secret)
         if not isinstance(timeout_s, int | float) or not timeout_s > 0:
@@ -551,6 +601,8 @@ class RemoteRegistry:
             ) from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
             client_handshake(sock, self._secret, f"the registry server at {self._address}")
         except AuthenticationError:
             sock.close()

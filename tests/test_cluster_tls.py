@@ -1,0 +1,142 @@
+"""TLS on the cluster's connections: encrypted block pulls and registry calls, plaintext refused
+off loopback unless asked for, and a plaintext peer of a TLS server served nothing. The
+certificate is a real self-signed one made by ``openssl`` for 127.0.0.1."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_cluster_dataplane import (
+    CAPACITY,
+    LAYOUT,
+    SECRET,
+    assert_clean,
+    fill,
+    key_for,
+    payload,
+)
+
+from tpusync.cluster import (
+    BlockClient,
+    BlockServer,
+    MemoryRegistry,
+    NodeInfo,
+    PeerUnavailableError,
+    RegistryServer,
+    RegistryUnavailableError,
+    RemoteRegistry,
+)
+from tpusync.errors import InvalidArgumentError
+from tpusync.tiers import HostPool
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture
+def contexts(certificate: tuple[Path, Path]) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    cert, key = certificate
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=str(cert))
+    return server, client
+
+
+@pytest.fixture
+def source(rng: np.random.Generator, arrays: Any) -> Iterator[HostPool]:
+    with HostPool(LAYOUT, CAPACITY) as pool:
+        fill(pool, [key_for(i) for i in range(24)], rng, arrays)
+        yield pool
+
+
+@pytest.fixture
+def pools(source: HostPool) -> Iterator[tuple[HostPool, HostPool]]:
+    with HostPool(LAYOUT, CAPACITY) as target:
+        yield source, target
+
+
+def test_block_pull_over_tls(
+    pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    source, target = pools
+    server_tls, client_tls = contexts
+    keys = [key_for(i) for i in range(12)]
+    with (
+        BlockServer(source, secret=SECRET, tls=server_tls) as server,
+        BlockClient(server.address, secret=SECRET, tls=client_tls, connections=2) as client,
+    ):
+        assert client.pull(keys, target) == [True] * 12
+        for key in keys:
+            assert payload(target, key) == payload(source, key)
+        assert_clean(target, 12)
+
+
+def test_a_plaintext_client_of_a_tls_server_gets_nothing(
+    pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    source, target = pools
+    with BlockServer(source, secret=SECRET, tls=contexts[0]) as server:
+        with pytest.raises(PeerUnavailableError):
+            BlockClient(server.address, secret=SECRET, timeout_s=3)
+        assert len(server.leases) == 0
+    assert_clean(target, 0)
+
+
+def test_a_client_that_does_not_trust_the_certificate_refuses(
+    pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    source, _ = pools
+    untrusting = ssl.create_default_context()  # the system CAs: not our self-signed one
+    with (
+        BlockServer(source, secret=SECRET, tls=contexts[0]) as server,
+        pytest.raises(PeerUnavailableError, match="CERTIFICATE_VERIFY_FAILED"),
+    ):
+        BlockClient(server.address, secret=SECRET, tls=untrusting, timeout_s=3)
+
+
+def test_registry_over_tls(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    registry = MemoryRegistry()
+    with RegistryServer(registry, secret=SECRET, tls=contexts[0]) as server:
+        remote = RemoteRegistry(server.address, secret=SECRET, tls=contexts[1])
+        try:
+            remote.register(NodeInfo("n1", addresses=("10.0.0.1:9",)), 5.0)
+            remote.publish("n1", [b"k" * 24], "dram")
+            assert [[h.node_id for h in held] for held in remote.holders([b"k" * 24])] == [["n1"]]
+        finally:
+            remote.close()
+        with pytest.raises(RegistryUnavailableError):
+            RemoteRegistry(server.address, secret=SECRET, timeout_s=3)  # plaintext
+
+
+def test_plaintext_off_loopback_is_refused_unless_asked_for(source: HostPool) -> None:
+    with pytest.raises(InvalidArgumentError, match="encrypted by default"):
+        BlockServer(source, secret=SECRET, host="0.0.0.0")
+    with pytest.raises(InvalidArgumentError, match="encrypted by default"):
+        BlockClient("10.255.255.1:7000", secret=SECRET)
+    with pytest.raises(InvalidArgumentError, match="encrypted by default"):
+        RegistryServer(MemoryRegistry(), host="0.0.0.0", secret=SECRET)
+    with pytest.raises(InvalidArgumentError, match="encrypted by default"):
+        RemoteRegistry("10.255.255.1:7000", secret=SECRET)
+    with BlockServer(source, secret=SECRET, host="0.0.0.0", insecure=True) as server:
+        assert server.port > 0  # listening in the clear, as asked
+    with pytest.raises(InvalidArgumentError, match=r"tls: expected an ssl\.SSLContext"):
+        BlockServer(source, secret=SECRET, tls="yes")  # type: ignore[arg-type]
