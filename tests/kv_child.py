@@ -158,7 +158,8 @@ def logits_hex(logits: Any) -> str:
 
 def store_config(spec: dict[str, Any], model: ModelConfig | None = None) -> KVStoreConfig:
     """The store of ``spec``; ``"remote": {"address", "secret_hex"}`` adds another process's
-    DRAM tier, read through a RemotePool (needs ``model`` for the block layout)."""
+    DRAM tier, read through a RemotePool, and ``"node"`` (same keys) a store node's DRAM as a
+    writable tier (both need ``model`` for the block layout)."""
     disk = spec.get("disk")
     shared = spec.get("shared_fs")
     extra: tuple[tuple[str, Any], ...] = ()
@@ -183,6 +184,19 @@ def store_config(spec: dict[str, Any], model: ModelConfig | None = None) -> KVSt
         layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
         registry = RemoteRegistry(spec["cluster"]["registry"], secret=secret)
         extra = (("cluster", RegistryPool(registry, layout, secret=secret, exclude="decode")),)
+    if spec.get("node"):  # a store node's DRAM, written through and read back
+        from tpusync.cluster import StoreNodePool
+        from tpusync.testing.model import init_kv_pools
+        from tpusync.tiers import PoolLayout
+
+        assert model is not None
+        layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
+        node = StoreNodePool(
+            spec["node"]["address"],
+            layout=layout,
+            secret=bytes.fromhex(spec["node"]["secret_hex"]),
+        )
+        extra = (("node", node),)
     return KVStoreConfig(
         model_id=spec["model_id"],
         block_size=spec.get("block_size", MODEL["block_size"]),

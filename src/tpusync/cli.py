@@ -1,4 +1,4 @@
-"""The `tpusync` command: info, demo, shm (more arrive with the cluster)."""
+"""The `tpusync` command: info, demo, shm, serve."""
 
 from __future__ import annotations
 
@@ -57,16 +57,17 @@ def _shm(argv: list[str]) -> int:
     return 0
 
 
-USAGE = """usage: tpusync {info,demo,shm} [options]
+USAGE = """usage: tpusync {info,demo,shm,serve} [options]
 
   info   which engine each device gets and why; host limits
   demo   prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
-  shm    list or remove named host pools in /dev/shm"""
+  shm    list or remove named host pools in /dev/shm
+  serve  run a store node: lend this host's DRAM to other nodes (and host a registry)"""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("info", "demo", "shm"):
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("info", "demo", "shm", "serve"):
         print(USAGE)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(argv[1:])
     if argv[0] == "shm":
         return _shm(argv[1:])
+    if argv[0] == "serve":
+        from tpusync.serve import main as serve_main
+
+        return serve_main(argv[1:])
     return _info(argv[1:])
 
 

@@ -1,5 +1,4 @@
-"""Across hosts: the registry of who holds which block, leases, the TCP data plane (and, to come,
-store nodes).
+"""Across hosts: the registry of who holds which block, leases, the TCP data plane, store nodes.
 
 Registry backends: :class:`MemoryRegistry` (embedded; serve it to other processes with
 :class:`RegistryServer`, reach it with :class:`RemoteRegistry`), :class:`RedisRegistry` (Redis or
@@ -10,6 +9,9 @@ Data plane: :class:`BlockServer` serves a HostPool's blocks, :class:`BlockClient
 another HostPool (straight into its slots, verified, under a :class:`LeaseTable` lease),
 :class:`RemotePool` is the read side of a lower tier over a client; :mod:`tpusync.cluster.wire`
 is the block frame.
+
+Store nodes (`tpusync serve`): :class:`StoreNode` lends a process's DRAM to peers through a
+:class:`StoreServer`; :class:`StoreNodePool` is that DRAM as a writable lower tier of a store.
 """
 
 from tpusync.cluster.dataplane import (
@@ -38,6 +40,7 @@ from tpusync.cluster.registry_server import (
     RegistryUnavailableError,
     RemoteRegistry,
 )
+from tpusync.cluster.store_node import StoreNode, StoreNodePool, StoreServer
 from tpusync.cluster.wire import FrameError
 
 __all__ = [
@@ -61,6 +64,9 @@ __all__ = [
     "RemoteOperationUnsupportedError",
     "RemotePool",
     "RemoteRegistry",
+    "StoreNode",
+    "StoreNodePool",
+    "StoreServer",
     "longest_common_prefix",
     "longest_prefix",
 ]

@@ -189,6 +189,14 @@ def _parse_path(text: str) -> tuple[tuple[str, int] | None, tuple[str, int]]:
 # -- server ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Served:
+    """What one connection of a server serves: a pool and the leases taken on it."""
+
+    pool: HostPool
+    leases: LeaseTable
+
+
 class BlockServer(AuthenticatedTcpServer):
     """Serves ``pool``'s blocks to :class:`BlockClient` peers that know ``secret``.
 
@@ -242,6 +250,7 @@ class BlockServer(AuthenticatedTcpServer):
         except BaseException:
             self._sock.close()  # listening already: give the port back
             raise
+        self._served = Served(pool, self.leases)
         self.server_id = secrets.token_hex(8)
         self._io_timeout = float(io_timeout_s)
         self._start()
@@ -250,67 +259,101 @@ class BlockServer(AuthenticatedTcpServer):
 
     def _serve_connection(self, conn: socket.socket) -> None:
         conn.settimeout(self._io_timeout)
+        served = self._initial_binding()
+        streams = self._streams()
         while not self._closed:
             request = _recv_json(conn)
-            if isinstance(request, dict) and request.get("method") == "get":
+            method = request.get("method") if isinstance(request, dict) else None
+            if isinstance(method, str) and method in streams:
                 rid = request.get("id")
                 params = request.get("params")
                 if type(rid) is not int or not 0 <= rid < 2**64 or not isinstance(params, dict):
-                    _send_json(conn, _error(None, "ProtocolError", "get: bad id or params"))
+                    _send_json(conn, _error(None, "ProtocolError", f"{method}: bad id or params"))
                     return
-                if not self._handle_get(conn, rid, params):
+                if served is None:
+                    _send_json(conn, _error(rid, "ProtocolError", f"{method}: say hello first"))
+                    return
+                if not streams[method](conn, served, rid, params):
                     return
                 continue
-            _send_json(conn, self._handle(request))
+            response, served = self._handle(request, served)
+            _send_json(conn, response)
 
-    def _handle(self, request: Any) -> dict[str, Any]:
+    def _initial_binding(self) -> Served | None:
+        """What a new connection serves before its hello (None: nothing until then)."""
+        return self._served
+
+    def _bind(self, params: dict[str, Any], served: Served | None) -> Served:
+        """What a connection serves after its hello with ``params`` (a hook for servers of
+        several pools; this one serves its pool whatever the client's layout: the client
+        compares fingerprints)."""
+        return self._served
+
+    def _streams(self) -> dict[str, Callable[[socket.socket, Served, int, dict[str, Any]], bool]]:
+        """Requests answered with binary frames (or followed by them), by method."""
+        return {"get": self._handle_get}
+
+    def _handlers(self, served: Served) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        """The JSON requests of a connection serving ``served``, by method (hello apart)."""
+        return {
+            "acquire": lambda p: self._acquire(served, p),
+            "renew": lambda p: self._renew(served, p),
+            "release": lambda p: served.leases.release(_lease_param(p.get("lease"))),
+            "contains": lambda p: served.pool.contains(_keys_param(p.get("keys"))),
+            "stat": lambda p: {"capacity": served.pool.capacity, "used": served.pool.used},
+        }
+
+    def _handle(self, request: Any, served: Served | None) -> tuple[dict[str, Any], Served | None]:
         if not isinstance(request, dict):
-            return _error(None, "ProtocolError", "a request must be a JSON object")
+            return _error(None, "ProtocolError", "a request must be a JSON object"), served
         rid = request.get("id")
         if rid is not None and (type(rid) is not int or not 0 <= rid < 2**63):
-            return _error(None, "ProtocolError", "id: expected an integer or null")
+            return _error(None, "ProtocolError", "id: expected an integer or null"), served
         method, params = request.get("method"), request.get("params", {})
         if not isinstance(params, dict):
-            return _error(rid, "ProtocolError", "params: expected a JSON object")
-        handler = {
-            "hello": self._hello,
-            "acquire": self._acquire,
-            "renew": self._renew,
-            "release": lambda p: self.leases.release(_lease_param(p.get("lease"))),
-            "contains": lambda p: self.pool.contains(_keys_param(p.get("keys"))),
-            "stat": lambda p: {"capacity": self.pool.capacity, "used": self.pool.used},
-        }.get(method if isinstance(method, str) else "")
-        if handler is None:
-            return _error(rid, "ProtocolError", f"unknown method {method!r:.100}")
+            return _error(rid, "ProtocolError", "params: expected a JSON object"), served
         try:
-            return {"id": rid, "result": handler(params)}
+            if method == "hello":
+                result, served = self._hello(params, served)
+                return {"id": rid, "result": result}, served
+            if served is None:
+                return _error(rid, "ProtocolError", f"{method!r:.50}: say hello first"), served
+            handler = self._handlers(served).get(method if isinstance(method, str) else "")
+            if handler is None:
+                return _error(rid, "ProtocolError", f"unknown method {method!r:.100}"), served
+            return {"id": rid, "result": handler(params)}, served
         except InvalidArgumentError as exc:
-            return _error(rid, "InvalidArgumentError", str(exc))
+            return _error(rid, "InvalidArgumentError", str(exc)), served
         except Exception as exc:
             log.warning("block server: %s failed: %r", method, exc)
-            return _error(rid, "ServerError", f"{type(exc).__name__}: {exc}")
+            return _error(rid, "ServerError", f"{type(exc).__name__}: {exc}"), served
 
-    def _hello(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _hello(
+        self, params: dict[str, Any], served: Served | None
+    ) -> tuple[dict[str, Any], Served]:
         if params.get("protocol") != PROTOCOL or params.get("version") != VERSION:
             raise InvalidArgumentError(
                 f"this server speaks {PROTOCOL} version {VERSION}, not "
                 f"{params.get('protocol')!r:.50} version {params.get('version')!r:.20}"
             )
-        layout = self.pool.layout
+        served = self._bind(params, served)
+        layout = served.pool.layout
         return {
             "protocol": PROTOCOL,
             "version": VERSION,
             "server_id": self.server_id,
             "fingerprint": layout.fingerprint.hex(),
             "payload_bytes": layout.payload_bytes,
-            "capacity": self.pool.capacity,
+            "capacity": served.pool.capacity,
             "lease_ttl_s": self.lease_ttl_s,
-        }
+            "writable": "put" in self._streams(),
+        }, served
 
-    def _acquire(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _acquire(self, served: Served, params: dict[str, Any]) -> dict[str, Any]:
         keys = _keys_param(params.get("keys"))
         ttl = _ttl_param(params.get("ttl_s"), self.lease_ttl_s, self.lease_ttl_s)
-        lease = self.leases.acquire(keys, ttl)
+        lease = served.leases.acquire(keys, ttl)
+        self._read(served, [k for k, p in zip(keys, lease.present, strict=True) if p])
         return {
             "lease": lease.lease_id,
             "present": lease.present,
@@ -318,35 +361,41 @@ class BlockServer(AuthenticatedTcpServer):
             "ttl_s": lease.ttl_s,
         }
 
-    def _renew(self, params: dict[str, Any]) -> bool:
-        ttl = _ttl_param(params.get("ttl_s"), self.lease_ttl_s, self.lease_ttl_s)
-        return self.leases.renew(_lease_param(params.get("lease")), ttl)
+    def _read(self, served: Served, keys: list[bytes]) -> None:
+        """Told of the keys a peer is about to read (a hook for servers that keep an LRU)."""
 
-    def _send_error(self, conn: socket.socket, rid: int, message: str) -> None:
+    def _renew(self, served: Served, params: dict[str, Any]) -> bool:
+        ttl = _ttl_param(params.get("ttl_s"), self.lease_ttl_s, self.lease_ttl_s)
+        return served.leases.renew(_lease_param(params.get("lease")), ttl)
+
+    def _send_error(self, conn: socket.socket, served: Served, rid: int, message: str) -> None:
         data = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
         header = wire.encode_header(
-            wire.ERROR, rid, b"", self.pool.layout.fingerprint, payload_length=len(data)
+            wire.ERROR, rid, b"", served.pool.layout.fingerprint, payload_length=len(data)
         )
         _send_buffers(conn, [header, data])
 
-    def _handle_get(self, conn: socket.socket, rid: int, params: dict[str, Any]) -> bool:
+    def _handle_get(
+        self, conn: socket.socket, served: Served, rid: int, params: dict[str, Any]
+    ) -> bool:
         """Answers one ``get`` with block frames; False when the connection must close."""
+        pool = served.pool
         try:
-            lease = self.leases.lookup(_lease_param(params.get("lease")))
+            lease = served.leases.lookup(_lease_param(params.get("lease")))
             keys = _keys_param(params.get("keys"))
         except InvalidArgumentError as exc:
-            self._send_error(conn, rid, str(exc))
+            self._send_error(conn, served, rid, str(exc))
             return True
         if lease is None:
-            self._send_error(conn, rid, "lease: unknown or expired; acquire a new one")
+            self._send_error(conn, served, rid, "lease: unknown or expired; acquire a new one")
             return True
         leased = {k for k, p in zip(lease.keys, lease.present, strict=True) if p}
-        layout = self.pool.layout
+        layout = pool.layout
         fingerprint, size = layout.fingerprint, layout.payload_bytes
         try:
-            pinned = self.pool.pin(keys)  # held while sending, whatever the lease does
+            pinned = pool.pin(keys)  # held while sending, whatever the lease does
         except InvalidArgumentError as exc:  # e.g. the pool was closed
-            self._send_error(conn, rid, str(exc))
+            self._send_error(conn, served, rid, str(exc))
             return True
         try:
             for key, slot, present, checksum in zip(
@@ -362,11 +411,11 @@ class BlockServer(AuthenticatedTcpServer):
                 header = wire.encode_header(
                     wire.BLOCK, rid, key, fingerprint, payload_length=size, checksum=checksum
                 )
-                with self.pool.slot_memory(slot) as memory, memory[:size] as payload:
+                with pool.slot_memory(slot) as memory, memory[:size] as payload:
                     self._send_block(conn, header, payload)
             conn.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
         finally:
-            self.pool.unpin(pinned)
+            pool.unpin(pinned)
         return True
 
     def _send_block(self, conn: socket.socket, header: bytes, payload: memoryview) -> None:
@@ -394,9 +443,11 @@ class _Connection:
         secret: bytes,
         timeout: float,
         tls: ssl.SSLContext | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         self.local, self.remote, self.label = local, remote, label
         self._secret, self._timeout, self._tls = secret, timeout, tls
+        self._layout = layout
         self.sock: socket.socket | None = None
         self.hello: dict[str, Any] = {}
         self._next_id = 0
@@ -444,11 +495,14 @@ class _Connection:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
             client_handshake(sock, self._secret, f"the block server at {self.label}")
             self.sock = sock
-            hello = self.call("hello", {"protocol": PROTOCOL, "version": VERSION})
+            params: dict[str, Any] = {"protocol": PROTOCOL, "version": VERSION}
+            if self._layout is not None:
+                params["layout"] = self._layout
+            hello = self.call("hello", params)
             if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
                 raise _ProtocolError(f"not a tpusync block server: {hello!r:.200}")
             self.hello = hello
-        except AuthenticationError:
+        except (AuthenticationError, InvalidArgumentError):  # e.g. a layout the server refused
             self.drop(sock)
             raise
         except (OSError, EOFError, _ProtocolError, PeerUnavailableError) as exc:
@@ -510,6 +564,39 @@ class _Connection:
         _send_frame(self.sock, json.dumps(body, separators=(",", ":")).encode())
         return rid
 
+    def send_put(self, keys: Sequence[bytes], checksums: Sequence[int]) -> tuple[int, Any]:
+        """Sends a ``put`` request and returns its id and the server's answer (which keys it
+        wants); the blocks follow with :meth:`send_block`, then :meth:`finish_put`."""
+        assert self.sock is not None
+        rid = self.next_id()
+        body = {
+            "id": rid,
+            "method": "put",
+            "params": {"keys": [k.hex() for k in keys], "checksums": [int(c) for c in checksums]},
+        }
+        self.sock.settimeout(self._timeout)
+        _send_frame(self.sock, json.dumps(body, separators=(",", ":")).encode())
+        return rid, self._answer(rid, "put")
+
+    def _answer(self, rid: int, method: str) -> Any:
+        assert self.sock is not None
+        response = _recv_json(self.sock)
+        if not isinstance(response, dict) or response.get("id") != rid:
+            raise _StreamError(f"answered out of turn: {response!r:.200}")
+        error = response.get("error")
+        if error is not None:
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            if isinstance(error, dict) and error.get("type") == "InvalidArgumentError":
+                raise InvalidArgumentError(f"{self.label}: {message}")
+            raise _StreamError(f"the server failed {method}: {message}")
+        return response.get("result")
+
+    def finish_put(self, rid: int, fingerprint: bytes) -> Any:
+        """Ends a put's blocks and returns the server's answer (which keys it stored)."""
+        assert self.sock is not None
+        self.sock.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
+        return self._answer(rid, "put")
+
     def recv_into(self, view: memoryview, deadline: float) -> None:
         """Fills ``view`` from the socket before ``deadline`` (monotonic)."""
         assert self.sock is not None
@@ -550,7 +637,11 @@ class BlockClient:
     Connects and authenticates at once. ``timeout_s`` bounds every socket operation;
     ``lease_ttl_s`` is asked of the server (which may grant less); a pull stops receiving after
     DEADLINE_FRACTION of the granted TTL (the timing rule of :mod:`tpusync.cluster.leases`).
-    One pull at a time per client (calls are serialized).
+    One pull or push at a time per client (calls are serialized).
+
+    ``layout`` names the block layout this client moves; a server of several layouts (a store
+    node, :mod:`tpusync.cluster.store_node`) serves that one, and a plain BlockServer ignores it
+    (pulls compare fingerprints). :meth:`push` needs a server that accepts blocks (a store node).
 
     Raises:
       AuthenticationError: the server and this client do not share ``secret``.
@@ -569,6 +660,7 @@ class BlockClient:
         lease_ttl_s: float | None = None,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
+        layout: PoolLayout | None = None,
     ) -> None:
         if (address is None) == (addresses is None):
             raise InvalidArgumentError("address, addresses: give exactly one of them")
@@ -588,12 +680,22 @@ class BlockClient:
             not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600
         ):
             raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
+        if layout is not None and not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout or None, got {type(layout).__name__}"
+            )
         self._timeout = float(timeout_s)
         self._ttl = lease_ttl_s
         self._lock = threading.Lock()
+        described = None if layout is None else layout.describe()
         self._conns = [
             _Connection(
-                *paths[i % len(paths)], paths_text[i % len(paths)], secret, self._timeout, tls
+                *paths[i % len(paths)],
+                paths_text[i % len(paths)],
+                secret,
+                self._timeout,
+                tls,
+                described,
             )
             for i in range(count)
         ]
@@ -612,6 +714,7 @@ class BlockClient:
         self.fingerprint = bytes.fromhex(str(hello.get("fingerprint", "")))
         self.payload_bytes = int(hello.get("payload_bytes", 0))
         self.server_capacity = int(hello.get("capacity", 0))
+        self.writable = hello.get("writable") is True
 
     def _check_same_server(self, conn: _Connection) -> None:
         server_id = conn.hello.get("server_id")
@@ -683,14 +786,7 @@ class BlockClient:
     def pull_result(self, keys: Sequence[bytes], target: HostPool) -> PullResult:
         """:meth:`pull`, with the counts and the first failure (see :class:`PullResult`)."""
         keys = check_keys(keys)
-        if not isinstance(target, HostPool):
-            raise InvalidArgumentError(f"target: expected a HostPool, got {type(target).__name__}")
-        if target.layout.fingerprint != self.fingerprint:
-            raise InvalidArgumentError(
-                f"target: the HostPool holds another block layout (model "
-                f"{target.layout.model_id!r}, {target.layout.payload_bytes} B blocks) than the "
-                f"server at {self.label} ({self.payload_bytes} B blocks)"
-            )
+        self._check_pool(target, "target")
         total = PullResult(loaded=[])
         loaded: dict[bytes, bool] = {}
         with self._lock:
@@ -857,6 +953,111 @@ class BlockClient:
             )
         return ok, corrupt, nbytes, error
 
+    # --- push -------------------------------------------------------------------------------
+
+    def push(self, keys: Sequence[bytes], source: HostPool) -> list[bool]:
+        """Copies ``source``'s blocks under ``keys`` to the server (a store node); returns for
+        each key whether the server holds it now (keys it already held count as True; keys
+        ``source`` lacks are False). Payloads go from ``source``'s slots (pinned meanwhile)
+        straight to the sockets, striped over the connections; the server verifies each block
+        against its checksum before it commits it, and commits nothing of a cut connection.
+
+        Raises InvalidArgumentError (another block layout),
+        :class:`RemoteOperationUnsupportedError` (the server does not accept blocks), or
+        PeerUnavailableError when no connection could carry the request."""
+        keys = check_keys(keys)
+        self._check_pool(source, "source")
+        if not self.writable:
+            raise RemoteOperationUnsupportedError(
+                f"push: the block server at {self.label} does not accept blocks; push to a "
+                "store node (tpusync serve)"
+            )
+        stored: dict[bytes, bool] = {}
+        errors: list[BaseException] = []
+        with self._lock:
+            self._check_open()
+            unique = list(dict.fromkeys(keys))
+            for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
+                batch = unique[i : i + MAX_KEYS_PER_REQUEST]
+                pinned = source.pin(batch)  # no slot is reused while its bytes are sent
+                try:
+                    wanted = np.flatnonzero(pinned.present)
+                    stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
+                    jobs = [
+                        self._executor.submit(
+                            self._push_stripe,
+                            conn,
+                            [batch[j] for j in stripe.tolist()],
+                            pinned.slots[stripe],
+                            pinned.checksums[stripe],
+                            source,
+                        )
+                        for conn, stripe in zip(self._conns, stripes, strict=True)
+                        if len(stripe)
+                    ]
+                    for job in jobs:
+                        part, error = job.result()
+                        stored.update(part)
+                        if error is not None:
+                            errors.append(error)
+                finally:
+                    source.unpin(pinned)
+        if errors and not any(stored.values()):
+            raise PeerUnavailableError(f"push to {self.label} failed: {errors[0]}") from errors[0]
+        for error in errors:
+            log.warning("tpusync: push to %s: %s", self.label, error)
+        return [stored.get(k, False) for k in keys]
+
+    def _push_stripe(
+        self,
+        conn: _Connection,
+        keys: list[bytes],
+        slots: np.ndarray,
+        checksums: np.ndarray,
+        source: HostPool,
+    ) -> tuple[dict[bytes, bool], BaseException | None]:
+        """Pushes one stripe over ``conn``: the server's per-key answer, and the failure that
+        cut it short (then the keys not confirmed count as not stored)."""
+        fingerprint, size = self.fingerprint, self.payload_bytes
+        try:
+            self._ensure(conn)
+            try:
+                rid, answer = conn.send_put(keys, checksums.tolist())
+            except (EOFError, ConnectionError):
+                conn.drop()  # an idle connection the server had just closed: ask once more
+                self._ensure(conn)
+                rid, answer = conn.send_put(keys, checksums.tolist())
+            accept = _bool_list(answer, "accept", len(keys))
+            present = _bool_list(answer, "present", len(keys))
+            assert conn.sock is not None
+            for key, slot, checksum, take in zip(
+                keys, slots.tolist(), checksums.tolist(), accept, strict=True
+            ):
+                if not take:
+                    continue
+                header = wire.encode_header(
+                    wire.BLOCK, rid, key, fingerprint, payload_length=size, checksum=checksum
+                )
+                with source.slot_memory(slot) as memory, memory[:size] as payload:
+                    _send_buffers(conn.sock, [header, payload])
+            done = _bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
+        except (OSError, EOFError, _StreamError, _ProtocolError, PeerUnavailableError) as exc:
+            conn.drop()  # the stream's position is unknown
+            return {}, exc
+        return {k: p or d for k, p, d in zip(keys, present, done, strict=True)}, None
+
+    def _check_pool(self, pool: Any, argument: str) -> None:
+        if not isinstance(pool, HostPool):
+            raise InvalidArgumentError(
+                f"{argument}: expected a HostPool, got {type(pool).__name__}"
+            )
+        if pool.layout.fingerprint != self.fingerprint:
+            raise InvalidArgumentError(
+                f"{argument}: the HostPool holds another block layout (model "
+                f"{pool.layout.model_id!r}, {pool.layout.payload_bytes} B blocks) than the "
+                f"server at {self.label} ({self.payload_bytes} B blocks)"
+            )
+
     def _check_frame(self, header: wire.FrameHeader, rid: int, conn: _Connection) -> None:
         if header.request_id != rid:
             raise _StreamError(f"a frame for request {header.request_id}, expected {rid}")
@@ -881,6 +1082,14 @@ class BlockClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bool_list(answer: Any, field_name: str, n: int) -> list[bool]:
+    """``answer[field_name]``: a list of ``n`` booleans (a _StreamError when malformed)."""
+    value = answer.get(field_name) if isinstance(answer, dict) else None
+    if not isinstance(value, list) or len(value) != n or not all(type(v) is bool for v in value):
+        raise _StreamError(f"malformed put answer: {answer!r:.200}")
+    return value
 
 
 def _check_lease(lease: Any, n: int) -> tuple[int, np.ndarray, np.ndarray, float]:

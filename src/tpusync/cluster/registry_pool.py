@@ -106,6 +106,7 @@ class RegistryPool:
                 timeout_s=self._timeout,
                 tls=self._tls,
                 insecure=self._insecure,
+                layout=self.layout,  # a store node serves the layout its client names
             )
             peer = self._peers[node_id] = RemotePool(client, self.layout)
             return peer
@@ -164,3 +165,9 @@ class RegistryPool:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.close()
+
+    def __enter__(self) -> RegistryPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,669 @@
+"""Store nodes: a process that lends its DRAM to other nodes as a lower tier (`tpusync serve`).
+
+:class:`StoreServer` is a :class:`~tpusync.cluster.BlockServer` that holds one HostPool per
+block layout, made when the first client names that layout in its hello, and that also accepts
+blocks (``put``). Peers reach it through :class:`StoreNodePool`, a writable lower tier: give it
+to a store as ``KVStoreConfig(extra_tiers=(("node", StoreNodePool(...)),))`` and the store's
+DRAM writes through to the node and demotes its victims there, and loads promote from it.
+
+The extra requests (after the data plane's, see :mod:`tpusync.cluster.dataplane`)::
+
+    hello    {..., "layout": PoolLayout.describe()}  the layout this connection moves
+    put      {"keys": [hex, ...], "checksums": [int, ...]}
+             -> {"accept": [bool, ...], "present": [bool, ...]}, then the client sends a BLOCK
+             frame for every accepted key, in order, then END -> {"stored": [bool, ...]}
+    delete   {"keys": [hex, ...]}                  -> blocks dropped
+    keys     {"start": i, "limit": n}              -> [hex, ...] (n <= 4096)
+
+A put reserves a slot per accepted key (the node evicts its least recently used unpinned
+blocks to make room: it is a cache, the peers' DRAM is where blocks are born), receives each
+payload straight into its slot, verifies it (the frame's checksum equals the declared one and
+the checksum of the received bytes) and commits only verified, complete blocks; a connection cut
+mid-put commits none of the blocks still in flight.
+
+:class:`StoreNode` runs a StoreServer and, optionally, an embedded registry (a
+:class:`~tpusync.cluster.RegistryServer` over a MemoryRegistry) and the registry link that
+publishes every block the node holds, so that :class:`~tpusync.cluster.RegistryPool` readers on
+other hosts find them too. With ``name``, the node's pools live in /dev/shm and a restarted
+node re-attaches them and publishes their blocks again.
+
+Sessions' blocks that a store demoted to a node can be evicted there like any block: keep
+sessions on a disk tier when they must survive.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import socket
+import ssl
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpusync.cluster import wire
+from tpusync.cluster.dataplane import (
+    MAX_KEYS_PER_REQUEST,
+    BlockClient,
+    BlockServer,
+    RemotePool,
+    Served,
+    _keys_param,
+)
+from tpusync.cluster.leases import LeaseTable
+from tpusync.cluster.registry import MemoryRegistry, NodeInfo, Registry, check_ttl
+from tpusync.cluster.registry_server import (
+    AuthenticatedTcpServer,
+    RegistryServer,
+    _error,
+    _send_json,
+)
+from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatError
+from tpusync.tiers._pool_file import HEADER_BYTES, decode_header
+from tpusync.tiers.host_pool import DEFAULT_SHM_DIR, HostPool
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.stats import TierStats
+
+__all__ = ["StoreNode", "StoreNodePool", "StoreServer"]
+
+log = logging.getLogger(__name__)
+
+MAX_SLOT_BYTES = 1 << 30  # a block bigger than this is not a KV block: refuse the layout
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
+
+
+class _Lent:
+    """One layout's pool on a store node, its leases and its LRU order (oldest first)."""
+
+    def __init__(self, pool: HostPool, clock: Callable[[], float]) -> None:
+        self.pool = pool
+        self.served = Served(pool, LeaseTable(pool, clock=clock))
+        self.lock = threading.Lock()  # making room and reserving, one put at a time
+        self.lru: collections.OrderedDict[bytes, None] = collections.OrderedDict.fromkeys(
+            pool.keys()
+        )
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for key in keys:
+                self.lru[key] = None
+                self.lru.move_to_end(key)
+
+
+class StoreServer(BlockServer):
+    """A block server that lends ``dram_bytes`` of DRAM to peers (see the module docstring).
+
+    Each block layout a client names gets its own HostPool of ``dram_bytes // max_layouts``
+    bytes, made on first use (prefaulted then); a client naming one layout more than that is
+    refused with a clear error. Connections that name no layout are refused too: a store node
+    has no layout of its own.
+
+    Args:
+      dram_bytes: the DRAM to lend, all layouts together.
+      secret, host, port, lease_ttl_s, handshake_timeout_s, io_timeout_s, max_connections,
+        tls, insecure: as for :class:`~tpusync.cluster.BlockServer`.
+      max_layouts: how many block layouts (models) share the DRAM.
+      name: keep the pools in ``shm_dir`` as ``tpusync-<name>-<fingerprint>.pool``: a restarted
+        node re-attaches them with their blocks.
+      on_added, on_removed: told of the keys the node gained and lost (the registry link).
+    """
+
+    _thread_name = "tpusync-store-node"
+
+    def __init__(
+        self,
+        dram_bytes: int,
+        *,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_layouts: int = 1,
+        name: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        lease_ttl_s: float = 10.0,
+        handshake_timeout_s: float = 10.0,
+        io_timeout_s: float = 300.0,
+        max_connections: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
+        on_added: Callable[[list[bytes]], None] | None = None,
+        on_removed: Callable[[list[bytes]], None] | None = None,
+    ) -> None:
+        if type(dram_bytes) is not int or dram_bytes < 1 << 20:
+            raise InvalidArgumentError(
+                f"dram_bytes: expected an integer of at least 1 MiB, got {dram_bytes!r}"
+            )
+        if type(max_layouts) is not int or not 1 <= max_layouts <= 64:
+            raise InvalidArgumentError(f"max_layouts: expected 1 to 64, got {max_layouts!r}")
+        if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
+            raise InvalidArgumentError(
+                f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 81)"
+            )
+        if not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600:
+            raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
+        AuthenticatedTcpServer.__init__(
+            self,
+            host,
+            port,
+            secret=secret,
+            handshake_timeout_s=handshake_timeout_s,
+            max_connections=max_connections,
+            tls=tls,
+            insecure=insecure,
+        )
+        self.dram_bytes = dram_bytes
+        self.max_layouts = max_layouts
+        self.layout_bytes = dram_bytes // max_layouts
+        self.name, self.shm_dir = name, shm_dir
+        self.lease_ttl_s = float(lease_ttl_s)
+        self.server_id = os.urandom(8).hex()
+        self._io_timeout = float(io_timeout_s)
+        self._clock = clock
+        self.on_added, self.on_removed = on_added, on_removed
+        self._lent: dict[bytes, _Lent] = {}
+        self._lent_lock = threading.Lock()
+        try:
+            if name is not None:
+                self._attach_named()
+        except BaseException:
+            self._sock.close()
+            self._close_pools()
+            raise
+        self._start()
+
+    # --- pools, one per layout -----------------------------------------------------------------
+
+    def _pool_name(self, layout: PoolLayout) -> str:
+        return f"{self.name}-{layout.fingerprint.hex()[:16]}"
+
+    def _attach_named(self) -> None:
+        """Re-attaches the pools a previous run of this node left in ``shm_dir``."""
+        for path in sorted(Path(self.shm_dir).glob(f"tpusync-{self.name}-*.pool")):
+            try:
+                with open(path, "rb") as f:
+                    header = decode_header(f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size)
+                layout = PoolLayout.from_description(header.description)
+            except (OSError, PoolFormatError, KeyError, TypeError, ValueError) as exc:
+                log.warning("store node: skipping %s: %s", path, exc)
+                continue
+            if path.name != f"tpusync-{self._pool_name(layout)}.pool":
+                continue
+            if len(self._lent) >= self.max_layouts:
+                log.warning("store node: more pools than max_layouts; skipping %s", path)
+                continue
+            pool = HostPool(
+                layout, header.n_slots, name=self._pool_name(layout), shm_dir=self.shm_dir
+            )
+            self._lent[layout.fingerprint] = _Lent(pool, self._clock)
+            log.info("store node: re-attached %s (%d of %d blocks)", path, pool.used, pool.capacity)
+
+    def _lent_for(self, layout: PoolLayout) -> _Lent:
+        with self._lent_lock:
+            lent = self._lent.get(layout.fingerprint)
+            if lent is not None:
+                return lent
+            if len(self._lent) >= self.max_layouts:
+                raise InvalidArgumentError(
+                    f"layout: this store node lends DRAM to {self.max_layouts} block layout(s) "
+                    "and has no room for another; start it with more --layouts (or another "
+                    "node for this model)"
+                )
+            slots = self.layout_bytes // layout.slot_bytes
+            if slots < 1:
+                raise InvalidArgumentError(
+                    f"layout: a block of {layout.slot_bytes} B does not fit in the "
+                    f"{self.layout_bytes} B this node lends per layout; give it more --dram"
+                )
+            name = None if self.name is None else self._pool_name(layout)
+            pool = HostPool(layout, slots, name=name, shm_dir=self.shm_dir)
+            lent = self._lent[layout.fingerprint] = _Lent(pool, self._clock)
+            log.info(
+                "store node: lending %d slots of %d B to model %r",
+                slots,
+                layout.slot_bytes,
+                layout.model_id,
+            )
+            return lent
+
+    def _lent_of(self, served: Served) -> _Lent:
+        return self._lent[served.pool.layout.fingerprint]
+
+    @property
+    def pools(self) -> list[HostPool]:
+        """The pools lent so far, one per layout."""
+        with self._lent_lock:
+            return [lent.pool for lent in self._lent.values()]
+
+    def keys(self) -> list[bytes]:
+        """Every key the node holds, all layouts together."""
+        return [key for pool in self.pools for key in pool.keys()]  # noqa: SIM118
+
+    # --- the connection's binding --------------------------------------------------------------
+
+    def _initial_binding(self) -> Served | None:
+        return None  # nothing until the hello names a layout
+
+    def _bind(self, params: dict[str, Any], served: Served | None) -> Served:
+        description = params.get("layout")
+        if not isinstance(description, dict):
+            raise InvalidArgumentError(
+                "layout: a store node serves the layout its client names; connect with "
+                "BlockClient(..., layout=...) or StoreNodePool"
+            )
+        try:
+            layout = PoolLayout.from_description(description)
+            slot_bytes = layout.slot_bytes
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgumentError(f"layout: not a block layout description: {exc}") from None
+        if not 0 < slot_bytes <= MAX_SLOT_BYTES:
+            raise InvalidArgumentError(f"layout: blocks of {slot_bytes} B are not accepted")
+        return self._lent_for(layout).served
+
+    def _streams(
+        self,
+    ) -> dict[str, Callable[[socket.socket, Served, int, dict[str, Any]], bool]]:
+        return {"get": self._handle_get, "put": self._handle_put}
+
+    def _handlers(self, served: Served) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        handlers = super()._handlers(served)
+        handlers["delete"] = lambda p: self._delete(served, _keys_param(p.get("keys")))
+        handlers["keys"] = lambda p: self._keys_page(served, p)
+        return handlers
+
+    def _read(self, served: Served, keys: list[bytes]) -> None:
+        self._lent_of(served).touch(keys)
+
+    # --- put -------------------------------------------------------------------------------
+
+    def _handle_put(
+        self, conn: socket.socket, served: Served, rid: int, params: dict[str, Any]
+    ) -> bool:
+        """Receives one ``put`` (see the module docstring); False when the connection must
+        close (it broke the stream: nothing in flight was committed)."""
+        lent = self._lent_of(served)
+        pool = lent.pool
+        try:
+            keys = _keys_param(params.get("keys"))
+            sums = _checksums_param(params.get("checksums"), len(keys))
+            if len(set(keys)) != len(keys):
+                raise InvalidArgumentError("keys: each key at most once per put")
+            present = pool.contains(keys)
+            reservation = self._reserve(
+                lent, [k for k, p in zip(keys, present, strict=True) if not p]
+            )
+        except InvalidArgumentError as exc:
+            _send_json(conn, _error(rid, "InvalidArgumentError", str(exc)))
+            return True
+        taken = dict(zip(reservation.keys, range(len(reservation.keys)), strict=True))
+        accept = [k in taken for k in keys]
+        expected = np.zeros(len(reservation.keys), dtype=np.uint64)
+        for key, checksum in zip(keys, sums, strict=True):
+            if key in taken:
+                expected[taken[key]] = checksum
+        ok = np.zeros(len(reservation.keys), dtype=bool)
+        try:
+            _send_json(conn, {"id": rid, "result": {"accept": accept, "present": present}})
+            self._receive_put(conn, pool, rid, reservation, expected, ok)
+        except BaseException:
+            pool.abort(reservation)
+            raise  # the connection closes (OSError, EOFError, a frame error): nothing committed
+        if ok.any():
+            picked = np.flatnonzero(ok)
+            ok[picked] = pool.hash_slots(reservation.slots[picked]) == expected[picked]
+        corrupt = int(len(ok) - ok.sum())
+        if corrupt:
+            log.warning("store node: %d pushed blocks failed verification; dropped", corrupt)
+            pool.stats.add(checksum_failures=corrupt)
+            pool.abort(reservation.subset(~ok))
+        good = reservation.subset(ok)
+        if len(good.keys):
+            pool.commit(good, expected[ok])
+            lent.touch(good.keys)
+            if self.on_added is not None:
+                self.on_added(list(good.keys))
+        stored = [
+            p or bool(k in taken and ok[taken[k]]) for k, p in zip(keys, present, strict=True)
+        ]
+        _send_json(conn, {"id": rid, "result": {"stored": stored}})
+        return True
+
+    def _receive_put(
+        self,
+        conn: socket.socket,
+        pool: HostPool,
+        rid: int,
+        reservation: Any,
+        expected: np.ndarray,
+        ok: np.ndarray,
+    ) -> None:
+        """Receives the BLOCK frames of the accepted keys (in order) and the END frame;
+        ``ok[i]`` is set for each complete block whose frame matches its declaration."""
+        layout = pool.layout
+        size = layout.payload_bytes
+        header_buf = bytearray(wire.HEADER_SIZE)
+        for i, key in enumerate(reservation.keys):
+            _recv_exactly(conn, memoryview(header_buf))
+            header = wire.decode_header(header_buf, max_payload=size)
+            if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != key:
+                raise wire.FrameError(
+                    f"expected the BLOCK frame of {key.hex()} for request {rid}", "stream"
+                )
+            if header.payload_length != size:
+                raise wire.FrameError(f"a block of {header.payload_length} B, expected {size}")
+            with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
+                _recv_exactly(conn, payload)
+            ok[i] = header.fingerprint == layout.fingerprint and header.checksum == int(expected[i])
+        _recv_exactly(conn, memoryview(header_buf))
+        header = wire.decode_header(header_buf, max_payload=0)
+        if header.frame_type != wire.END or header.request_id != rid:
+            raise wire.FrameError(f"expected the END frame of request {rid}", "stream")
+
+    def _reserve(self, lent: _Lent, keys: list[bytes]) -> Any:
+        """Reserves slots for as many of ``keys`` as fit, first ones first, evicting the
+        least recently used unpinned blocks to make room."""
+        pool = lent.pool
+        with lent.lock:
+            need = min(len(keys), pool.capacity) - pool.free
+            removed: list[bytes] = []
+            candidates = iter(list(lent.lru))
+            while need > 0:
+                victims = [k for _, k in zip(range(need), candidates, strict=False)]
+                if not victims:
+                    break  # the rest is pinned (being read)
+                pool.delete(victims)
+                gone = [
+                    k for k, held in zip(victims, pool.contains(victims), strict=True) if not held
+                ]
+                for key in gone:
+                    lent.lru.pop(key, None)
+                removed += gone
+                need = min(len(keys), pool.capacity) - pool.free
+            if removed:
+                pool.stats.add(evictions=len(removed))
+            reservation = pool.reserve(keys[: max(0, min(len(keys), pool.free))])
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
+        return reservation
+
+    # --- delete, keys ----------------------------------------------------------------------
+
+    def _delete(self, served: Served, keys: list[bytes]) -> int:
+        lent = self._lent_of(served)
+        with lent.lock:
+            dropped = lent.pool.delete(keys)
+            gone = [k for k, held in zip(keys, lent.pool.contains(keys), strict=True) if not held]
+            for key in gone:
+                lent.lru.pop(key, None)
+        if gone and self.on_removed is not None:
+            self.on_removed(gone)
+        return dropped
+
+    def _keys_page(self, served: Served, params: dict[str, Any]) -> list[str]:
+        start, limit = params.get("start", 0), params.get("limit", MAX_KEYS_PER_REQUEST)
+        if type(start) is not int or start < 0:
+            raise InvalidArgumentError(f"start: expected an index >= 0, got {start!r:.50}")
+        if type(limit) is not int or not 1 <= limit <= MAX_KEYS_PER_REQUEST:
+            raise InvalidArgumentError(
+                f"limit: expected 1 to {MAX_KEYS_PER_REQUEST}, got {limit!r:.50}"
+            )
+        return [k.hex() for k in sorted(served.pool.keys())[start : start + limit]]
+
+    # --- close -----------------------------------------------------------------------------
+
+    def _close_pools(self) -> None:
+        with self._lent_lock:
+            lent, self._lent = list(self._lent.values()), {}
+        for item in lent:
+            item.served.leases.close()
+            item.pool.close()
+
+    def close(self) -> None:
+        """Stops serving, releases every lease and closes the pools (named ones stay in
+        ``shm_dir`` for the next run)."""
+        AuthenticatedTcpServer.close(self)
+        self._close_pools()
+
+
+def _checksums_param(value: Any, n: int) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or len(value) != n
+        or not all(type(c) is int and 0 <= c < 2**64 for c in value)
+    ):
+        raise InvalidArgumentError(f"checksums: expected {n} integers in 0..2**64-1")
+    return value
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
+    got, n = 0, view.nbytes
+    while got < n:
+        r = conn.recv_into(view[got:], n - got)
+        if r == 0:
+            raise EOFError("the peer closed the connection mid-put")
+        got += r
+
+
+# -- the client side: a writable lower tier --------------------------------------------------
+
+
+class StoreNodePool(RemotePool):
+    """A store node as a writable lower tier of a KV store (see the module docstring).
+
+    ``put`` pushes DRAM blocks to the node, ``get`` pulls them back (leased and verified like
+    every pull), ``delete`` and ``keys`` act on the node's blocks of this layout. The node makes
+    room itself (it evicts its least recently used blocks, whoever put them), so the store never
+    evicts from it: :attr:`free` is unbounded.
+
+    Args:
+      address / addresses, connections, secret, timeout_s, tls, insecure: as for
+        :class:`~tpusync.cluster.BlockClient`.
+      layout: the store's block layout (its DRAM tier's).
+    """
+
+    read_only = False
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        layout: PoolLayout,
+        secret: bytes,
+        addresses: Sequence[str] | None = None,
+        connections: int | None = None,
+        timeout_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
+    ) -> None:
+        if not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout, got {type(layout).__name__}"
+            )
+        client = BlockClient(
+            address,
+            addresses=addresses,
+            connections=connections,
+            secret=secret,
+            timeout_s=timeout_s,
+            tls=tls,
+            insecure=insecure,
+            layout=layout,
+        )
+        try:
+            if not client.writable:
+                raise InvalidArgumentError(
+                    f"address: {client.label} is a block server, not a store node "
+                    "(`tpusync serve`); use RemotePool to read from it"
+                )
+            super().__init__(client, layout)
+        except BaseException:
+            client.close()
+            raise
+        self.stats = TierStats(f"node:{client.label}")
+
+    @property
+    def free(self) -> int:
+        return sys.maxsize  # the node makes room itself
+
+    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+        """Pushes ``source``'s blocks under ``keys`` to the node; returns how many it stored
+        now (keys it held already are not counted). Raises BlocksMissingError (with
+        ``loaded``) when ``source`` lacks some keys, before pushing anything."""
+        if not isinstance(source, HostPool):
+            raise InvalidArgumentError(f"source: expected a HostPool, got {type(source).__name__}")
+        in_source = source.contains(keys)
+        if not all(in_source):
+            raise BlocksMissingError(
+                f"keys: {in_source.count(False)} of {len(in_source)} blocks are not in the "
+                "source pool",
+                loaded=in_source,
+            )
+        held = self.client.contains(keys)
+        fresh = [k for k, h in zip(keys, held, strict=True) if not h]
+        if not fresh:
+            return 0
+        stored = self.client.push(fresh, source)
+        written = sum(stored)
+        self.stats.add(bytes_in=written * self.layout.payload_bytes, puts=written)
+        return written
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        keys = list(keys)
+        dropped = 0
+        for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+            batch = [k.hex() for k in keys[i : i + MAX_KEYS_PER_REQUEST]]
+            dropped += int(self.client._call("delete", {"keys": batch}))
+        self.stats.add(deletes=dropped)
+        return dropped
+
+    def keys(self) -> list[bytes]:
+        out: list[bytes] = []
+        while True:
+            page = self.client._call("keys", {"start": len(out), "limit": MAX_KEYS_PER_REQUEST})
+            if not isinstance(page, list):
+                raise InvalidArgumentError(f"keys: malformed answer {page!r:.100}")
+            out += [bytes.fromhex(k) for k in page]
+            if len(page) < MAX_KEYS_PER_REQUEST:
+                return out
+
+
+# -- the node: server, registry, publication -------------------------------------------------
+
+
+class StoreNode:
+    """A store node process's parts: a :class:`StoreServer`, optionally an embedded registry
+    served over TCP, and the link that publishes the node's blocks to a registry.
+
+    Args:
+      dram_bytes, max_layouts, name, shm_dir, secret, host, port, tls, insecure: for the
+        StoreServer.
+      registry: a registry to publish to (a RemoteRegistry, RedisRegistry, ...), or None.
+      registry_port: host an embedded registry on this port (0: a free one) of ``host``, and
+        publish to it; :attr:`registry_address` is where peers reach it. Exclusive with
+        ``registry``.
+      node_id: this node's id in the registry (default: ``store-<host>:<port>``).
+      ttl_s: the node's registry lease (renewed every third of it).
+    """
+
+    def __init__(
+        self,
+        dram_bytes: int,
+        *,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_layouts: int = 1,
+        name: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        registry: Registry | None = None,
+        registry_port: int | None = None,
+        node_id: str | None = None,
+        ttl_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
+    ) -> None:
+        if registry is not None and registry_port is not None:
+            raise InvalidArgumentError(
+                "registry, registry_port: give a registry to publish to or host one, not both"
+            )
+        if registry is not None and not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster Registry, got {type(registry).__name__}"
+            )
+        ttl_s = check_ttl(ttl_s)
+        self.registry_server: RegistryServer | None = None
+        self.registry: Registry | None = registry
+        self._link: Any = None
+        self.server = StoreServer(
+            dram_bytes,
+            secret=secret,
+            host=host,
+            port=port,
+            max_layouts=max_layouts,
+            name=name,
+            shm_dir=shm_dir,
+            tls=tls,
+            insecure=insecure,
+        )
+        try:
+            if registry_port is not None:
+                embedded = MemoryRegistry()
+                self.registry_server = RegistryServer(
+                    embedded,
+                    secret=secret,
+                    host=host,
+                    port=registry_port,
+                    tls=tls,
+                    insecure=insecure,
+                )
+                self.registry = embedded
+            if self.registry is not None:
+                from tpusync.kv._registry_link import RegistryLink
+
+                self.node = NodeInfo(
+                    node_id or f"store-{self.server.address}", (self.server.address,)
+                )
+                self._link = RegistryLink(self.registry, self.node, ttl_s, self.server.keys)
+                self.server.on_added = self._link.added
+                self.server.on_removed = self._link.removed
+                self._link.added(self.server.keys())  # any put between the link's start and now
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def address(self) -> str:
+        """Where peers reach the node's data plane."""
+        return self.server.address
+
+    @property
+    def registry_address(self) -> str | None:
+        """Where peers reach the embedded registry (None when not hosting one)."""
+        return None if self.registry_server is None else self.registry_server.address
+
+    def flush(self) -> None:
+        """Sends the registry every change queued so far."""
+        if self._link is not None:
+            self._link.flush_changes()
+
+    def close(self) -> None:
+        """Unregisters the node, stops the servers and closes the pools."""
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        self.server.close()
+        if self.registry_server is not None:
+            self.registry_server.close()
+
+    def __enter__(self) -> StoreNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

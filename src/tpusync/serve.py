@@ -1,0 +1,155 @@
+"""`tpusync serve`: run a store node that lends this host's DRAM to other nodes.
+
+    tpusync serve --dram 64GiB --secret-file /etc/tpusync/secret [--host 0.0.0.0 --port 7400]
+                  [--registry-port 7401 | --registry tcp://host:port | redis://host:6379/0]
+                  [--name NAME] [--layouts N] [--tls-cert C --tls-key K [--tls-ca CA]]
+
+The secret file holds the cluster's shared secret: hex text (``secrets.token_hex(32)``) or raw
+bytes, at least 16 bytes either way. Off loopback the node serves TLS only (``--tls-cert`` and
+``--tls-key``), unless ``--insecure``. It runs until SIGTERM or SIGINT, then unregisters and
+exits 0. ``--ready-json`` prints one JSON line (its addresses) once it listens, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import ssl
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from tpusync.errors import InvalidArgumentError, TpuSyncError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, argument: str = "--dram") -> int:
+    """``"64GiB"``, ``"512M"``, ``"1.5g"`` or a byte count, as bytes."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise InvalidArgumentError(
+            f"{argument}: expected a size like 512MiB or 64GiB, got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def read_secret(path: str) -> bytes:
+    """The shared secret in ``path``: hex text, or raw bytes."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgumentError(f"--secret-file: cannot read {path}: {exc}") from None
+    text = data.strip()
+    if text and re.fullmatch(rb"[0-9a-fA-F]+", text) and len(text) % 2 == 0:
+        return bytes.fromhex(text.decode())
+    return data
+
+
+def _server_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    if not args.tls_cert and not args.tls_key:
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise InvalidArgumentError("--tls-cert, --tls-key: give both (or neither)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(args.tls_cert, args.tls_key)
+    return context
+
+
+def _registry(args: argparse.Namespace, secret: bytes) -> Any:
+    url = args.registry
+    if url is None:
+        return None
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from tpusync.cluster import RedisRegistry
+
+        return RedisRegistry(url)
+    if url.startswith("tcp://"):
+        from tpusync.cluster import RemoteRegistry
+
+        tls = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
+        return RemoteRegistry(
+            url.removeprefix("tcp://"), secret=secret, tls=tls, insecure=args.insecure
+        )
+    raise InvalidArgumentError(
+        f"--registry: expected tcp://host:port or redis://host:port/db, got {url!r}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpusync serve",
+        description="Run a store node: lend this host's DRAM to other nodes as a lower tier.",
+    )
+    parser.add_argument("--dram", default="1GiB", help="DRAM to lend (default 1GiB)")
+    parser.add_argument("--secret-file", required=True, help="the cluster's shared secret")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="data-plane port (0: a free one)")
+    parser.add_argument("--layouts", type=int, default=1, help="models sharing the DRAM")
+    parser.add_argument("--name", help="keep the DRAM in /dev/shm under this name (restarts)")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where named pools live")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--registry", help="publish to tcp://host:port or redis://host:port/db")
+    where.add_argument(
+        "--registry-port", type=int, help="host the embedded registry on this port (0: free)"
+    )
+    parser.add_argument("--node-id", help="this node's id in the registry")
+    parser.add_argument("--ttl", type=float, default=10.0, help="registry lease seconds")
+    parser.add_argument("--tls-cert", help="certificate chain (PEM) for TLS")
+    parser.add_argument("--tls-key", help="private key (PEM) for TLS")
+    parser.add_argument("--tls-ca", help="CA bundle to verify a tcp:// registry")
+    parser.add_argument(
+        "--insecure", action="store_true", help="allow plaintext off loopback (trusted nets)"
+    )
+    parser.add_argument("--ready-json", action="store_true", help="print addresses as JSON")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="tpusync serve: %(message)s")
+    from tpusync.cluster import StoreNode
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        secret = read_secret(args.secret_file)
+        node = StoreNode(
+            parse_size(args.dram),
+            secret=secret,
+            host=args.host,
+            port=args.port,
+            max_layouts=args.layouts,
+            name=args.name,
+            shm_dir=args.shm_dir,
+            registry=_registry(args, secret),
+            registry_port=args.registry_port,
+            node_id=args.node_id,
+            ttl_s=args.ttl,
+            tls=_server_tls(args),
+            insecure=args.insecure,
+        )
+    except (TpuSyncError, OSError, ssl.SSLError) as exc:
+        print(f"tpusync serve: {exc}", file=sys.stderr)
+        return 1
+    with node:
+        ready = {"address": node.address, "registry": node.registry_address}
+        if args.ready_json:
+            print(json.dumps(ready), flush=True)
+        else:
+            print(
+                f"tpusync serve: lending {args.dram} at {node.address}"
+                + (f", registry at {node.registry_address}" if node.registry_address else ""),
+                flush=True,
+            )
+        while not stop.wait(1.0):  # a timed wait: signal handlers run in between
+            pass
+        used = sum(p.used for p in node.server.pools)
+        print(f"tpusync serve: stopping ({used} blocks held)", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,400 @@
+"""Store nodes: a process lending its DRAM to peers as a writable lower tier.
+
+Real sockets on loopback, real HostPools of random bits, a real `tpusync serve` child process
+(stopped by pid); the KV-level test runs the toy model on both sides and compares bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kv_child
+import numpy as np
+import pytest
+from test_cluster_dataplane import LAYOUT, SECRET, assert_clean, fill, key_for, payload
+
+from tpusync.cluster import (
+    BlockClient,
+    BlockServer,
+    MemoryRegistry,
+    PeerUnavailableError,
+    RegistryPool,
+    RemoteOperationUnsupportedError,
+    RemoteRegistry,
+    StoreNode,
+    StoreNodePool,
+    wire,
+)
+from tpusync.cluster.registry_server import _send_frame
+from tpusync.errors import BlocksMissingError, InvalidArgumentError
+from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
+
+MiB = 1 << 20
+# 128 KiB slots: a 1 MiB node holds 8 of them
+BIG = PoolLayout("store-node-big", (ArrayLayout("k", "uint8", (128 * 1024,), 0, 1),))
+
+
+@pytest.fixture
+def source(rng: np.random.Generator, arrays: Any) -> Iterator[HostPool]:
+    with HostPool(LAYOUT, 32) as pool:
+        fill(pool, [key_for(i) for i in range(24)], rng, arrays)
+        yield pool
+
+
+@pytest.fixture
+def node() -> Iterator[StoreNode]:
+    with StoreNode(16 * MiB, secret=SECRET) as n:
+        yield n
+
+
+def tier_for(node: StoreNode, layout: PoolLayout = LAYOUT, **kwargs: Any) -> StoreNodePool:
+    kwargs.setdefault("timeout_s", 5.0)
+    return StoreNodePool(node.address, layout=layout, secret=SECRET, **kwargs)
+
+
+def test_put_then_get_is_bit_exact(node: StoreNode, source: HostPool) -> None:
+    keys = [key_for(i) for i in range(24)]
+    with tier_for(node, connections=3) as tier, HostPool(LAYOUT, 32) as target:
+        assert isinstance(tier, LowerTier)
+        assert tier.put(keys[:10], source) == 10
+        assert tier.put(keys, source) == 14  # the first ten were there already
+        assert tier.contains([*keys, key_for(99)]) == [True] * 24 + [False]
+        assert sorted(tier.keys()) == sorted(keys)
+        assert tier.used == 24
+        tier.get(keys, target)
+        for key in keys:
+            assert payload(target, key) == payload(source, key)
+        assert tier.delete(keys[:4]) == 4
+        assert tier.contains(keys[:5]) == [False] * 4 + [True]
+        with HostPool(LAYOUT, 8) as fresh, pytest.raises(BlocksMissingError) as missing:
+            tier.get(keys[:5], fresh)
+        assert missing.value.loaded == [False] * 4 + [True]
+    (pool,) = node.server.pools
+    assert_clean(pool, 20)
+
+
+def test_put_of_keys_the_source_lacks_raises_before_sending(
+    node: StoreNode, source: HostPool
+) -> None:
+    with tier_for(node) as tier:
+        with pytest.raises(BlocksMissingError) as missing:
+            tier.put([key_for(0), key_for(77)], source)
+        assert missing.value.loaded == [True, False]
+        assert tier.used == 0
+
+
+def test_a_corrupt_source_block_is_refused(node: StoreNode, source: HostPool) -> None:
+    """The source's record says one checksum, its bytes another: the node verifies the bytes
+    it received and does not store the block."""
+    bad = key_for(3)
+    with source.slot_memory(source.slot_of(bad)) as memory:
+        memory[100] ^= 0x40
+    with tier_for(node) as tier:
+        assert tier.put([key_for(2), bad, key_for(4)], source) == 2
+        assert tier.contains([key_for(2), bad, key_for(4)]) == [True, False, True]
+    (pool,) = node.server.pools
+    assert pool.stats.as_dict()["checksum_failures"] == 1
+    assert_clean(pool, 2)
+
+
+@pytest.mark.parametrize("cut_at", [0, 50, wire.HEADER_SIZE + 10])
+def test_a_put_cut_mid_block_commits_nothing_in_flight(
+    node: StoreNode, source: HostPool, cut_at: int
+) -> None:
+    """A client sends one whole block, then part of the next, then disconnects: the node keeps
+    only the whole, verified block and leaks no slot."""
+    client = BlockClient(node.address, secret=SECRET, layout=LAYOUT, timeout_s=5.0)
+    keys = [key_for(0), key_for(1)]
+    pinned = source.pin(keys)
+    try:
+        conn = client._conns[0]
+        rid, answer = conn.send_put(keys, pinned.checksums.tolist())
+        assert answer["accept"] == [True, True]
+        size = LAYOUT.payload_bytes
+        frames = []
+        for key, slot, checksum in zip(
+            keys, pinned.slots.tolist(), pinned.checksums.tolist(), strict=True
+        ):
+            header = wire.encode_header(wire.BLOCK, rid, key, LAYOUT.fingerprint, size, checksum)
+            with source.slot_memory(slot) as memory:
+                frames.append(header + bytes(memory[:size]))
+        assert conn.sock is not None
+        conn.sock.sendall(frames[0] + frames[1][:cut_at])
+        conn.drop()
+    finally:
+        source.unpin(pinned)
+        client.close()
+    (pool,) = node.server.pools
+    deadline = time.monotonic() + 5
+    while pool.free != pool.capacity and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server's thread sees the cut and aborts the reservation
+    assert_clean(pool, 0)
+    with tier_for(node) as tier:
+        # the first block was complete but its put never ended: nothing of it is committed
+        assert tier.contains(keys) == [False, False]
+
+
+def test_garbage_after_a_put_closes_only_that_connection(
+    node: StoreNode, source: HostPool, rng: np.random.Generator
+) -> None:
+    client = BlockClient(node.address, secret=SECRET, layout=LAYOUT, timeout_s=5.0)
+    try:
+        conn = client._conns[0]
+        pinned = source.pin([key_for(5)])
+        conn.send_put([key_for(5)], pinned.checksums.tolist())
+        source.unpin(pinned)
+        assert conn.sock is not None
+        conn.sock.sendall(rng.integers(0, 256, 500, dtype=np.uint8).tobytes())
+        with pytest.raises((EOFError, ConnectionError, OSError)):
+            conn.sock.settimeout(5)
+            if conn.sock.recv(1) == b"":
+                raise EOFError
+    finally:
+        client.close()
+    with tier_for(node) as tier:
+        assert tier.put([key_for(5)], source) == 1
+    (pool,) = node.server.pools
+    assert_clean(pool, 1)
+
+
+def test_bad_put_requests_are_refused_and_change_nothing(node: StoreNode) -> None:
+    client = BlockClient(node.address, secret=SECRET, layout=LAYOUT, timeout_s=5.0)
+    try:
+        conn = client._conns[0]
+        for params, match in [
+            ({"keys": ["00ff"], "checksums": []}, "checksums"),
+            ({"keys": ["00ff"], "checksums": [-1]}, "checksums"),
+            ({"keys": ["00ff", "00ff"], "checksums": [1, 1]}, "at most once"),
+            ({"keys": ["zz"], "checksums": [1]}, "hex"),
+        ]:
+            assert conn.sock is not None
+            body = {"id": 7, "method": "put", "params": params}
+            _send_frame(conn.sock, json.dumps(body).encode())
+            with pytest.raises(InvalidArgumentError, match=match):
+                conn._answer(7, "put")
+    finally:
+        client.close()
+    (pool,) = node.server.pools
+    assert_clean(pool, 0)
+
+
+def test_the_node_evicts_its_least_recently_used_blocks(rng: np.random.Generator) -> None:
+    """8 slots; 8 blocks stored, 2 of them read again, 3 more pushed: the 3 oldest unread go."""
+    with (
+        StoreNode(1 * MiB, secret=SECRET) as node,
+        HostPool(BIG, 16) as source,
+        HostPool(BIG, 16) as target,
+        tier_for(node, BIG) as tier,
+    ):
+        keys = [key_for(i) for i in range(11)]
+        reservation = source.reserve(keys)
+        for slot in reservation.slots.tolist():
+            with source.slot_memory(slot) as memory:
+                memory[: BIG.payload_bytes] = rng.bytes(BIG.payload_bytes)
+        source.commit(reservation, source.hash_slots(reservation.slots))
+        assert tier.capacity == 8
+        assert tier.put(keys[:8], source) == 8
+        tier.get([keys[0], keys[1]], target)  # now the most recently used
+        assert tier.put(keys[8:], source) == 3
+        assert (
+            tier.contains(keys) == [True, True, False, False, False, True, True, True] + [True] * 3
+        )
+        assert tier.used == 8
+
+
+def test_layouts_share_the_node_up_to_max_layouts(source: HostPool) -> None:
+    with StoreNode(8 * MiB, secret=SECRET, max_layouts=2) as node:
+        with tier_for(node) as a, tier_for(node, BIG) as b:
+            assert a.capacity == 4 * MiB // LAYOUT.slot_bytes
+            assert b.capacity == 32
+        other = PoolLayout("third", (ArrayLayout("x", "float32", (64,), 0, 1),))
+        with pytest.raises(InvalidArgumentError, match="no room for another"):
+            tier_for(node, other)
+        assert len(node.server.pools) == 2
+
+
+def test_clients_that_name_no_layout_or_a_plain_server(source: HostPool) -> None:
+    with StoreNode(4 * MiB, secret=SECRET) as node:
+        with pytest.raises(InvalidArgumentError, match="serves the layout its client names"):
+            BlockClient(node.address, secret=SECRET, timeout_s=5.0)
+        with pytest.raises(InvalidArgumentError, match="layout"):
+            BlockClient(node.address, secret=SECRET, layout="big")  # type: ignore[arg-type]
+    with BlockServer(source, secret=SECRET) as server:
+        with pytest.raises(InvalidArgumentError, match="not a store node"):
+            StoreNodePool(server.address, layout=LAYOUT, secret=SECRET)
+        with (
+            BlockClient(server.address, secret=SECRET, layout=LAYOUT) as client,
+            pytest.raises(RemoteOperationUnsupportedError, match="store node"),
+        ):
+            client.push([key_for(0)], source)
+    with pytest.raises(PeerUnavailableError):
+        StoreNodePool(node.address, layout=LAYOUT, secret=SECRET)  # closed
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dram_bytes": 100}, "dram_bytes"),
+        ({"dram_bytes": 4 * MiB, "max_layouts": 0}, "max_layouts"),
+        ({"dram_bytes": 4 * MiB, "name": "a/b"}, "name"),
+        ({"dram_bytes": 4 * MiB, "secret": b"short"}, "secret"),
+        ({"dram_bytes": 4 * MiB, "registry": object()}, "registry"),
+        ({"dram_bytes": 4 * MiB, "registry": MemoryRegistry(), "registry_port": 0}, "not both"),
+    ],
+)
+def test_bad_node_arguments(kwargs: dict[str, Any], match: str) -> None:
+    kwargs.setdefault("secret", SECRET)
+    with pytest.raises(InvalidArgumentError, match=match):
+        StoreNode(**kwargs)
+
+
+def test_the_node_publishes_what_it_holds(source: HostPool) -> None:
+    """With an embedded registry: a put is published under the node's lease, an eviction or
+    delete withdrawn, and a RegistryPool on another node pulls the blocks from the node."""
+    with StoreNode(16 * MiB, secret=SECRET, registry_port=0, ttl_s=5) as node:
+        assert node.registry_address is not None
+        keys = [key_for(i) for i in range(6)]
+        with tier_for(node) as tier:
+            tier.put(keys, source)
+            tier.delete(keys[:1])
+        node.flush()
+        with RemoteRegistry(node.registry_address, secret=SECRET) as registry:
+            assert [n.addresses for n in registry.nodes()] == [(node.address,)]
+            held = [bool(h) for h in registry.holders(keys)]
+            assert held == [False] + [True] * 5
+            with (
+                RegistryPool(registry, LAYOUT, secret=SECRET) as cluster,
+                HostPool(LAYOUT, 8) as target,
+            ):
+                cluster.get(keys[1:], target)
+                for key in keys[1:]:
+                    assert payload(target, key) == payload(source, key)
+    # the node unregistered on close
+    assert node.registry is not None and node.registry.nodes() == []
+
+
+def test_a_named_node_keeps_its_blocks_across_a_restart(source: HostPool, shm_dir: Path) -> None:
+    name = f"node-{secrets.token_hex(4)}"
+    keys = [key_for(i) for i in range(5)]
+    registry = MemoryRegistry()
+    with (
+        StoreNode(4 * MiB, secret=SECRET, name=name, shm_dir=str(shm_dir)) as node,
+        tier_for(node) as tier,
+    ):
+        assert tier.put(keys, source) == 5
+    with StoreNode(
+        4 * MiB, secret=SECRET, name=name, shm_dir=str(shm_dir), registry=registry
+    ) as node:
+        node.flush()
+        assert all(registry.holders(keys))  # re-published at start
+        with tier_for(node) as tier, HostPool(LAYOUT, 8) as target:
+            assert tier.contains(keys) == [True] * 5
+            tier.get(keys, target)
+            for key in keys:
+                assert payload(target, key) == payload(source, key)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    """A private directory standing in for /dev/shm (same code path, no leftovers)."""
+    return tmp_path
+
+
+# -- the KV store over a store node, and `tpusync serve` -------------------------------------
+
+
+def _serve(secret: bytes, tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Starts `tpusync serve` in a child and reads its ready line (addresses as JSON)."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(secret.hex())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tpusync",
+            "serve",
+            "--dram",
+            "64MiB",
+            "--secret-file",
+            str(secret_file),
+            "--registry-port",
+            "0",
+            "--ready-json",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=10)
+        raise AssertionError(f"tpusync serve exited with {proc.returncode}")
+    return proc, json.loads(line)
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        return proc.wait(timeout=10)
+    finally:
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A real `tpusync serve` child; a prefill store writes its KV through to it; a second
+    store with empty DRAM (another engine) loads the prefix from the node and its tokens and
+    logits equal the cold run's."""
+    from tpusync.testing.engine import ToyEngine
+    from tpusync.testing.model import ModelConfig, init_params
+
+    cfg = ModelConfig(**kv_child.MODEL)
+    params = init_params(cfg)
+    secret = secrets.token_bytes(32)
+    proc, ready = _serve(secret, tmp_path)
+    try:
+        spec = {
+            "model_id": "toy-node",
+            "dram": {"capacity_blocks": 32},
+            "node": {"address": ready["address"], "secret_hex": secret.hex()},
+        }
+        prompt = rng.integers(0, cfg.vocab_size, 70).astype(np.int32)
+        boundary = 64
+        config = kv_child.store_config(spec, cfg)
+        prefill = ToyEngine(cfg, config, params=params)
+        try:
+            cold = prefill.generate(prompt, 3, use_cache=False, save=True, boundary=boundary)
+            prefill.wait_saves()
+            assert prefill.store is not None and prefill.store.flush(timeout=10)
+        finally:
+            prefill.close()
+            config.extra_tiers[0][1].close()  # the store leaves the caller's tiers open
+        config = kv_child.store_config(spec, cfg)
+        decode = ToyEngine(cfg, config, params=params)
+        try:
+            warm = decode.generate(prompt, 3, save=False)
+        finally:
+            decode.close()
+            config.extra_tiers[0][1].close()
+        with RemoteRegistry(ready["registry"], secret=secret) as registry:
+            assert [n.addresses for n in registry.nodes()] == [(ready["address"],)]
+    finally:
+        assert _stop(proc) == 0  # SIGTERM: a clean shutdown
+    assert warm.lookup_tiers == ("node",) * 4
+    assert warm.cached_tokens == boundary
+    assert warm.tokens.tolist() == cold.tokens.tolist()
+    assert kv_child.logits_hex(warm.prefill_logits) == kv_child.logits_hex(cold.prefill_logits)
