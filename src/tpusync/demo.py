@@ -2,12 +2,15 @@
 
 Embedded defaults, CPU, no servers; temporary directories and the /dev/shm pool are removed
 after. A small JAX transformer with a paged KV cache (``tpusync.testing``) serves one long prompt
-cold and saves its KV; then the same prompt is served warm from DRAM, from local disk and from a
-shared-filesystem directory; an agent session is paused (its KV offloaded) and resumed into other
-blocks; finally a new process attaches to the /dev/shm pool the first one left and serves the
-prompt from it. Compilation is excluded on both sides (a throwaway request of the same shapes
-runs first; JAX's persistent compilation cache makes later runs start faster). Every warm output
-is compared with the cold one: greedy tokens equal, logits equal bit for bit.
+cold and saves its KV; then the same prompt is served warm from DRAM, from local disk, from a
+shared-filesystem directory and from a store node (a `tpusync serve` process lending its DRAM,
+written through over TCP); a decode process that knows only the registry's address pulls the
+prefix from this one over TCP (disaggregated prefill -> decode); an agent session is paused (its
+KV offloaded) and resumed into other blocks; finally a new process attaches to the /dev/shm pool
+the first one left and serves the prompt from it. Compilation is excluded on both sides (a
+throwaway request of the same shapes runs first; JAX's persistent compilation cache makes later
+runs start faster). Every warm output is compared with the cold one: greedy tokens equal, logits
+equal bit for bit.
 
     tpusync demo [--tokens 8192] [--new-tokens 8] [--plot ttft.png] [--transfer]
 """
@@ -30,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+MODEL_ID = "tpusync-demo-model"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpusync" / "jax"
 
 
@@ -68,12 +72,18 @@ def _model_config(tokens: int, new_tokens: int) -> Any:
 
 
 def _store_config(
-    blocks: int, shm_name: str, disk: Path | None, shared: Path | None, block_size: int
+    blocks: int,
+    shm_name: str | None,
+    disk: Path | None,
+    shared: Path | None,
+    block_size: int,
+    extra_tiers: tuple[tuple[str, Any], ...] = (),
 ) -> Any:
     from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
 
     return KVStoreConfig(
-        model_id="tpusync-demo-model",
+        extra_tiers=extra_tiers,
+        model_id=MODEL_ID,
         block_size=block_size,
         dram=DramTier(capacity_blocks=2 * blocks + 16, name=shm_name),
         disk=DiskTier(disk, capacity_blocks=2 * blocks + 16) if disk else None,
@@ -111,11 +121,59 @@ def _memcpy_gbps(nbytes: int) -> float:
     return measure(nbytes, 5)
 
 
+def _start_store_node(work: Path, secret: bytes, dram_bytes: int) -> tuple[Any, dict[str, Any]]:
+    """`tpusync serve` in a child process, hosting the registry too; its addresses."""
+    secret_file = work / "secret"
+    secret_file.write_text(secret.hex())
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tpusync",
+            "serve",
+            "--dram",
+            str(dram_bytes),
+            "--secret-file",
+            str(secret_file),
+            "--registry-port",
+            "0",
+            "--ready-json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        _stop(process)
+        raise RuntimeError(f"the store node failed to start (exit {process.returncode})")
+    return process, json.loads(line)
+
+
+def _stop(process: Any) -> None:
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+    if process.stdout is not None:
+        process.stdout.close()
+
+
 def run(
     tokens: int, new_tokens: int, cache_dir: str | None, plot: str | None, seed: int = 0
 ) -> bool:
     _setup_jax(cache_dir)
+    import secrets
+
+    from tpusync.cluster import BlockServer, NodeInfo, RemoteRegistry, StoreNodePool
     from tpusync.testing.engine import ToyEngine
+    from tpusync.testing.model import init_kv_pools
+    from tpusync.tiers import PoolLayout
 
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
@@ -123,9 +181,20 @@ def run(
     shm_name = f"demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     rows: list[Row] = []
     ok = True
+    secret = secrets.token_bytes(32)
+    node_process = None
     try:
+        layout = PoolLayout.from_pools(MODEL_ID, init_kv_pools(config))
+        print("starting a store node (`tpusync serve`, hosting the registry) ...")
+        node_process, node = _start_store_node(work, secret, 2 * blocks * layout.slot_bytes)
+        node_tier = StoreNodePool(node["address"], layout=layout, secret=secret)
         store_config = _store_config(
-            blocks, shm_name, work / "disk", work / "shared", config.block_size
+            blocks,
+            shm_name,
+            work / "disk",
+            work / "shared",
+            config.block_size,
+            (("node", node_tier),),
         )
         engine = ToyEngine(config, store_config)
         kv_mib = blocks * engine.block_bytes() / 2**20
@@ -134,7 +203,8 @@ def run(
             f"block {config.block_size} tokens = {engine.block_bytes() // 1024} KiB of KV; "
             f"prompt {tokens} tokens = {kv_mib:.0f} MiB of KV"
         )
-        print("tiers: DRAM in /dev/shm (named), local disk, shared FS — all under", work)
+        print("tiers: DRAM in /dev/shm (named), local disk, shared FS under", work)
+        print(f"       and the store node's DRAM at {node['address']} (written through over TCP)")
         print("compiling (a throwaway request of the same shapes; excluded from TTFT) ...")
         start = time.perf_counter()
         engine.warmup(tokens, new_tokens, cold=True)
@@ -152,6 +222,29 @@ def run(
         engine.store.evict(prompt, tier="dram")
         engine.store.evict(prompt, tier="disk")
         rows.append(_load_row("warm, DRAM+disk evicted", engine.generate(prompt, new_tokens), cold))
+        for tier in ("dram", "disk", "shared_fs"):
+            engine.store.evict(prompt, tier=tier)
+        rows.append(
+            _load_row("warm, only on store node", engine.generate(prompt, new_tokens), cold)
+        )
+
+        print("disaggregated: a decode process given only the registry address ...")
+        registry = RemoteRegistry(node["registry"], secret=secret)
+        with BlockServer(engine.store.dram, secret=secret) as server:
+            engine.store.publish_to(registry, NodeInfo("demo-prefill", (server.address,)))
+            engine.store.flush()
+            decode = _run_child(
+                tokens,
+                new_tokens,
+                cache_dir,
+                None,
+                prompt_seed=seed,
+                model=config,
+                blocks=blocks,
+                registry=node["registry"],
+                secret=secret,
+            )
+        rows.append(_child_row("decode process, over TCP", decode, cold))
 
         print("agent session: pause after the first tokens, resume in other blocks ...")
         whole = engine.generate(prompt, 2 * new_tokens, save=False)
@@ -171,23 +264,14 @@ def run(
         )
         stats = engine.store.stats()
         engine.close()  # the named pool stays in /dev/shm for the next process
+        node_tier.close()
+        registry.close()
 
         print("restart: a new process attaches to the /dev/shm pool ...")
         child = _run_child(
             tokens, new_tokens, cache_dir, shm_name, prompt_seed=seed, model=config, blocks=blocks
         )
-        rows.append(
-            Row(
-                "new process, /dev/shm",
-                child["tier"],
-                child["ttft_s"],
-                child["cached_tokens"],
-                child["loaded_bytes"],
-                child["load_gbps"],
-                child["tokens"] == cold.tokens.tolist()
-                and child["logits"] == _digest(cold.prefill_logits),
-            )
-        )
+        rows.append(_child_row("new process, /dev/shm", child, cold))
         limit = _memcpy_gbps(int(kv_mib * 2**20))
         ok = all(r.matches is not False for r in rows)
         _print_table(rows, limit, tokens)
@@ -195,6 +279,8 @@ def run(
         if plot:
             _plot(rows, plot, tokens)
     finally:
+        if node_process is not None:
+            _stop(node_process)
         shutil.rmtree(work, ignore_errors=True)
         from tpusync.tiers.host_pool import pool_path
 
@@ -204,15 +290,29 @@ def run(
     return ok
 
 
+def _child_row(scenario: str, child: dict[str, Any], cold: Any) -> Row:
+    return Row(
+        scenario,
+        child["tier"],
+        child["ttft_s"],
+        child["cached_tokens"],
+        child["loaded_bytes"],
+        child["load_gbps"],
+        child["tokens"] == cold.tokens.tolist() and child["logits"] == _digest(cold.prefill_logits),
+    )
+
+
 def _run_child(
     tokens: int,
     new_tokens: int,
     cache_dir: str | None,
-    shm_name: str,
+    shm_name: str | None,
     *,
     prompt_seed: int,
     model: Any,
     blocks: int,
+    registry: str | None = None,
+    secret: bytes | None = None,
 ) -> dict[str, Any]:
     spec = {
         "tokens": tokens,
@@ -220,6 +320,8 @@ def _run_child(
         "cache_dir": cache_dir,
         "shm_name": shm_name,
         "seed": prompt_seed,
+        "registry": registry,
+        "secret": None if secret is None else secret.hex(),
     }
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     process = subprocess.Popen(
@@ -235,23 +337,39 @@ def _run_child(
             process.kill()
             process.wait(timeout=10)
     if process.returncode != 0:
-        raise RuntimeError(f"the restarted process failed (exit {process.returncode})")
+        raise RuntimeError(f"the child process failed (exit {process.returncode})")
     return json.loads(out.strip().splitlines()[-1])
 
 
 def _child(spec: dict[str, Any]) -> None:
-    """The restarted server: attaches to the named pool, warms up, serves the prompt."""
+    """The restarted server (attaches to the named pool) or the decode process (finds the
+    prefix through the registry): warms up, serves the prompt."""
     _setup_jax(spec["cache_dir"])
     from tpusync.testing.engine import ToyEngine
 
     tokens, new_tokens = spec["tokens"], spec["new_tokens"]
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
-    store_config = _store_config(blocks, spec["shm_name"], None, None, config.block_size)
+    extra: tuple[tuple[str, Any], ...] = ()
+    closers: list[Any] = []
+    if spec.get("registry"):
+        from tpusync.cluster import RegistryPool, RemoteRegistry
+        from tpusync.testing.model import init_kv_pools
+        from tpusync.tiers import PoolLayout
+
+        secret = bytes.fromhex(spec["secret"])
+        registry = RemoteRegistry(spec["registry"], secret=secret)
+        layout = PoolLayout.from_pools(MODEL_ID, init_kv_pools(config))
+        cluster = RegistryPool(registry, layout, secret=secret, exclude="demo-decode")
+        extra = (("cluster", cluster),)
+        closers = [cluster, registry]
+    store_config = _store_config(blocks, spec["shm_name"], None, None, config.block_size, extra)
     engine = ToyEngine(config, store_config)
     engine.warmup(tokens, new_tokens, cold=False)
     request = engine.generate(_prompt(tokens, config.vocab_size, spec["seed"]), new_tokens)
     engine.close()
+    for closer in closers:
+        closer.close()
     load = request.load
     print(
         json.dumps(
@@ -263,7 +381,7 @@ def _child(spec: dict[str, Any]) -> None:
                 "load_gbps": load.gbps if load else None,
                 "tokens": request.tokens.tolist(),
                 "logits": _digest(request.prefill_logits),
-                "attach_ms": engine.store.dram.attach_seconds * 1e3,
+                "attach_ms": engine.store.dram.attach_seconds * 1e3 if spec["shm_name"] else 0,
             }
         )
     )
@@ -273,7 +391,7 @@ def _print_table(rows: list[Row], limit: float, tokens: int) -> None:
     cold = rows[0].ttft_s
     print(f"\nTime to first token, {tokens}-token prompt (compilation excluded on both sides)")
     header = (
-        f"{'scenario':<24}{'served from':<13}{'TTFT ms':>10}{'vs cold':>9}{'reused':>8}"
+        f"{'scenario':<26}{'served from':<13}{'TTFT ms':>10}{'vs cold':>9}{'reused':>8}"
         f"{'KV MiB':>8}{'load GB/s':>11}  output"
     )
     print(header)
@@ -283,7 +401,7 @@ def _print_table(rows: list[Row], limit: float, tokens: int) -> None:
         gbps = f"{r.load_gbps:.2f}" if r.load_gbps else "-"
         match = "reference" if r.matches is None else ("equal" if r.matches else "DIFFERENT")
         print(
-            f"{r.scenario:<24}{r.tier:<13}{r.ttft_s * 1e3:>10.1f}{change:>9}{r.reused_tokens:>8}"
+            f"{r.scenario:<26}{r.tier:<13}{r.ttft_s * 1e3:>10.1f}{change:>9}{r.reused_tokens:>8}"
             f"{r.loaded_bytes / 2**20:>8.1f}{gbps:>11}  {match}"
         )
     print(f"memcpy limit (np.copyto, one thread per core, same size): {limit:.2f} GB/s")
