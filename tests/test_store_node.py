@@ -398,3 +398,44 @@ def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.G
     assert warm.cached_tokens == boundary
     assert warm.tokens.tolist() == cold.tokens.tolist()
     assert kv_child.logits_hex(warm.prefill_logits) == kv_child.logits_hex(cold.prefill_logits)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("64MiB", 64 * MiB), ("1g", 1 << 30), ("1.5GiB", 3 << 29), ("4096", 4096), ("2 kB", 2048)],
+)
+def test_sizes_parse(text: str, expected: int) -> None:
+    from tpusync.serve import parse_size
+
+    assert parse_size(text) == expected
+
+
+def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
+    from tpusync.serve import read_secret
+
+    (tmp_path / "hex").write_text("ab" * 32 + "\n")
+    (tmp_path / "raw").write_bytes(b"\x00\xffraw secret bytes!")
+    assert read_secret(str(tmp_path / "hex")) == b"\xab" * 32
+    assert read_secret(str(tmp_path / "raw")) == b"\x00\xffraw secret bytes!"
+    with pytest.raises(InvalidArgumentError, match="--secret-file"):
+        read_secret(str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dram", "lots"], "--dram: expected a size"),
+        (["--dram", "64MiB", "--host", "0.0.0.0"], "--tls-cert and --tls-key, or pass --insecure"),
+        (["--dram", "64MiB", "--registry", "http://x"], "--registry: expected"),
+        (["--dram", "64MiB", "--tls-cert", "c.pem"], "--tls-cert, --tls-key"),
+    ],
+)
+def test_serve_refuses_bad_arguments_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    from tpusync.serve import main
+
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    assert main([*args, "--secret-file", str(secret)]) == 1
+    assert message in capsys.readouterr().err

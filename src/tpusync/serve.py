@@ -119,6 +119,13 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        from tpusync.cluster.registry_server import is_loopback
+
+        if not is_loopback(args.host) and not args.insecure and not args.tls_cert:
+            raise InvalidArgumentError(
+                f"--host: {args.host} is not a loopback address: serve TLS with --tls-cert and "
+                "--tls-key, or pass --insecure to send blocks in the clear (trusted networks)"
+            )
         secret = read_secret(args.secret_file)
         node = StoreNode(
             parse_size(args.dram),
