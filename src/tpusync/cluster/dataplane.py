@@ -7,9 +7,9 @@ secret rules: see :mod:`tpusync.cluster.registry_server`); nothing but the hands
 before it succeeds. Then control requests are the registry's frames (4-byte big-endian length +
 JSON object, ``{"id", "method", "params"}`` -> ``{"id", "result"}`` or ``{"id", "error"}``)::
 
-    hello    {"protocol": "tpusync-blocks", "version": 1}
+    hello    {"protocol": "tpusync-blocks", "version": 1, "layout": {...} (optional)}
              -> {"protocol", "version", "server_id", "fingerprint" (hex), "payload_bytes",
-                 "capacity", "lease_ttl_s"}
+                 "capacity", "lease_ttl_s", "writable" (accepts put)}
     acquire  {"keys": [hex, ...], "ttl_s": s}   -> {"lease", "present", "checksums", "ttl_s"}
     renew    {"lease": id, "ttl_s": s}          -> bool
     release  {"lease": id}                       -> bool (held the whole time)
@@ -32,7 +32,10 @@ slots are aborted; the connection is re-made on the next pull).
 The server pins the slots of every ``get`` while it sends them (on top of the lease's pins) and
 sends each payload from a view of its slot (``sendmsg``, no copy).
 
-Not encrypted: run it on a trusted network (the MACs stop strangers, not eavesdroppers).
+With ``tls=ssl.SSLContext`` every connection is encrypted (required off loopback unless
+``insecure=True``: the MACs stop strangers, not eavesdroppers). Store nodes add ``put``,
+``delete`` and ``keys`` and bind each connection to the layout its hello names
+(:mod:`tpusync.cluster.store_node`); a plain server answers ``hello`` with its own layout.
 """
 
 from __future__ import annotations
