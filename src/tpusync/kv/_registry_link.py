@@ -4,8 +4,10 @@ Peers pull blocks from this node's DRAM tier (its ``BlockServer``), so the regis
 DRAM holds: published when a save or a promotion commits them, withdrawn when DRAM drops them.
 Registry calls run on the link's own thread, in order, never on a save's or an eviction's path;
 a registry that is down never fails a save or a load: the link logs and retries at the next
-heartbeat, and re-registers and re-publishes everything when its lease has lapsed (as after a
-restart, when the store publishes what its /dev/shm tier still holds).
+heartbeat (not before, however many changes queue up meanwhile), and re-registers and
+re-publishes everything when the registry no longer lists the node -- a heartbeat answered False
+or a publish refused, as when its lease lapsed or the registry restarted empty (and as after this
+process restarts, when the store publishes what its /dev/shm tier still holds).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tpusync.errors import TpuSyncError
+from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 log = logging.getLogger("tpusync.kv")
 
@@ -46,6 +48,7 @@ class RegistryLink:
         self._current_keys = current_keys
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._lapsed = threading.Event()  # the registry does not list this node (any more)
         self._lock = threading.Lock()
         self._sending = threading.Lock()
         # Changes wait here for the link's thread: registry calls never run on a save's or an
@@ -73,22 +76,43 @@ class RegistryLink:
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self.ttl_s / 3
+        failed = False  # the last attempt failed: nothing is retried before the next beat
         while not self._stop.is_set():
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
             self._wake.clear()
+            if self._stop.is_set():
+                break
+            beat = time.monotonic() >= next_beat
+            if failed and not beat:
+                continue  # a new change does not make a failing registry worth a retry
+            if beat:
+                next_beat = time.monotonic() + self.ttl_s / 3
             try:
-                self.flush_changes()
-                if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self.ttl_s / 3
-                    if not self.registry.heartbeat(self.node_id, self.ttl_s):  # type: ignore[attr-defined]
-                        log.warning(
-                            "tpusync kv: registry lease lapsed; registering %s again", self.node_id
-                        )
-                        with self._lock:
-                            self._changes.clear()  # the full list supersedes them
-                        self._register_all()
+                if beat and not self.registry.heartbeat(self.node_id, self.ttl_s):  # type: ignore[attr-defined]
+                    self._lapsed.set()
+                if not self._lapsed.is_set():
+                    try:
+                        self.flush_changes()
+                    except InvalidArgumentError:
+                        if not self._lapsed.is_set():
+                            raise
+                if self._lapsed.is_set():
+                    self._register_again()
+                failed = False
             except (TpuSyncError, OSError) as error:  # retried at the next beat
+                failed = True
                 log.warning("tpusync kv: registry update failed: %s", error)
+
+    def _register_again(self) -> None:
+        """The registry lost this node (its lease lapsed, or the registry restarted empty):
+        registers it again and publishes everything DRAM holds now, which supersedes every
+        queued change (no sender runs meanwhile, so none of them is lost or sent twice)."""
+        log.warning("tpusync kv: registry lease lapsed; registering %s again", self.node_id)
+        with self._sending:
+            with self._lock:
+                self._changes.clear()
+            self._register_all()
+            self._lapsed.clear()
 
     def flush_changes(self) -> None:
         """Sends the queued publishes and withdrawals, in order (one sender at a time)."""
@@ -98,7 +122,15 @@ class RegistryLink:
                     if not self._changes:
                         return
                     method, keys = self._changes[0]
-                self._send(method, keys)
+                try:
+                    self._send(method, keys)
+                except InvalidArgumentError:
+                    # Every backend refuses a publish for a node it does not list (lapsed or
+                    # forgotten by a restarted registry): the link's thread registers again.
+                    if method == "publish":
+                        self._lapsed.set()
+                        self._wake.set()
+                    raise
                 with self._lock:
                     self._changes.popleft()
 

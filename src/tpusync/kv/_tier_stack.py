@@ -43,6 +43,7 @@ POLICY_COUNTERS = (
     "demotions",
     "promotions",
     "lower_tier_misses",
+    "lower_tier_errors",
     "writeback_written",
     "writeback_skipped",
     "writeback_waits",
@@ -170,15 +171,19 @@ class TierStack:
     def pinned(self, key: bytes) -> bool:
         return self._pins.get(key, 0) > 0
 
-    def locate(self, keys: Sequence[bytes], *, prefix: bool) -> list[int]:
+    def locate(self, keys: Sequence[bytes], *, prefix: bool, local: bool = False) -> list[int]:
         """The first tier holding each key (-1: none). With ``prefix``, stops at the first key
-        held nowhere (the list is then that long). Call with ``lock`` held to pin the result."""
+        held nowhere (the list is then that long); with ``local``, read-only tiers (other
+        nodes') are not asked. A lower tier that cannot answer (a peer that is gone) holds
+        nothing. Call with ``lock`` held to pin the result."""
         where = [-1] * len(keys)
         todo = list(range(len(keys)))
-        for t, tier in enumerate(self.tiers):
+        for t in range(len(self.tiers)):
             if not todo:
                 break
-            found = tier.contains([keys[i] for i in todo])
+            if local and self.read_only[t]:
+                continue
+            found = self._contains(t, [keys[i] for i in todo])
             rest = []
             for i, hit in zip(todo, found, strict=True):
                 if hit:
@@ -190,6 +195,16 @@ class TierStack:
             n = next((i for i, t in enumerate(where) if t < 0), len(where))
             return where[:n]
         return where
+
+    def _contains(self, tier: int, keys: list[bytes]) -> list[bool]:
+        if tier == 0:
+            return self.dram.contains(keys)
+        try:
+            return self.tiers[tier].contains(keys)
+        except (TpuSyncError, OSError) as error:
+            self.bump("lower_tier_errors", 1)
+            log.warning("tpusync kv: tier %s cannot answer: %s", self.names[tier], error)
+            return [False] * len(keys)
 
     # --- room ------------------------------------------------------------------------------
 
@@ -356,6 +371,12 @@ class TierStack:
                         loaded = subset
                     except BlocksMissingError as missing:
                         loaded = [k for k, ok in zip(subset, missing.loaded, strict=True) if ok]
+                        self.bump("lower_tier_misses", len(subset) - len(loaded))
+                    except (TpuSyncError, OSError) as error:  # e.g. a peer that is gone
+                        log.warning("tpusync kv: tier %s failed: %s", self.names[t], error)
+                        held = self.dram.contains(subset)  # whatever it committed first
+                        loaded = [k for k, ok in zip(subset, held, strict=True) if ok]
+                        self.bump("lower_tier_errors", 1)
                         self.bump("lower_tier_misses", len(subset) - len(loaded))
                     if not self.read_only[t]:
                         self.touch(t, loaded)

@@ -557,7 +557,8 @@ class KVCacheStore:
         admitted = 0
         try:
             with stack.lock:
-                where = stack.locate(keys, prefix=False)
+                # another node's copy does not count: it may go away at any time
+                where = stack.locate(keys, prefix=False, local=True)
             fresh = [i for i, t in enumerate(where) if t < 0]
             for t in set(where) - {-1}:
                 stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
