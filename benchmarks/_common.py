@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import platform
+import signal
+import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,3 +73,28 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (there is a race; fine for benchmarks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
+    """Stops a child by its pid, never leaving it running: EOF on its stdin (when it has a pipe)
+    and ``timeout`` to exit, then SIGTERM and ``timeout``, then SIGKILL. Returns its exit code."""
+    if proc.poll() is not None:
+        return proc.returncode
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout)
+    return proc.wait()
