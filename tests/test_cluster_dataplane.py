@@ -364,14 +364,17 @@ def test_lease_expired_during_a_slow_pull_commits_nothing(
 def test_pull_stops_at_its_deadline_before_the_lease_ends(
     source: HostPool, target: HostPool
 ) -> None:
-    """Real time: a server that sends a block every 0.3 s under a 1 s lease. The client stops
-    receiving after 0.8 s (DEADLINE_FRACTION of the TTL), releases in time and keeps only the
-    blocks it completed."""
+    """Real time: a server that sends a block every 0.3 s under a 1 s lease and refuses to
+    renew it. The client stops receiving after 0.8 s (DEADLINE_FRACTION of the TTL), releases in
+    time and keeps only the blocks it completed."""
 
     class Slow(BlockServer):
         def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
             time.sleep(0.3)
             super()._send_block(conn, header, data)
+
+        def _renew(self, served: Served, params: dict) -> bool:
+            return False
 
     keys = [key_for(i) for i in range(6)]
     with Slow(source, secret=SECRET, lease_ttl_s=1.0) as server, client_for(server) as client:
@@ -384,6 +387,32 @@ def test_pull_stops_at_its_deadline_before_the_lease_ends(
         assert_clean(target, done)
         for key in keys[:done]:
             assert payload(target, key) == payload(source, key)
+
+
+def test_a_pull_longer_than_its_lease_renews_it(source: HostPool, target: HostPool) -> None:
+    """Real time: 8 blocks, one every 0.15 s, under a 0.5 s lease: the client renews the lease
+    every third of its TTL over its control connection, receives everything, and the lease was
+    held the whole time."""
+    renewals = []
+
+    class Slow(BlockServer):
+        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+            time.sleep(0.15)
+            super()._send_block(conn, header, data)
+
+        def _renew(self, served: Served, params: dict) -> bool:
+            renewals.append(time.monotonic())
+            return super()._renew(served, params)
+
+    keys = [key_for(i) for i in range(8)]
+    with Slow(source, secret=SECRET, lease_ttl_s=0.5) as server, client_for(server) as client:
+        result = client.pull_result(keys, target)
+        assert result.loaded == [True] * 8 and result.released and result.error is None
+        assert len(renewals) >= 3
+        assert server.leases.expired == 0
+        for key in keys:
+            assert payload(target, key) == payload(source, key)
+        assert_unpinned(server, keys)
 
 
 def test_idle_connections_closed_by_the_server_are_remade(

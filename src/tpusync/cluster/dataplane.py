@@ -600,19 +600,37 @@ class _Connection:
         self.sock.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
         return self._answer(rid, "put")
 
-    def recv_into(self, view: memoryview, deadline: float) -> None:
-        """Fills ``view`` from the socket before ``deadline`` (monotonic)."""
+    def recv_into(self, view: memoryview, deadline: float | _Deadline) -> None:
+        """Fills ``view`` from the socket before ``deadline`` (monotonic; a :class:`_Deadline`
+        is read again at every wait, so lease renewals move it on)."""
         assert self.sock is not None
         got, n = 0, view.nbytes
         while got < n:
-            left = deadline - time.monotonic()
+            at = deadline.at if isinstance(deadline, _Deadline) else deadline
+            left = at - time.monotonic()
             if left <= 0:
-                raise TimeoutError("the pull's deadline passed")
+                raise TimeoutError(
+                    "the pull's deadline passed (its lease could not be renewed in time)"
+                )
             self.sock.settimeout(min(self._timeout, left))
-            r = self.sock.recv_into(view[got:], n - got)
+            try:
+                r = self.sock.recv_into(view[got:], n - got)
+            except TimeoutError:
+                if left < self._timeout:
+                    continue  # the deadline's turn: the check above names it (or it moved)
+                raise TimeoutError(f"{self.label} sent nothing for {self._timeout:g} s") from None
             if r == 0:
                 raise EOFError("connection closed by the server")
             got += r
+
+
+class _Deadline:
+    """A pull's receive deadline (monotonic seconds), moved on by each lease renewal."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
 
 
 @dataclass
@@ -704,6 +722,8 @@ class BlockClient:
         ]
         self.label = paths_text[0]
         self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="tpusync-pull")
+        # Lease renewals during a pull go over a connection of their own: the others stream.
+        self._control = _Connection(*paths[0], paths_text[0], secret, self._timeout, tls, described)
         self._closed = False
         self.server_id: str | None = None
         try:
@@ -826,7 +846,7 @@ class BlockClient:
                 params["ttl_s"] = self._ttl
             lease = self._request(lease_conn, "acquire", params)
             lease_id, present, expected, ttl = _check_lease(lease, n)
-            deadline = start + ttl * DEADLINE_FRACTION
+            deadline = _Deadline(start + ttl * DEADLINE_FRACTION)
             wanted = np.flatnonzero(present)
             stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
             jobs += [
@@ -843,6 +863,7 @@ class BlockClient:
                 for conn, stripe in zip(self._conns, stripes, strict=True)
                 if len(stripe)
             ]
+            self._keep_lease(jobs, lease_id, ttl, deadline)
             wait(jobs)  # every stripe has stopped writing into the slots
             for job in jobs:
                 ok, corrupt, nbytes, error = job.result()
@@ -878,6 +899,30 @@ class BlockClient:
             log.warning("tpusync: pull from %s: %s", self.label, result.error)
         return result
 
+    def _keep_lease(
+        self, jobs: list[Future[Any]], lease_id: int, ttl: float, deadline: _Deadline
+    ) -> None:
+        """Renews the lease every third of its TTL until the stripes are done, moving their
+        deadline on after each renewal the server grants (the timing rule holds per renewal:
+        the deadline stays DEADLINE_FRACTION of a TTL after the renewal was asked). Stops
+        renewing at the first refusal or failure; the stripes then stop at the deadline."""
+        while True:
+            _, pending = wait(jobs, timeout=ttl / 3)
+            if not pending:
+                return
+            asked = time.monotonic()
+            try:
+                granted = self._request(self._control, "renew", {"lease": lease_id, "ttl_s": ttl})
+            except (PeerUnavailableError, InvalidArgumentError) as exc:
+                log.warning("tpusync: pull from %s: renewing the lease failed: %s", self.label, exc)
+                return
+            if granted is not True:
+                log.warning(
+                    "tpusync: pull from %s: the server refused to renew the lease", self.label
+                )
+                return
+            deadline.at = asked + ttl * DEADLINE_FRACTION
+
     def _receive_stripe(
         self,
         conn: _Connection,
@@ -886,7 +931,7 @@ class BlockClient:
         indices: np.ndarray,
         expected: np.ndarray,
         target: HostPool,
-        deadline: float,
+        deadline: _Deadline,
     ) -> tuple[np.ndarray, int, int, BaseException | None]:
         """Receives the blocks ``indices`` of the reservation over ``conn``; returns the mask
         of verified blocks (over the whole reservation), the corrupt count, the bytes received
@@ -1076,7 +1121,7 @@ class BlockClient:
     def close(self) -> None:
         """Closes every connection (a pull in progress fails)."""
         self._closed = True
-        for conn in self._conns:
+        for conn in [*self._conns, self._control]:
             conn.drop()
         self._executor.shutdown(wait=False)
 

@@ -10,7 +10,9 @@ The timing rule (what makes a pull safe without trusting the reader's liveness):
 
 * a reader's deadline for the whole pull, measured from before it sends the acquire request,
   must be shorter than the TTL it was granted; a reader that runs out of time stops and keeps
-  nothing it has not finished;
+  nothing it has not finished. A long pull renews the lease (every third of its TTL, on a
+  connection of its own) and, after each renewal the server grants, moves its deadline to the
+  same fraction of a TTL after the renewal was asked;
 * the reader commits the blocks it pulled only if :meth:`LeaseTable.release` answered True --
   the lease was held the whole time, never expired before the release. Otherwise it discards
   them all (they may have been read from slots that were freed and reused meanwhile).
