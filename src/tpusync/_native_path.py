@@ -8,6 +8,7 @@ lives falls back to a copy).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any
@@ -86,27 +87,53 @@ def _regions(side: DeviceSide | HostSide, holds: list[Any]) -> list[list[Region]
     return [[Region.of_array(view)] for view in side.views]
 
 
-def plan_segments(move: Move, holds: list[Any], merge: bool = True) -> list[np.ndarray]:
+_U64 = 1 << 64
+
+
+def plan_segments(
+    move: Move, holds: list[Any], merge: bool = True, memo: dict[Any, Any] | None = None
+) -> list[np.ndarray]:
     """Segments for one move, one table per (shard group, destination replica) in that order;
-    destination pools must already be prepared for raw writes."""
+    destination pools must already be prepared for raw writes.
+
+    ``memo`` (one dict per batch) lets moves of the same geometry and the same block lists --
+    a KV slot's per-layer arrays -- reuse the first one's table, shifted by their base
+    addresses, instead of planning again."""
     dst_regions = _regions(move.dst, holds)
     src_regions = _regions(move.src, holds)
     itemsize = move.src.dtype.itemsize
-    parts = []
-    for src_group, dst_group in zip(src_regions, dst_regions, strict=True):
-        source = src_group[0]  # a replicated shard is read once ...
-        for target in dst_group:  # ... and written to every replica
-            parts.append(
-                segments(
-                    source,
-                    target,
-                    move.src_blocks,
-                    move.dst_blocks,
-                    move.block_axis,
-                    itemsize,
-                    merge=merge,
-                )
-            )
+    pairs = [
+        (src_group[0], target)  # a replicated shard is read once and written to every replica
+        for src_group, dst_group in zip(src_regions, dst_regions, strict=True)
+        for target in dst_group
+    ]
+    key = None
+    if memo is not None:
+        # ids are stable here: the memo lives for one batch, whose moves hold these arrays
+        key = (
+            id(move.src_blocks),
+            id(move.dst_blocks),
+            move.block_axis,
+            itemsize,
+            merge,
+            tuple((s.shape, s.strides, d.shape, d.strides) for s, d in pairs),
+        )
+        seen = memo.get(key)
+        if seen is not None:
+            bases, tables = seen
+            return [
+                table
+                + np.array(
+                    [(s.base - s0) % _U64, (d.base - d0) % _U64, 0], dtype=np.uint64
+                )  # wraps modulo 2**64 like the addresses
+                for (s, d), (s0, d0), table in zip(pairs, bases, tables, strict=True)
+            ]
+    parts = [
+        segments(s, d, move.src_blocks, move.dst_blocks, move.block_axis, itemsize, merge=merge)
+        for s, d in pairs
+    ]
+    if memo is not None:
+        memo[key] = ([(s.base, d.base) for s, d in pairs], parts)
     return parts
 
 
@@ -129,9 +156,10 @@ def run_hashed(moves: list[Move]) -> list[np.ndarray]:
     holds: list[Any] = []
     try:
         tables, shapes = [], []
+        memo: dict[Any, Any] = {}
         for move in moves:
-            parts = plan_segments(move, holds, merge=False)
-            outer = int(np.prod(move.src.shard_shape[: move.block_axis], dtype=np.int64))
+            parts = plan_segments(move, holds, merge=False, memo=memo)
+            outer = math.prod(move.src.shard_shape[: move.block_axis])
             groups = len(move.groups())
             shapes.append((groups, len(parts) // groups, outer, len(move.src_blocks)))
             tables.append(np.concatenate(parts) if parts else np.empty((0, 3), np.uint64))
@@ -159,6 +187,10 @@ def overlaps(table: np.ndarray) -> bool:
         return False
     src_start = table[:, 0]
     src_end = src_start + table[:, 2]
+    dst_first = table[:, 1].min()
+    dst_last = (table[:, 1] + table[:, 2]).max()
+    if src_end.max() <= dst_first or src_start.min() >= dst_last:
+        return False  # the usual case (host slots and device buffers): one range each side
     order = np.argsort(table[:, 1], kind="stable")
     dst_start = table[order, 1]
     dst_end = dst_start + table[order, 2]
@@ -194,8 +226,9 @@ def run(moves: list[Move]) -> int:
     holds: list[Any] = []
     try:
         tables = []
+        memo: dict[Any, Any] = {}
         for move in moves:
-            parts = plan_segments(move, holds)
+            parts = plan_segments(move, holds, memo=memo)
             tables.append(np.concatenate(parts) if parts else np.empty((0, 3), np.uint64))
         whole = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
         if not overlaps(whole):
