@@ -1558,3 +1558,59 @@ def test_offload_session_blocking_form(arrays, rng, stores):
     restored = store.restore_session("blocking", [10, 11, 12])
     assert restored.loaded_tokens == len(tokens)
     assert same([b[[10, 11, 12]] for b in kv.snapshot()], expected)
+
+
+# --- serving peers: DRAM and disk listed, disk blocks moved up for a peer -----------------------
+
+
+def test_serve_lists_dram_and_disk_and_serves_disk_blocks_to_peers(
+    arrays, rng, stores, tmp_path, shm_names
+):
+    """A store serving peers (``serve``) lists every block DRAM or disk holds; a peer's pull
+    of a block only on disk moves it up first. After a restart the node lists at once what
+    /dev/shm and disk still hold; a block that leaves both tiers is withdrawn."""
+    from tpusync.cluster import MemoryRegistry, RegistryPool
+
+    secret = b"k" * 32
+    registry = MemoryRegistry()
+    name = shm_names()
+    kv = Kv(arrays, rng)
+    owner = stores(make_config(tmp_path, 16, disk=32, name=name), kv.pools)
+    first, second = prompt(rng, 3 * BS), prompt(rng, 2 * BS)
+    owner.save(first, [1, 2, 3])
+    owner.save(second, [4, 5])
+    expected = kv.blocks([1, 2, 3])
+    assert owner.flush(TIMEOUT)
+    owner.evict(first, tier="dram")  # now only on disk
+    server = owner.serve(registry, "owner", secret=secret, ttl_s=30)
+    assert owner.flush(TIMEOUT)
+    listed = lambda tokens: [bool(h) for h in registry.holders(keys_of(owner, tokens))]  # noqa: E731
+    assert listed(first) == [True] * 3 and listed(second) == [True] * 2
+    assert [n.addresses for n in registry.nodes()] == [(server.address,)]
+
+    peer_kv = Kv(arrays, rng)
+    cluster = RegistryPool(registry, owner.layout, secret=secret, exclude="peer")
+    try:
+        peer = stores(make_config(extra_tiers=(("cluster", cluster),)), peer_kv.pools)
+        hit = peer.lookup(first)
+        assert hit.tiers == ("cluster",) * 3
+        before = peer_kv.snapshot()
+        assert peer.load(hit, [10, 11, 12]).loaded_blocks == 3
+        peer_kv.check([10, 11, 12], expected, before)
+    finally:
+        cluster.close()
+    assert hits(owner, first) == (3, ("dram",) * 3)  # moved up to serve the peer
+
+    # evicted from DRAM while on disk: still listed; dropped from disk too: withdrawn
+    owner.evict(second, tier="dram")
+    assert owner.flush(TIMEOUT) and listed(second) == [True] * 2
+    owner.evict(second, tier="disk")
+    assert owner.flush(TIMEOUT) and listed(second) == [False] * 2
+
+    owner.evict(first, tier="dram")
+    owner.close()
+    assert registry.nodes() == []  # unregistered
+    again = stores(make_config(tmp_path, 16, disk=32, name=name), kv.pools)
+    again.serve(registry, "owner", secret=secret, ttl_s=30)
+    assert listed(first) == [True] * 3  # published at start: disk blocks included
+    assert again.dram.contains(keys_of(again, first)) == [False] * 3

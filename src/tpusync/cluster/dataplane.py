@@ -215,6 +215,9 @@ class BlockServer(AuthenticatedTcpServer):
       io_timeout_s: a connection idle (or stuck sending) this long is closed.
       max_connections: connections beyond this are closed at once.
       clock: the lease table's clock (tests).
+      before_lease: called with the keys a peer asks to lease, before the lease is taken (a
+        store moves blocks up from its lower tiers into ``pool`` there); failures are logged
+        and the keys it could not bring are simply absent.
     """
 
     def __init__(
@@ -231,6 +234,7 @@ class BlockServer(AuthenticatedTcpServer):
         clock: Callable[[], float] = time.monotonic,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
+        before_lease: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         if not isinstance(pool, HostPool):
             raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
@@ -254,11 +258,13 @@ class BlockServer(AuthenticatedTcpServer):
             self._sock.close()  # listening already: give the port back
             raise
         self._served = Served(pool, self.leases)
+        self._before_lease = before_lease
         self.server_id = secrets.token_hex(8)
         self._io_timeout = float(io_timeout_s)
         self._start()
 
     _thread_name = "tpusync-block-server"
+    _before_lease: Callable[[list[bytes]], None] | None = None
 
     def _serve_connection(self, conn: socket.socket) -> None:
         conn.settimeout(self._io_timeout)
@@ -355,6 +361,12 @@ class BlockServer(AuthenticatedTcpServer):
     def _acquire(self, served: Served, params: dict[str, Any]) -> dict[str, Any]:
         keys = _keys_param(params.get("keys"))
         ttl = _ttl_param(params.get("ttl_s"), self.lease_ttl_s, self.lease_ttl_s)
+        hook = self._before_lease
+        if hook is not None:
+            try:
+                hook(keys)
+            except Exception as exc:  # the keys it did not bring are absent: misses, not errors
+                log.warning("block server: preparing %d keys failed: %r", len(keys), exc)
         lease = served.leases.acquire(keys, ttl)
         self._read(served, [k for k, p in zip(keys, lease.present, strict=True) if p])
         return {

@@ -86,6 +86,8 @@ class TierStack:
         # Told of keys DRAM gained and lost (the store's registry link); called without locks.
         self.on_dram_added: Callable[[list[bytes]], None] | None = None
         self.on_dram_removed: Callable[[list[bytes]], None] | None = None
+        # Told of keys a writable lower tier dropped (tier index, keys); called without locks.
+        self.on_lower_removed: Callable[[int, list[bytes]], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter(
             dict.fromkeys(POLICY_COUNTERS, 0)
         )
@@ -167,6 +169,13 @@ class TierStack:
     def dram_removed(self, keys: Sequence[bytes]) -> None:
         if keys and self.on_dram_removed is not None:
             self.on_dram_removed(list(keys))
+
+    def removed(self, tier: int, keys: Sequence[bytes]) -> None:
+        """Tells the hooks that ``tier`` dropped ``keys``."""
+        if tier == 0:
+            self.dram_removed(keys)
+        elif keys and self.on_lower_removed is not None:
+            self.on_lower_removed(tier, list(keys))
 
     def pinned(self, key: bytes) -> bool:
         return self._pins.get(key, 0) > 0
@@ -275,8 +284,7 @@ class TierStack:
                 gone = absent(store, victims)
                 for key in gone:
                     self._lru[tier].pop(key, None)
-            if tier == 0:
-                self.dram_removed(gone)
+            self.removed(tier, gone)
             self.bump("evictions", dropped)
             store.stats.add(evictions=dropped)
             if not gone:
@@ -315,8 +323,7 @@ class TierStack:
                 gone = absent(store, victims)
                 for key in gone:
                     self._lru[tier].pop(key, None)
-        if tier == 0:
-            self.dram_removed(gone)
+        self.removed(tier, gone)
         self.bump("evictions", dropped)
         store.stats.add(evictions=dropped)
         return dropped
@@ -349,15 +356,16 @@ class TierStack:
 
     # --- promotion -------------------------------------------------------------------------
 
-    def promote(self, keys: Sequence[bytes]) -> tuple[list[bool], int]:
+    def promote(self, keys: Sequence[bytes], *, local: bool = False) -> tuple[list[bool], int]:
         """Reads the keys DRAM lacks from the first lower tier holding them into DRAM; returns
         which keys DRAM holds afterwards. Blocks failing their checksum are misses (the lower
         tier counts and drops them), and how many blocks moved up. Pin the keys first, so that
-        making room cannot evict them."""
+        making room cannot evict them. With ``local``, other nodes' (read-only) tiers are not
+        read."""
         in_dram = self.dram.contains(keys)
         if all(in_dram):
             return in_dram, 0
-        where = self.locate(keys, prefix=False)
+        where = self.locate(keys, prefix=False, local=local)
         promoted = 0
         wanted = [i for i, t in enumerate(where) if t > 0]
         if wanted:
@@ -468,15 +476,15 @@ class TierStack:
             pinned = [k for k in keys if self._pins.get(k, 0) > 0]
             self._doomed.update(pinned)
             free = [k for k in keys if self._pins.get(k, 0) <= 0]
-            gone: list[bytes] = []
+            gone: dict[int, list[bytes]] = {}
             for t, tier in enumerate(self.tiers):
                 if free and not self.read_only[t]:
                     dropped += tier.delete(free)
                     lost = absent(tier, free)
                     self.forget(t, lost)
-                    if t == 0:
-                        gone = lost
-        self.dram_removed(gone)
+                    gone[t] = lost
+        for t, lost in gone.items():
+            self.removed(t, lost)
         return dropped
 
     def close(self) -> None:

@@ -213,6 +213,7 @@ class KVCacheStore:
         self._handles: dict[int, LookupResult] = {}
         self._session_saves: dict[str, SaveFuture] = {}
         self._registry_link: RegistryLink | None = None
+        self._server: Any = None  # the BlockServer of serve()
         self._saving: set[SaveFuture] = set()  # saves not yet durable (flush waits for them)
         self._handles_lock = threading.Lock()
         self._counters_lock = threading.Lock()
@@ -753,6 +754,108 @@ class KVCacheStore:
         self._stack.on_dram_added = link.added
         self._stack.on_dram_removed = link.removed
 
+    def serve(
+        self,
+        registry: Any,
+        node_id: str,
+        *,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        group: str = "",
+        ttl_s: float = 10.0,
+        lease_ttl_s: float = 10.0,
+        tls: Any = None,
+        insecure: bool = False,
+    ) -> Any:
+        """Serves this store's blocks to peers and lists them in ``registry``: a
+        :class:`tpusync.cluster.BlockServer` over :attr:`dram` that first moves what a peer
+        asks for up from the local disk tier, and a node ``node_id`` (with this store's shard
+        rank and count, in ``group``) publishing every block DRAM *or disk* holds -- so a
+        restarted node lists at once what its /dev/shm and disk tiers still hold. Returns the
+        server (its :attr:`~tpusync.cluster.BlockServer.address` is the node's);
+        :meth:`close` stops it and unregisters the node. ``secret``, ``tls``, ``insecure``,
+        ``lease_ttl_s``: as for the BlockServer; ``ttl_s``: the node's registry lease."""
+        from tpusync.cluster import BlockServer
+        from tpusync.cluster.registry import NodeInfo, Registry, check_ttl
+
+        self._check_open()
+        if not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster Registry, got {type(registry).__name__}"
+            )
+        if self._registry_link is not None:
+            raise InvalidArgumentError("registry: this store already publishes to a registry")
+        ttl_s = check_ttl(ttl_s)
+        server = BlockServer(
+            self.dram,
+            secret=secret,
+            host=host,
+            port=port,
+            lease_ttl_s=lease_ttl_s,
+            tls=tls,
+            insecure=insecure,
+            before_lease=self._promote_for_peers,
+        )
+        try:
+            node = NodeInfo(
+                node_id,
+                (server.address,),
+                group,
+                self.config.shard_rank,
+                self.config.shard_count,
+            )
+            disk = self._stack.names.index("disk") if "disk" in self._stack.names else None
+            link = RegistryLink(registry, node, ttl_s, self._served_keys)
+        except BaseException:
+            server.close()
+            raise
+        self._registry_link, self._server = link, server
+        stack = self._stack
+        stack.on_dram_added = link.added
+
+        def dram_removed(keys: list[bytes]) -> None:  # still served from disk: still listed
+            if disk is not None:
+                keys = [
+                    k
+                    for k, held in zip(keys, stack.tiers[disk].contains(keys), strict=True)
+                    if not held
+                ]
+            link.removed(keys)
+
+        def lower_removed(tier: int, keys: list[bytes]) -> None:
+            if tier == disk:
+                link.removed(
+                    [k for k, held in zip(keys, self.dram.contains(keys), strict=True) if not held]
+                )
+
+        stack.on_dram_removed = dram_removed
+        stack.on_lower_removed = lower_removed
+        return server
+
+    def _served_keys(self) -> list[bytes]:
+        """What :meth:`serve` publishes: every key DRAM or the disk tier holds."""
+        keys = dict.fromkeys(self.dram.keys())
+        if "disk" in self._stack.names:
+            keys.update(dict.fromkeys(self._stack.tiers[self._stack.names.index("disk")].keys()))
+        return list(keys)
+
+    def _promote_for_peers(self, keys: list[bytes]) -> None:
+        """Moves the keys a peer is about to lease up into DRAM from local lower tiers (never
+        from other nodes': a peer asking this node must not make it ask the cluster)."""
+        if self._closed:
+            return
+        stack = self._stack
+        with stack.lock:
+            where = stack.locate(keys, prefix=False, local=True)
+            wanted = [k for k, t in zip(keys, where, strict=True) if t > 0]
+            stack.pin(wanted)
+        try:
+            if wanted:
+                stack.promote(wanted, local=True)
+        finally:
+            stack.unpin(wanted)
+
     # --- eviction, purge, stats, close -----------------------------------------------------
 
     def evict(self, tokens: Any, *, tier: str = "dram", namespace: Namespace | None = None) -> int:
@@ -831,11 +934,14 @@ class KVCacheStore:
         if self._closed:
             return
         self._closed = True
+        if self._server is not None:
+            self._server.close()  # no peer reads while the tiers close
         self._calls.shutdown(wait=True)
         self._stack.flush()
         self._stack.close()
         if self._registry_link is not None:
             self._stack.on_dram_added = self._stack.on_dram_removed = None
+            self._stack.on_lower_removed = None
             self._registry_link.close()
         with self._handles_lock:
             for handle in self._handles.values():
