@@ -238,10 +238,37 @@ class BlockServer(AuthenticatedTcpServer):
     ) -> None:
         if not isinstance(pool, HostPool):
             raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
+        self._listen(host, port, secret, lease_ttl_s, handshake_timeout_s, io_timeout_s,
+                     max_connections, tls, insecure)  # fmt: skip
+        self.pool = pool
+        try:
+            self.leases = LeaseTable(pool, clock=clock)
+        except BaseException:
+            self._sock.close()  # listening already: give the port back
+            raise
+        self._served = Served(pool, self.leases)
+        self._before_lease = before_lease
+        self._start()
+
+    def _listen(
+        self,
+        host: str,
+        port: int,
+        secret: bytes,
+        lease_ttl_s: float,
+        handshake_timeout_s: float,
+        io_timeout_s: float,
+        max_connections: int,
+        tls: ssl.SSLContext | None,
+        insecure: bool,
+    ) -> None:
+        """Checks the server arguments and starts listening (what every block server shares;
+        :meth:`_start` then starts accepting)."""
         _check_secret(secret)
         if not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600:
             raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
-        super().__init__(
+        AuthenticatedTcpServer.__init__(
+            self,
             host,
             port,
             secret=secret,
@@ -250,18 +277,9 @@ class BlockServer(AuthenticatedTcpServer):
             tls=tls,
             insecure=insecure,
         )
-        self.pool = pool
         self.lease_ttl_s = float(lease_ttl_s)
-        try:
-            self.leases = LeaseTable(pool, clock=clock)
-        except BaseException:
-            self._sock.close()  # listening already: give the port back
-            raise
-        self._served = Served(pool, self.leases)
-        self._before_lease = before_lease
         self.server_id = secrets.token_hex(8)
         self._io_timeout = float(io_timeout_s)
-        self._start()
 
     _thread_name = "tpusync-block-server"
     _before_lease: Callable[[list[bytes]], None] | None = None

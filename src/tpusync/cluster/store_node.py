@@ -147,25 +147,12 @@ class StoreServer(BlockServer):
             raise InvalidArgumentError(
                 f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 81)"
             )
-        if not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600:
-            raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
-        AuthenticatedTcpServer.__init__(
-            self,
-            host,
-            port,
-            secret=secret,
-            handshake_timeout_s=handshake_timeout_s,
-            max_connections=max_connections,
-            tls=tls,
-            insecure=insecure,
-        )
+        self._listen(host, port, secret, lease_ttl_s, handshake_timeout_s, io_timeout_s,
+                     max_connections, tls, insecure)  # fmt: skip
         self.dram_bytes = dram_bytes
         self.max_layouts = max_layouts
         self.layout_bytes = dram_bytes // max_layouts
         self.name, self.shm_dir = name, shm_dir
-        self.lease_ttl_s = float(lease_ttl_s)
-        self.server_id = os.urandom(8).hex()
-        self._io_timeout = float(io_timeout_s)
         self._clock = clock
         self.on_added, self.on_removed = on_added, on_removed
         self._lent: dict[bytes, _Lent] = {}
