@@ -142,8 +142,7 @@ class TierStack:
                 count = pins.get(key, 0) - 1
                 if count > 0:
                     pins[key] = count
-                elif key in pins:
-                    del pins[key]
+                elif pins.pop(key, None) is not None:  # dict.pop: Counter's del is slow
                     if key in self._doomed:
                         self._doomed.discard(key)
                         doomed.append(key)

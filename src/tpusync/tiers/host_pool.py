@@ -850,10 +850,15 @@ def _size(nbytes: int) -> str:
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    if isinstance(keys, list | tuple) and all(
-        type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES for key in keys
+    if isinstance(keys, list | tuple) and (
+        not keys
+        or (
+            set(map(type, keys)) == {bytes}
+            and min(map(len, keys)) > 0
+            and max(map(len, keys)) <= MAX_KEY_BYTES
+        )
     ):
-        return list(keys)  # the common case, checked in one pass
+        return list(keys)  # the common case, checked at C speed
     out = []
     for i, key in enumerate(keys):
         if not isinstance(key, bytes | bytearray | memoryview):
