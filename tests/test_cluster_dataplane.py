@@ -147,9 +147,7 @@ def test_striping_over_three_connections_and_two_local_addresses(
     peers: list[tuple[str, int]] = []
 
     class Recording(BlockServer):
-        def _handle_get(
-            self, conn: socket.socket, served: Served, rid: int, params: dict
-        ) -> bool:
+        def _handle_get(self, conn: socket.socket, served: Served, rid: int, params: dict) -> bool:
             peers.append((conn.getpeername()[0], len(params["keys"])))
             return super()._handle_get(conn, served, rid, params)
 
@@ -488,9 +486,7 @@ def test_client_parser_survives_random_frames(source: HostPool) -> None:
     keys = [key_for(i) for i in range(3)]
 
     class Scripted(BlockServer):
-        def _handle_get(
-            self, conn: socket.socket, served: Served, rid: int, params: dict
-        ) -> bool:
+        def _handle_get(self, conn: socket.socket, served: Served, rid: int, params: dict) -> bool:
             fp = self.pool.layout.fingerprint
             frames = []
             for key in [bytes.fromhex(k) for k in params["keys"]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import struct
@@ -30,12 +31,15 @@ from tpusync.cluster import (
     MemoryRegistry,
     NodeInfo,
     RedisRegistry,
+    Registry,
     RegistryServer,
     RegistryUnavailableError,
     RemoteRegistry,
     longest_common_prefix,
     longest_prefix,
 )
+from tpusync.cluster.registry import PrefixRegistry, prefix_of
+from tpusync.cluster.registry_server import _holders_from_wire, _holders_to_wire
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 SECRET = b"s" * 32
@@ -64,24 +68,22 @@ def stop(proc: subprocess.Popen) -> None:
 # -- backends ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """A real redis-server on a free port for this session (skipped only where none is
-    installed)."""
+def start_redis(port: int) -> subprocess.Popen:
+    """A redis-server on ``port``, answering (skips the test where none is installed)."""
     server = shutil.which("redis-server")
     if server is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     import redis
 
-    port = free_port()
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"redis://127.0.0.1:{port}/0"
     try:
-        client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(
+            host="127.0.0.1", port=port, socket_timeout=1, socket_connect_timeout=1
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -92,7 +94,20 @@ def redis_url() -> Iterator[str]:
                     raise RuntimeError(f"redis-server did not start on port {port}") from None
                 time.sleep(0.05)
         client.close()
-        yield url
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real redis-server on a free port for this session (skipped only where none is
+    installed)."""
+    port = free_port()
+    proc = start_redis(port)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
     finally:
         stop(proc)
 
@@ -185,6 +200,18 @@ def k(i: int, length: int = 16) -> bytes:
 
 def ids(holders: list[list[Holder]]) -> list[list[str]]:
     return [[h.node_id for h in held] for held in holders]
+
+
+def pairs(holders: list[list[Holder]]) -> list[list[tuple[str, str]]]:
+    """Holders with their tiers (Holder's own equality ignores the tier)."""
+    return [[(h.node_id, h.tier) for h in held] for held in holders]
+
+
+def fast_prefix(registry: Any, keys: list[bytes], exclude: str | None = None) -> Any:
+    """The backend's own prefix lookup where it has one, else longest_prefix's fallback."""
+    if isinstance(registry, PrefixRegistry):
+        return registry.prefix_holders(keys, exclude=exclude)
+    return longest_prefix(registry, keys, exclude=exclude)[1]
 
 
 # -- the protocol, on every backend --------------------------------------------------------------
@@ -319,6 +346,11 @@ BAD_CALLS: list[tuple[str, Callable[[Any], Any]]] = [
     ("unregistered", lambda r: r.publish("ghost", [k(1)], "dram")),
     ("withdraw bad key", lambda r: r.withdraw("live", [k(0), b"y" * 40])),
     ("holders bad key", lambda r: r.holders([k(0), 5])),
+    ("prefix bad key", lambda r: longest_prefix(r, [k(0), 5])),
+    ("prefix bad key past a gap", lambda r: longest_prefix(r, [k(0), k(1), b"z" * 33])),
+    ("prefix bad exclude", lambda r: longest_prefix(r, [k(0)], exclude=5)),
+    ("fast prefix bad key past a gap", lambda r: fast_prefix(r, [k(1), "text"])),
+    ("fast prefix bad exclude", lambda r: fast_prefix(r, [k(0)], exclude=b"live")),
     ("ttl zero", lambda r: r.register(NodeInfo("new"), 0)),
     ("ttl negative", lambda r: r.register(NodeInfo("new"), -1)),
     ("ttl not a number", lambda r: r.register(NodeInfo("new"), "10")),
@@ -378,6 +410,239 @@ def test_concurrent_publish_withdraw(make: Callable[[], Any]) -> None:
     assert clients[0].nodes() == []
 
 
+def test_prefix_holders(make: Callable[[], Any]) -> None:
+    r1, r2 = make(), make()
+    expected_fast = not isinstance(r1, JaxRegistry)
+    assert isinstance(r1, PrefixRegistry) is expected_fast
+    for name in ("b", "a", "c"):
+        r1.register(NodeInfo(name), 30)
+    r1.register(NodeInfo("short"), SHORT_TTL)
+    keys = [k(i, 24) for i in range(10)]
+    r1.publish("a", keys[:6], "dram")
+    r2.publish("b", keys[:3], "disk")
+    r1.publish("c", [keys[1]], "shm")
+    r2.publish("c", keys[7:], "dram")  # after a gap: never part of the prefix
+    r1.publish("short", keys[:9], "dram")
+    assert pairs(fast_prefix(r2, keys))[:7] == (
+        [[("a", "dram"), ("b", "disk"), ("short", "dram")]]
+        + [[("a", "dram"), ("b", "disk"), ("c", "shm"), ("short", "dram")]]
+        + [[("a", "dram"), ("b", "disk"), ("short", "dram")]]
+        + [[("a", "dram"), ("short", "dram")]] * 3
+        + [[("short", "dram")]]
+    )
+    assert len(fast_prefix(r2, keys)) == 10  # short holds 6..8, c 7..9
+    assert (
+        ids(fast_prefix(r1, keys, exclude="short"))
+        == [["a", "b"], ["a", "b", "c"], ["a", "b"]] + [["a"]] * 3
+    )
+    time.sleep(LAPSE)  # "short" lapses: its entries stop counting at once
+    found = fast_prefix(r2, keys)
+    assert ids(found) == [["a", "b"], ["a", "b", "c"], ["a", "b"]] + [["a"]] * 3
+    assert longest_prefix(r1, keys) == (6, found)
+    assert ids(fast_prefix(r1, keys, exclude="a")) == [["b"], ["b", "c"], ["b"]]
+    assert fast_prefix(r1, keys, exclude="nobody") == found
+    assert fast_prefix(r1, keys[6:]) == []
+    assert fast_prefix(r1, []) == []
+    assert ids(fast_prefix(r1, keys[7:])) == [["c"]] * 3
+    assert longest_common_prefix(r1, [keys, keys[3:]]) == 3
+    # the answer is the caller's to change
+    found[0].append(Holder("x", "y"))
+    assert ids(fast_prefix(r2, keys[:1])) == [["a", "b"]]
+    # a lapsed node that registers again holds nothing until it re-publishes
+    r1.register(NodeInfo("short"), 30)
+    assert len(fast_prefix(r2, keys)) == 6
+    r1.publish("short", keys[6:7], "disk")
+    assert len(fast_prefix(r2, keys)) == 10
+    r1.unregister("c")
+    assert len(fast_prefix(r2, keys)) == 7
+    r1.withdraw("a", keys[:1])
+    r1.withdraw("b", keys[:1])
+    assert fast_prefix(r2, keys) == []
+    assert r1.holders(keys[:1]) == [[]]
+
+
+def test_prefix_holders_big(make: Callable[[], Any]) -> None:
+    """Lookups of more keys than one request / script call carries (batches)."""
+    registry = make()
+    if isinstance(registry, JaxRegistry):
+        pytest.skip("one RPC per key: too slow for this many keys")
+    registry.register(NodeInfo("n1"), 30)
+    registry.register(NodeInfo("n2"), 30)
+    keys = [k(i, 20) for i in range(9000)]
+    registry.publish("n1", keys[:8500], "dram")
+    registry.publish("n2", keys[4000:4001] + keys[8400:8600], "disk")
+    assert len(fast_prefix(registry, keys)) == 8600
+    assert len(fast_prefix(registry, keys, exclude="n2")) == 8500
+    assert len(fast_prefix(registry, keys, exclude="n1")) == 0
+    found = registry.holders(keys)
+    assert [len(h) for h in found] == [1] * 4000 + [2] + [1] * 4399 + [2] * 100 + [1] * 100 + [
+        0
+    ] * 400
+    assert ids(found[4000:4001]) == [["n1", "n2"]]
+    registry.withdraw("n1", keys[1000:1001])
+    assert len(fast_prefix(registry, keys)) == 1000
+    registry.withdraw("n1", keys[:1])
+    assert fast_prefix(registry, keys) == []
+
+
+class Model:
+    """What a registry answers, by definition (for comparing the backends with)."""
+
+    def __init__(self) -> None:
+        self.alive: set[str] = set()
+        self.lapsed: set[str] = set()
+        self.entries: dict[bytes, dict[str, str]] = {}
+
+    def holders(self, keys: list[bytes]) -> list[list[tuple[str, str]]]:
+        return [
+            sorted((n, t) for n, t in self.entries.get(key, {}).items() if n in self.alive)
+            for key in keys
+        ]
+
+    def prefix(self, keys: list[bytes], exclude: str | None) -> list[list[tuple[str, str]]]:
+        out = []
+        for held in self.holders(keys):
+            held = [(n, t) for n, t in held if n != exclude]
+            if not held:
+                break
+            out.append(held)
+        return out
+
+    def drop(self, node: str) -> None:
+        for held in self.entries.values():
+            held.pop(node, None)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_prefix_matches_holders_on_random_histories(make: Callable[[], Any], seed: int) -> None:
+    """Random publish / withdraw / unregister / re-register / sweep histories, with lapsed
+    nodes: holders, prefix_holders and longest_prefix all agree with the model (and each
+    other) after every step."""
+    rng = random.Random(seed)
+    r1, r2 = make(), make()
+    model = Model()
+    names = ["n0", "n1", "n2", "n3", "n4", "n5"]
+    pool = [k(i, rng.choice([8, 24, 32])) for i in range(16)]
+    short = names[:2]
+    for name in names:
+        (r1 if name in short else r2).register(NodeInfo(name), SHORT_TTL if name in short else 60)
+        model.alive.add(name)
+    for name in short:  # give the short-lived ones entries, then let them lapse
+        keys = rng.sample(pool, 10)
+        r1.publish(name, keys, "dram")
+        for key in keys:
+            model.entries.setdefault(key, {})[name] = "dram"
+    time.sleep(LAPSE)
+    model.alive -= set(short)
+    model.lapsed |= set(short)
+
+    def check() -> None:
+        for _ in range(3):
+            keys = rng.sample(pool, rng.randint(0, len(pool)))
+            if rng.random() < 0.5:  # mostly-held sequences, so prefixes get long
+                keys.sort(key=lambda key: -len(model.entries.get(key, {})))
+            exclude = rng.choice([None, None, *names, "nobody"])
+            reader = rng.choice([r1, r2])
+            want = model.prefix(keys, exclude)
+            assert pairs(reader.holders(keys)) == model.holders(keys)
+            assert pairs(fast_prefix(reader, keys, exclude)) == want
+            count, found = longest_prefix(reader, keys, exclude=exclude)
+            assert (count, pairs(found)) == (len(want), want)
+            assert prefix_of(reader.holders(keys), exclude)[0] == count
+
+    check()
+    for _ in range(40):
+        op = rng.random()
+        client = rng.choice([r1, r2])
+        name = rng.choice(names)
+        keys = rng.sample(pool, rng.randint(1, 8))
+        if op < 0.45:
+            tier = rng.choice(["dram", "disk", "shm"])
+            if name in model.alive:
+                client.publish(name, keys, tier)
+                for key in keys:
+                    model.entries.setdefault(key, {})[name] = tier
+            else:
+                with pytest.raises(InvalidArgumentError):
+                    client.publish(name, keys, tier)
+        elif op < 0.75:
+            client.withdraw(name, keys)
+            for key in keys:
+                model.entries.get(key, {}).pop(name, None)
+        elif op < 0.85:
+            client.unregister(name)
+            model.alive.discard(name)
+            model.lapsed.discard(name)
+            model.drop(name)
+        elif op < 0.95:
+            if name not in model.alive:  # a new or lapsed node starts clean
+                model.drop(name)
+            client.register(NodeInfo(name), 60)
+            model.alive.add(name)
+            model.lapsed.discard(name)
+        else:
+            assert client.sweep() == len(model.lapsed)
+            for gone in model.lapsed:
+                model.drop(gone)
+            model.lapsed.clear()
+        check()
+
+
+def test_memory_liveness_cache_follows_the_clock() -> None:
+    """MemoryRegistry reuses which nodes lapsed between lookups: every change of a lease (and
+    the clock passing one) must show at once."""
+    now = [100.0]
+    registry = MemoryRegistry(clock=lambda: now[0])
+    registry.register(NodeInfo("a"), 10)
+    registry.register(NodeInfo("b"), 5)
+    keys = [k(1), k(2)]
+    registry.publish("a", keys, "dram")
+    registry.publish("b", keys[:1], "disk")
+    assert ids(registry.holders(keys)) == [["a", "b"], ["a"]]
+    now[0] = 104.999
+    assert ids(registry.prefix_holders(keys)) == [["a", "b"], ["a"]]
+    now[0] = 105.0  # b's lease ends
+    assert ids(registry.holders(keys)) == [["a"], ["a"]]
+    assert ids(registry.prefix_holders(keys, exclude="a")) == []
+    assert registry.heartbeat("a", 1) is True  # a's lease is now shorter: until 106
+    now[0] = 105.5
+    assert ids(registry.prefix_holders(keys)) == [["a"], ["a"]]
+    now[0] = 106.0
+    assert registry.holders(keys) == [[], []]
+    assert registry.prefix_holders(keys) == []
+    registry.register(NodeInfo("b"), 10)  # lapsed: starts clean
+    assert registry.holders(keys) == [[], []]
+    registry.register(NodeInfo("a"), 10)
+    registry.publish("a", keys[1:], "shm")
+    registry.publish("b", keys, "dram")
+    assert pairs(registry.holders(keys)) == [[("b", "dram")], [("a", "shm"), ("b", "dram")]]
+    registry.register(NodeInfo("b"), 1)  # a live node's new lease may be shorter
+    now[0] = 107.0
+    assert pairs(registry.prefix_holders(keys)) == []
+    assert pairs(registry.holders(keys)) == [[], [("a", "shm")]]
+    now[0] = 50.0  # a clock that goes back (a test's): everything counts again
+    assert ids(registry.holders(keys)) == [["b"], ["a", "b"]]
+    now[0] = 120.0
+    assert registry.sweep() == 2
+    assert registry.holders(keys) == [[], []]
+    assert registry._entries == {} and registry._holder_objs == {}
+
+
+def test_memory_holders_are_shared_and_sorted() -> None:
+    registry = MemoryRegistry()
+    names = [f"n{i:02d}" for i in range(20)]
+    for name in random.Random(3).sample(names, len(names)):
+        registry.register(NodeInfo(name), 30)
+        registry.publish(name, [k(1), k(2)], "dram")
+    registry.publish("n07", [k(1)], "disk")  # the same node in another tier: replaced
+    found = registry.holders([k(1), k(2)])
+    assert ids(found) == [names, names]
+    assert found[0][7].tier == "disk" and found[1][7].tier == "dram"
+    assert found[0][0] is found[1][0]  # one Holder per node and tier
+    registry.withdraw("n10", [k(1)])
+    assert ids(registry.holders([k(1)])) == [names[:10] + names[11:]]
+
+
 # -- Redis specifics -----------------------------------------------------------------------------
 
 
@@ -403,12 +668,101 @@ def test_redis_lookup_is_few_round_trips(redis_url: str, monkeypatch: pytest.Mon
         found = registry.holders(keys)
         assert len(sends) <= 3, f"{len(sends)} round trips for a 512-key lookup"
         assert ids(found) == [["n0", "n1"]] * 100 + [["n0"]] * 412
+        sends.clear()  # the script is loaded now: one script call each
+        assert registry.holders(keys) == found
+        assert len(sends) == 1, f"{len(sends)} round trips for a 512-key lookup"
+        sends.clear()
+        assert longest_prefix(registry, keys) == (512, found)
+        assert len(sends) == 1, f"{len(sends)} round trips for a 512-key prefix"
         sends.clear()
         registry.publish("n2", keys, "shm")
         registry.withdraw("n2", keys)
         assert len(sends) <= 4, f"{len(sends)} round trips for a 512-key publish + withdraw"
     finally:
         registry.close()
+
+
+def test_redis_reloads_scripts_after_restart(tmp_path: Path) -> None:
+    """Redis forgets loaded scripts when it restarts (or on SCRIPT FLUSH): lookups load the
+    script again (NOSCRIPT) and answer, single calls and multi-batch pipelines alike."""
+    import redis
+
+    from tpusync.cluster.registry_redis import _LOOKUP_SHA
+
+    port = free_port()
+    proc = start_redis(port)
+    url = f"redis://127.0.0.1:{port}/0"
+    registry = RedisRegistry(url, prefix="restart", timeout_s=2)
+    admin = redis.Redis.from_url(url, socket_timeout=2)
+    keys = [k(i, 24) for i in range(2500)]  # 3 script calls for holders
+
+    def fill(tier: str) -> None:
+        registry.register(NodeInfo("n"), 30)
+        registry.publish("n", keys[:2000], tier)
+
+    try:
+        fill("dram")
+        assert admin.script_exists(_LOOKUP_SHA) == [False]
+        assert len(fast_prefix(registry, keys)) == 2000
+        assert admin.script_exists(_LOOKUP_SHA) == [True]
+        stop(proc)
+        with pytest.raises(RegistryUnavailableError):
+            fast_prefix(registry, keys)
+        proc = start_redis(port)  # empty, no scripts
+        assert admin.script_exists(_LOOKUP_SHA) == [False]
+        assert fast_prefix(registry, keys) == []
+        assert admin.script_exists(_LOOKUP_SHA) == [True]
+        fill("disk")
+        assert pairs(fast_prefix(registry, keys[:3])) == [[("n", "disk")]] * 3
+        admin.script_flush()
+        found = registry.holders(keys)  # a pipeline of script calls gets NOSCRIPT
+        assert [len(h) for h in found] == [1] * 2000 + [0] * 500
+        admin.script_flush()
+        assert len(fast_prefix(registry, keys)) == 2000
+        admin.script_flush()
+        registry.register(NodeInfo("m"), 30)  # the writing scripts are reloaded too
+        registry.publish("m", keys[2000:], "shm")
+        assert len(longest_prefix(registry, keys)[1]) == 2500
+    finally:
+        registry.close()
+        admin.close()
+        stop(proc)
+
+
+def test_redis_decoded_client_and_odd_names(redis_url: str) -> None:
+    """A passed-in client with decode_responses=True, node ids and tiers with the script's
+    separators and non-ASCII characters in them."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    registry = RedisRegistry(client=client, prefix=f"t{uuid.uuid4().hex[:10]}")
+    try:
+        names = ["a b,c", "ä 1", "0", "z:\n"]
+        for name in names:
+            registry.register(NodeInfo(name), 30)
+        keys = [k(i, 24) for i in range(4)]
+        registry.publish("a b,c", keys, "t 1,2")
+        registry.publish("ä 1", keys[1:], "ü")
+        registry.publish("0", keys[:1], "1")
+        registry.publish("z:\n", keys[2:3], " ")
+        want = [
+            [("0", "1"), ("a b,c", "t 1,2")],
+            [("a b,c", "t 1,2"), ("ä 1", "ü")],
+            [("a b,c", "t 1,2"), ("z:\n", " "), ("ä 1", "ü")],
+            [("a b,c", "t 1,2"), ("ä 1", "ü")],
+        ]
+        assert pairs(registry.holders(keys)) == want
+        assert pairs(registry.prefix_holders(keys)) == want
+        assert pairs(registry.prefix_holders(keys, exclude="a b,c")) == [
+            [h for h in held if h[0] != "a b,c"] for held in want
+        ]
+        assert pairs(registry.prefix_holders(keys, exclude="ä 1")) == [
+            [h for h in held if h[0] != "ä 1"] for held in want
+        ]
+        assert registry.holders([k(9)]) == [[]]
+    finally:
+        registry.close()
+        client.close()
 
 
 def test_redis_unreachable_raises() -> None:
@@ -572,6 +926,21 @@ def test_server_survives_malformed_input(server: RegistryServer) -> None:
              b'"tier": "t"}}', "InvalidArgument"),
             (b'{"id": 8, "method": "heartbeat", "params": {"node_id": "a", "ttl_s": null}}',
              "InvalidArgument"),
+            (b'{"id": 20, "method": "prefix", "params": {"keys": {"hex": "00", "size": 0}}}',
+             "InvalidArgument"),
+            (b'{"id": 21, "method": "prefix", "params": {"keys": {"hex": "0011", "size": 3}}}',
+             "InvalidArgument"),
+            (b'{"id": 22, "method": "prefix", "params": {"keys": {"hex": "zz", "size": 1}}}',
+             "InvalidArgument"),
+            (b'{"id": 23, "method": "prefix", "params": {"keys": {"hex": "00", "size": 33}}}',
+             "InvalidArgument"),
+            (b'{"id": 24, "method": "prefix", "params": {"keys": {"hex": "00", "size": true}}}',
+             "InvalidArgument"),
+            (b'{"id": 25, "method": "prefix", "params": {"keys": {"hex": "00", "size": 1, '
+             b'"more": 1}}}', "InvalidArgument"),
+            (b'{"id": 26, "method": "prefix", "params": {"keys": ["00"], "exclude": 5}}',
+             "InvalidArgument"),
+            (b'{"id": 27, "method": "prefix", "params": {"keys": [""]}}', "InvalidArgument"),
         ]  # fmt: skip
         for payload, kind in cases:
             send_raw(sock, payload)
@@ -579,6 +948,12 @@ def test_server_survives_malformed_input(server: RegistryServer) -> None:
             assert answer["error"]["type"].startswith(kind), (payload, answer)
         send(sock, {"id": 9, "method": "ping"})
         assert recv(sock) == {"id": 9, "result": "pong"}
+        nothing = {"holders": [], "rows": [], "runs": []}
+        for keys in ({"hex": "0000" * 3, "size": 2}, ["00", "0102"], {"hex": "", "size": 5}):
+            send(sock, {"id": 10, "method": "prefix", "params": {"keys": keys}})
+            assert recv(sock) == {"id": 10, "result": nothing}
+        send(sock, {"id": 11, "method": "holders", "params": {"keys": ["00"], "compact": True}})
+        assert recv(sock) == {"id": 11, "result": {"holders": [], "rows": [[]], "runs": [[0, 1]]}}
         sock.sendall(struct.pack(">I", 17 * 2**20))  # oversized after auth: closed
         assert recv(sock)["error"]["type"] == "ProtocolError"
         with pytest.raises((EOFError, ConnectionError)):
@@ -598,11 +973,13 @@ def test_server_survives_malformed_input(server: RegistryServer) -> None:
                 optional={
                     "method": st.sampled_from(
                         ["ping", "register", "heartbeat", "unregister", "publish", "withdraw",
-                         "holders", "nodes", "sweep", "close", "__init__", ""]
+                         "holders", "prefix", "nodes", "sweep", "close", "__init__", ""]
                     ),
                     "params": st.one_of(
                         st.dictionaries(
-                            st.sampled_from(["node", "node_id", "keys", "tier", "ttl_s"]),
+                            st.sampled_from(
+                                ["node", "node_id", "keys", "tier", "ttl_s", "exclude", "compact"]
+                            ),
                             st.recursive(
                                 st.none() | st.booleans() | st.integers() | st.floats()
                                 | st.text(max_size=8),
@@ -629,6 +1006,110 @@ def test_server_fuzz(server: RegistryServer, frames: list[bytes]) -> None:
         send(sock, {"id": 1, "method": "ping"})
         assert recv(sock)["result"] == "pong"
     _works(server)
+
+
+def test_remote_prefix_is_one_request(
+    server: RegistryServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = RemoteRegistry(server.address, secret=SECRET, timeout_s=5)
+    try:
+        client.register(NodeInfo("n"), 30)
+        keys = [k(i, 24) for i in range(512)]
+        client.publish("n", keys[:300], "dram")
+        calls: list[str] = []
+        sent: list[dict[str, Any]] = []
+        real = client._call
+
+        def counting(method: str, params: dict[str, Any]) -> Any:
+            calls.append(method)
+            sent.append(params)
+            return real(method, params)
+
+        monkeypatch.setattr(client, "_call", counting)
+        count, found = longest_prefix(client, keys)
+        assert count == 300 and pairs(found) == [[("n", "dram")]] * 300
+        assert calls == ["prefix"]
+        calls.clear()
+        assert longest_common_prefix(client, [keys, keys[:200]]) == 200
+        assert calls == ["prefix", "prefix"]
+        assert sent[0]["keys"] == {"hex": b"".join(keys).hex(), "size": 24}  # packed
+        client.publish("n", [k(1, 8)], "dram")
+        sent.clear()
+        assert longest_prefix(client, [*keys[:2], k(1, 8)])[0] == 3
+        assert sent[0]["keys"] == [keys[0].hex(), keys[1].hex(), k(1, 8).hex()]  # sizes differ
+    finally:
+        client.close()
+
+
+class ProtocolOnly:
+    """A Registry with nothing but the protocol's methods (no prefix_holders)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        for name in ("register", "heartbeat", "unregister", "publish", "withdraw", "holders",
+                     "nodes", "close"):  # fmt: skip
+            setattr(self, name, getattr(inner, name))
+
+
+def test_remote_prefix_against_other_servers() -> None:
+    """A server whose registry has no prefix_holders falls back to holders; a client of a
+    server that predates "prefix" (or the compact holders answer) falls back too."""
+    inner = MemoryRegistry()
+    plain = ProtocolOnly(inner)
+    assert isinstance(plain, Registry) and not isinstance(plain, PrefixRegistry)
+    keys = [k(i, 24) for i in range(6)]
+    with (
+        RegistryServer(plain, secret=SECRET) as srv,
+        RemoteRegistry(srv.address, secret=SECRET, timeout_s=5) as client,
+    ):
+        client.register(NodeInfo("a"), 30)
+        client.register(NodeInfo("b"), 30)
+        client.publish("a", keys[:4], "dram")
+        client.publish("b", keys[1:5], "disk")
+        want = [[("a", "dram")]] + [[("a", "dram"), ("b", "disk")]] * 3 + [[("b", "disk")]]
+        assert pairs(client.prefix_holders(keys)) == want
+        assert pairs(client.prefix_holders(keys, exclude="b")) == [[("a", "dram")]] * 4
+        # an old server: no "prefix", holders in the plain form
+        old_holders = lambda p: [  # noqa: E731
+            [[h.node_id, h.tier] for h in held]
+            for held in plain.holders([bytes.fromhex(x) for x in p["keys"]])
+        ]
+        srv._methods["holders"] = old_holders
+        del srv._methods["prefix"]
+        assert pairs(client.holders(keys)) == [*want, []]
+        assert pairs(client.prefix_holders(keys)) == want
+        assert client._no_prefix
+        assert client.prefix_holders(keys, exclude="a") == []  # only a holds keys[0]
+        assert pairs(client.prefix_holders(keys[1:], exclude="a")) == [[("b", "disk")]] * 4
+        assert longest_prefix(client, keys, exclude="b")[0] == 4
+        with pytest.raises(InvalidArgumentError):
+            client.prefix_holders([k(1), b""])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    found=st.lists(
+        st.lists(
+            st.sampled_from(
+                [Holder("a", "dram"), Holder("a", "disk"), Holder("b", "dram"), Holder("c", "x")]
+            ),
+            max_size=3,
+        ),
+        max_size=12,
+    )
+)
+def test_compact_wire_form_round_trips(found: list[list[Holder]]) -> None:
+    found = [sorted({h.node_id: h for h in held}.values()) for held in found]  # one per node
+    wire = json.loads(json.dumps(_holders_to_wire(found)))
+    back = _holders_from_wire(wire, "test")
+    assert pairs(back) == pairs(found)
+    assert sum(count for _, count in wire["runs"]) == len(found)
+    assert len(wire["holders"]) <= 4
+    assert pairs(
+        _holders_from_wire([[[h.node_id, h.tier] for h in held] for held in found], "t")
+    ) == (pairs(found))
+    with pytest.raises(RegistryUnavailableError, match="malformed"):
+        _holders_from_wire({"holders": [], "rows": [[0]], "runs": [[0, 1]]}, "test")
 
 
 def test_remote_reconnects_once_and_times_out(server: RegistryServer) -> None:

@@ -12,20 +12,31 @@ Liveness is Redis's own TTL on the node record (the server's clock: no clock ass
 hosts). Entries outlive a lapsed lease, but lookups count only nodes whose record exists; a
 lapsed node that registers again has its old entries cleared first, and :meth:`sweep` removes
 the entries of lapsed nodes. Writes that depend on liveness (register, publish, unregister,
-sweep) are Lua scripts, atomic on the server; every batch is one pipeline (a 512-key lookup is
-two round trips).
+sweep) are Lua scripts, atomic on the server; every batch is one pipeline. Lookups
+(:meth:`~RedisRegistry.holders`, :meth:`~RedisRegistry.prefix_holders`) are one Lua script call
+per 1000 keys (a 512-key lookup is one round trip): it reads each key's hash, checks each holder's
+lease once, stops at the first key nobody holds where asked to, and answers compactly. Scripts
+are loaded once and again when Redis has forgotten them (NOSCRIPT, after a restart).
 
 Needs the ``redis`` package (``pip install tpusync[cluster]``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from tpusync.cluster.registry import Holder, NodeInfo, check_keys, check_tier, check_ttl
+from tpusync.cluster.registry import (
+    Holder,
+    NodeInfo,
+    check_exclude,
+    check_keys,
+    check_tier,
+    check_ttl,
+)
 from tpusync.cluster.registry_server import (
     RegistryUnavailableError,
     check_node,
@@ -79,6 +90,82 @@ return 1
 """
 
 
+# ARGV: blk key prefix, node key prefix, "1" = stop at the first key without a live holder, the
+# node id to leave out ("" = none: node ids are never empty), the hex keys joined by ",".
+# Returns {n, table, rows, runs}: n keys answered (all of them, or the prefix); table = node, tier,
+# node, tier, ... (each live pair once); rows = each distinct holder list once, as the indices
+# (0-based) of its pairs in table joined by " " ("" for none); runs = row, count, row, count, ...:
+# the keys' rows in order, consecutive keys with the same row as one run.
+# (string.find plain, not gmatch: a pattern walk of the argument costs as much as the lookups)
+_LOOKUP = """
+local blk, nodep, stop, exclude, s = ARGV[1], ARGV[2], ARGV[3] == '1', ARGV[4], ARGV[5]
+local live, slot, tbl, rows, runs, row_at = {}, {}, {}, {}, {}, {}
+local npairs, nrows, nruns, n = 0, 0, 0, 0
+local prev = nil
+local pos, len = 1, #s
+while pos <= len do
+  local e = string.find(s, ',', pos, true) or len + 1
+  local flat = redis.call('HGETALL', blk .. string.sub(s, pos, e - 1))
+  pos = e + 1
+  local row = ''
+  for j = 1, #flat, 2 do
+    local node = flat[j]
+    local ok = live[node]
+    if ok == nil then
+      ok = node ~= exclude and redis.call('EXISTS', nodep .. node) == 1
+      live[node] = ok
+    end
+    if ok then
+      local tier = flat[j + 1]
+      local tiers = slot[node]
+      if tiers == nil then
+        tiers = {}
+        slot[node] = tiers
+      end
+      local i = tiers[tier]
+      if i == nil then
+        i = tostring(npairs)
+        npairs = npairs + 1
+        tiers[tier] = i
+        tbl[2 * npairs - 1] = node
+        tbl[2 * npairs] = tier
+      end
+      if row == '' then
+        row = i
+      else
+        row = row .. ' ' .. i
+      end
+    end
+  end
+  if stop and row == '' then
+    break
+  end
+  n = n + 1
+  if row == prev then
+    runs[nruns] = runs[nruns] + 1
+  else
+    prev = row
+    local r = row_at[row]
+    if r == nil then
+      r = nrows
+      nrows = nrows + 1
+      row_at[row] = r
+      rows[nrows] = row
+    end
+    runs[nruns + 1] = r
+    runs[nruns + 2] = 1
+    nruns = nruns + 2
+  end
+end
+return {n, tbl, rows, runs}
+"""
+_LOOKUP_SHA = hashlib.sha1(_LOOKUP.encode()).hexdigest()
+
+
+def _node_id(holder: Holder) -> str:
+    return holder.node_id
+
+
 def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -128,6 +215,7 @@ class RedisRegistry:
         self._register = client.register_script(_REGISTER)
         self._remove = client.register_script(_REMOVE)
         self._publish = client.register_script(_PUBLISH)
+        self._no_script = redis.exceptions.NoScriptError
 
     def _node_key(self, node_id: str) -> str:
         return f"{self._prefix}:node:{node_id}"
@@ -215,17 +303,84 @@ class RedisRegistry:
             out.update((n, rec) for n, rec in zip(batch, records, strict=True) if rec is not None)
         return out
 
+    def _lookup_args(self, keys: Sequence[bytes], stop: bool, exclude: str | None) -> list[str]:
+        joined = ",".join([k.hex() for k in keys])
+        return [self._blk, self._node_key(""), "1" if stop else "0", exclude or "", joined]
+
+    def _lookups(self, calls: list[list[str]]) -> list[Any]:
+        """Runs the lookup script once per argument list, in one round trip; loads the script
+        (once, and again after Redis forgot it) where Redis answers NOSCRIPT."""
+        for attempt in range(2):
+            try:
+                if len(calls) == 1:
+                    return [self._r.evalsha(_LOOKUP_SHA, 0, *calls[0])]
+                pipe = self._r.pipeline(transaction=False)
+                for args in calls:
+                    pipe.evalsha(_LOOKUP_SHA, 0, *args)
+                return pipe.execute()
+            except self._no_script:
+                if attempt:
+                    raise
+                self._r.script_load(_LOOKUP)  # lookups only read: running them again is safe
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def _decode(reply: Any, most: int) -> list[list[Holder]]:
+        """The lookup script's answer as holder lists, each sorted by node id."""
+        try:
+            n, flat, rows, runs = reply
+            n = int(n)
+            if not 0 <= n <= most:
+                raise ValueError(n)
+            table = [Holder(_str(flat[j]), _str(flat[j + 1])) for j in range(0, len(flat), 2)]
+            held = []
+            for row in rows:
+                holders = [table[int(i)] for i in _str(row).split()]
+                holders.sort(key=_node_id)
+                held.append(holders)
+            out: list[list[Holder]] = []
+            for j in range(0, len(runs), 2):
+                row = held[runs[j]]
+                out.extend([row.copy() for _ in range(runs[j + 1])])
+            if len(out) != n:
+                raise ValueError(len(out))
+        except (TypeError, ValueError, IndexError):
+            raise RegistryUnavailableError(f"malformed lookup answer: {reply!r:.200}") from None
+        return out
+
     def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
         keys = check_keys(keys)
         if not keys:
             return []
+        batches = [keys[i : i + BATCH_KEYS] for i in range(0, len(keys), BATCH_KEYS)]
         with self._errors("holders"):
-            pipe = self._r.pipeline(transaction=False)
-            for key in keys:
-                pipe.hgetall(self._blk + key.hex())
-            found = [{_str(n): _str(t) for n, t in held.items()} for held in pipe.execute()]
-            live = self._live(sorted({n for held in found for n in held}))
-        return [sorted(Holder(n, t) for n, t in held.items() if n in live) for held in found]
+            replies = self._lookups([self._lookup_args(b, False, None) for b in batches])
+        out: list[list[Holder]] = []
+        for batch, reply in zip(batches, replies, strict=True):
+            found = self._decode(reply, len(batch))
+            if len(found) != len(batch):
+                raise RegistryUnavailableError(f"malformed lookup answer: {reply!r:.200}")
+            out.extend(found)
+        return out
+
+    def prefix_holders(
+        self, keys: Sequence[bytes], *, exclude: str | None = None
+    ) -> list[list[Holder]]:
+        """See :meth:`~tpusync.cluster.registry.PrefixRegistry.prefix_holders`: one script
+        call per 1000 keys, which stops at the first key no live node other than ``exclude``
+        holds (one round trip for a 512-key prefix)."""
+        keys = check_keys(keys)
+        check_exclude(exclude)
+        out: list[list[Holder]] = []
+        with self._errors("prefix_holders"):
+            for i in range(0, len(keys), BATCH_KEYS):
+                batch = keys[i : i + BATCH_KEYS]
+                (reply,) = self._lookups([self._lookup_args(batch, True, exclude)])
+                found = self._decode(reply, len(batch))
+                out.extend(found)
+                if len(found) < len(batch):
+                    break
+        return out
 
     def _known(self) -> list[str]:
         return sorted({_str(n) for n in self._r.sscan_iter(self._nodes_key, count=1000)})

@@ -10,6 +10,23 @@ strings. One request, one response, matched by a request id::
     response: {"id": 7, "result": [[["node-a", "dram"]], []]}
     error:    {"id": 7, "error": {"type": "InvalidArgumentError", "message": "..."}}
 
+Lookups may ask for a compact answer: each distinct (node, tier) once (``holders``), each
+distinct holder list once as indices into that (``rows``), and the keys' holder lists as runs of
+[row, how many keys] (``runs``; a 512-key prefix that one node holds is ``[[0, 512]]``).
+``holders`` answers so when its params say ``"compact": true`` (a server that predates it
+ignores that and answers as above); ``prefix`` (the fast prefix lookup,
+:meth:`RemoteRegistry.prefix_holders`) always does, for the leading keys some live node other
+than ``exclude`` holds (a server that predates it answers "unknown method", and the client falls
+back to ``holders``)::
+
+    request:  {"id": 8, "method": "prefix", "params": {"keys": ["0a1b..", ...], "exclude": null}}
+    response: {"id": 8, "result": {"holders": [["node-a", "dram"], ["node-b", "disk"]],
+                                   "rows": [[0, 1], [0]], "runs": [[0, 3], [1, 1]]}}
+
+``prefix`` also takes keys of one size packed into one hex string, ``"keys": {"hex": "0a1b..",
+"size": 24}`` (what the client sends when its keys are all of a size: far cheaper to encode and
+parse than a string per key).
+
 Both ends authenticate each other first with a shared secret (HMAC-SHA256 challenge-response,
 no secret on the wire)::
 
@@ -38,12 +55,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tpusync.cluster.registry import (
+    MAX_KEY_BYTES,
     Holder,
     NodeInfo,
     Registry,
+    check_exclude,
     check_keys,
     check_tier,
     check_ttl,
+    longest_prefix,
+    prefix_of,
 )
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
@@ -71,6 +92,10 @@ class RegistryUnavailableError(TpuSyncError, ConnectionError):
 
 class AuthenticationError(TpuSyncError, PermissionError):
     """The other end of a registry connection does not know the shared secret."""
+
+
+class _UnknownMethodError(RegistryUnavailableError):
+    """The server does not know the method (it predates it)."""
 
 
 # -- shared helpers (also used by the Redis and JAX backends) ------------------------------------
@@ -139,6 +164,10 @@ def node_from_dict(data: Any, argument: str = "node") -> NodeInfo:
 def _keys_from_hex(value: Any) -> list[bytes]:
     if not isinstance(value, list):
         raise InvalidArgumentError(f"keys: expected a list of hex strings, got {value!r:.200}")
+    try:
+        return check_keys([bytes.fromhex(item) for item in value])
+    except (TypeError, ValueError):
+        pass  # find which one, below
     out = []
     for i, item in enumerate(value):
         try:
@@ -191,6 +220,89 @@ def _recv_json(sock: socket.socket) -> Any:
         return json.loads(_recv_frame(sock))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _ProtocolError(f"a frame is not JSON: {exc}") from None
+
+
+def _holders_to_wire(found: Sequence[Sequence[Holder]]) -> dict[str, Any]:
+    """A lookup's answer in the compact wire form (see the module's docstring)."""
+    table: list[list[str]] = []
+    holder_at: dict[int, int] = {}  # id(holder) -> its index (the holders outlive this call)
+    rows: list[list[int]] = []
+    row_at: dict[tuple[int, ...], int] = {}  # the ids of a row's holders -> its index
+    runs: list[list[int]] = []
+    last: Any = None
+    for held in found:
+        if runs and (held is last or (len(held) == 1 and len(last) == 1 and held[0] is last[0])):
+            runs[-1][1] += 1  # the same holders as the key before (the common case)
+            continue
+        last = held
+        ids = tuple(map(id, held))
+        r = row_at.get(ids)
+        if r is None:
+            row = []
+            for h in held:
+                i = holder_at.get(id(h))
+                if i is None:
+                    i = holder_at[id(h)] = len(table)
+                    table.append([h.node_id, h.tier])
+                row.append(i)
+            r = row_at[ids] = len(rows)
+            rows.append(row)
+        if runs and runs[-1][0] == r:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return {"holders": table, "rows": rows, "runs": runs}
+
+
+def _holders_from_wire(result: Any, method: str) -> list[list[Holder]]:
+    """The compact wire form (or the plain one: a list per key of [node, tier]) as holder
+    lists, each sorted by node id."""
+    try:
+        if isinstance(result, list):  # the plain form
+            out = [
+                sorted((Holder(str(n), str(t)) for n, t in held), key=_holder_node)
+                for held in result
+            ]
+        else:
+            table = [Holder(str(n), str(t)) for n, t in result["holders"]]
+            rows = [sorted((table[i] for i in row), key=_holder_node) for row in result["rows"]]
+            out = []
+            for r, count in result["runs"]:
+                row = rows[r]
+                out.extend([row.copy() for _ in range(count)])
+    except (TypeError, ValueError, KeyError, IndexError):
+        raise RegistryUnavailableError(f"malformed {method} answer: {result!r:.200}") from None
+    return out
+
+
+def _holder_node(holder: Holder) -> str:
+    return holder.node_id
+
+
+def _keys_to_wire(keys: list[bytes]) -> Any:
+    """Keys as the ``prefix`` method takes them: packed where they are all of a size."""
+    sizes = set(map(len, keys))
+    if len(sizes) == 1:
+        return {"hex": b"".join(keys).hex(), "size": sizes.pop()}
+    return [k.hex() for k in keys]
+
+
+def _keys_from_wire(value: Any) -> list[bytes]:
+    """The keys of a ``prefix`` request: a list of hex strings, or packed (one size)."""
+    if not isinstance(value, dict):
+        return _keys_from_hex(value)
+    packed, size = value.get("hex"), value.get("size")
+    if set(value) != {"hex", "size"} or not isinstance(packed, str) or type(size) is not int:
+        raise InvalidArgumentError(f"keys: expected {{hex, size}}, got {value!r:.200}")
+    if not 1 <= size <= MAX_KEY_BYTES:
+        raise InvalidArgumentError(f"keys.size: expected 1 to {MAX_KEY_BYTES}, got {size}")
+    try:
+        raw = bytes.fromhex(packed)
+    except ValueError:
+        raise InvalidArgumentError(f"keys.hex: not hex: {packed!r:.100}") from None
+    if len(raw) % size:
+        raise InvalidArgumentError(f"keys.hex: {len(raw)} bytes, not a multiple of {size}")
+    return list(struct.unpack(f"{size}s" * (len(raw) // size), raw))  # C speed: no slicing loop
 
 
 def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
@@ -497,14 +609,24 @@ class RegistryServer(AuthenticatedTcpServer):
             "withdraw": lambda p: registry.withdraw(
                 check_node_id(p.get("node_id")), _keys_from_hex(p.get("keys"))
             ),
-            "holders": lambda p: [
-                [[h.node_id, h.tier] for h in held]
-                for held in registry.holders(_keys_from_hex(p.get("keys")))
-            ],
+            "holders": self._holders,
+            "prefix": self._prefix,
             "nodes": lambda p: [node_to_dict(n) for n in registry.nodes()],
             "sweep": self._sweep,
         }
         self._start()
+
+    def _holders(self, params: dict[str, Any]) -> Any:
+        found = self._registry.holders(_keys_from_hex(params.get("keys")))
+        if params.get("compact") is True:
+            return _holders_to_wire(found)
+        return [[[h.node_id, h.tier] for h in held] for held in found]
+
+    def _prefix(self, params: dict[str, Any]) -> dict[str, Any]:
+        keys = _keys_from_wire(params.get("keys"))
+        exclude = check_exclude(params.get("exclude"))
+        _, found = longest_prefix(self._registry, keys, exclude=exclude)
+        return _holders_to_wire(found)
 
     def _register(self, params: dict[str, Any]) -> None:
         self._registry.register(node_from_dict(params.get("node")), check_ttl(params.get("ttl_s")))
@@ -589,6 +711,7 @@ class RemoteRegistry:
         self._sock: socket.socket | None = None
         self._next_id = 0
         self._closed = False
+        self._no_prefix = False  # the server predates the "prefix" method
         with self._lock:
             self._connect()
 
@@ -665,6 +788,10 @@ class RemoteRegistry:
             message = error.get("message") if isinstance(error, dict) else str(error)
             if kind == "InvalidArgumentError":
                 raise InvalidArgumentError(message)
+            if kind == "ProtocolError" and str(message).startswith("unknown method"):
+                raise _UnknownMethodError(
+                    f"the registry server at {self._address} does not serve {method}: {message}"
+                )
             raise RegistryUnavailableError(
                 f"the registry server at {self._address} failed {method}: {message}"
             )
@@ -704,10 +831,37 @@ class RemoteRegistry:
         out: list[list[Holder]] = []
         for i in range(0, len(keys), BATCH_KEYS):
             batch = keys[i : i + BATCH_KEYS]
-            result = self._call("holders", {"keys": [k.hex() for k in batch]})
-            if not isinstance(result, list) or len(result) != len(batch):
+            result = self._call("holders", {"keys": [k.hex() for k in batch], "compact": True})
+            found = _holders_from_wire(result, "holders")
+            if len(found) != len(batch):
                 raise RegistryUnavailableError(f"malformed holders answer: {result!r:.200}")
-            out.extend(sorted(Holder(str(n), str(t)) for n, t in held) for held in result)
+            out.extend(found)
+        return out
+
+    def prefix_holders(
+        self, keys: Sequence[bytes], *, exclude: str | None = None
+    ) -> list[list[Holder]]:
+        """See :meth:`~tpusync.cluster.registry.PrefixRegistry.prefix_holders`: one request
+        (per 4096 keys) that the server answers for the leading keys only."""
+        keys = check_keys(keys)
+        check_exclude(exclude)
+        out: list[list[Holder]] = []
+        for i in range(0, len(keys), BATCH_KEYS):
+            batch = keys[i : i + BATCH_KEYS]
+            if self._no_prefix:
+                return out + prefix_of(self.holders(keys[i:]), exclude)[1]
+            params = {"keys": _keys_to_wire(batch), "exclude": exclude}
+            try:
+                result = self._call("prefix", params)
+            except _UnknownMethodError:
+                self._no_prefix = True
+                return out + prefix_of(self.holders(keys[i:]), exclude)[1]
+            found = _holders_from_wire(result, "prefix")
+            if len(found) > len(batch) or not all(found):
+                raise RegistryUnavailableError(f"malformed prefix answer: {result!r:.200}")
+            out.extend(found)
+            if len(found) < len(batch):
+                break
         return out
 
     def nodes(self) -> list[NodeInfo]:

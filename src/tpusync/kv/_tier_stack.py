@@ -142,10 +142,10 @@ class TierStack:
                 count = pins.get(key, 0) - 1
                 if count > 0:
                     pins[key] = count
-                elif pins.pop(key, None) is not None:  # dict.pop: Counter's del is slow
-                    if key in self._doomed:
-                        self._doomed.discard(key)
-                        doomed.append(key)
+                # dict.pop: Counter's del is slow
+                elif pins.pop(key, None) is not None and key in self._doomed:
+                    self._doomed.discard(key)
+                    doomed.append(key)
         if doomed:
             self.delete_everywhere(doomed)
 
