@@ -1007,8 +1007,12 @@ class BlockClient:
                     conn.recv_into(payload, deadline)
                 nbytes += size
                 complete[i] = True
-                ok[i] = header.fingerprint == layout.fingerprint and header.checksum == int(
-                    expected[i]
+                # verified now, while its bytes are still in cache and the next block streams
+                # into the socket buffer
+                ok[i] = (
+                    header.fingerprint == layout.fingerprint
+                    and header.checksum == int(expected[i])
+                    and int(target.hash_slots([slot])[0]) == int(expected[i])
                 )
             conn.recv_into(header_view, deadline)
             header = wire.decode_header(header_buf, max_payload=limit)
@@ -1020,10 +1024,6 @@ class BlockClient:
             conn.drop()  # the stream's position is unknown
         except PeerUnavailableError as exc:
             error = exc
-        if ok.any():
-            picked = np.flatnonzero(ok)
-            sums = target.hash_slots(reservation.slots[picked])
-            ok[picked] = sums == expected[picked]
         corrupt = int((complete & ~ok).sum())
         if corrupt:
             log.warning(
