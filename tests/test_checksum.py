@@ -1,7 +1,11 @@
 """Checksums of stored blocks: CRC-32C, the three-lane piece checksum (sum64), XXH64, and the
-copy engine's fused copy-and-checksum, on both the CPU-instruction and the portable code."""
+copy engine's fused copy-and-checksum, on every code path: AVX-512 carry-less multiplication,
+the CRC instruction alone, and the portable tables."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -12,13 +16,35 @@ from hypothesis import strategies as st
 from tpusync import _core
 
 STREAMING_JOB = 8 << 20
+T = TypeVar("T")
 
 
-@pytest.fixture(params=[False, True], ids=["cpu-instruction", "portable"])
+# The checksum's code paths (_core._force_portable_checksum): 0 the fastest the CPU has (AVX-512
+# carry-less multiplication where available), 2 the CRC instruction only, 1 the portable tables.
+FASTEST, PORTABLE, CRC_INSTRUCTION = 0, 1, 2
+PATHS = [FASTEST, CRC_INSTRUCTION, PORTABLE]
+PATH_IDS = ["fastest", "crc-instruction", "portable"]
+
+
+@pytest.fixture(params=PATHS, ids=PATH_IDS)
 def portable(request: pytest.FixtureRequest) -> object:
     _core._force_portable_checksum(request.param)
     yield request.param
-    _core._force_portable_checksum(False)
+    _core._force_portable_checksum(FASTEST)
+
+
+def _on_path(path: int, fn: Callable[..., T], *args: object) -> T:
+    _core._force_portable_checksum(path)
+    try:
+        return fn(*args)
+    finally:
+        _core._force_portable_checksum(FASTEST)
+
+
+def _pattern(n: int) -> np.ndarray:
+    """Deterministic bytes that look random: a fixed input for the pinned long vectors."""
+    words = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) >> np.uint64(29)
+    return words.astype(np.uint8)
 
 
 def test_crc32c_check_value(portable: bool) -> None:
@@ -31,6 +57,37 @@ def test_sum64_golden_vectors(portable: bool) -> None:
     assert _core.sum64(bytes(range(256)) * 5) == 0xA704A36B32BED5EF
     assert _core.sum64(b"tpusync") == 0xD56A606636FCBA1C
     assert _core.sum64(b"") == 0
+    # long inputs take the wide paths (four streams of 12 KiB and the smaller ones, one stream)
+    data = _pattern((4 << 20) + 77)
+    assert _core.sum64(data) == 0xA74440EA7F0BDA9E
+    assert _core.sum64(data[13:]) == 0xF9C40474B8E5037E
+    assert _core.sum64(data[: 49152 * 4 + 1000]) == 0x0179B60500C270BE
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    length=st.one_of(
+        st.integers(0, 4000),
+        st.integers(0, 200_000),
+        st.integers(0, 3 << 20),
+        # around the four-stream sizes (4 x 12, 6, 3, 1.5 KiB) and the 192-byte blocks
+        st.builds(
+            lambda s, m, r: 4 * s * m + r,
+            st.sampled_from([12288, 6144, 3072, 1536]),
+            st.integers(1, 3),
+            st.integers(-200, 200),
+        ).filter(lambda n: n >= 0),
+    ),
+    offset=st.integers(0, 63),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sum64_paths_agree(length: int, offset: int, seed: int) -> None:
+    """Every code path gives the same checksum, whatever the length and alignment."""
+    buffer = np.random.default_rng(seed).integers(0, 256, length + 64, dtype=np.uint8)
+    data = buffer[offset : offset + length]
+    expected = _on_path(PORTABLE, _core.sum64, data)
+    assert _core.sum64(data) == expected
+    assert _on_path(CRC_INSTRUCTION, _core.sum64, data) == expected
 
 
 @settings(max_examples=150, deadline=None)
@@ -40,12 +97,12 @@ def test_crc_continues_and_paths_agree(data: bytes, cut: int) -> None:
     whole = _core.crc32c(data)
     assert _core.crc32c(data[cut:], _core.crc32c(data[:cut])) == whole
     fast = _core.sum64(data)
-    _core._force_portable_checksum(True)
+    _core._force_portable_checksum(PORTABLE)
     try:
         assert _core.crc32c(data) == whole
         assert _core.sum64(data) == fast
     finally:
-        _core._force_portable_checksum(False)
+        _core._force_portable_checksum(FASTEST)
 
 
 def _raw_crc(crc: int, data: bytes) -> int:
@@ -62,11 +119,11 @@ def _raw_crc(crc: int, data: bytes) -> int:
 def test_crc_shift_is_a_crc_over_zero_bytes(crc: int, nbytes: int, portable: bool) -> None:
     """The fused copy joins lanes of pieces run apart with this shift: it must be exact."""
     expected = _raw_crc(crc, bytes(nbytes))
-    _core._force_portable_checksum(portable)
+    _core._force_portable_checksum(PORTABLE if portable else FASTEST)
     try:
         assert _core._crc32c_shift(crc, nbytes) == expected
     finally:
-        _core._force_portable_checksum(False)
+        _core._force_portable_checksum(FASTEST)
 
 
 @settings(max_examples=50, deadline=None)
@@ -162,3 +219,57 @@ def test_fused_copy_of_mixed_lengths_and_alignments() -> None:
         got = dst[a + shift[i] : a + shift[i] + n]
         np.testing.assert_array_equal(got, expected)
         assert digests[i] == _core.sum64(expected)
+
+
+@st.composite
+def hashed_jobs(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]], bool]:
+    """Segment tables for the fused copy: lengths from empty to 1 MiB, sources at any alignment,
+    destinations mostly 8-byte aligned (the fast paths) with a few not; padded with one large
+    segment to a streaming job or not."""
+    n = draw(st.integers(1, 40))
+    length = st.one_of(
+        st.integers(0, 3000), st.integers(0, 70_000), st.sampled_from([4096, 16384, 131072])
+    )
+    same = draw(st.booleans())  # runs of one length, as KV pieces come, or mixed
+    lengths = [draw(length)] * n if same else draw(st.lists(length, min_size=n, max_size=n))
+    if draw(st.booleans()):
+        lengths.append(draw(st.integers(1 << 20, 1 << 20 | 5000)))
+    streaming = draw(st.booleans())
+    if streaming and sum(lengths) < STREAMING_JOB:
+        lengths.append(STREAMING_JOB - sum(lengths) + draw(st.integers(0, 1000)))
+    rows, src_at, dst_at = [], 0, 0
+    for size in lengths:
+        src_at += draw(st.integers(0, 63))
+        dst_at += draw(st.sampled_from([0, 8, 16, 24, 40, 56])) + draw(
+            st.sampled_from([0] * 9 + [3])
+        )
+        rows.append((src_at, dst_at, size))
+        src_at += size
+        dst_at += size
+    return max(src_at, dst_at) + 64, rows, streaming
+
+
+@pytest.mark.parametrize("path", [FASTEST, CRC_INSTRUCTION], ids=["fastest", "crc-instruction"])
+@settings(max_examples=25, deadline=None)
+@given(job=hashed_jobs(), seed=st.integers(0, 2**32 - 1))
+def test_fused_copy_checksums_every_segment(
+    path: int, job: tuple[int, list[tuple[int, int, int]], bool], seed: int
+) -> None:
+    size, rows, _ = job
+    src = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    table = np.array(
+        [(src.ctypes.data + s, dst.ctypes.data + d, n) for s, d, n in rows], dtype=np.uint64
+    )
+    engine = _core.CopyEngine(2)
+    digests = _on_path(path, engine.copy_hashed, table)
+    hashes = _on_path(path, engine.hash, table)
+    _core._force_portable_checksum(PORTABLE)
+    try:
+        expected = [_core.sum64(src[s : s + n]) for s, _, n in rows]
+    finally:
+        _core._force_portable_checksum(FASTEST)
+    np.testing.assert_array_equal(digests, np.array(expected, dtype=np.uint64))
+    np.testing.assert_array_equal(hashes, digests)
+    for s, d, n in rows:
+        np.testing.assert_array_equal(dst[d : d + n], src[s : s + n])

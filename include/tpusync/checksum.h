@@ -38,7 +38,9 @@ uint32_t tps_crc32c_shift(uint32_t c, uint64_t m);
 /* The piece checksum of tpusync's stored blocks (format 1): three CRC-32C lanes over the
  * data's 8-byte words (word i feeds lane i % 3, so the three run in parallel), the trailing
  * bytes fed to lane 0, and the lanes and the length mixed into 64 bits. Incremental; any
- * split of the input gives the same result. */
+ * split of the input gives the same result. The lanes run on the CPU's CRC instruction, or
+ * with AVX-512 and VPCLMULQDQ by carry-less multiplication (the same values, faster next to a
+ * copy), or on tables. */
 typedef struct tps_sum64_state {
   uint32_t lanes[3];
   uint64_t total;
@@ -52,15 +54,27 @@ uint64_t tps_sum64_digest(const tps_sum64_state *state);
 uint64_t tps_sum64(const void *data, size_t n);
 
 /* Copies n bytes from src to dst with non-temporal stores while feeding them to the checksum,
- * in one pass. Returns 0 (doing nothing) where the fast path does not apply: no SSE4.2, or a
- * destination that cannot be aligned to 16 bytes at a 24-byte group boundary of the checksum. */
+ * in one pass. Returns 0 (doing nothing) where the fast path does not apply: no SSE4.2, a
+ * state with a partial group pending, or a destination that is not 8-byte aligned (a head of
+ * whole 24-byte groups aligns it to a cache line). */
 int tps_sum64_copy_streaming(tps_sum64_state *state, void *dst, const void *src, size_t n);
 /* The same, prefetching `next` (where the caller reads on after this piece; may be NULL) while
  * the end of this piece is copied: pieces of a few KiB are otherwise all latency. */
 int tps_sum64_copy_streaming_next(tps_sum64_state *state, void *dst, const void *src, size_t n,
                                   const void *next);
 
-/* Forces the portable (table) CRC-32C code instead of the CPU's instruction: for tests. */
+/* The checksums of count whole pieces (digests[i] = tps_sum64 of piece i's n[i] bytes at
+ * src[i]), each also copied to dst[i] with non-temporal stores unless dst is NULL: the fast path
+ * for many pieces, which runs four at once (more reads in flight than one stream; a piece left
+ * over runs in four streams of its own where it is large). `next` is where the caller reads on
+ * afterwards (may be NULL). Returns 0 (doing nothing) where it does not apply: a CPU without
+ * AVX-512 and VPCLMULQDQ, or a destination that is not 8-byte aligned. The caller fences the
+ * stores (_mm_sfence) before others read them. */
+int tps_sum64_pieces(size_t count, const void *const src[], void *const dst[], const size_t n[],
+                     uint64_t digests[], const void *next);
+
+/* For tests: 1 forces the portable (table) CRC-32C code instead of the CPU's instructions, 2
+ * the CRC instruction without the AVX-512 carry-less multiplication paths, 0 the fastest. */
 void tps_checksum_force_portable(int on);
 
 #ifdef __cplusplus

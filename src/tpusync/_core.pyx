@@ -167,8 +167,9 @@ def _crc32c_shift(uint32_t crc, uint64_t nbytes):
     return tps_crc32c_shift(crc, nbytes)
 
 
-def _force_portable_checksum(bint on):
-    """Tests only: use the table CRC-32C instead of the CPU instruction."""
+def _force_portable_checksum(int on):
+    """Tests only: 1 (True) uses the table CRC-32C instead of the CPU's instructions, 2 the CRC
+    instruction without the AVX-512 carry-less multiplication paths, 0 (False) the fastest."""
     tps_checksum_force_portable(on)
 
 

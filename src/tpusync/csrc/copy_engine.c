@@ -20,9 +20,10 @@ typedef struct tps_job {
   uint64_t total_bytes;
   int n_parts;
   int streaming; /* non-temporal stores: the job is larger than the caches */
-  uint64_t *digests;             /* hashed jobs: one XXH64 per segment, else NULL */
+  uint64_t *digests;             /* hashed jobs: one tps_sum64 per segment, else NULL */
   int hash_only;                 /* hashed jobs that only read their sources */
   atomic_size_t *next_segment;   /* hashed jobs hand out whole segments */
+  size_t batch;                  /* ... this many at a time */
 } tps_job;
 
 /* Jobs at least this large bypass the caches with non-temporal stores. glibc only does so for
@@ -31,7 +32,11 @@ typedef struct tps_job {
  * rate for scattered 1 MiB blocks). */
 #define TPS_STREAMING_MIN_JOB (8u << 20)
 #define TPS_STREAMING_MIN_PIECE 4096u
-#define TPS_HASH_BATCH 8 /* segments a hashed job hands out at a time */
+/* Hashed jobs hand out segments a few at a time, so that each knows the next one its thread
+ * reads (and prefetches it while finishing) and four run at once (tps_sum64_pieces): about 1
+ * MiB a grab, 4 to 32 segments, fewer near the end so that the threads finish together. */
+#define TPS_HASH_BATCH_BYTES (1u << 20)
+#define TPS_HASH_BATCH_MAX 32
 
 #if TPS_HAVE_STREAMING
 /* 64 bytes from src to dst with non-temporal stores (dst 16-byte aligned). */
@@ -63,6 +68,39 @@ static inline void stream_4_pages(char *dst, const char *src) {
   }
 }
 
+/* The same with 64-byte vectors, every load of a step before its stores (as glibc's large
+ * copies): measured here 1.05-1.07x the 16-byte loop on scattered 16 KiB-4 MiB blocks. */
+__attribute__((target("avx512f"))) static void stream_4_pages_512(char *dst, const char *src,
+                                                                  uint64_t n_chunks) {
+  const uint64_t page = 4096;
+  for (uint64_t c = 0; c < n_chunks; c++, src += 4 * page, dst += 4 * page) {
+    for (uint64_t offset = 0; offset < page; offset += 128) {
+      __m512i v[8];
+      for (uint64_t k = 0; k < 4; k++) {
+        _mm_prefetch(src + k * page + offset + 128, _MM_HINT_T0);
+        _mm_prefetch(src + k * page + offset + 192, _MM_HINT_T0);
+      }
+      for (uint64_t k = 0; k < 4; k++) {
+        v[2 * k] = _mm512_loadu_si512(src + k * page + offset);
+        v[2 * k + 1] = _mm512_loadu_si512(src + k * page + offset + 64);
+      }
+      for (uint64_t k = 0; k < 4; k++) {
+        _mm512_stream_si512((void *)(dst + k * page + offset), v[2 * k]);
+        _mm512_stream_si512((void *)(dst + k * page + offset + 64), v[2 * k + 1]);
+      }
+    }
+  }
+}
+
+/* AVX-512 from Ice Lake and Zen 4 on (VPCLMULQDQ marks them): earlier Xeons slow the core's
+ * clock for 64-byte vectors, as glibc avoids them there. */
+static int have_avx512(void) {
+  static int cached = -1;
+  if (cached < 0)
+    cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq") ? 1 : 0;
+  return cached;
+}
+
 static void copy_streaming(char *dst, const char *src, uint64_t n) {
   uint64_t head = (uint64_t)(-(uintptr_t)dst) & 63u; /* align stores to a cache line */
   if (head > n) head = n;
@@ -71,6 +109,10 @@ static void copy_streaming(char *dst, const char *src, uint64_t n) {
   src += head;
   n -= head;
   uint64_t i = 0;
+  if (have_avx512()) {
+    stream_4_pages_512(dst, src, n / 16384);
+    i = n / 16384 * 16384;
+  }
   for (; i + 16384 <= n; i += 16384) stream_4_pages(dst + i, src + i);
   for (; i + 64 <= n; i += 64) stream_64(dst + i, src + i);
   memcpy(dst + i, src + i, n - i);
@@ -144,6 +186,8 @@ static void copy_hash_segment(const tps_job *job, size_t index, const void *next
     job->digests[index] = tps_sum64_digest(&state);
     return;
   }
+#else
+  (void)next;
 #endif
   const uint64_t step = 24576; /* a multiple of the checksum's 24-byte groups */
   for (uint64_t offset = 0; offset < s->nbytes; offset += step) {
@@ -154,19 +198,51 @@ static void copy_hash_segment(const tps_job *job, size_t index, const void *next
   job->digests[index] = tps_sum64_digest(&state);
 }
 
+/* Segments [begin, end) of a hashed job: runs of those tps_sum64_pieces takes (destinations
+ * 8-byte aligned, large jobs: non-temporal stores), the others one by one. */
+static void hash_segments(const tps_job *job, size_t begin, size_t end) {
+  const void *src[TPS_HASH_BATCH_MAX];
+  void *dst[TPS_HASH_BATCH_MAX];
+  size_t n[TPS_HASH_BATCH_MAX];
+  size_t i = begin;
+  while (i < end) {
+    size_t count = 0;
+    if (job->hash_only || job->streaming)
+      for (; i + count < end; count++) {
+        const tps_segment *s = &job->segments[i + count];
+        if (!job->hash_only && s->dst % 8 != 0) break;
+        src[count] = (const void *)(uintptr_t)s->src;
+        dst[count] = (void *)(uintptr_t)s->dst;
+        n[count] = s->nbytes;
+      }
+    const void *next =
+        i + count < end ? (const void *)(uintptr_t)job->segments[i + count].src : NULL;
+    if (count &&
+        tps_sum64_pieces(count, src, job->hash_only ? NULL : dst, n, job->digests + i, next)) {
+      i += count;
+      continue;
+    }
+    if (!count) count = 1; /* an unaligned destination: the general path */
+    for (size_t k = i; k < i + count; k++) {
+      const void *after = k + 1 < end ? (const void *)(uintptr_t)job->segments[k + 1].src : NULL;
+      copy_hash_segment(job, k, after);
+    }
+    i += count;
+  }
+}
+
 static void run_part(const tps_job *job, int part) {
   if (job->digests) {
-    /* A few segments per grab, so that each knows the next one its thread reads (and
-     * prefetches it while finishing): KV pieces are often only a few KiB. */
+    size_t index = atomic_load(job->next_segment);
     for (;;) {
-      size_t index = atomic_fetch_add(job->next_segment, TPS_HASH_BATCH);
       if (index >= job->n_segments) break;
-      size_t end = index + TPS_HASH_BATCH < job->n_segments ? index + TPS_HASH_BATCH
-                                                            : job->n_segments;
-      for (size_t i = index; i < end; i++) {
-        const void *next = i + 1 < end ? (const void *)(uintptr_t)job->segments[i + 1].src : NULL;
-        copy_hash_segment(job, i, next);
-      }
+      /* near the end, at most a quarter of what is left each, whole fours while they last */
+      size_t left = job->n_segments - index, take = job->batch;
+      size_t share = left / (4 * (size_t)job->n_parts);
+      if (take > share) take = share >= 4 ? share / 4 * 4 : share ? share : 1;
+      if (!atomic_compare_exchange_weak(job->next_segment, &index, index + take)) continue;
+      hash_segments(job, index, index + take);
+      index = atomic_load(job->next_segment);
     }
 #if TPS_HAVE_STREAMING
     if (job->streaming) _mm_sfence();
@@ -264,9 +340,15 @@ static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_seg
                         uint64_t min_parallel_bytes, uint64_t *digests, int hash_only) {
   atomic_size_t next_segment;
   atomic_init(&next_segment, 0);
-  tps_job job = {segments, n_segments, 0, 1, 0, digests, hash_only, &next_segment};
+  tps_job job = {segments, n_segments, 0, 1, 0, digests, hash_only, &next_segment, 1};
   for (size_t i = 0; i < n_segments; i++) job.total_bytes += segments[i].nbytes;
   job.streaming = !hash_only && job.total_bytes >= TPS_STREAMING_MIN_JOB;
+  if (n_segments) {
+    uint64_t mean = job.total_bytes / n_segments;
+    uint64_t batch = mean ? TPS_HASH_BATCH_BYTES / mean : TPS_HASH_BATCH_MAX;
+    batch = batch < 4 ? 4 : batch > TPS_HASH_BATCH_MAX ? TPS_HASH_BATCH_MAX : batch / 4 * 4;
+    job.batch = (size_t)batch;
+  }
   if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes) {
     run_part(&job, 0);
     return job.total_bytes;
