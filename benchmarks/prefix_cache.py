@@ -129,7 +129,9 @@ def measure(tokens: int, repeats: int, cache_dir: str) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
         from tpusync.tiers.host_pool import pool_path
 
-        pool_path(shm_name).unlink(missing_ok=True)
+        path = pool_path(shm_name)
+        path.unlink(missing_ok=True)
+        shutil.rmtree(path.with_name(f"tpusync-{shm_name}.sessions"), ignore_errors=True)
 
 
 def _restart_child(tokens: int, shm_name: str, cache_dir: str) -> dict[str, Any]:

@@ -287,3 +287,64 @@ cdef class Mapping:
             self._address = NULL
 
 include "_pjrt_api.pxi"
+
+
+cdef extern from "poll.h" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    short POLLIN
+
+cdef extern from "sys/socket.h" nogil:
+    ssize_t recv(int sockfd, void *buf, size_t length, int flags)
+
+cdef extern from "errno.h":
+    int EINTR
+    int EAGAIN
+    int EWOULDBLOCK
+
+
+def recv_exact(int fd, buffer, double timeout_s):
+    """Receives until ``buffer`` (a writable contiguous buffer) is full from the socket ``fd``,
+    waiting at most ``timeout_s`` for each read; the GIL is released for the whole loop (a
+    block's payload is one call, not one Python round trip per kernel read). Returns the bytes
+    received: all of them, or fewer when the time ran out (then the caller decides whether its
+    deadline passed or it waits again for the rest). Raises EOFError when the peer closed the
+    connection and OSError for a socket error. Works on blocking and non-blocking sockets."""
+    cdef unsigned char[::1] view = memoryview(buffer).cast("B")
+    cdef size_t n = view.shape[0]
+    cdef unsigned char *p = &view[0] if n else NULL
+    cdef size_t got = 0
+    cdef ssize_t k = 0
+    cdef int r = 0, status = 0, err = 0
+    cdef int timeout_ms = <int>(timeout_s * 1000.0) if timeout_s < 2e6 else 2000000000
+    cdef pollfd pfd
+    pfd.fd = fd
+    pfd.events = POLLIN
+    with nogil:
+        while got < n:
+            r = poll(&pfd, 1, timeout_ms)
+            if r == 0:
+                break  # timed out: the caller checks its deadline
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                status, err = -1, errno
+                break
+            k = recv(fd, p + got, n - got, 0)
+            if k == 0:
+                status = -2
+                break
+            if k < 0:
+                if errno == EINTR or errno == EAGAIN or errno == EWOULDBLOCK:
+                    continue
+                status, err = -1, errno
+                break
+            got += <size_t>k
+    if status == -2:
+        raise EOFError("connection closed by the peer")
+    if status == -1:
+        raise OSError(err, strerror(err).decode())
+    return got
