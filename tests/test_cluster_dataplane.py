@@ -604,3 +604,37 @@ def test_lease_expiry_thread_unpins_without_calls(source: HostPool) -> None:
         # The thread unpins it: no table call in between.
         eventually(lambda: source.delete([key_for(2)]) == 1)
         assert not table.release(lease.lease_id)
+
+
+def test_native_receive_fills_the_buffer_times_out_and_sees_eof(rng: np.random.Generator) -> None:
+    """_core.recv_exact: a payload sent in pieces arrives whole in one call; silence longer than
+    the timeout returns what came so far; a closed peer is EOFError; works on a socket in
+    Python's timeout (non-blocking) mode."""
+    from tpusync import _core
+
+    data = rng.integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(5.0)  # non-blocking at the OS level, as every data-plane socket is
+
+        def send() -> None:
+            for i in range(0, len(data), 100_000):
+                a.sendall(data[i : i + 100_000])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        buffer = bytearray(len(data))
+        assert _core.recv_exact(b.fileno(), buffer, 5.0) == len(data)
+        sender.join(5)
+        assert bytes(buffer) == data
+        a.sendall(b"xyz")
+        start = time.monotonic()
+        short = bytearray(10)
+        assert _core.recv_exact(b.fileno(), short, 0.2) == 3  # then 0.2 s of silence
+        assert 0.15 < time.monotonic() - start < 2 and bytes(short[:3]) == b"xyz"
+        a.close()
+        with pytest.raises(EOFError):
+            _core.recv_exact(b.fileno(), bytearray(4), 1.0)
+    finally:
+        a.close()
+        b.close()
