@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from tpusync import _core
 from tpusync.cluster import wire
 from tpusync.cluster.dataplane import (
     MAX_KEYS_PER_REQUEST,
@@ -431,6 +432,11 @@ def _checksums_param(value: Any, n: int) -> list[int]:
 
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
     got, n = 0, view.nbytes
+    if not isinstance(conn, ssl.SSLSocket):  # one GIL-free call (TLS decrypts in Python)
+        timeout = conn.gettimeout()
+        if _core.recv_exact(conn.fileno(), view, 1e6 if timeout is None else timeout) < n:
+            raise TimeoutError(f"the peer sent nothing for {timeout} s mid-put")
+        return
     while got < n:
         r = conn.recv_into(view[got:], n - got)
         if r == 0:
