@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from tpusync import DevicePool, _core, _native_path
 from tpusync.errors import (
     BlockIndexError,
+    BlocksHeldError,
     BlocksMissingError,
     InvalidArgumentError,
     PoolBusyError,
@@ -1090,3 +1091,25 @@ def test_many_threads_put_get_delete(arrays, rng, mesh, path, open_pool):
     assert len(pool) + pool.free == pool.capacity, (
         f"{pool.capacity - len(pool) - pool.free} slot(s) lost"
     )
+
+
+def test_a_held_block_elsewhere_does_not_fail_a_load(arrays, rng, mesh, path, open_pool):
+    """Regression: the first load through a HostPool validated its moves against block 0, so a
+    save holding block 0 at that moment made an unrelated load raise BlocksHeldError. Only the
+    blocks a transfer writes count; writing a held block is still refused."""
+    model = make_model(arrays, rng, mesh)
+    source = open_pool(model.layout, 4)
+    keys = keys_for([2, 5])
+    store(source, model, keys, [2, 5], path)
+    for pool in model.pools:
+        pool.hold_blocks([0])  # a save still reads block 0
+    try:
+        fresh = open_pool(model.layout, 4)  # no validated moves kept yet
+        fresh_keys = keys_for([2, 5], "again")
+        store(fresh, model, fresh_keys, [2, 5], path)
+        load(fresh, model, fresh_keys, [6, 7], path)
+        with pytest.raises(BlocksHeldError, match="still being saved"):
+            fresh.get_to_device(fresh_keys[:1], model.pools, [0], path=path)
+    finally:
+        for pool in model.pools:
+            pool.release_blocks([0])

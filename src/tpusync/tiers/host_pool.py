@@ -666,13 +666,15 @@ class HostPool:
             or not all(ref() is pool for ref, pool in zip(kept[0], pools, strict=True))
             or len(kept[0]) != len(pools)
         ):
-            one = np.zeros(1, dtype=np.int64)
+            # No blocks: validation must not depend on (or race with) which blocks a save
+            # holds right now; the call's own blocks are checked by the caller.
+            none = np.zeros(0, dtype=np.int64)
             moves = []
             for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
                 if to_device:
-                    item = Transfer(view, pool, one, one, array.block_axis)
+                    item = Transfer(view, pool, none, none, array.block_axis)
                 else:
-                    item = Transfer(pool, view, one, one, array.block_axis)
+                    item = Transfer(pool, view, none, none, array.block_axis)
                 moves.append(_plan_move(item))
             kept = (tuple(weakref.ref(pool) for pool in pools), moves)
             self._moves_kept[to_device] = kept
