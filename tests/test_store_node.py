@@ -211,6 +211,58 @@ def test_the_node_evicts_its_least_recently_used_blocks(rng: np.random.Generator
         assert tier.used == 8
 
 
+def _big_source(pool: HostPool, keys: list[bytes], rng: np.random.Generator) -> None:
+    reservation = pool.reserve(keys)
+    for slot in reservation.slots.tolist():
+        with pool.slot_memory(slot) as memory:
+            memory[: BIG.payload_bytes] = rng.bytes(BIG.payload_bytes)
+    pool.commit(reservation, pool.hash_slots(reservation.slots))
+
+
+def test_a_node_with_a_disk_demotes_instead_of_dropping(
+    rng: np.random.Generator, tmp_path: Path
+) -> None:
+    """8 DRAM slots and 16 on disk: 20 pushed blocks all stay (DRAM's oldest demoted to disk)
+    and come back bit-exact (disk blocks moved up for the lease); 10 more push the oldest off
+    the node, and the registry is told; a restarted node finds its disk blocks again."""
+    keys = [key_for(i) for i in range(30)]
+    registry = MemoryRegistry()
+    with HostPool(BIG, 32) as source:
+        _big_source(source, keys, rng)
+        with (
+            StoreNode(
+                1 * MiB, secret=SECRET, disk_dir=tmp_path, disk_bytes=2 * MiB, registry=registry
+            ) as node,
+            tier_for(node, BIG) as tier,
+            HostPool(BIG, 32) as target,
+        ):
+            assert tier.capacity == 24
+            assert tier.put(keys[:20], source) == 20
+            assert tier.contains(keys[:20]) == [True] * 20 and tier.used == 20
+            (pool,) = node.server.pools
+            assert pool.used == 8  # the rest went down to disk
+            tier.get(keys[:20], target)
+            for key in keys[:20]:
+                assert payload(target, key) == payload(source, key)
+            assert tier.put(keys[20:], source) == 10
+            assert tier.used == 24
+            node.flush()
+            held = [bool(h) for h in registry.holders(keys)]
+            assert held == tier.contains(keys)
+            assert sum(held) == 24
+            kept = [k for k, h in zip(keys, held, strict=True) if h]
+        with (
+            StoreNode(1 * MiB, secret=SECRET, disk_dir=tmp_path, disk_bytes=2 * MiB) as node,
+            tier_for(node, BIG) as tier,
+            HostPool(BIG, 32) as target,
+        ):
+            on_disk = [k for k, h in zip(kept, tier.contains(kept), strict=True) if h]
+            assert len(on_disk) == 16  # DRAM was anonymous: its 8 are gone
+            tier.get(on_disk, target)
+            for key in on_disk:
+                assert payload(target, key) == payload(source, key)
+
+
 def test_layouts_share_the_node_up_to_max_layouts(source: HostPool) -> None:
     with StoreNode(8 * MiB, secret=SECRET, max_layouts=2) as node:
         with tier_for(node) as a, tier_for(node, BIG) as b:
@@ -428,6 +480,7 @@ def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
         (["--dram", "64MiB", "--host", "0.0.0.0"], "--tls-cert and --tls-key, or pass --insecure"),
         (["--dram", "64MiB", "--registry", "http://x"], "--registry: expected"),
         (["--dram", "64MiB", "--tls-cert", "c.pem"], "--tls-cert, --tls-key"),
+        (["--dram", "64MiB", "--disk", "/tmp", "--disk-size", "0"], "disk_bytes"),
     ],
 )
 def test_serve_refuses_bad_arguments_clearly(

@@ -2,7 +2,8 @@
 
     tpusync serve --dram 64GiB --secret-file /etc/tpusync/secret [--host 0.0.0.0 --port 7400]
                   [--registry-port 7401 | --registry tcp://host:port | redis://host:6379/0]
-                  [--name NAME] [--layouts N] [--tls-cert C --tls-key K [--tls-ca CA]]
+                  [--name NAME] [--layouts N] [--disk DIR --disk-size 500GiB]
+                  [--tls-cert C --tls-key K [--tls-ca CA]]
 
 The secret file holds the cluster's shared secret: hex text (``secrets.token_hex(32)``) or raw
 bytes, at least 16 bytes either way. Off loopback the node serves TLS only (``--tls-cert`` and
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layouts", type=int, default=1, help="models sharing the DRAM")
     parser.add_argument("--name", help="keep the DRAM in /dev/shm under this name (restarts)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where named pools live")
+    parser.add_argument("--disk", help="also lend local disk: a directory for its block files")
+    parser.add_argument("--disk-size", default="0", help="disk to lend with --disk (e.g. 500GiB)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--registry", help="publish to tcp://host:port or redis://host:port/db")
     where.add_argument(
@@ -137,6 +140,8 @@ def main(argv: list[str]) -> int:
             shm_dir=args.shm_dir,
             registry=_registry(args, secret),
             registry_port=args.registry_port,
+            disk_dir=args.disk,
+            disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk else 0,
             node_id=args.node_id,
             ttl_s=args.ttl,
             tls=_server_tls(args),

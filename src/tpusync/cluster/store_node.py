@@ -66,8 +66,9 @@ from tpusync.cluster.registry_server import (
     _error,
     _send_json,
 )
-from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatError
+from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatError, TpuSyncError
 from tpusync.tiers._pool_file import HEADER_BYTES, decode_header
+from tpusync.tiers.disk_pool import DiskPool
 from tpusync.tiers.host_pool import DEFAULT_SHM_DIR, HostPool
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
@@ -81,15 +82,35 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$")
 
 
 class _Lent:
-    """One layout's pool on a store node, its leases and its LRU order (oldest first)."""
+    """One layout's pool on a store node (and its optional disk pool), its leases and the LRU
+    orders (oldest first)."""
 
-    def __init__(self, pool: HostPool, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, pool: HostPool, clock: Callable[[], float], disk: DiskPool | None = None
+    ) -> None:
         self.pool = pool
+        self.disk = disk
         self.served = Served(pool, LeaseTable(pool, clock=clock))
         self.lock = threading.Lock()  # making room and reserving, one put at a time
         self.lru: collections.OrderedDict[bytes, None] = collections.OrderedDict.fromkeys(
             pool.keys()
         )
+        self.disk_lru: collections.OrderedDict[bytes, None] = collections.OrderedDict.fromkeys(
+            [] if disk is None else disk.keys()
+        )
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Held in DRAM or on disk."""
+        held = self.pool.contains(keys)
+        if self.disk is not None:
+            held = [a or b for a, b in zip(held, self.disk.contains(keys), strict=True)]
+        return held
+
+    def keys(self) -> list[bytes]:
+        keys = dict.fromkeys(self.pool.keys())
+        if self.disk is not None:
+            keys.update(dict.fromkeys(self.disk.keys()))
+        return list(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         with self.lock:
@@ -113,6 +134,11 @@ class StoreServer(BlockServer):
       max_layouts: how many block layouts (models) share the DRAM.
       name: keep the pools in ``shm_dir`` as ``tpusync-<name>-<fingerprint>.pool``: a restarted
         node re-attaches them with their blocks.
+      disk_dir, disk_bytes: also lend this much local disk (a DiskPool per layout under
+        ``disk_dir``): DRAM's least recently used blocks are demoted there instead of dropped,
+        and a peer's lease first moves disk blocks back up into DRAM (a block rests in one of
+        the two, so the node holds their sum). A restarted node
+        re-attaches the disk pools with their blocks.
       on_added, on_removed: told of the keys the node gained and lost (the registry link).
     """
 
@@ -137,7 +163,14 @@ class StoreServer(BlockServer):
         insecure: bool = False,
         on_added: Callable[[list[bytes]], None] | None = None,
         on_removed: Callable[[list[bytes]], None] | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 0,
     ) -> None:
+        if disk_dir is not None and (type(disk_bytes) is not int or disk_bytes < 1 << 20):
+            raise InvalidArgumentError(
+                f"disk_bytes: expected an integer of at least 1 MiB with disk_dir, got "
+                f"{disk_bytes!r}"
+            )
         if type(dram_bytes) is not int or dram_bytes < 1 << 20:
             raise InvalidArgumentError(
                 f"dram_bytes: expected an integer of at least 1 MiB, got {dram_bytes!r}"
@@ -154,6 +187,8 @@ class StoreServer(BlockServer):
         self.max_layouts = max_layouts
         self.layout_bytes = dram_bytes // max_layouts
         self.name, self.shm_dir = name, shm_dir
+        self.disk_dir = None if disk_dir is None else Path(disk_dir)
+        self.disk_layout_bytes = disk_bytes // max_layouts
         self._clock = clock
         self.on_added, self.on_removed = on_added, on_removed
         self._lent: dict[bytes, _Lent] = {}
@@ -190,7 +225,7 @@ class StoreServer(BlockServer):
             pool = HostPool(
                 layout, header.n_slots, name=self._pool_name(layout), shm_dir=self.shm_dir
             )
-            self._lent[layout.fingerprint] = _Lent(pool, self._clock)
+            self._lent[layout.fingerprint] = _Lent(pool, self._clock, self._open_disk(layout))
             log.info("store node: re-attached %s (%d of %d blocks)", path, pool.used, pool.capacity)
 
     def _lent_for(self, layout: PoolLayout) -> _Lent:
@@ -212,7 +247,14 @@ class StoreServer(BlockServer):
                 )
             name = None if self.name is None else self._pool_name(layout)
             pool = HostPool(layout, slots, name=name, shm_dir=self.shm_dir)
-            lent = self._lent[layout.fingerprint] = _Lent(pool, self._clock)
+            try:
+                disk = self._open_disk(layout)
+            except BaseException:
+                pool.close()
+                raise
+            lent = self._lent[layout.fingerprint] = _Lent(pool, self._clock, disk)
+            if disk is not None and disk.used and self.on_added is not None:
+                self.on_added(disk.keys())  # a restarted node's disk blocks
             log.info(
                 "store node: lending %d slots of %d B to model %r",
                 slots,
@@ -220,6 +262,22 @@ class StoreServer(BlockServer):
                 layout.model_id,
             )
             return lent
+
+    def _open_disk(self, layout: PoolLayout) -> DiskPool | None:
+        if self.disk_dir is None:
+            return None
+        slots = self.disk_layout_bytes // layout.slot_bytes
+        if slots < 1:
+            raise InvalidArgumentError(
+                f"layout: a block of {layout.slot_bytes} B does not fit in the "
+                f"{self.disk_layout_bytes} B of disk this node lends per layout"
+            )
+        directory = self.disk_dir / f"{self.name or 'node'}-{layout.fingerprint.hex()[:16]}"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(f"disk_dir: cannot create {directory}: {exc}") from None
+        return DiskPool(layout, slots, directory)
 
     def _lent_of(self, served: Served) -> _Lent:
         return self._lent[served.pool.layout.fingerprint]
@@ -231,8 +289,10 @@ class StoreServer(BlockServer):
             return [lent.pool for lent in self._lent.values()]
 
     def keys(self) -> list[bytes]:
-        """Every key the node holds, all layouts together."""
-        return [key for pool in self.pools for key in pool.keys()]  # noqa: SIM118
+        """Every key the node holds (DRAM and disk), all layouts together."""
+        with self._lent_lock:
+            lent = list(self._lent.values())
+        return [key for item in lent for key in item.keys()]  # noqa: SIM118
 
     # --- the connection's binding --------------------------------------------------------------
 
@@ -262,9 +322,69 @@ class StoreServer(BlockServer):
 
     def _handlers(self, served: Served) -> dict[str, Callable[[dict[str, Any]], Any]]:
         handlers = super()._handlers(served)
+        lent = self._lent_of(served)
         handlers["delete"] = lambda p: self._delete(served, _keys_param(p.get("keys")))
         handlers["keys"] = lambda p: self._keys_page(served, p)
+        handlers["contains"] = lambda p: lent.contains(_keys_param(p.get("keys")))
+        handlers["stat"] = lambda p: {
+            "capacity": lent.pool.capacity + (0 if lent.disk is None else lent.disk.capacity),
+            "used": len(lent.keys()),
+        }
         return handlers
+
+    def _acquire(self, served: Served, params: dict[str, Any]) -> dict[str, Any]:
+        lent = self._lent_of(served)
+        if lent.disk is not None:
+            try:
+                keys = _keys_param(params.get("keys"))
+            except InvalidArgumentError:
+                keys = []  # the lease below says what was wrong
+            self._promote(lent, keys)
+        return super()._acquire(served, params)
+
+    def _promote(self, lent: _Lent, keys: list[bytes]) -> None:
+        """Moves the keys a peer is about to lease up from disk into DRAM."""
+        assert lent.disk is not None
+        pool, disk = lent.pool, lent.disk
+        left: list[bytes] = []
+        with lent.lock:
+            in_dram = pool.contains(keys)
+            want = [
+                k
+                for k, here, there in zip(keys, in_dram, disk.contains(keys), strict=True)
+                if there and not here
+            ]
+            if not want:
+                return
+            for key in (k for k, here in zip(keys, in_dram, strict=True) if here):
+                lent.lru.move_to_end(key)  # what the peer reads is not made room for
+            keep = set(keys)
+            # A swap, a few blocks at a time: each step demotes no more DRAM victims than the
+            # disk has free slots, then frees as many disk slots by moving blocks up (tiers are
+            # exclusive: a block rests in DRAM or on disk, so the node holds their sum).
+            while want:
+                step = want[: max(1, min(disk.free, pool.capacity))]
+                want = want[len(step) :]
+                left += self._make_room(lent, len(step), keep=keep)
+                step = step[: pool.free]
+                if not step:
+                    break  # DRAM is pinned full
+                try:
+                    disk.get(step, pool)
+                    loaded = step
+                except BlocksMissingError as missing:
+                    loaded = [k for k, ok in zip(step, missing.loaded, strict=True) if ok]
+                except (TpuSyncError, OSError) as error:
+                    log.warning("store node: moving blocks up from disk failed: %s", error)
+                    loaded = [k for k, ok in zip(step, pool.contains(step), strict=True) if ok]
+                for key in loaded:
+                    lent.lru[key] = None
+                    lent.lru.move_to_end(key)
+                disk.delete(loaded)
+                for key in loaded:
+                    lent.disk_lru.pop(key, None)
+        if left and self.on_removed is not None:
+            self.on_removed(left)
 
     def _read(self, served: Served, keys: list[bytes]) -> None:
         self._lent_of(served).touch(keys)
@@ -355,31 +475,79 @@ class StoreServer(BlockServer):
             raise wire.FrameError(f"expected the END frame of request {rid}", "stream")
 
     def _reserve(self, lent: _Lent, keys: list[bytes]) -> Any:
-        """Reserves slots for as many of ``keys`` as fit, first ones first, evicting the
-        least recently used unpinned blocks to make room."""
+        """Reserves slots for as many of ``keys`` as fit, first ones first, making room (see
+        :meth:`_make_room`)."""
         pool = lent.pool
         with lent.lock:
-            need = min(len(keys), pool.capacity) - pool.free
-            removed: list[bytes] = []
-            candidates = iter(list(lent.lru))
-            while need > 0:
-                victims = [k for _, k in zip(range(need), candidates, strict=False)]
-                if not victims:
-                    break  # the rest is pinned (being read)
-                pool.delete(victims)
-                gone = [
-                    k for k, held in zip(victims, pool.contains(victims), strict=True) if not held
-                ]
-                for key in gone:
-                    lent.lru.pop(key, None)
-                removed += gone
-                need = min(len(keys), pool.capacity) - pool.free
-            if removed:
-                pool.stats.add(evictions=len(removed))
+            left = self._make_room(lent, len(keys))
             reservation = pool.reserve(keys[: max(0, min(len(keys), pool.free))])
-        if removed and self.on_removed is not None:
-            self.on_removed(removed)
+        if left and self.on_removed is not None:
+            self.on_removed(left)
         return reservation
+
+    def _make_room(
+        self, lent: _Lent, blocks: int, keep: frozenset[bytes] | set[bytes] = frozenset()
+    ) -> list[bytes]:
+        """Frees DRAM slots for ``blocks`` by dropping the least recently used unpinned blocks
+        (demoting them to disk first, when the node has a disk); returns the keys that left the
+        node altogether. Call with ``lent.lock`` held."""
+        pool = lent.pool
+        need = min(blocks, pool.capacity) - pool.free
+        left: list[bytes] = []
+        candidates = iter([k for k in lent.lru if k not in keep])
+        evicted = 0
+        while need > 0:
+            victims = [k for _, k in zip(range(need), candidates, strict=False)]
+            if not victims:
+                break  # the rest is pinned (being read)
+            if lent.disk is not None:
+                left += self._demote(lent, victims, keep)
+            pool.delete(victims)
+            gone = [k for k, held in zip(victims, pool.contains(victims), strict=True) if not held]
+            for key in gone:
+                lent.lru.pop(key, None)
+            evicted += len(gone)
+            if lent.disk is None:
+                left += gone
+            else:
+                left += [k for k, d in zip(gone, lent.disk.contains(gone), strict=True) if not d]
+            need = min(blocks, pool.capacity) - pool.free
+        if evicted:
+            pool.stats.add(evictions=evicted)
+        return left
+
+    def _demote(
+        self, lent: _Lent, victims: list[bytes], keep: frozenset[bytes] | set[bytes]
+    ) -> list[bytes]:
+        """Writes DRAM victims the disk lacks to it, dropping the disk's least recently used
+        blocks (never those in ``keep``: being moved up) for room; returns the keys that left
+        the node (dropped from disk, not in DRAM)."""
+        disk, pool = lent.disk, lent.pool
+        assert disk is not None
+        fresh = [k for k, d in zip(victims, disk.contains(victims), strict=True) if not d]
+        left: list[bytes] = []
+        room = min(len(fresh), disk.capacity) - disk.free
+        spare = set(victims) | set(keep)
+        candidates = iter([k for k in lent.disk_lru if k not in spare])
+        while room > 0:
+            drop = [k for _, k in zip(range(room), candidates, strict=False)]
+            if not drop:
+                break
+            disk.delete(drop)
+            gone = [k for k, d in zip(drop, disk.contains(drop), strict=True) if not d]
+            for key in gone:
+                lent.disk_lru.pop(key, None)
+            left += [k for k, d in zip(gone, pool.contains(gone), strict=True) if not d]
+            room = min(len(fresh), disk.capacity) - disk.free
+        fresh = fresh[: disk.free]
+        try:
+            disk.put(fresh, pool)
+        except (TpuSyncError, OSError) as error:  # those victims are simply dropped
+            log.warning("store node: demoting %d blocks to disk failed: %s", len(fresh), error)
+        for key in (k for k, d in zip(victims, disk.contains(victims), strict=True) if d):
+            lent.disk_lru[key] = None
+            lent.disk_lru.move_to_end(key)
+        return left
 
     # --- delete, keys ----------------------------------------------------------------------
 
@@ -387,9 +555,15 @@ class StoreServer(BlockServer):
         lent = self._lent_of(served)
         with lent.lock:
             dropped = lent.pool.delete(keys)
-            gone = [k for k, held in zip(keys, lent.pool.contains(keys), strict=True) if not held]
-            for key in gone:
-                lent.lru.pop(key, None)
+            if lent.disk is not None:
+                dropped += lent.disk.delete(keys)
+                for key, d in zip(keys, lent.disk.contains(keys), strict=True):
+                    if not d:
+                        lent.disk_lru.pop(key, None)
+            gone = [k for k, held in zip(keys, lent.contains(keys), strict=True) if not held]
+            for key, held in zip(keys, lent.pool.contains(keys), strict=True):
+                if not held:
+                    lent.lru.pop(key, None)
         if gone and self.on_removed is not None:
             self.on_removed(gone)
         return dropped
@@ -402,7 +576,8 @@ class StoreServer(BlockServer):
             raise InvalidArgumentError(
                 f"limit: expected 1 to {MAX_KEYS_PER_REQUEST}, got {limit!r:.50}"
             )
-        return [k.hex() for k in sorted(served.pool.keys())[start : start + limit]]
+        keys = sorted(self._lent_of(served).keys())
+        return [k.hex() for k in keys[start : start + limit]]
 
     # --- close -----------------------------------------------------------------------------
 
@@ -412,6 +587,8 @@ class StoreServer(BlockServer):
         for item in lent:
             item.served.leases.close()
             item.pool.close()
+            if item.disk is not None:
+                item.disk.close()
 
     def close(self) -> None:
         """Stops serving, releases every lease and closes the pools (named ones stay in
@@ -505,6 +682,30 @@ class StoreNodePool(RemotePool):
     def free(self) -> int:
         return sys.maxsize  # the node makes room itself
 
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Loads the blocks under ``keys`` into ``target``, at most the node's DRAM slots per
+        lease (blocks on the node's disk are moved up into its DRAM for the lease); raises
+        BlocksMissingError with a ``loaded`` mask when any was not loaded."""
+        keys = list(keys)
+        step = max(1, self.client.server_capacity)
+        loaded: list[bool] = []
+        corrupt = 0
+        for i in range(0, len(keys), step):
+            part = keys[i : i + step]
+            try:
+                super().get(part, target)
+                loaded += [True] * len(part)
+            except BlocksMissingError as missing:
+                loaded += list(missing.loaded)
+                corrupt += missing.corrupt
+        if not all(loaded):
+            raise BlocksMissingError(
+                f"keys: {loaded.count(False)} of {len(keys)} blocks not served by "
+                f"{self.client.label} ({corrupt} failed verification)",
+                loaded=loaded,
+                corrupt=corrupt,
+            )
+
     def put(self, keys: Sequence[bytes], source: HostPool) -> int:
         """Pushes ``source``'s blocks under ``keys`` to the node; returns how many it stored
         now (keys it held already are not counted). Raises BlocksMissingError (with
@@ -522,8 +723,12 @@ class StoreNodePool(RemotePool):
         fresh = [k for k, h in zip(keys, held, strict=True) if not h]
         if not fresh:
             return 0
-        stored = self.client.push(fresh, source)
-        written = sum(stored)
+        # a put lands in the node's DRAM: never more at once than it holds (with a disk, each
+        # batch demotes the one before)
+        step = max(1, self.client.server_capacity)
+        written = sum(
+            sum(self.client.push(fresh[i : i + step], source)) for i in range(0, len(fresh), step)
+        )
         self.stats.add(bytes_in=written * self.layout.payload_bytes, puts=written)
         return written
 
@@ -555,8 +760,8 @@ class StoreNode:
     served over TCP, and the link that publishes the node's blocks to a registry.
 
     Args:
-      dram_bytes, max_layouts, name, shm_dir, secret, host, port, tls, insecure: for the
-        StoreServer.
+      dram_bytes, max_layouts, name, shm_dir, secret, host, port, tls, insecure, disk_dir,
+        disk_bytes: for the StoreServer.
       registry: a registry to publish to (a RemoteRegistry, RedisRegistry, ...), or None.
       registry_port: host an embedded registry on this port (0: a free one) of ``host``, and
         publish to it; :attr:`registry_address` is where peers reach it. Exclusive with
@@ -581,6 +786,8 @@ class StoreNode:
         ttl_s: float = 10.0,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 0,
     ) -> None:
         if registry is not None and registry_port is not None:
             raise InvalidArgumentError(
@@ -604,6 +811,8 @@ class StoreNode:
             shm_dir=shm_dir,
             tls=tls,
             insecure=insecure,
+            disk_dir=disk_dir,
+            disk_bytes=disk_bytes,
         )
         try:
             if registry_port is not None:
