@@ -403,7 +403,7 @@ class StoreServer(BlockServer):
             sums = _checksums_param(params.get("checksums"), len(keys))
             if len(set(keys)) != len(keys):
                 raise InvalidArgumentError("keys: each key at most once per put")
-            present = pool.contains(keys)
+            present = lent.contains(keys)  # in DRAM or on disk: stored already
             reservation = self._reserve(
                 lent, [k for k, p in zip(keys, present, strict=True) if not p]
             )
