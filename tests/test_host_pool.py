@@ -1113,3 +1113,16 @@ def test_a_held_block_elsewhere_does_not_fail_a_load(arrays, rng, mesh, path, op
     finally:
         for pool in model.pools:
             pool.release_blocks([0])
+
+
+def test_inline_slot_hashes_equal_the_engine_ones(arrays, rng, mesh, open_pool):
+    """hash_slots(inline=True) (the calling thread, one piece at a time) gives the engine's
+    checksums, which are the recorded ones."""
+    model = make_model(arrays, rng, mesh)
+    pool = open_pool(model.layout, 8)
+    keys = keys_for([0, 3, 4, 7])
+    store(pool, model, keys, [0, 3, 4, 7], "native")
+    slots = [pool.slot_of(k) for k in keys]
+    engine = pool.hash_slots(slots)
+    assert np.array_equal(pool.hash_slots(slots, inline=True), engine)
+    assert np.array_equal(engine, pool._records["checksum"][slots])

@@ -348,3 +348,19 @@ def recv_exact(int fd, buffer, double timeout_s):
     if status == -1:
         raise OSError(err, strerror(err).decode())
     return got
+
+
+def sum64_regions(const uint64_t[::1] starts not None, const uint64_t[::1] lengths not None):
+    """The piece checksum (``sum64``) of each memory region ``starts[i], lengths[i]``, computed
+    on the calling thread with the GIL released: for short jobs (one block's pieces) where
+    handing them to the engine's threads costs more than it saves, and so that several callers
+    hash at once (the engine runs one job at a time). The caller keeps the memory alive."""
+    cdef Py_ssize_t n = starts.shape[0], i
+    if lengths.shape[0] != n:
+        raise ValueError("starts and lengths differ in length")
+    out = np.empty(n, dtype=np.uint64)
+    cdef uint64_t[::1] digests = out
+    with nogil:
+        for i in range(n):
+            digests[i] = tps_sum64(<const void *><uintptr_t>starts[i], <size_t>lengths[i])
+    return out

@@ -1021,7 +1021,7 @@ class BlockClient:
                 ok[i] = (
                     header.fingerprint == layout.fingerprint
                     and header.checksum == int(expected[i])
-                    and int(target.hash_slots([slot])[0]) == int(expected[i])
+                    and int(target.hash_slots([slot], inline=True)[0]) == int(expected[i])
                 )
             conn.recv_into(header_view, deadline)
             header = wire.decode_header(header_buf, max_payload=limit)

@@ -457,15 +457,17 @@ class HostPool:
         start = self.geometry.data_offset + int(slot) * self.layout.slot_bytes
         return memoryview(self._open_base())[start : start + self.layout.slot_bytes]
 
-    def hash_slots(self, slots: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Each slot's block checksum, computed from its bytes in memory."""
+    def hash_slots(self, slots: np.ndarray | Sequence[int], *, inline: bool = False) -> np.ndarray:
+        """Each slot's block checksum, computed from its bytes in memory; ``inline`` hashes on
+        the calling thread instead of the copy engine's (for a block or two, from several
+        threads at once: the engine runs one job at a time)."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
             raise InvalidArgumentError(
                 f"slots: out of range 0..{self.capacity - 1} ({int(slots.min())}..."
                 f"{int(slots.max())})"
             )
-        return self._hash_slots(slots)
+        return self._hash_slots(slots, inline=inline)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
         """Counts and drops blocks found corrupt by a reader, pinned or not: they leave the
@@ -508,12 +510,17 @@ class HostPool:
     ) -> np.ndarray:
         return self._move_blocks(pools, block_ids, slots, path, to_device=False)
 
-    def _hash_slots(self, slots: np.ndarray) -> np.ndarray:
+    def _hash_slots(self, slots: np.ndarray, *, inline: bool = False) -> np.ndarray:
         """Checksums of committed-or-written slots, from memory (the pure-JAX path's pass)."""
         self._open_base()
         offsets, lengths = self.layout.piece_table
         base = self._mapping.address + self.geometry.data_offset
         starts = base + slots[:, None] * self.layout.slot_bytes + offsets[None, :]
+        if inline:
+            digests = _core.sum64_regions(
+                starts.ravel().astype(np.uint64), np.tile(lengths, len(slots)).astype(np.uint64)
+            )
+            return slot_checksums(digests.reshape(len(slots), len(offsets)))
         table = np.stack(
             [starts.ravel(), np.zeros(starts.size, np.int64), np.tile(lengths, len(slots))], 1
         ).astype(np.uint64)
