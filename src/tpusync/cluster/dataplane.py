@@ -573,7 +573,13 @@ class _Connection:
             ) from exc
         if not isinstance(response, dict) or response.get("id") != rid:
             self.drop()
-            raise PeerUnavailableError(
+        return self._result(response, rid, method, PeerUnavailableError)
+
+    def _result(self, response: Any, rid: int, method: str, failure: type[Exception]) -> Any:
+        """The result of the answer to request ``rid``: InvalidArgumentError when the server
+        refused the arguments, ``failure`` when it answered out of turn or failed."""
+        if not isinstance(response, dict) or response.get("id") != rid:
+            raise failure(
                 f"the block server at {self.label} answered out of turn: {response!r:.200}"
             )
         error = response.get("error")
@@ -582,9 +588,7 @@ class _Connection:
             message = error.get("message") if isinstance(error, dict) else str(error)
             if kind == "InvalidArgumentError":
                 raise InvalidArgumentError(f"{self.label}: {message}")
-            raise PeerUnavailableError(
-                f"the block server at {self.label} failed {method}: {message}"
-            )
+            raise failure(f"the block server at {self.label} failed {method}: {message}")
         return response.get("result")
 
     def send_get(self, lease_id: int, keys: Sequence[bytes]) -> int:
@@ -613,17 +617,9 @@ class _Connection:
         return rid, self._answer(rid, "put")
 
     def _answer(self, rid: int, method: str) -> Any:
+        """Reads the JSON answer to ``rid`` in the middle of a put's stream."""
         assert self.sock is not None
-        response = _recv_json(self.sock)
-        if not isinstance(response, dict) or response.get("id") != rid:
-            raise _StreamError(f"answered out of turn: {response!r:.200}")
-        error = response.get("error")
-        if error is not None:
-            message = error.get("message") if isinstance(error, dict) else str(error)
-            if isinstance(error, dict) and error.get("type") == "InvalidArgumentError":
-                raise InvalidArgumentError(f"{self.label}: {message}")
-            raise _StreamError(f"the server failed {method}: {message}")
-        return response.get("result")
+        return self._result(_recv_json(self.sock), rid, method, _StreamError)
 
     def finish_put(self, rid: int, fingerprint: bytes) -> Any:
         """Ends a put's blocks and returns the server's answer (which keys it stored)."""
