@@ -7,11 +7,7 @@ Real sockets on loopback, real HostPools of random bits, a real `tpusync serve` 
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -364,60 +360,18 @@ def shm_dir(tmp_path: Path) -> Path:
 # -- the KV store over a store node, and `tpusync serve` -------------------------------------
 
 
-def _serve(secret: bytes, tmp_path: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Starts `tpusync serve` in a child and reads its ready line (addresses as JSON)."""
-    secret_file = tmp_path / "secret"
-    secret_file.write_text(secret.hex())
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tpusync",
-            "serve",
-            "--dram",
-            "64MiB",
-            "--secret-file",
-            str(secret_file),
-            "--registry-port",
-            "0",
-            "--ready-json",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(timeout=10)
-        raise AssertionError(f"tpusync serve exited with {proc.returncode}")
-    return proc, json.loads(line)
-
-
-def _stop(proc: subprocess.Popen[str]) -> int:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-    try:
-        return proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        return proc.wait(timeout=10)
-    finally:
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.Generator) -> None:
     """A real `tpusync serve` child; a prefill store writes its KV through to it; a second
     store with empty DRAM (another engine) loads the prefix from the node and its tokens and
     logits equal the cold run's."""
     from tpusync.testing.engine import ToyEngine
     from tpusync.testing.model import ModelConfig, init_params
+    from tpusync.testing.processes import start_store_node, stop_process
 
     cfg = ModelConfig(**kv_child.MODEL)
     params = init_params(cfg)
     secret = secrets.token_bytes(32)
-    proc, ready = _serve(secret, tmp_path)
+    proc, ready = start_store_node(tmp_path, secret, 64 * MiB, quiet=False)
     try:
         spec = {
             "model_id": "toy-node",
@@ -445,7 +399,7 @@ def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.G
         with RemoteRegistry(ready["registry"], secret=secret) as registry:
             assert [n.addresses for n in registry.nodes()] == [(ready["address"],)]
     finally:
-        assert _stop(proc) == 0  # SIGTERM: a clean shutdown
+        assert stop_process(proc) == 0  # SIGTERM: a clean shutdown
     assert warm.lookup_tiers == ("node",) * 4
     assert warm.cached_tokens == boundary
     assert warm.tokens.tolist() == cold.tokens.tolist()

@@ -121,49 +121,6 @@ def _memcpy_gbps(nbytes: int) -> float:
     return measure(nbytes, 5)
 
 
-def _start_store_node(work: Path, secret: bytes, dram_bytes: int) -> tuple[Any, dict[str, Any]]:
-    """`tpusync serve` in a child process, hosting the registry too; its addresses."""
-    secret_file = work / "secret"
-    secret_file.write_text(secret.hex())
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tpusync",
-            "serve",
-            "--dram",
-            str(dram_bytes),
-            "--secret-file",
-            str(secret_file),
-            "--registry-port",
-            "0",
-            "--ready-json",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        text=True,
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line:
-        _stop(process)
-        raise RuntimeError(f"the store node failed to start (exit {process.returncode})")
-    return process, json.loads(line)
-
-
-def _stop(process: Any) -> None:
-    if process.poll() is None:
-        process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=10)
-    if process.stdout is not None:
-        process.stdout.close()
-
-
 def run(
     tokens: int, new_tokens: int, cache_dir: str | None, plot: str | None, seed: int = 0
 ) -> bool:
@@ -173,6 +130,7 @@ def run(
     from tpusync.cluster import BlockServer, NodeInfo, RemoteRegistry, StoreNodePool
     from tpusync.testing.engine import ToyEngine
     from tpusync.testing.model import init_kv_pools
+    from tpusync.testing.processes import start_store_node, stop_process
     from tpusync.tiers import PoolLayout
 
     config = _model_config(tokens, new_tokens)
@@ -186,7 +144,7 @@ def run(
     try:
         layout = PoolLayout.from_pools(MODEL_ID, init_kv_pools(config))
         print("starting a store node (`tpusync serve`, hosting the registry) ...")
-        node_process, node = _start_store_node(work, secret, 2 * blocks * layout.slot_bytes)
+        node_process, node = start_store_node(work, secret, 2 * blocks * layout.slot_bytes)
         node_tier = StoreNodePool(node["address"], layout=layout, secret=secret)
         store_config = _store_config(
             blocks,
@@ -280,7 +238,7 @@ def run(
             _plot(rows, plot, tokens)
     finally:
         if node_process is not None:
-            _stop(node_process)
+            stop_process(node_process)
         shutil.rmtree(work, ignore_errors=True)
         from tpusync.tiers.host_pool import pool_path
 

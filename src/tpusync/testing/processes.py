@@ -1,0 +1,63 @@
+"""Child processes of the demo and the tests: a `tpusync serve` store node, started and stopped
+by pid with timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["start_store_node", "stop_process"]
+
+
+def start_store_node(
+    work: Path, secret: bytes, dram_bytes: int, *, quiet: bool = True
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Runs `tpusync serve` in a child process, hosting the registry too, with ``secret`` in
+    ``work/secret``; returns the process and its ready line (``{"address", "registry"}``).
+    Stop it with :func:`stop_process`."""
+    secret_file = work / "secret"
+    secret_file.write_text(secret.hex())
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tpusync",
+            "serve",
+            "--dram",
+            str(dram_bytes),
+            "--secret-file",
+            str(secret_file),
+            "--registry-port",
+            "0",
+            "--ready-json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL if quiet else None,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        code = stop_process(process)
+        raise RuntimeError(f"the store node failed to start (exit {code})")
+    return process, json.loads(line)
+
+
+def stop_process(process: subprocess.Popen[str], timeout: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL after ``timeout``; closes its stdout; returns its exit code."""
+    try:
+        if process.poll() is None:
+            process.terminate()
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait(timeout=timeout)
+    finally:
+        if process.stdout is not None:
+            process.stdout.close()
