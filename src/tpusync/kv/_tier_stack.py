@@ -15,7 +15,10 @@ into DRAM slots.
 * **Promotion.** A block found only in a lower tier is read back into DRAM and stays there.
 * **Write-back.** Blocks saved to DRAM are queued for the lower tiers; the queue holds at most
   ``writeback_max_bytes`` of blocks not yet written (then a save waits, or the blocks are left to
-  be demoted on eviction: the ``"wait"`` and ``"skip"`` policies).
+  be demoted on eviction: the ``"wait"`` and ``"skip"`` policies). Write-back copies from DRAM,
+  so DRAM evicting a block still queued (or being written) writes it to every writable lower
+  tier itself, not only to the next one; a block write-back finds gone from DRAM and missing
+  from a tier while another tier holds it counts as ``writeback_lost``.
 
 Locks, always taken in this order: a tier's *room lock* (lower index first; held while making
 room and filling the room, so no one else takes the freed slots), then ``lock`` (metadata: LRU,
@@ -44,10 +47,12 @@ POLICY_COUNTERS = (
     "promotions",
     "lower_tier_misses",
     "lower_tier_errors",
-    "writeback_written",
+    "writeback_written",  # blocks written to lower tiers for write-back (on demotion too)
+    "writeback_on_demote",  # of those, written by DRAM evicting blocks still queued
     "writeback_skipped",
     "writeback_waits",
     "writeback_failed",
+    "writeback_lost",  # blocks DRAM dropped before write-back wrote them to a tier
 )
 _WRITEBACK_WAIT_S = 30.0  # how long making room waits for write-back to free busy slots
 
@@ -100,6 +105,7 @@ class TierStack:
         self._wb_bytes = 0  # queued or being written
         self._wb_busy = 0
         self._wb_active: set[bytes] = set()  # keys whose DRAM slots write-back reads now
+        self._wb_queued: dict[bytes, int] = {}  # keys in _wb_queue: how many times each
         self._wb_stop = False
         self._wb_thread: threading.Thread | None = None
         if writable:
@@ -328,13 +334,40 @@ class TierStack:
         return dropped
 
     def _demote(self, keys: list[bytes]) -> None:
-        """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them)."""
+        """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them), and
+        the ones write-back has not finished with into the other lower tiers too."""
         assert self._below is not None
         missing = absent(self.tiers[self._below], keys)
-        if not missing:
+        if missing:
+            self.bump("demotions", self._put_down(self._below, missing))
+        self._write_back_now(keys)
+
+    def _write_back_now(self, keys: list[bytes]) -> None:
+        """Writes the keys still queued for write-back (or being written) into the writable
+        lower tiers below the next one: write-back reads DRAM, which is about to drop them.
+        Call with DRAM's room lock held (lower tiers' room locks come after it). A failing
+        tier is counted and logged, never raised: the eviction goes on."""
+        with self._wb_cond:
+            pending = [k for k in keys if k in self._wb_queued or k in self._wb_active]
+        if not pending:
             return
-        written = self._put_down(self._below, missing)
-        self.bump("demotions", written)
+        for tier in self._writable_lower:
+            if tier == self._below:  # _demote wrote it
+                continue
+            try:
+                missing = absent(self.tiers[tier], pending)
+                written = self._put_down(tier, missing) if missing else 0
+            except (TpuSyncError, OSError) as error:
+                self.bump("writeback_failed", len(pending))
+                log.warning(
+                    "tpusync kv: write-back of %d evicted blocks to tier %s failed: %s",
+                    len(pending),
+                    self.names[tier],
+                    error,
+                )
+                continue
+            self.bump("writeback_written", written)
+            self.bump("writeback_on_demote", written)
 
     def _put_down(self, tier: int, keys: list[bytes]) -> int:
         """Copies DRAM blocks into lower ``tier`` (making room there); returns blocks written.
@@ -419,6 +452,8 @@ class TierStack:
             self._wb_bytes -= (admitted_blocks - len(keys)) * self.block_bytes
             if keys:
                 self._wb_queue.append(keys)
+                for key in keys:
+                    self._wb_queued[key] = self._wb_queued.get(key, 0) + 1
             self._wb_cond.notify_all()
 
     def _writeback_loop(self) -> None:
@@ -429,6 +464,7 @@ class TierStack:
                 if not self._wb_queue:
                     return
                 keys = self._wb_queue.popleft()
+                self._unqueue(keys)
                 self._wb_busy += 1
                 self._wb_active.update(keys)
             try:
@@ -436,6 +472,7 @@ class TierStack:
                     missing = absent(self.tiers[tier], keys)
                     if missing:
                         self.bump("writeback_written", self._put_down(tier, missing))
+                        self._count_lost(tier, missing)
             except TpuSyncError as error:  # a full or failing tier: the blocks stay in DRAM
                 self.bump("writeback_failed", len(keys))
                 log.warning("tpusync kv: write-back of %d blocks failed: %s", len(keys), error)
@@ -448,6 +485,39 @@ class TierStack:
                     self._wb_busy -= 1
                     self._wb_bytes -= len(keys) * self.block_bytes
                     self._wb_cond.notify_all()
+
+    def _unqueue(self, keys: list[bytes]) -> None:
+        """Forgets one queued occurrence of each key. Call with ``_wb_cond`` held."""
+        queued = self._wb_queued
+        for key in keys:
+            count = queued.get(key, 0) - 1
+            if count > 0:
+                queued[key] = count
+            else:
+                queued.pop(key, None)
+
+    def _count_lost(self, tier: int, keys: list[bytes]) -> None:
+        """Counts the keys write-back could not put into ``tier`` because DRAM dropped them
+        first while another local tier still holds them (the write-back was lost, not the
+        block; a block deleted everywhere was purged, not lost)."""
+        skipped = absent(self.dram, keys)
+        if not skipped:  # the usual case: nothing was skipped
+            return
+        skipped = [
+            k for k, hit in zip(skipped, self._contains(tier, skipped), strict=True) if not hit
+        ]
+        held: set[bytes] = set()
+        for other in self._writable_lower:
+            if skipped and other != tier:
+                found = self._contains(other, skipped)
+                held.update(k for k, hit in zip(skipped, found, strict=True) if hit)
+        if held:
+            self.bump("writeback_lost", len(held))
+            log.warning(
+                "tpusync kv: write-back lost %d blocks for tier %s: DRAM dropped them first",
+                len(held),
+                self.names[tier],
+            )
 
     def _wait_writeback_progress(self) -> None:
         with self._wb_cond:
@@ -492,6 +562,8 @@ class TierStack:
             self._wb_cond.notify_all()
         if self._wb_thread is not None:
             self._wb_thread.join()
+        with self._wb_cond:
+            self._wb_queued.clear()  # the thread drained the queue; nothing waits any more
 
 
 def present(tier: HostPool | LowerTier, keys: Sequence[bytes]) -> list[bytes]:
