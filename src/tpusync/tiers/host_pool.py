@@ -150,7 +150,10 @@ class HostPool:
         self.attached = False  # True when an existing pool was re-attached
         self.attach_seconds = 0.0
         if name is None:
-            self._mapping = _core.Mapping(self.geometry.file_bytes, populate=False)
+            # Transparent huge pages where the kernel allows (advice, as numpy gives its large
+            # arrays): scattered block copies then miss the TLB far less (measured here: put and
+            # get of 1 MiB blocks 0.86x -> 0.89x the memcpy limit).
+            self._mapping = _core.Mapping(self.geometry.file_bytes, populate=False, huge_pages=True)
             if populate:
                 _prefault(self._mapping, "prefaulting host pool")
             self._write_owner_pid()
@@ -388,17 +391,27 @@ class HostPool:
         keys = _check_keys(keys)
         with self._lock:
             self._open_base()
-            fresh, seen = [], set()
-            for i, key in enumerate(keys):
-                if key not in self._index and key not in seen and key not in self._writing:
-                    fresh.append(i)
-                    seen.add(key)
+            unique = set(keys)
+            if (
+                len(unique) == len(keys)
+                and unique.isdisjoint(self._index)
+                and (unique.isdisjoint(self._writing))
+            ):
+                fresh = list(range(len(keys)))  # the usual put: all new (set speed, not a loop)
+            else:
+                fresh, seen = [], set()
+                for i, key in enumerate(keys):
+                    if key not in self._index and key not in seen and key not in self._writing:
+                        fresh.append(i)
+                        seen.add(key)
             if len(fresh) > len(self._free):
                 raise TierFullError(
                     f"keys: {len(fresh)} new blocks but {len(self._free)} free slots of "
                     f"{self.capacity}; delete or evict blocks first"
                 )
-            slots = np.array([self._free.pop() for _ in fresh], dtype=np.int64)
+            taken = len(self._free) - len(fresh)
+            slots = np.array(self._free[taken:][::-1], dtype=np.int64)
+            del self._free[taken:]
             chosen = [keys[i] for i in fresh]
             self._begin_writes(slots, chosen)
             self._writing.update(chosen)
@@ -409,8 +422,7 @@ class HostPool:
         with self._lock:
             self._open_base()
             self._commit_records(reservation.slots, np.asarray(checksums, dtype=np.uint64))
-            for key, slot in zip(reservation.keys, reservation.slots.tolist(), strict=True):
-                self._index[key] = slot
+            self._index.update(zip(reservation.keys, reservation.slots.tolist(), strict=True))
             self._writing.difference_update(reservation.keys)
         self.stats.add(
             bytes_in=len(reservation.slots) * self.layout.payload_bytes,
@@ -489,8 +501,8 @@ class HostPool:
     def _begin_writes(self, slots: np.ndarray, keys: list[bytes]) -> None:
         records = self._records
         records["state"][slots] = WRITING  # first: a crash from here on leaves a torn slot
-        records["key_len"][slots] = [len(k) for k in keys]
-        records["key"][slots] = [k.ljust(MAX_KEY_BYTES, b"\0") for k in keys]
+        records["key_len"][slots] = np.fromiter(map(len, keys), np.uint16, len(keys))
+        records["key"][slots] = keys  # numpy pads each to the field's width with zero bytes
 
     def _commit_records(self, slots: np.ndarray, checksums: np.ndarray) -> None:
         if len(slots) != len(checksums):
