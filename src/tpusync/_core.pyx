@@ -38,6 +38,27 @@ cdef extern from "sys/mman.h" nogil:
 # and cheaper: 512 MiB in ~25 ms read against ~65 ms write here.
 cdef int MADV_POPULATE_READ_ = 22
 cdef int MADV_POPULATE_WRITE_ = 23
+# Linux >= 6.1: back a range with huge pages now, copying its small pages (EINVAL before).
+cdef int MADV_COLLAPSE_ = 25
+cdef size_t HUGE_PAGE = 2 << 20
+
+
+def collapse_huge_pages(uintptr_t address, size_t length):
+    """Backs the whole 2 MiB pages inside [address, address + length) with transparent huge
+    pages now: advises MADV_HUGEPAGE, then MADV_COLLAPSE (which keeps the contents; writers
+    meanwhile wait in a page fault). Returns the bytes collapsed, 0 when the range holds no
+    whole huge page, or ``-errno`` when the kernel refuses (an older kernel, THP disabled, a
+    range not mapped). Only performance changes: never the bytes. GIL released."""
+    cdef uintptr_t first = (address + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    cdef uintptr_t end = (address + length) // HUGE_PAGE * HUGE_PAGE
+    cdef int failed = 0
+    if end <= first:
+        return 0
+    with nogil:
+        madvise(<void *> first, end - first, MADV_HUGEPAGE)  # so the kernel keeps them huge
+        if madvise(<void *> first, end - first, MADV_COLLAPSE_) != 0:
+            failed = errno
+    return -failed if failed else <Py_ssize_t> (end - first)
 
 
 def block_segments(

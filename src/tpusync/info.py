@@ -32,6 +32,10 @@ class HostInfo:
     o_direct: bool
     o_direct_reason: str
     transparent_huge_pages: str | None
+    shmem_huge_pages: str | None  # /dev/shm pools get huge pages only if not never/deny
+    huge_pages_for_cpu_pools: (
+        bool  # TPUSYNC_HUGE_PAGES: CPU DevicePools collapsed (see _huge_pages)
+    )
     copy_threads: int
     cpu_count: int
 
@@ -64,7 +68,9 @@ class Info:
                 f"  RLIMIT_MEMLOCK: soft {_limit(h.memlock_soft)}, hard {_limit(h.memlock_hard)}",
                 f"  O_DIRECT in {h.o_direct_dir}: {'yes' if h.o_direct else 'no'} "
                 f"({h.o_direct_reason})",
-                f"  transparent huge pages: {h.transparent_huge_pages}",
+                f"  transparent huge pages: {h.transparent_huge_pages} (shmem "
+                f"{h.shmem_huge_pages}); CPU device pools collapsed to huge pages: "
+                f"{'yes' if h.huge_pages_for_cpu_pools else 'no (TPUSYNC_HUGE_PAGES=0)'}",
                 f"  copy threads: {h.copy_threads} of {h.cpu_count} usable cores",
             ]
         return "\n".join(lines)
@@ -108,9 +114,9 @@ def check_o_direct(directory: str) -> tuple[bool, str]:
         os.unlink(name)
 
 
-def _thp() -> str | None:
+def _thp(which: str = "enabled") -> str | None:
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{which}") as f:
             text = f.read().strip()
     except OSError:
         return None
@@ -119,6 +125,7 @@ def _thp() -> str | None:
 
 
 def host_info(directory: str | None = None) -> HostInfo:
+    from tpusync import _huge_pages
     from tpusync._native_path import copy_threads
 
     total, free = _statvfs("/dev/shm")
@@ -134,6 +141,8 @@ def host_info(directory: str | None = None) -> HostInfo:
         o_direct=ok,
         o_direct_reason=reason,
         transparent_huge_pages=_thp(),
+        shmem_huge_pages=_thp("shmem_enabled"),
+        huge_pages_for_cpu_pools=_huge_pages.enabled(),
         copy_threads=copy_threads(),
         cpu_count=len(os.sched_getaffinity(0)),
     )

@@ -15,7 +15,7 @@ dropped), never data.
 from __future__ import annotations
 
 import _thread
-import dataclasses
+import contextlib
 import fcntl
 import logging
 import numbers
@@ -186,7 +186,7 @@ class HostPool:
             # cost milliseconds of the attach on 2 busy cores.
             self._mapper_done = threading.Event()
             _thread.start_new_thread(self._map_in_background, (self._mapper_done,))
-        self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], list[Any]]] = {}
+        self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], Any]] = {}
 
     # --- opening ---------------------------------------------------------------------------
 
@@ -611,15 +611,15 @@ class HostPool:
         from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
 
         self._ensure_populated(slots)
-        moves = self._kept_moves(pools, block_ids, slots, to_device)
-        if moves is not None and path != "jax":
-            with _pools_locked(moves):
-                if _native_ready(pools):
+        if path != "jax" and all(isinstance(pool, DevicePool) for pool in pools):
+            with _pools_locked_of(pools):
+                if _native_ready(pools):  # planning reads buffer addresses: native pools only
+                    plan = self._kept_plan(pools, to_device)
                     if to_device:  # what validation would check, had it run for this call
                         for pool, array in zip(pools, self.layout.arrays, strict=True):
                             pool._check_writable(block_ids, array.block_axis, "block_ids")
-                    digests = _native_path.run_hashed(moves)
-                    return slot_checksums(_slot_major(digests))
+                    src, dst = (slots, block_ids) if to_device else (block_ids, slots)
+                    return slot_checksums(_native_path.run_hashed_plan(plan, src, dst))
         items = []
         for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
             if to_device:
@@ -668,22 +668,18 @@ class HostPool:
             )
         self._populated[todo] = True
 
-    def _kept_moves(
-        self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, to_device: bool
-    ) -> list[Any] | None:
-        """The validated moves between ``pools`` and the slot views, with this call's block
-        lists: validation (endpoints, shapes, dtypes, shards) runs once per list of DevicePools
-        and direction, since a DevicePool's shape, dtype and sharding never change and the slot
-        views are fixed. None for pools that are not all DevicePools."""
+    def _kept_plan(self, pools: Sequence[DevicePool], to_device: bool) -> _native_path.BlockPlan:
+        """The validated moves between ``pools`` and the slot views, planned for the native
+        engine: validation (endpoints, shapes, dtypes, shards) and planning run once per list
+        of DevicePools and direction, since a DevicePool's shape, dtype and sharding never
+        change and the slot views are fixed. Call with the pools locked and native-ready."""
         from tpusync.transfer import Transfer, _plan_move
 
-        if not all(isinstance(pool, DevicePool) for pool in pools):
-            return None
         kept = self._moves_kept.get(to_device)
         if (
             kept is None
-            or not all(ref() is pool for ref, pool in zip(kept[0], pools, strict=True))
             or len(kept[0]) != len(pools)
+            or not all(ref() is pool for ref, pool in zip(kept[0], pools, strict=True))
         ):
             # No blocks: validation must not depend on (or race with) which blocks a save
             # holds right now; the call's own blocks are checked by the caller.
@@ -695,13 +691,9 @@ class HostPool:
                 else:
                     item = Transfer(pool, view, none, none, array.block_axis)
                 moves.append(_plan_move(item))
-            kept = (tuple(weakref.ref(pool) for pool in pools), moves)
+            kept = (tuple(weakref.ref(pool) for pool in pools), _native_path.BlockPlan(moves))
             self._moves_kept[to_device] = kept
-        src, dst = (slots, block_ids) if to_device else (block_ids, slots)
-        return [
-            dataclasses.replace(move, src_blocks=src, dst_blocks=dst, whole=False)
-            for move in kept[1]
-        ]
+        return kept[1]
 
     # --- delete, close ----------------------------------------------------------------------
 
@@ -903,6 +895,13 @@ def _slot_major(digests: list[np.ndarray]) -> np.ndarray:
     """Per-move digests (groups, outer, blocks) -> (blocks, pieces) in slot order."""
     columns = [d.reshape(-1, d.shape[-1]) for d in digests]
     return np.concatenate(columns, axis=0).T
+
+
+def _pools_locked_of(pools: Sequence[DevicePool]) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for pool in sorted({id(p): p for p in pools}.items()):  # the global order transfer uses
+        stack.enter_context(pool[1]._lock)
+    return stack
 
 
 def _pools_locked(moves: list[Any]) -> Any:

@@ -1,0 +1,96 @@
+"""Huge pages behind host memory: collapsing never changes a byte, and CPU pools get them."""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import tpusync
+from tpusync import _core, _huge_pages
+
+HUGE = 2 << 20
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    numbers = platform.release().split("-")[0].split(".")
+    return (int(numbers[0]), int(numbers[1])) >= (major, minor)
+
+
+# MADV_COLLAPSE exists from Linux 6.1 and works unless THP is off
+COLLAPSES = _thp_mode() in ("always", "madvise") and _kernel_at_least(6, 1)
+
+
+def test_collapse_keeps_every_byte_while_a_thread_writes(rng):
+    mapping = _core.Mapping(8 * HUGE + 4096)  # page-aligned, not huge-page aligned
+    data = np.frombuffer(mapping, dtype=np.uint8)
+    data[:] = rng.integers(0, 256, data.size, dtype=np.uint8)
+    stop = threading.Event()
+    writes = []
+
+    def write(target: np.ndarray) -> None:  # its stores must all survive the collapse
+        i = 0
+        while not stop.is_set():
+            at = (i * 1_000_003) % target.size
+            target[at] ^= 0x5A
+            writes.append(at)
+            i += 1
+
+    expected = data.copy()
+    writer = threading.Thread(target=write, args=(data,))
+    writer.start()
+    try:
+        done = _core.collapse_huge_pages(mapping.address, mapping.size)
+    finally:
+        stop.set()
+        writer.join(timeout=10)
+    for at in writes:
+        expected[at] ^= 0x5A
+    assert np.array_equal(data, expected)
+    if COLLAPSES:
+        # the whole huge pages inside: 7 or 8 of them, by where the mapping starts
+        assert done in (7 * HUGE, 8 * HUGE)
+    else:
+        assert done <= 0
+    del data, writer
+    mapping.close()
+
+
+def test_collapse_of_a_range_without_a_whole_huge_page_does_nothing():
+    mapping = _core.Mapping(HUGE)
+    start = mapping.address + 4096  # one page in: never a whole aligned 2 MiB inside
+    assert _core.collapse_huge_pages(start, HUGE - 4096) == 0
+    assert _core.collapse_huge_pages(mapping.address, 0) == 0
+    mapping.close()
+
+
+@pytest.mark.skipif(not COLLAPSES, reason="needs Linux >= 6.1 with THP not 'never'")
+def test_cpu_device_pool_is_collapsed_in_the_background_with_its_bytes_intact(arrays, rng):
+    before = _huge_pages.collapsed_bytes
+    host = arrays.random(rng, (512, 16384), np.uint16)  # 16 MiB
+    pool = tpusync.DevicePool(jax.device_put(host))
+    deadline = time.monotonic() + 20
+    while _huge_pages.collapsed_bytes - before < 7 * HUGE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _huge_pages.collapsed_bytes - before >= 7 * HUGE  # 16 MiB: at least 7 of 8 pages
+    np.testing.assert_array_equal(np.asarray(pool.array), host)
+
+
+def test_huge_pages_can_be_turned_off(monkeypatch, arrays, rng):
+    monkeypatch.setenv("TPUSYNC_HUGE_PAGES", "0")
+    assert not _huge_pages.enabled()
+    queued = _huge_pages._queue.qsize()
+    tpusync.DevicePool(jax.device_put(arrays.random(rng, (1024, 4096), np.float32)))
+    assert _huge_pages._queue.qsize() == queued
