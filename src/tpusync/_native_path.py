@@ -182,31 +182,28 @@ class BlockPlan:
     (a pool's per-array moves between its slots and the device pools), planned once.
 
     :func:`plan_segments` per move per call re-derives every piece's offset inside its region
-    (~50 us a move); here those offsets are kept, and a call only reads each region's base
-    address (pinning its buffer) and adds ``block * stride``, for all moves in one broadcast.
-    Rows are in :func:`run_hashed`'s order: (move, shard group, replica, outer index, block).
+    (~50 us a move); here those offsets are kept, host regions (fixed memory) too, and a call
+    only reads each device buffer's address (pinning it) and adds ``block * stride``, for all
+    moves in one broadcast. Rows are in :func:`run_hashed`'s order: (move, shard group,
+    replica, outer index, block). Device shard shapes never change (a DevicePool's shape and
+    sharding are fixed), and neither do host views, so neither do the offsets.
     """
 
     def __init__(self, moves: list[Move]) -> None:
         self.moves = moves
         holds: list[Any] = []
-        src_rel, dst_rel, src_step, dst_step, nbytes, pair_of_row, first = (
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-            [],
-        )
-        self._geometry: list[tuple[Any, ...]] = []  # each pair's (shape, strides) both sides
+        src_rel, dst_rel, src_step, dst_step = [], [], [], []
+        nbytes, pair_of_row, first = [], [], []
+        self._host_bases: list[int | None] = []  # per pair and side: fixed, or None (device)
         pair = 0
         for move in moves:
             itemsize = move.src.dtype.itemsize
             src_regions, dst_regions = _regions(move.src, holds), _regions(move.dst, holds)
             for src_group, dst_group in zip(src_regions, dst_regions, strict=True):
                 for replica, (s, d) in enumerate((src_group[0], t) for t in dst_group):
-                    self._geometry.append((s.shape, s.strides, d.shape, d.strides))
+                    for side, region in ((move.src, s), (move.dst, d)):
+                        fixed = isinstance(side, HostSide)
+                        self._host_bases.append(region.base if fixed else None)
                     outer_s = strided_offsets(s.shape, s.strides, move.block_axis)
                     outer_d = strided_offsets(d.shape, d.strides, move.block_axis)
                     src_rel.append(outer_s)
@@ -233,30 +230,54 @@ class BlockPlan:
         self.pieces = len(self._first_rows)  # digests per block in run_hashed_plan's answer
 
     def table(self, src_blocks: np.ndarray, dst_blocks: np.ndarray, holds: list[Any]) -> np.ndarray:
-        """The segment table for this call's blocks; every buffer it addresses is pinned in
-        ``holds``. The moves' regions must still have their planned shapes and strides."""
-        src_base, dst_base, at = [], [], 0
+        """The segment table for this call's blocks; every device buffer it addresses is
+        pinned in ``holds``."""
+        bases = list(self._host_bases)
+        at = 0
         for move in self.moves:
-            src_regions, dst_regions = _regions(move.src, holds), _regions(move.dst, holds)
-            for src_group, dst_group in zip(src_regions, dst_regions, strict=True):
-                s = src_group[0]
-                for d in dst_group:
-                    if self._geometry[at] != (s.shape, s.strides, d.shape, d.strides):
-                        raise ValueError("a planned move's memory changed its geometry")
-                    src_base.append(s.base)
-                    dst_base.append(d.base)
-                    at += 1
-        pairs = self._pair_of_row
-        src = np.array(src_base, dtype=np.int64)[pairs] + self._src_rel
-        dst = np.array(dst_base, dtype=np.int64)[pairs] + self._dst_rel
-        n, rows = len(src_blocks), len(pairs)
+            src = _device_bases(move.src, holds) if isinstance(move.src, DeviceSide) else None
+            dst = _device_bases(move.dst, holds) if isinstance(move.dst, DeviceSide) else None
+            groups = len(src if src is not None else dst)  # type: ignore[arg-type]
+            for g in range(groups):
+                replicas = len(dst[g]) if dst is not None else 1
+                for r in range(replicas):
+                    if src is not None:
+                        bases[at] = src[g][0]  # a replicated shard is read once
+                    if dst is not None:
+                        bases[at + 1] = dst[g][r]
+                    at += 2
+        pair_bases = np.array(bases, dtype=np.int64).reshape(-1, 2)[self._pair_of_row]
+        n, rows = len(src_blocks), len(self._pair_of_row)
         table = np.empty((rows, n, 3), dtype=np.uint64)
         blocks = np.asarray(src_blocks, dtype=np.int64)
-        table[:, :, 0] = src[:, None] + self._src_step[:, None] * blocks[None, :]
+        table[:, :, 0] = (pair_bases[:, 0] + self._src_rel)[:, None] + self._src_step[
+            :, None
+        ] * blocks[None, :]
         blocks = np.asarray(dst_blocks, dtype=np.int64)
-        table[:, :, 1] = dst[:, None] + self._dst_step[:, None] * blocks[None, :]
+        table[:, :, 1] = (pair_bases[:, 1] + self._dst_rel)[:, None] + self._dst_step[
+            :, None
+        ] * blocks[None, :]
         table[:, :, 2] = self._nbytes[:, None]
         return table.reshape(rows * n, 3)
+
+
+def _device_bases(side: DeviceSide, holds: list[Any]) -> list[list[int]]:
+    """Per shard group, each replica's buffer address (in the group's device order), every
+    buffer pinned in ``holds``: :func:`_device_regions` without the geometry."""
+    array = side.current()
+    if len(side.groups) == 1 and len(array.sharding.device_set) == 1:
+        holds.append(_pin_buffer(array))  # one shard: the array is its data
+        return [[array.unsafe_buffer_pointer()]]
+    by_device = {shard.device: shard.data for shard in array.addressable_shards}
+    out = []
+    for group in side.groups:
+        addresses = []
+        for device in group.devices:
+            data = by_device[device]
+            holds.append(_pin_buffer(data))
+            addresses.append(data.unsafe_buffer_pointer())
+        out.append(addresses)
+    return out
 
 
 def run_hashed_plan(plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> np.ndarray:

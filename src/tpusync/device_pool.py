@@ -81,6 +81,10 @@ class DevicePool:
         self._lock = threading.RLock()
         self._held: dict[int, collections.Counter[int]] = {}  # block axis -> held block ids
         self._held_lock = threading.Lock()
+        # Why the native engine cannot move this array (None: it can), once per array the
+        # caller gives: the pool's own swaps (donated identity, scatters) keep its devices,
+        # dtype and layout. See _native_unavailable.
+        self._native_reason: tuple[str | None] | None = None
 
     @classmethod
     def zeros(
@@ -132,6 +136,7 @@ class DevicePool:
                     "reshard it to the pool's sharding first"
                 )
             self._array = array
+            self._native_reason = None  # another array: perhaps another layout
 
     def hold_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
         """Marks blocks as being read by a save: transfers refuse to write them until
@@ -170,6 +175,15 @@ class DevicePool:
                 f"{self.name!r} are still being saved; wait for the save's `released` future "
                 "before writing them"
             )
+
+    def _native_unavailable(self) -> str | None:
+        """Why the native engine cannot move the pool's array, or None (kept until
+        :meth:`update`). Call with the lock held."""
+        if self._native_reason is None:
+            from tpusync._native_path import unavailable_reason
+
+            self._native_reason = (unavailable_reason(self._array),)
+        return self._native_reason[0]
 
     def _wait_for_readers(self) -> jax.Array:
         """Runs the donated identity step (see the module docstring) and returns the array

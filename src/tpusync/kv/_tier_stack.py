@@ -394,7 +394,7 @@ class TierStack:
         tier counts and drops them), and how many blocks moved up. Pin the keys first, so that
         making room cannot evict them. With ``local``, other nodes' (read-only) tiers are not
         read."""
-        in_dram = self.dram.contains(keys)
+        in_dram = self.dram._contains_checked(list(keys))  # the store's own keys
         if all(in_dram):
             return in_dram, 0
         where = self.locate(keys, prefix=False, local=local)

@@ -502,7 +502,8 @@ class KVCacheStore:
         if not prefix:
             return 0, promoted
         try:
-            self.dram.get_to_device(keys[:prefix], self.pools, ids[:prefix], path=self.config.path)
+            # keys, pools and ids were checked by this store (load): not again per tier
+            self.dram._get_checked(keys[:prefix], self.pools, ids[:prefix], self.config.path)
             loaded = prefix
         except BlocksMissingError as missing:
             loaded = next((i for i, ok in enumerate(missing.loaded) if not ok), prefix)

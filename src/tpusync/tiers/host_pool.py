@@ -330,9 +330,13 @@ class HostPool:
             return list(self._index)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        keys = _check_keys(keys)
+        return self._contains_checked(_check_keys(keys))
+
+    def _contains_checked(self, keys: list[bytes]) -> list[bool]:
+        """:meth:`contains` of keys already checked (the KV store's own)."""
         with self._lock:
-            return [k in self._index for k in keys]
+            index = self._index
+            return [k in index for k in keys]
 
     def slot_of(self, key: bytes) -> int | None:
         return self._index.get(bytes(key))
@@ -440,10 +444,13 @@ class HostPool:
     def pin(self, keys: Sequence[bytes]) -> Pinned:
         """Pins the slots of the present keys (a pinned slot is never deleted or reused) and
         returns them with their recorded checksums. Every pin is matched by one :meth:`unpin`."""
-        keys = _check_keys(keys)
+        return self._pin_checked(_check_keys(keys))
+
+    def _pin_checked(self, keys: list[bytes]) -> Pinned:
         with self._lock:
             self._open_base()
-            slots = np.array([self._index.get(k, -1) for k in keys], dtype=np.int64)
+            get = self._index.get
+            slots = np.fromiter((get(k, -1) for k in keys), np.int64, len(keys))
             present = slots >= 0
             np.add.at(self._pins, slots[present], 1)
             checksums = np.zeros(len(keys), dtype=np.uint64)
@@ -454,7 +461,7 @@ class HostPool:
         with self._lock:
             slots = pinned.slots[pinned.present]
             np.add.at(self._pins, slots, -1)
-            for slot in set(slots.tolist()) & self._retired:
+            for slot in set(slots.tolist()) & self._retired if self._retired else ():
                 if not self._pins[slot]:  # a dropped block's last reader is done with it
                     self._retired.discard(slot)
                     self._free.append(slot)
@@ -562,7 +569,15 @@ class HostPool:
             raise InvalidArgumentError(
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
-        pinned = self.pin(keys)
+        self._get_checked(keys, pools, block_ids, path)
+
+    def _get_checked(
+        self, keys: list[bytes], pools: Sequence[DevicePool], block_ids: np.ndarray, path: str
+    ) -> None:
+        """:meth:`get_to_device` of arguments already checked: keys as :func:`_check_keys`
+        answers them, the layout's pools, and unique int64 block ids in range (the KV store
+        checks its own once per load)."""
+        pinned = self._pin_checked(keys)
         present = pinned.present
         loaded = present.copy()
         corrupt = 0
@@ -888,7 +903,7 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
 def _native_ready(pools: Sequence[DevicePool]) -> bool:
     """Whether the native engine can move every pool's current array (its layout may change
     between calls, unlike its shape); called with the pools locked."""
-    return all(_native_path.unavailable_reason(pool._array) is None for pool in pools)
+    return all(pool._native_unavailable() is None for pool in pools)
 
 
 def _slot_major(digests: list[np.ndarray]) -> np.ndarray:
