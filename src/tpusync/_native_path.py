@@ -57,7 +57,22 @@ def _pin_buffer(data: jax.Array) -> Any:
     """Returns a live DLPack capsule of a single-device array: while it lives, JAX neither frees
     nor reuses the buffer (a donation falls back to a copy). Its creation also waits until the
     buffer's contents are ready."""
+    if _to_capsule is not None:
+        try:
+            # what __dlpack__ ends in, without its checks and its per-call shard array
+            # (1.4 us instead of 6.3 here; a load pins every array of the layout)
+            return _to_capsule(data, stream=None)
+        except Exception:  # another jax: the public way
+            pass
     return data.__dlpack__()
+
+
+try:
+    from jax._src.lib import _jax as _jax_lib
+
+    _to_capsule = _jax_lib.buffer_to_dlpack_managed_tensor
+except (ImportError, AttributeError):  # pragma: no cover - jax without it
+    _to_capsule = None
 
 
 def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
