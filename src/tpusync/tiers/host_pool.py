@@ -373,7 +373,7 @@ class HostPool:
             raise InvalidArgumentError(
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
-        reservation = self.reserve(keys)
+        reservation = self._reserve_checked(keys)
         if not len(reservation.slots):
             return 0
         try:
@@ -392,7 +392,9 @@ class HostPool:
         """Takes a free slot for every key not yet present (first occurrence of each), in the
         writing state: invisible until :meth:`commit`, freed by :meth:`abort` or by a crash.
         Raises :class:`~tpusync.errors.TierFullError` and takes nothing when too few are free."""
-        keys = _check_keys(keys)
+        return self._reserve_checked(_check_keys(keys))
+
+    def _reserve_checked(self, keys: list[bytes]) -> Reservation:
         with self._lock:
             self._open_base()
             unique = set(keys)
@@ -416,7 +418,7 @@ class HostPool:
             taken = len(self._free) - len(fresh)
             slots = np.array(self._free[taken:][::-1], dtype=np.int64)
             del self._free[taken:]
-            chosen = [keys[i] for i in fresh]
+            chosen = keys if len(fresh) == len(keys) else [keys[i] for i in fresh]
             self._begin_writes(slots, chosen)
             self._writing.update(chosen)
         return Reservation(chosen, np.array(fresh, dtype=np.int64), slots)
