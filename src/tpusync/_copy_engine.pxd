@@ -28,4 +28,9 @@ cdef extern from "tpusync/checksum.h" nogil:
     uint32_t tps_crc32c(uint32_t crc, const void *data, size_t n)
     uint32_t tps_crc32c_shift(uint32_t crc, uint64_t nbytes)
     uint64_t tps_sum64(const void *data, size_t n)
+    ctypedef struct tps_sum64_state:
+        pass
+    void tps_sum64_init(tps_sum64_state *state)
+    void tps_sum64_update(tps_sum64_state *state, const void *data, size_t n)
+    uint64_t tps_sum64_digest(const tps_sum64_state *state)
     void tps_checksum_force_portable(int on)

@@ -77,6 +77,7 @@ from tpusync.errors import (
     InvalidArgumentError,
     TpuSyncError,
 )
+from tpusync.tiers._pool_file import slot_checksums
 from tpusync.tiers.host_pool import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
@@ -123,23 +124,16 @@ class _StreamError(Exception):
 
 
 def _send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Sends every buffer in order with ``sendmsg`` (no joining copy), handling short sends."""
+    """Sends every buffer in order with ``sendmsg`` (no joining copy), handling short sends;
+    raises TimeoutError when the peer takes nothing for the socket's timeout."""
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: the record layer copies anyway
         for buffer in buffers:
             if len(buffer):
                 sock.sendall(buffer)
         return
-    views = [memoryview(b) for b in buffers if len(b)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            first = views[0]
-            if sent >= first.nbytes:
-                sent -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[sent:]
-                sent = 0
+    # one GIL-free call for the whole frame: short sends and waits for room loop in C
+    timeout = sock.gettimeout()
+    _core.send_all(sock.fileno(), list(buffers), 1e9 if timeout is None else timeout)
 
 
 def _keys_param(value: Any) -> list[bytes]:
@@ -627,9 +621,15 @@ class _Connection:
         self.sock.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
         return self._answer(rid, "put")
 
-    def recv_into(self, view: memoryview, deadline: float | _Deadline) -> None:
+    def recv_into(
+        self,
+        view: memoryview,
+        deadline: float | _Deadline,
+        hasher: _core.PieceHasher | None = None,
+    ) -> None:
         """Fills ``view`` from the socket before ``deadline`` (monotonic; a :class:`_Deadline`
-        is read again at every wait, so lease renewals move it on)."""
+        is read again at every wait, so lease renewals move it on), feeding ``hasher`` with the
+        bytes as they land."""
         assert self.sock is not None
         got, n = 0, view.nbytes
         native = not isinstance(self.sock, ssl.SSLSocket)  # TLS decrypts in Python's ssl
@@ -642,7 +642,7 @@ class _Connection:
                 )
             wait = min(self._timeout, left)
             if native:  # one GIL-free call per payload, not one Python round trip per read
-                r = _core.recv_exact(self.sock.fileno(), view[got:], wait)
+                r = _core.recv_exact(self.sock.fileno(), view[got:], wait, hasher)
                 got += r
                 if got < n and wait >= self._timeout:
                     raise TimeoutError(f"{self.label} sent nothing for {self._timeout:g} s")
@@ -656,6 +656,8 @@ class _Connection:
                 raise TimeoutError(f"{self.label} sent nothing for {self._timeout:g} s") from None
             if r == 0:
                 raise EOFError("connection closed by the server")
+            if hasher is not None:
+                hasher.feed(view[got : got + r])
             got += r
 
 
@@ -976,6 +978,7 @@ class BlockClient:
         complete = np.zeros(n, dtype=bool)
         layout = target.layout
         size = layout.payload_bytes
+        pieces = layout.piece_table
         limit = max(size, MAX_ERROR_BYTES)
         header_buf = bytearray(wire.HEADER_SIZE)
         header_view = memoryview(header_buf)
@@ -1008,16 +1011,17 @@ class BlockClient:
                 if header.payload_length != size:
                     raise _StreamError(f"a block of {header.payload_length} B, expected {size}")
                 slot = int(reservation.slots[i])
+                # hashed piece by piece as it lands, while its bytes are still in cache
+                hasher = _core.PieceHasher(*pieces)
                 with target.slot_memory(slot) as memory, memory[:size] as payload:
-                    conn.recv_into(payload, deadline)
+                    conn.recv_into(payload, deadline, hasher)
                 nbytes += size
                 complete[i] = True
-                # verified now, while its bytes are still in cache and the next block streams
-                # into the socket buffer
                 ok[i] = (
                     header.fingerprint == layout.fingerprint
                     and header.checksum == int(expected[i])
-                    and int(target.hash_slots([slot], inline=True)[0]) == int(expected[i])
+                    and hasher.complete
+                    and int(slot_checksums(hasher.digests[None, :])[0]) == int(expected[i])
                 )
             conn.recv_into(header_view, deadline)
             header = wire.decode_header(header_buf, max_payload=limit)
