@@ -14,7 +14,8 @@ same bytes into touched memory (one thread per core), alternating, medians; the 
 that takes at most 1.5x the bytes over the memcpy rate, and a TTFT at least 90% lower than cold
 for the 8k prompt from DRAM.
 
-    python benchmarks/prefix_cache.py [--tokens 1024,4096,8192] [--repeats 5] [--json FILE]
+    python benchmarks/prefix_cache.py [--tokens 1024,4096,8192] [--repeats 9] [--json FILE]
+        [--shm-dir /dev/shm]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import MemcpyLimit, median, print_table, timed, write_json
 
 CACHE = str(Path.home() / ".cache" / "tpusync" / "jax")
+SHM_DIR = "/dev/shm"
 
 
 def _setup(cache_dir: str) -> None:
@@ -46,7 +48,7 @@ def _setup(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def _engine(tokens: int, shm_name: str, disk: Path | None) -> Any:
+def _engine(tokens: int, shm_name: str, disk: Path | None, shm_dir: str = SHM_DIR) -> Any:
     from tpusync.kv import DiskTier, DramTier, KVStoreConfig
     from tpusync.testing import model as M
     from tpusync.testing.engine import ToyEngine
@@ -59,7 +61,7 @@ def _engine(tokens: int, shm_name: str, disk: Path | None) -> Any:
     store = KVStoreConfig(
         model_id="bench-prefix-cache",
         block_size=config.block_size,
-        dram=DramTier(2 * blocks + 16, name=shm_name),
+        dram=DramTier(2 * blocks + 16, name=shm_name, shm_dir=shm_dir),
         disk=DiskTier(disk, 2 * blocks + 16) if disk else None,
     )
     return ToyEngine(config, store)
@@ -76,11 +78,11 @@ def _same(request: Any, cold: Any) -> bool:
     )
 
 
-def measure(tokens: int, repeats: int, cache_dir: str) -> dict[str, Any]:
+def measure(tokens: int, repeats: int, cache_dir: str, shm_dir: str = SHM_DIR) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="tpusync-bench-"))
     shm_name = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
-        engine = _engine(tokens, shm_name, work / "disk")
+        engine = _engine(tokens, shm_name, work / "disk", shm_dir)
         engine.warmup(tokens, 1, cold=True)
         prompt = _prompt(tokens)
         colds = [
@@ -108,7 +110,7 @@ def measure(tokens: int, repeats: int, cache_dir: str) -> dict[str, Any]:
             disk_loads.append(request.load.seconds)
         limit.close()
         engine.close()
-        child = _restart_child(tokens, shm_name, cache_dir)
+        child = _restart_child(tokens, shm_name, cache_dir, shm_dir)
         equal &= child["tokens"] == cold.tokens.tolist() and child["tier"] == "dram"
         memcpy_s = median(memcpy)
         return {
@@ -129,13 +131,15 @@ def measure(tokens: int, repeats: int, cache_dir: str) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
         from tpusync.tiers.host_pool import pool_path
 
-        path = pool_path(shm_name)
+        path = pool_path(shm_name, shm_dir)
         path.unlink(missing_ok=True)
         shutil.rmtree(path.with_name(f"tpusync-{shm_name}.sessions"), ignore_errors=True)
 
 
-def _restart_child(tokens: int, shm_name: str, cache_dir: str) -> dict[str, Any]:
-    spec = json.dumps({"tokens": tokens, "shm_name": shm_name, "cache_dir": cache_dir})
+def _restart_child(tokens: int, shm_name: str, cache_dir: str, shm_dir: str) -> dict[str, Any]:
+    spec = json.dumps(
+        {"tokens": tokens, "shm_name": shm_name, "cache_dir": cache_dir, "shm_dir": shm_dir}
+    )
     process = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--child", spec],
         stdout=subprocess.PIPE,
@@ -155,7 +159,7 @@ def _restart_child(tokens: int, shm_name: str, cache_dir: str) -> dict[str, Any]
 
 def _child(spec: dict[str, Any]) -> None:
     _setup(spec["cache_dir"])
-    engine = _engine(spec["tokens"], spec["shm_name"], None)
+    engine = _engine(spec["tokens"], spec["shm_name"], None, spec["shm_dir"])
     engine.warmup(spec["tokens"], 1, cold=False)
     request = engine.generate(_prompt(spec["tokens"]), 1)
     engine.close()
@@ -174,16 +178,24 @@ def _child(spec: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1024,4096,8192")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default="prefix_cache.json")
     parser.add_argument("--compile-cache", default=CACHE)
+    parser.add_argument(
+        "--shm-dir",
+        default=SHM_DIR,
+        help="where the named DRAM pool lives (e.g. a tmpfs mounted with huge=within_size)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(json.loads(args.child))
         return
     _setup(args.compile_cache)
-    results = [measure(int(n), args.repeats, args.compile_cache) for n in args.tokens.split(",")]
+    results = [
+        measure(int(n), args.repeats, args.compile_cache, args.shm_dir)
+        for n in args.tokens.split(",")
+    ]
     rows = []
     for r in results:
         for tier in ("dram", "shm_restart", "disk"):
@@ -223,7 +235,9 @@ def main() -> None:
         ],
         rows,
     )
-    write_json(args.json, {"benchmark": "prefix_cache", "results": results})
+    write_json(
+        args.json, {"benchmark": "prefix_cache", "shm_dir": args.shm_dir, "results": results}
+    )
 
 
 if __name__ == "__main__":

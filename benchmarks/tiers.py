@@ -50,7 +50,9 @@ def _device_pools(n_blocks: int, block_bytes: int, seed: int) -> list[tpusync.De
     return pools
 
 
-def bench_dram(block_mib: int, total: int, repeats: int, limit: MemcpyLimit) -> list[dict]:
+def bench_dram(
+    block_mib: int, total: int, repeats: int, limit: MemcpyLimit, shm_dir: str = "/dev/shm"
+) -> list[dict]:
     block_bytes = block_mib << 20
     n = total // block_bytes
     pools = _device_pools(2 * n, block_bytes, block_mib)
@@ -62,7 +64,7 @@ def bench_dram(block_mib: int, total: int, repeats: int, limit: MemcpyLimit) -> 
     rows = []
     name = f"bench-{uuid.uuid4().hex[:8]}"
     for kind in ("anonymous", "shm"):
-        pool = HostPool(layout, n, name=name if kind == "shm" else None)
+        pool = HostPool(layout, n, name=name if kind == "shm" else None, shm_dir=shm_dir)
         times: dict[str, list[float]] = {"limit": [], "put": [], "get": [], "get_fresh": []}
 
         def put(pool: HostPool) -> None:
@@ -80,11 +82,11 @@ def bench_dram(block_mib: int, total: int, repeats: int, limit: MemcpyLimit) -> 
             times["get"].append(timed(partial(get, pool)))
             if kind == "shm":
                 pool.close()
-                pool = HostPool(layout, n, name=name, populate=False)
+                pool = HostPool(layout, n, name=name, populate=False, shm_dir=shm_dir)
                 times["get_fresh"].append(timed(partial(get, pool)))
         pool.close()
         if kind == "shm":
-            pool_path(name).unlink()
+            pool_path(name, shm_dir).unlink()
         lim = limit.src.nbytes / median(times["limit"]) / 1e9
         result = {
             "tier": f"dram {kind}",
@@ -223,12 +225,17 @@ def main() -> None:
         default=tempfile.gettempdir(),
         help="a directory on the disk to measure (default: the temp dir)",
     )
+    parser.add_argument(
+        "--shm-dir",
+        default="/dev/shm",
+        help="where named pools live (e.g. a tmpfs mounted with huge=within_size)",
+    )
     args = parser.parse_args()
     total = args.total_mib << 20
     limit = MemcpyLimit(total)
     results = []
     for block_mib in (1, 4):
-        results += bench_dram(block_mib, total, args.repeats, limit)
+        results += bench_dram(block_mib, total, args.repeats, limit, args.shm_dir)
         print(f"  {block_mib} MiB blocks done", flush=True)
     limit.close()
     disk_results = []
@@ -291,6 +298,7 @@ def main() -> None:
         args.json,
         {
             "benchmark": "tiers",
+            "shm_dir": args.shm_dir,
             "results": results,
             "attach_seconds": attach,
             "repeats": args.repeats,
