@@ -142,6 +142,7 @@ def count_engine_calls() -> dict[str, int]:
 
     counted(_native_path, "run", "native")
     counted(_native_path, "run_hashed", "native")
+    counted(_native_path, "run_hashed_plan", "native")
     counted(_jax_path, "run", "jax")
     return calls
 
