@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import uuid
 import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -148,3 +151,51 @@ class Arrays:
 @pytest.fixture(scope="session")
 def arrays() -> Arrays:
     return Arrays()
+
+
+# --- KV stores that are always closed, pool names that are always removed --------------------
+
+
+@pytest.fixture
+def shm_names() -> Iterator[Callable[[], str]]:
+    """Fresh names for named DRAM pools; their /dev/shm files are removed at the end."""
+    from tpusync.tiers.host_pool import pool_path
+
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"test-kv-{uuid.uuid4().hex[:16]}"
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        path = pool_path(name)
+        path.unlink(missing_ok=True)
+        shutil.rmtree(path.with_name(f"tpusync-{name}.sessions"), ignore_errors=True)
+        for temp in path.parent.glob(f".{path.name}.tmp-*"):
+            temp.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def stores(shm_names: Callable[[], str]) -> Iterator[Callable[..., Any]]:
+    """KVCacheStore(config, pools), closed at the end of the test (before named pools are
+    removed)."""
+    from tpusync.kv import KVCacheStore
+
+    opened: list[Any] = []
+
+    def open_(config: Any, pools: list[Any]) -> Any:
+        store = KVCacheStore(config, pools)
+        opened.append(store)
+        return store
+
+    yield open_
+    errors = []
+    for store in reversed(opened):
+        try:
+            store.close()
+        except Exception as error:  # close the others anyway, then report
+            errors.append(error)
+    if errors:
+        raise errors[0]

@@ -18,13 +18,11 @@ import concurrent.futures
 import dataclasses
 import os
 import re
-import shutil
 import sys
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,48 +126,6 @@ class Kv:
 
 def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-# --- stores that are always closed, names that are always removed -------------------------------
-
-
-@pytest.fixture
-def shm_names() -> Iterator[Callable[[], str]]:
-    made: list[str] = []
-
-    def make() -> str:
-        name = f"test-kv-{uuid.uuid4().hex[:16]}"
-        made.append(name)
-        return name
-
-    yield make
-    for name in made:
-        path = pool_path(name)
-        path.unlink(missing_ok=True)
-        shutil.rmtree(path.with_name(f"tpusync-{name}.sessions"), ignore_errors=True)
-        for temp in path.parent.glob(f".{path.name}.tmp-*"):
-            temp.unlink(missing_ok=True)
-
-
-@pytest.fixture
-def stores(shm_names) -> Iterator[Callable[..., KVCacheStore]]:
-    """KVCacheStore(...), closed at the end of the test (before named pools are removed)."""
-    opened: list[KVCacheStore] = []
-
-    def open_(config: KVStoreConfig, pools: list[DevicePool]) -> KVCacheStore:
-        store = KVCacheStore(config, pools)
-        opened.append(store)
-        return store
-
-    yield open_
-    errors = []
-    for store in reversed(opened):
-        try:
-            store.close()
-        except Exception as error:  # close the others anyway, then report
-            errors.append(error)
-    if errors:
-        raise errors[0]
 
 
 def make_config(

@@ -54,21 +54,6 @@ class Kv:
             self.arrays.assert_same(now, want, f"{what}, pool {i}")
 
 
-@pytest.fixture
-def stores() -> Iterator[Callable[..., KVCacheStore]]:
-    """KVCacheStore(...), closed at the end of the test."""
-    opened: list[KVCacheStore] = []
-
-    def open_(config: KVStoreConfig, pools: list[DevicePool]) -> KVCacheStore:
-        store = KVCacheStore(config, pools)
-        opened.append(store)
-        return store
-
-    yield open_
-    for store in reversed(opened):
-        store.close()
-
-
 def config(
     tmp_path: Path, dram: int, *, disk: int | None = None, shared: int | None = None
 ) -> KVStoreConfig:

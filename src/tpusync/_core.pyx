@@ -348,6 +348,21 @@ cdef extern from "poll.h" nogil:
     short POLLOUT
 
 
+cdef int _retry_after(pollfd *pfd, int timeout_ms) noexcept nogil:
+    """After a socket call failed with ``errno``: 1 to try it again (interrupted, or the socket
+    is ready now), 0 when ``timeout_ms`` passed with the socket still not ready, -1 for a real
+    error (``errno`` kept)."""
+    cdef int saved = errno
+    if saved == EINTR:
+        return 1
+    if saved != EAGAIN and saved != EWOULDBLOCK:
+        return -1
+    cdef int r = poll(pfd, 1, timeout_ms)
+    if r < 0:
+        return 1 if errno == EINTR else -1
+    return 1 if r > 0 else 0
+
+
 cdef class PieceHasher:
     """The piece checksums (``sum64``) of one block's bytes as they arrive, piece by piece, so
     that each piece is hashed while its bytes are still in cache (fed by :func:`recv_exact`).
@@ -445,19 +460,14 @@ def send_all(int fd, buffers, double timeout_s):
                 msg.msg_iovlen = count - first
                 k = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
                 if k < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno == EAGAIN or errno == EWOULDBLOCK:
-                        r = poll(&pfd, 1, timeout_ms)
-                        if r == 0:
-                            status = -2
-                            break
-                        if r < 0 and errno != EINTR:
-                            status, err = -1, errno
-                            break
-                        continue
-                    status, err = -1, errno
-                    break
+                    r = _retry_after(&pfd, timeout_ms)
+                    if r == 0:
+                        status = -2  # timed out
+                        break
+                    if r < 0:
+                        status, err = -1, errno
+                        break
+                    continue
                 sent += <size_t>k
                 while first < count and <size_t>k >= iov[first].iov_len:
                     k -= iov[first].iov_len
@@ -504,18 +514,13 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
                 status = -2
                 break
             if k < 0:
-                if errno == EINTR:
-                    continue
-                if errno == EAGAIN or errno == EWOULDBLOCK:
-                    r = poll(&pfd, 1, timeout_ms)
-                    if r == 0:
-                        break  # timed out: the caller checks its deadline
-                    if r < 0 and errno != EINTR:
-                        status, err = -1, errno
-                        break
-                    continue
-                status, err = -1, errno
-                break
+                r = _retry_after(&pfd, timeout_ms)
+                if r == 0:
+                    break  # timed out: the caller checks its deadline
+                if r < 0:
+                    status, err = -1, errno
+                    break
+                continue
             got += <size_t>k
             if hashing and (got - fed >= HASH_STEP or got == n):
                 # hashed while still in cache, in steps long enough for the fast path
