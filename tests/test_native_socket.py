@@ -56,28 +56,37 @@ def test_hasher_is_incomplete_until_the_last_piece_arrives(rng: np.random.Genera
 
 
 def test_recv_exact_hashes_what_lands_across_timeouts(rng: np.random.Generator) -> None:
-    """A payload sent in odd-sized pieces with pauses: recv_exact returns early on silence,
-    the hasher is exactly as far as the bytes received, and a second call completes both."""
+    """A payload whose first 70,001 bytes come, then nothing for longer than the receiver's
+    timeout: recv_exact returns what came, the hasher is exactly as far as the bytes received
+    (its last step cut short), and later calls complete both."""
     data = rng.integers(0, 256, (1 << 20) + 12_345, dtype=np.uint8)
     offsets, lengths = _piece_table(rng, len(data))
+    first = 70_001  # more than one 64 KiB hashing step, not a whole number of them
     a, b = socket.socketpair()
     try:
         b.settimeout(5.0)
-        half = len(data) // 2 + 777
+        go_on = threading.Event()
 
         def send() -> None:
-            for start in range(0, half, 70_001):
-                a.sendall(data[start : min(start + 70_001, half)].tobytes())
-            time.sleep(0.5)  # longer than the receiver's first timeout
-            a.sendall(data[half:].tobytes())
+            a.sendall(data[:first].tobytes())
+            go_on.wait(10)  # silence until the receiver has seen a timeout
+            a.sendall(data[first:].tobytes())
 
         sender = threading.Thread(target=send)
         sender.start()
         buffer = np.zeros_like(data)
         hasher = _core.PieceHasher(offsets, lengths)
-        got = _core.recv_exact(b.fileno(), memoryview(buffer), 0.2, hasher)
-        assert got == half and hasher.position == half
-        got += _core.recv_exact(b.fileno(), memoryview(buffer)[got:], 5.0, hasher)
+        got = 0
+        deadline = time.monotonic() + 10
+        while got < first and time.monotonic() < deadline:  # however the first bytes arrive
+            got += _core.recv_exact(b.fileno(), memoryview(buffer)[got:], 0.1, hasher)
+            assert hasher.position == got
+        assert got == first
+        assert _core.recv_exact(b.fileno(), memoryview(buffer)[got:], 0.1, hasher) == 0
+        assert hasher.position == first and not hasher.complete
+        go_on.set()
+        while got < len(data) and time.monotonic() < deadline:
+            got += _core.recv_exact(b.fileno(), memoryview(buffer)[got:], 5.0, hasher)
         sender.join(5)
         assert got == len(data) and np.array_equal(buffer, data)
         assert hasher.complete
