@@ -107,6 +107,51 @@ def test_block_segments_merge_only_runs_contiguous_on_both_sides() -> None:
         _core.block_segments(outer, 10, dst_outer, 10, src_blocks, dst_blocks[:2], 10)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 2**40),
+            st.integers(1, 2**20),
+            st.integers(0, 2**40),
+            st.integers(1, 2**20),
+            st.integers(1, 2**20),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    blocks=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096)), max_size=40),
+)
+def test_block_rows_are_the_per_row_segments(rows: list, blocks: list) -> None:
+    """block_rows (a plan's table, one C pass) equals block_segments row by row, unmerged."""
+    src_base, src_step, dst_base, dst_step, nbytes = (
+        np.array(c, dtype=np.int64) for c in zip(*rows, strict=True)
+    )
+    src_blocks = np.array([b[0] for b in blocks], dtype=np.int64)
+    dst_blocks = np.array([b[1] for b in blocks], dtype=np.int64)
+    table = _core.block_rows(
+        src_base, src_step, dst_base, dst_step, nbytes.astype(np.uint64), src_blocks, dst_blocks
+    )
+    expected = [
+        _core.block_segments(
+            src_base[r : r + 1],
+            int(src_step[r]),
+            dst_base[r : r + 1],
+            int(dst_step[r]),
+            src_blocks,
+            dst_blocks,
+            int(nbytes[r]),
+            merge=False,
+        )
+        for r in range(len(rows))
+    ]
+    assert np.array_equal(table, np.concatenate(expected).reshape(-1, 3))
+    if len(table):
+        lo, hi = table[:, 0].min(), (table[:, 0] + table[:, 2]).max()
+        dlo, dhi = table[:, 1].min(), (table[:, 1] + table[:, 2]).max()
+        assert _core.table_bounds(table) == (lo, hi, dlo, dhi)
+
+
 def test_mapping_is_page_aligned_prefaulted_and_guarded() -> None:
     mapping = _core.Mapping(10_000)
     assert mapping.address % _core.PAGE_SIZE == 0

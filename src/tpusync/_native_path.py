@@ -262,18 +262,15 @@ class BlockPlan:
                         bases[at + 1] = dst[g][r]
                     at += 2
         pair_bases = np.array(bases, dtype=np.int64).reshape(-1, 2)[self._pair_of_row]
-        n, rows = len(src_blocks), len(self._pair_of_row)
-        table = np.empty((rows, n, 3), dtype=np.uint64)
-        blocks = np.asarray(src_blocks, dtype=np.int64)
-        table[:, :, 0] = (pair_bases[:, 0] + self._src_rel)[:, None] + self._src_step[
-            :, None
-        ] * blocks[None, :]
-        blocks = np.asarray(dst_blocks, dtype=np.int64)
-        table[:, :, 1] = (pair_bases[:, 1] + self._dst_rel)[:, None] + self._dst_step[
-            :, None
-        ] * blocks[None, :]
-        table[:, :, 2] = self._nbytes[:, None]
-        return table.reshape(rows * n, 3)
+        return _core.block_rows(
+            pair_bases[:, 0] + self._src_rel,
+            self._src_step,
+            pair_bases[:, 1] + self._dst_rel,
+            self._dst_step,
+            self._nbytes,
+            np.ascontiguousarray(src_blocks, dtype=np.int64),
+            np.ascontiguousarray(dst_blocks, dtype=np.int64),
+        )
 
 
 def _device_bases(side: DeviceSide, holds: list[Any]) -> list[list[int]]:
@@ -320,12 +317,11 @@ def overlaps(table: np.ndarray) -> bool:
     """
     if len(table) == 0:
         return False
+    src_lo, src_hi, dst_lo, dst_hi = _core.table_bounds(np.ascontiguousarray(table, np.uint64))
+    if src_hi <= dst_lo or src_lo >= dst_hi:
+        return False  # the usual case (host slots and device buffers): one range each side
     src_start = table[:, 0]
     src_end = src_start + table[:, 2]
-    dst_first = table[:, 1].min()
-    dst_last = (table[:, 1] + table[:, 2]).max()
-    if src_end.max() <= dst_first or src_start.min() >= dst_last:
-        return False  # the usual case (host slots and device buffers): one range each side
     order = np.argsort(table[:, 1], kind="stable")
     dst_start = table[order, 1]
     dst_end = dst_start + table[order, 2]
