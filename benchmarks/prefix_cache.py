@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MemcpyLimit, median, print_table, timed, write_json
+from _common import MemcpyLimit, median, print_table, settle, timed, write_json
 
 CACHE = str(Path.home() / ".cache" / "tpusync" / "jax")
 SHM_DIR = "/dev/shm"
@@ -92,6 +92,7 @@ def measure(tokens: int, repeats: int, cache_dir: str, shm_dir: str = SHM_DIR) -
         cold = engine.generate(prompt, 1, use_cache=False, boundary=tokens - 1)
         colds.append(cold)
         engine.store.flush()
+        settle()
         kv_bytes = -(-tokens // engine.config.block_size) * engine.block_bytes()
         limit = MemcpyLimit(kv_bytes)
         limit.copy()

@@ -35,7 +35,7 @@ from tpusync.tiers import DiskPool, HostPool, PoolLayout
 from tpusync.tiers.host_pool import pool_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MemcpyLimit, median, print_table, timed, write_json
+from _common import MemcpyLimit, median, print_table, settle, timed, write_json
 
 N_ARRAYS = 8
 
@@ -47,6 +47,7 @@ def _device_pools(n_blocks: int, block_bytes: int, seed: int) -> list[tpusync.De
     for _ in range(N_ARRAYS):
         bits = rng.integers(0, 2**16, size=(n_blocks, per_array), dtype=np.uint16)
         pools.append(tpusync.DevicePool(jax.device_put(bits.view(jax.numpy.bfloat16))))
+    settle()
     return pools
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import tpusync
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _common import MemcpyLimit, median, print_table, timed, write_json
+from _common import MemcpyLimit, median, print_table, settle, timed, write_json
 
 BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]
 
@@ -32,6 +32,7 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemcpyLimi
     host = tpusync.HostBuffer(shape, "bfloat16")
     host.array.view(np.uint16)[...] = rng.integers(0, 2**16, size=shape, dtype=np.uint16)
     pool = tpusync.DevicePool(jax.device_put(host.array, may_alias=False))
+    settle()
     order = rng.permutation(n_blocks)
     identity = np.arange(n_blocks)
     nbytes = n_blocks * block_bytes

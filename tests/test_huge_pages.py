@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import platform
 import threading
-import time
 
 import jax
 import numpy as np
@@ -81,9 +80,7 @@ def test_cpu_device_pool_is_collapsed_in_the_background_with_its_bytes_intact(ar
     before = _huge_pages.collapsed_bytes
     host = arrays.random(rng, (512, 16384), np.uint16)  # 16 MiB
     pool = tpusync.DevicePool(jax.device_put(host))
-    deadline = time.monotonic() + 20
-    while _huge_pages.collapsed_bytes - before < 7 * HUGE and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert _huge_pages.wait_until_idle(timeout_s=20)
     assert _huge_pages.collapsed_bytes - before >= 7 * HUGE  # 16 MiB: at least 7 of 8 pages
     np.testing.assert_array_equal(np.asarray(pool.array), host)
 

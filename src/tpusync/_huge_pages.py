@@ -30,6 +30,8 @@ _CHUNK = 32 << 20  # per native call, whole huge pages: the worker stops promptl
 _queue: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
 _worker: threading.Thread | None = None
 _lock = threading.Lock()
+_idle = threading.Condition(_lock)
+_pending = 0  # buffers queued or being collapsed
 collapsed_bytes = 0  # what the worker collapsed so far in this process (for info and tests)
 
 
@@ -47,11 +49,12 @@ def collapse_later(array: jax.Array) -> None:
             return
         data = shard.data
         ranges.append((data.unsafe_buffer_pointer(), data.nbytes))
-    global _worker
+    global _worker, _pending
     with _lock:
         for item in ranges:
             if item[1] >= _HUGE:  # smaller buffers hold no whole huge page
                 _queue.put(item)
+                _pending += 1
         if _worker is None or not _worker.is_alive():
             _worker = threading.Thread(
                 target=_collapse_loop, name="tpusync-huge-pages", daemon=True
@@ -59,23 +62,38 @@ def collapse_later(array: jax.Array) -> None:
             _worker.start()
 
 
+def wait_until_idle(timeout_s: float | None = None) -> bool:
+    """Waits until every buffer queued so far is collapsed (benchmarks settle on it before
+    timing); False on timeout."""
+    with _idle:
+        return _idle.wait_for(lambda: _pending == 0, timeout=timeout_s)
+
+
 def _collapse_loop() -> None:
-    global collapsed_bytes
+    global collapsed_bytes, _pending
     while True:
         address, length = _queue.get()
-        first = -(-address // _HUGE) * _HUGE  # chunks of whole huge pages: none is split
-        for start in range(first, address + length, _CHUNK):
-            done = _core.collapse_huge_pages(start, min(_CHUNK, address + length - start))
-            if done < 0:  # refused (old kernel, THP off): advice only, nothing to undo
-                log.debug("tpusync: huge pages refused for a pool buffer (errno %d)", -done)
-                break
-            collapsed_bytes += done
+        try:
+            first = -(-address // _HUGE) * _HUGE  # chunks of whole huge pages: none is split
+            for start in range(first, address + length, _CHUNK):
+                done = _core.collapse_huge_pages(start, min(_CHUNK, address + length - start))
+                if done < 0:  # refused (old kernel, THP off): advice only, nothing to undo
+                    log.debug("tpusync: huge pages refused for a pool buffer (errno %d)", -done)
+                    break
+                collapsed_bytes += done
+        finally:
+            with _idle:
+                _pending -= 1
+                _idle.notify_all()
 
 
 def _forget_worker_after_fork() -> None:
-    global _worker, _queue
+    global _worker, _queue, _lock, _idle, _pending
     _worker = None
     _queue = queue.SimpleQueue()
+    _lock = threading.Lock()
+    _idle = threading.Condition(_lock)
+    _pending = 0
 
 
 os.register_at_fork(after_in_child=_forget_worker_after_fork)

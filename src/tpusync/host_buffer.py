@@ -24,6 +24,9 @@ class HostBuffer:
     with an accelerator's DMA engine (PJRT ``DmaMap``) happens where the native path supports
     it; :func:`tpusync.info` says where.
 
+    ``huge_pages`` (default on) advises transparent huge pages before the pages are touched:
+    scattered block copies then miss the TLB far less.
+
     The memory lives until :meth:`close` (which refuses while other views of it are alive) or
     until the buffer and every view are collected.
     """
@@ -34,7 +37,7 @@ class HostBuffer:
         dtype: Any,
         *,
         populate: bool = True,
-        huge_pages: bool = False,
+        huge_pages: bool = True,
     ) -> None:
         shape_tuple = (shape,) if isinstance(shape, int | np.integer) else tuple(shape)
         if not all(isinstance(d, int | np.integer) and d >= 0 for d in shape_tuple):
