@@ -1126,3 +1126,21 @@ def test_inline_slot_hashes_equal_the_engine_ones(arrays, rng, mesh, open_pool):
     engine = pool.hash_slots(slots)
     assert np.array_equal(pool.hash_slots(slots, inline=True), engine)
     assert np.array_equal(engine, pool._records["checksum"][slots])
+
+
+@pytest.mark.parametrize("populate", [True, False])
+def test_wait_mapped_maps_a_reattached_pool_and_keeps_its_blocks(
+    arrays, rng, mesh, path, open_pool, new_name, populate
+):
+    """After a re-attach (pages mapped in the background, or not at all with populate=False),
+    wait_mapped returns once every slot is mapped, and the blocks load bit for bit."""
+    model = make_model(arrays, rng, mesh)
+    name = new_name()
+    pool = open_pool(model.layout, 8, name=name)
+    keys = keys_for([1, 4, 6])
+    store(pool, model, keys, [1, 4, 6], path)
+    pool.close()
+    pool = open_pool(model.layout, 8, name=name, populate=populate)
+    assert pool.attached and pool.wait_mapped(timeout=20)
+    assert pool._populated.all()
+    load(pool, model, keys, [0, 2, 3], path)

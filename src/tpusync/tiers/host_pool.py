@@ -188,6 +188,16 @@ class HostPool:
             _thread.start_new_thread(self._map_in_background, (self._mapper_done,))
         self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], Any]] = {}
 
+    def wait_mapped(self, timeout: float | None = None) -> bool:
+        """Waits until every slot's pages are mapped in this process (a re-attached pool maps
+        them on a background thread; one opened with ``populate=False`` maps them here, now),
+        so that no later copy pays for it. False on timeout."""
+        done = self._mapper_done
+        if done is not None and not done.wait(timeout):
+            return False
+        self._ensure_populated(np.arange(self.capacity))
+        return True
+
     # --- opening ---------------------------------------------------------------------------
 
     def _open_named(self, populate: bool, on_mismatch: str) -> None:
