@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (Python 3.12, jax with the CUDA PJRT plugin, CuPy, no network,
+# no meson-python): builds tpusync from this tree with the build wheels carried in .wheelhouse/
+# (scripts/device_wheels.sh fetches them here), shows what tpusync finds on the GPU (its PJRT
+# probe), and runs benchmarks/gpu_transfer.py. Everything it prints also lands in $OUT.
+#
+#   run(command="bash scripts/device_check.sh", carry=[".wheelhouse"], timeout_s=540)
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(mktemp -d)}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+{
+  echo "== machine"; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 || true
+  "$PY" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())'
+  echo "== build"
+  venv=$(mktemp -d)/venv
+  "$PY" -m venv --system-site-packages "$venv"  # jax, numpy and CuPy come from the machine
+  "$venv/bin/pip" install -q --no-index --find-links .wheelhouse meson-python meson ninja cython
+  start=$(date +%s)
+  "$venv/bin/pip" install -q --no-index --no-build-isolation --no-deps .
+  echo "built in $(( $(date +%s) - start )) s"
+  echo "== tpusync info"
+  (cd /tmp && "$venv/bin/python" -m tpusync info)
+  echo "== gpu_transfer"
+  "$venv/bin/python" benchmarks/gpu_transfer.py --json "$OUT/gpu_transfer.json" "$@"
+} 2>&1 | tee "$OUT/device_check.log"
