@@ -302,6 +302,8 @@ def main() -> None:
             "benchmark": "tiers",
             "shm_dir": args.shm_dir,
             "results": results,
+            "disk": disk_results,
+            "disk_dir": args.disk_dir,
             "attach_seconds": attach,
             "repeats": args.repeats,
         },

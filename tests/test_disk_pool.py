@@ -49,7 +49,7 @@ CAPACITY = 48
 SLAB_SLOTS = 8
 BATCH = 4
 THIS = Path(__file__).resolve()
-KILLS = 4  # each kill costs a child start (about 1 s plus JAX's import)
+KILLS = 8  # each kill costs a child start (about 1 s plus JAX's import)
 
 
 def make_layout(model_id: str = "disk-test", rows: int = ROWS) -> PoolLayout:

@@ -770,6 +770,7 @@ BAD_CALLS: dict[str, tuple[list[Any], str, list[int], str]] = {
     "too few pools": ([b"a"], "too few", [6], "pools"),
     "too many pools": ([b"a"], "too many", [6], "pools"),
     "pools of another layout": ([b"a"], "another layout", [6], "pools"),
+    "blocks larger than a slot": ([b"a"], "larger blocks", [6], "pools"),
     "host arrays for pools": ([b"a"], "host arrays", [6], "pools[0]"),
 }
 
@@ -786,6 +787,7 @@ def test_bad_arguments(arrays, rng, mesh, path, open_pool, verb, case):
         "too few": model.pools[:-1],
         "too many": [*model.pools, model.pools[0]],
         "another layout": [put(np.zeros((NB, 4, 8), BF16)) for _ in model.pools],
+        "larger blocks": [put(np.ones((NB, 4, 64), BF16)) for _ in model.pools],
         "host arrays": [np.asarray(p.array) for p in model.pools],
     }[which]
     method = pool.put_from_device if verb == "put" else pool.get_to_device
@@ -1144,3 +1146,89 @@ def test_wait_mapped_maps_a_reattached_pool_and_keeps_its_blocks(
     assert pool.attached and pool.wait_mapped(timeout=20)
     assert pool._populated.all()
     load(pool, model, keys, [0, 2, 3], path)
+
+
+# --- a DRAM pool as a lower tier: slot to slot ----------------------------------------------
+
+
+def _flip_byte(pool: HostPool, key: bytes) -> None:
+    slot = pool.slot_of(key)
+    start = pool.geometry.data_offset + slot * pool.layout.slot_bytes + 5
+    with memoryview(pool._mapping) as memory:
+        memory[start] ^= 0xFF
+
+
+def test_a_host_pool_is_a_lower_tier_slot_to_slot(arrays, rng, mesh, open_pool, new_name):
+    """put(keys, source) and get(keys, target) move blocks between DRAM pools (anonymous and
+    named) bit for bit, skip what is there already, and count what they served."""
+    from tpusync.tiers import LowerTier
+
+    model = make_model(arrays, rng, mesh, "sharded")
+    top = open_pool(model.layout, 6)
+    below = open_pool(model.layout, 6, name=new_name())
+    again = open_pool(model.layout, 6)
+    assert isinstance(below, LowerTier)
+    keys = keys_for([0, 3, 5])
+    store(top, model, keys, [0, 3, 5], "native")
+    assert below.put(keys, top) == 3
+    assert below.put([*keys, keys[0]], top) == 0  # all there already
+    assert [slot_payload(below, k) for k in keys] == [slot_payload(top, k) for k in keys]
+    below.get(keys[::-1], again)
+    assert sorted(again.keys()) == sorted(keys)
+    assert below.stats.hits == 3 and below.stats.bytes_out == 3 * model.layout.payload_bytes
+    load(again, model, keys, [7, 1, 2], "native")  # checksums recorded by the copy hold
+    below.get(keys, again)  # already there: loaded, nothing copied
+
+
+def test_lower_tier_put_refuses_absent_and_corrupt_blocks_storing_nothing(
+    arrays, rng, mesh, open_pool
+):
+    model = make_model(arrays, rng, mesh)
+    top = open_pool(model.layout, 4)
+    below = open_pool(model.layout, 4)
+    keys = keys_for([1, 2])
+    store(top, model, keys, [1, 2], "native")
+    with pytest.raises(BlocksMissingError) as missing:
+        below.put([keys[0], b"nowhere"], top)
+    assert missing.value.loaded == [True, False] and below.used == 0
+    _flip_byte(top, keys[1])
+    with pytest.raises(BlocksMissingError) as corrupt:
+        below.put(keys, top)
+    assert corrupt.value.corrupt == 1 and corrupt.value.loaded == [True, False]
+    assert below.used == 0 and below.free == 4  # nothing stored, no slot leaked
+    assert top.contains(keys) == [True, False]  # the corrupt block left its pool
+    assert top.stats.checksum_failures == 1
+    store(top, model, keys_for([3]), [3], "native")
+    tiny = open_pool(model.layout, 1)
+    with pytest.raises(TierFullError):
+        tiny.put([keys[0], *keys_for([3])], top)
+    assert tiny.used == 0 and tiny.free == 1
+
+
+def test_lower_tier_get_serves_the_good_blocks_and_drops_a_corrupt_one(
+    arrays, rng, mesh, open_pool
+):
+    model = make_model(arrays, rng, mesh)
+    below = open_pool(model.layout, 4)
+    target = open_pool(model.layout, 4)
+    keys = keys_for([0, 4, 6])
+    store(below, model, keys, [0, 4, 6], "native")
+    _flip_byte(below, keys[1])
+    with pytest.raises(BlocksMissingError) as missing:
+        below.get([*keys, b"absent"], target)
+    assert missing.value.loaded == [True, False, True, False] and missing.value.corrupt == 1
+    assert target.contains(keys) == [True, False, True] and target.free == 2
+    assert below.contains(keys) == [True, False, True]
+    load(target, model, [keys[0], keys[2]], [3, 5], "native")
+
+
+def test_lower_tier_arguments_are_checked(arrays, rng, mesh, open_pool):
+    model = make_model(arrays, rng, mesh)
+    other = make_model(arrays, rng, mesh, "stacked")
+    pool = open_pool(model.layout, 2)
+    with pytest.raises(InvalidArgumentError, match="source: expected a HostPool"):
+        pool.put(keys_for([0]), object())  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="into itself"):
+        pool.get(keys_for([0]), pool)
+    with pytest.raises(InvalidArgumentError, match="another block layout"):
+        pool.put(keys_for([0]), open_pool(other.layout, 2))

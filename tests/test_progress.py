@@ -32,3 +32,21 @@ def test_log_progress_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0] == "tpusync: copying (2.00 GiB)..."
     assert messages[1].startswith("tpusync: copying done in ")
+
+
+def test_a_large_host_pool_reports_its_prefault(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """HostPool prefaulting above PROGRESS_MIN_BYTES reports progress (lowered here so that
+    the test maps 64 MiB, not a GiB); below it, it stays silent."""
+    from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, host_pool
+
+    layout = PoolLayout("progress", (ArrayLayout("k", "uint8", (1 << 20,), 0, 1),))
+    monkeypatch.setattr(host_pool, "PROGRESS_MIN_BYTES", 32 << 20)
+    with caplog.at_level(logging.INFO, logger="tpusync"):
+        HostPool(layout, 16).close()  # 16 MiB: silent
+        assert not caplog.records
+        HostPool(layout, 64).close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("tpusync: prefaulting host pool (0.06 GiB)")
+    assert messages[-1].startswith("tpusync: prefaulting host pool done in ")

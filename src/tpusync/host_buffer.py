@@ -21,8 +21,8 @@ class HostBuffer:
     view of :attr:`array` to :func:`tpusync.transfer`.
 
     On the CPU backend no registration is needed: device memory is host memory. Registration
-    with an accelerator's DMA engine (PJRT ``DmaMap``) happens where the native path supports
-    it; :func:`tpusync.info` says where.
+    with an accelerator's DMA engine (PJRT ``DmaMap``) belongs to the PJRT native path, which
+    is not enabled on any accelerator yet (:func:`tpusync.info` gives each device's path).
 
     ``huge_pages`` (default on) advises transparent huge pages before the pages are touched:
     scattered block copies then miss the TLB far less.

@@ -1,4 +1,5 @@
-"""The block interface every tier below DRAM implements (disk, shared filesystem, remote).
+"""The block interface every tier below DRAM implements (disk, shared filesystem, remote, and
+another DRAM pool: :class:`~tpusync.tiers.HostPool` implements it slot to slot).
 
 Blocks move between such a tier and the DRAM tier (:class:`~tpusync.tiers.HostPool`) slot to
 slot: ``put`` reads committed DRAM slots (pinned while read) and stores them with their key,

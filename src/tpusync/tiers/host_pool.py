@@ -396,6 +396,113 @@ class HostPool:
         self.commit(reservation, checksums)
         return len(reservation.slots)
 
+    # --- the lower-tier interface: slot to slot with another DRAM pool --------------------
+
+    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+        """Stores ``source``'s blocks under ``keys`` here, slot to slot (the same interface as
+        every lower tier: a DRAM pool can sit below another one). Returns how many blocks were
+        stored; keys already here are skipped. Every block is checksummed in the copy and
+        stored only if it matches the checksum ``source`` recorded.
+
+        Raises :class:`~tpusync.errors.BlocksMissingError` before storing anything when a key
+        is absent from ``source`` or its block fails its checksum there (that block is dropped
+        from ``source``), and :class:`~tpusync.errors.TierFullError` when too few slots are
+        free here.
+        """
+        keys = _check_keys(keys)
+        self._check_peer(source, "source")
+        unique = list(dict.fromkeys(keys))
+        pinned = source._pin_checked(unique)
+        try:
+            if not pinned.present.all():
+                absent = [k for k, ok in zip(unique, pinned.present, strict=True) if not ok]
+                missing = set(absent)
+                raise BlocksMissingError(
+                    f"keys: {len(absent)} of {len(unique)} keys are not in source "
+                    f"(e.g. {absent[0].hex()}); nothing was stored",
+                    loaded=[k not in missing for k in keys],
+                )
+            reservation = self._reserve_checked(unique)
+            if not len(reservation.slots):
+                return 0
+            try:
+                expected = pinned.checksums[reservation.indices]
+                got = _copy_slots(source, pinned.slots[reservation.indices], self, reservation)
+                bad = got != expected
+                if bad.any():
+                    corrupt = [k for k, b in zip(reservation.keys, bad, strict=True) if b]
+                    source.drop_corrupt(corrupt)
+                    raise BlocksMissingError(
+                        f"source: {len(corrupt)} blocks failed their checksum there (dropped "
+                        "from it); nothing was stored",
+                        loaded=[k not in set(corrupt) for k in keys],
+                        corrupt=len(corrupt),
+                    )
+            except BaseException:
+                self.abort(reservation)
+                raise
+            self.commit(reservation, expected)
+            return len(reservation.slots)
+        finally:
+            source.unpin(pinned)
+
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Loads the blocks under ``keys`` into ``target``, slot to slot, each verified against
+        its checksum over the bytes copied (keys already in ``target`` count as loaded). Raises
+        :class:`~tpusync.errors.BlocksMissingError` (``loaded`` mask over ``keys``) after
+        committing every good block when any is absent or corrupt (a corrupt block is dropped
+        from this pool), and :class:`~tpusync.errors.TierFullError` before copying when
+        ``target`` has too few free slots."""
+        keys = _check_keys(keys)
+        self._check_peer(target, "target")
+        pinned = self._pin_checked(keys)
+        corrupt: list[bytes] = []
+        try:
+            want = [i for i, ok in enumerate(pinned.present.tolist()) if ok]
+            reservation = target._reserve_checked([keys[i] for i in want])
+            if len(reservation.slots):
+                picked = np.array(want, dtype=np.int64)[reservation.indices]
+                expected = pinned.checksums[picked]
+                try:
+                    got = _copy_slots(self, pinned.slots[picked], target, reservation)
+                except BaseException:
+                    target.abort(reservation)
+                    raise
+                ok = got == expected
+                target.abort(reservation.subset(~ok))
+                good = reservation.subset(ok)
+                target.commit(good, expected[ok])
+                corrupt = [k for k, fine in zip(reservation.keys, ok, strict=True) if not fine]
+        finally:
+            self.unpin(pinned)
+        if corrupt:
+            self.drop_corrupt(corrupt)
+        loaded = target._contains_checked(keys)
+        hits = sum(loaded)
+        self.stats.add(
+            hits=hits, misses=len(keys) - hits, bytes_out=hits * self.layout.payload_bytes
+        )
+        if hits < len(keys):
+            raise BlocksMissingError(
+                f"keys: {len(keys) - hits} of {len(keys)} blocks not served "
+                f"({len(corrupt)} failed their checksum)",
+                loaded=loaded,
+                corrupt=len(corrupt),
+            )
+
+    def _check_peer(self, pool: Any, argument: str) -> None:
+        if not isinstance(pool, HostPool):
+            raise InvalidArgumentError(
+                f"{argument}: expected a HostPool, got {type(pool).__name__}"
+            )
+        if pool is self:
+            raise InvalidArgumentError(f"{argument}: a pool cannot copy blocks into itself")
+        if pool.layout.fingerprint != self.layout.fingerprint:
+            raise InvalidArgumentError(
+                f"{argument}: a pool of another block layout ({pool.layout.model_id!r}); "
+                "blocks move only between pools of one layout"
+            )
+
     # --- the slot interface other tiers use -------------------------------------------------
 
     def reserve(self, keys: Sequence[bytes]) -> Reservation:
@@ -922,6 +1029,26 @@ def _slot_major(digests: list[np.ndarray]) -> np.ndarray:
     """Per-move digests (groups, outer, blocks) -> (blocks, pieces) in slot order."""
     columns = [d.reshape(-1, d.shape[-1]) for d in digests]
     return np.concatenate(columns, axis=0).T
+
+
+def _copy_slots(
+    source: HostPool, source_slots: np.ndarray, target: HostPool, reservation: Reservation
+) -> np.ndarray:
+    """Copies the payloads of ``source_slots`` into the reserved slots of ``target`` piece by
+    piece on the copy engine, and returns each block's checksum over the bytes copied."""
+    offsets, lengths = source.layout.piece_table
+    target._ensure_populated(reservation.slots)
+    source._ensure_populated(source_slots)
+    slot_bytes = source.layout.slot_bytes
+    src = source._mapping.address + source.geometry.data_offset
+    dst = target._mapping.address + target.geometry.data_offset
+    src_starts = src + source_slots[:, None] * slot_bytes + offsets[None, :]
+    dst_starts = dst + reservation.slots[:, None] * slot_bytes + offsets[None, :]
+    table = np.stack(
+        [src_starts.ravel(), dst_starts.ravel(), np.tile(lengths, len(source_slots))], axis=1
+    ).astype(np.uint64)
+    digests = _native_path.engine().copy_hashed(table)
+    return slot_checksums(digests.reshape(len(source_slots), len(offsets)))
 
 
 def _pools_locked_of(pools: Sequence[DevicePool]) -> contextlib.ExitStack:
