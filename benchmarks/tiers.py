@@ -6,15 +6,19 @@ every checksum in the copy pass; alternates with the limit (``np.copyto`` betwee
 one thread per core). Gets from /dev/shm are timed warm and from a freshly attached mapping.
 The disk tier (DiskPool, O_DIRECT where the filesystem allows) puts the same bytes from DRAM slots
 and gets them back, beside a plain sequential O_DIRECT write/read loop of the same size on the
-same filesystem (and fio's figures when fio is installed). Also times re-attaching a 4 GiB and a
-256 MiB /dev/shm pool. Prints tables; writes JSON.
+same filesystem (and fio's figures when fio is installed). The shared-FS tier (SharedFsPool: a
+file per block, written to a temporary name, fsynced, renamed) beside the same file-per-block loop
+without tpusync, in ``--shared-dir``. Also times re-attaching a 4 GiB and a 256 MiB /dev/shm
+pool. Prints tables; writes JSON.
 
     python benchmarks/tiers.py [--total-mib 1024] [--repeats 9] [--json tiers.json]
+        [--disk-dir DIR] [--shared-dir DIR] [--shm-dir /dev/shm]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -31,7 +35,7 @@ import numpy as np
 
 import tpusync
 from tpusync import _core
-from tpusync.tiers import DiskPool, HostPool, PoolLayout
+from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 from tpusync.tiers.host_pool import pool_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -197,6 +201,73 @@ def bench_disk(block_mib: int, total: int, repeats: int, directory: str) -> dict
     return result
 
 
+def raw_file_per_block(directory: str, n: int, block_bytes: int) -> tuple[float, float]:
+    """The same loop a shared-FS tier runs, without tpusync: each block written to a temporary
+    file, fsynced and renamed into place, then every file read back whole: the filesystem's
+    limit for one file per block."""
+    buffer = _core.Mapping(block_bytes)
+    memory = memoryview(buffer)
+    names = [os.path.join(directory, f".raw-{i}") for i in range(n)]
+    try:
+        start = time.perf_counter()
+        for name in names:
+            fd = os.open(name + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, memory)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(name + ".tmp", name)
+        write = time.perf_counter() - start
+        start = time.perf_counter()
+        for name in names:
+            with open(name, "rb", buffering=0) as f:
+                f.readinto(memory)
+        read = time.perf_counter() - start
+    finally:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        del memory
+        buffer.close()
+    return n * block_bytes / write / 1e9, n * block_bytes / read / 1e9
+
+
+def bench_shared_fs(block_mib: int, total: int, repeats: int, directory: str) -> dict:
+    block_bytes = block_mib << 20
+    n = total // block_bytes
+    pools = _device_pools(n, block_bytes, block_mib)
+    layout = PoolLayout.from_pools("bench", pools)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    source = HostPool(layout, n)
+    source.put_from_device(keys, pools, range(n))
+    target = HostPool(layout, n)
+    workdir = tempfile.mkdtemp(dir=directory, prefix="tpusync-bench-")
+    os.mkdir(os.path.join(workdir, "pool"))
+    shared = SharedFsPool(layout, os.path.join(workdir, "pool"))
+    times: dict[str, list[float]] = {"raw_write": [], "raw_read": [], "put": [], "get": []}
+    try:
+        for _ in range(repeats):
+            write, read = raw_file_per_block(workdir, n, layout.payload_bytes)
+            times["raw_write"].append(write)
+            times["raw_read"].append(read)
+            shared.delete(keys)
+            times["put"].append(n * block_bytes / timed(partial(shared.put, keys, source)) / 1e9)
+            target.delete(keys)
+            times["get"].append(n * block_bytes / timed(partial(shared.get, keys, target)) / 1e9)
+    finally:
+        shared.close()
+        source.close()
+        target.close()
+        shutil.rmtree(workdir)
+    return {
+        "tier": "shared fs (file per block)",
+        "block_mib": block_mib,
+        "bytes": n * block_bytes,
+        **{f"{k}_gbps": median(v) for k, v in times.items()},
+    }
+
+
 def bench_attach(repeats: int) -> dict:
     pools = _device_pools(4, 4 << 20, 1)
     layout = PoolLayout.from_pools("bench", pools)
@@ -228,6 +299,11 @@ def main() -> None:
         help="a directory on the disk to measure (default: the temp dir)",
     )
     parser.add_argument(
+        "--shared-dir",
+        default=tempfile.gettempdir(),
+        help="a directory on the shared filesystem to measure (default: the temp dir)",
+    )
+    parser.add_argument(
         "--shm-dir",
         default="/dev/shm",
         help="where named pools live (e.g. a tmpfs mounted with huge=within_size)",
@@ -244,6 +320,9 @@ def main() -> None:
     for block_mib in (1, 4):
         disk_results.append(bench_disk(block_mib, total, args.repeats, args.disk_dir))
         print(f"  disk {block_mib} MiB blocks done", flush=True)
+    for block_mib in (1, 4):
+        disk_results.append(bench_shared_fs(block_mib, total, args.repeats, args.shared_dir))
+        print(f"  shared fs {block_mib} MiB blocks done", flush=True)
     attach = bench_attach(args.repeats)
     rows = []
     for r in results:
@@ -272,6 +351,8 @@ def main() -> None:
         fio = (
             f"{r['fio_write_gbps']:.2f}/{r['fio_read_gbps']:.2f}"
             if "fio_write_gbps" in r
+            else "-"
+            if r["tier"].startswith("shared")
             else "not installed"
         )
         disk_rows.append(
@@ -287,7 +368,11 @@ def main() -> None:
                 fio,
             ]
         )
-    print(f"\ndisk tier in {args.disk_dir}, checksums on (GB/s; x = ratio to the raw loop)")
+    print(
+        f"\ndisk tier in {args.disk_dir} (raw loop: sequential O_DIRECT) and shared-FS tier in "
+        f"{args.shared_dir} (raw loop: a file per block, fsync, rename), checksums on "
+        "(GB/s; x = ratio to the raw loop)"
+    )
     print_table(
         ["tier", "block", "raw write", "put", "x", "raw read", "get", "x", "fio w/r"], disk_rows
     )
