@@ -165,42 +165,6 @@ def fio_gbps(directory: str, total: int, block_bytes: int) -> tuple[float, float
     return out["write"], out["read"]
 
 
-def bench_disk(block_mib: int, total: int, repeats: int, directory: str) -> dict:
-    block_bytes = block_mib << 20
-    n = total // block_bytes
-    pools = _device_pools(n, block_bytes, block_mib)
-    layout = PoolLayout.from_pools("bench", pools)
-    keys = [i.to_bytes(16, "little") for i in range(n)]
-    source = HostPool(layout, n)
-    source.put_from_device(keys, pools, range(n))
-    target = HostPool(layout, n)
-    workdir = tempfile.mkdtemp(dir=directory, prefix="tpusync-bench-")
-    disk = DiskPool(layout, n, workdir)
-    times: dict[str, list[float]] = {"raw_write": [], "raw_read": [], "put": [], "get": []}
-    try:
-        for _ in range(repeats):
-            write, read = raw_direct_io(workdir, n * layout.slot_bytes, layout.slot_bytes)
-            times["raw_write"].append(write)
-            times["raw_read"].append(read)
-            disk.delete(keys)
-            times["put"].append(n * block_bytes / timed(partial(disk.put, keys, source)) / 1e9)
-            target.delete(keys)
-            times["get"].append(n * block_bytes / timed(partial(disk.get, keys, target)) / 1e9)
-        fio = fio_gbps(workdir, n * layout.slot_bytes, layout.slot_bytes)
-    finally:
-        disk.close()
-        shutil.rmtree(workdir)
-    result = {
-        "tier": f"disk ({'O_DIRECT' if disk.direct_io else 'buffered'})",
-        "block_mib": block_mib,
-        "bytes": n * block_bytes,
-        **{f"{k}_gbps": median(v) for k, v in times.items()},
-    }
-    if fio:
-        result["fio_write_gbps"], result["fio_read_gbps"] = fio
-    return result
-
-
 def raw_file_per_block(directory: str, n: int, block_bytes: int) -> tuple[float, float]:
     """The same loop a shared-FS tier runs, without tpusync: each block written to a temporary
     file, fsynced and renamed into place, then every file read back whole: the filesystem's
@@ -233,7 +197,9 @@ def raw_file_per_block(directory: str, n: int, block_bytes: int) -> tuple[float,
     return n * block_bytes / write / 1e9, n * block_bytes / read / 1e9
 
 
-def bench_shared_fs(block_mib: int, total: int, repeats: int, directory: str) -> dict:
+def bench_lower(kind: str, block_mib: int, total: int, repeats: int, directory: str) -> dict:
+    """Put and get of a lower tier (``"disk"`` or ``"shared"``) from and to DRAM slots, beside
+    the raw loop of its medium: sequential O_DIRECT for disk, a file per block for shared FS."""
     block_bytes = block_mib << 20
     n = total // block_bytes
     pools = _device_pools(n, block_bytes, block_mib)
@@ -243,29 +209,43 @@ def bench_shared_fs(block_mib: int, total: int, repeats: int, directory: str) ->
     source.put_from_device(keys, pools, range(n))
     target = HostPool(layout, n)
     workdir = tempfile.mkdtemp(dir=directory, prefix="tpusync-bench-")
-    os.mkdir(os.path.join(workdir, "pool"))
-    shared = SharedFsPool(layout, os.path.join(workdir, "pool"))
+    tier: DiskPool | SharedFsPool
+    if kind == "disk":
+        tier = DiskPool(layout, n, workdir)
+        raw = partial(raw_direct_io, workdir, n * layout.slot_bytes, layout.slot_bytes)
+        label = f"disk ({'O_DIRECT' if tier.direct_io else 'buffered'})"
+    else:
+        os.mkdir(os.path.join(workdir, "pool"))
+        tier = SharedFsPool(layout, os.path.join(workdir, "pool"))
+        raw = partial(raw_file_per_block, workdir, n, layout.payload_bytes)
+        label = "shared fs (file per block)"
     times: dict[str, list[float]] = {"raw_write": [], "raw_read": [], "put": [], "get": []}
+    fio = None
     try:
         for _ in range(repeats):
-            write, read = raw_file_per_block(workdir, n, layout.payload_bytes)
+            write, read = raw()
             times["raw_write"].append(write)
             times["raw_read"].append(read)
-            shared.delete(keys)
-            times["put"].append(n * block_bytes / timed(partial(shared.put, keys, source)) / 1e9)
+            tier.delete(keys)
+            times["put"].append(n * block_bytes / timed(partial(tier.put, keys, source)) / 1e9)
             target.delete(keys)
-            times["get"].append(n * block_bytes / timed(partial(shared.get, keys, target)) / 1e9)
+            times["get"].append(n * block_bytes / timed(partial(tier.get, keys, target)) / 1e9)
+        if kind == "disk":
+            fio = fio_gbps(workdir, n * layout.slot_bytes, layout.slot_bytes)
     finally:
-        shared.close()
+        tier.close()
         source.close()
         target.close()
         shutil.rmtree(workdir)
-    return {
-        "tier": "shared fs (file per block)",
+    result = {
+        "tier": label,
         "block_mib": block_mib,
         "bytes": n * block_bytes,
         **{f"{k}_gbps": median(v) for k, v in times.items()},
     }
+    if fio:
+        result["fio_write_gbps"], result["fio_read_gbps"] = fio
+    return result
 
 
 def bench_attach(repeats: int) -> dict:
@@ -317,12 +297,10 @@ def main() -> None:
         print(f"  {block_mib} MiB blocks done", flush=True)
     limit.close()
     disk_results = []
-    for block_mib in (1, 4):
-        disk_results.append(bench_disk(block_mib, total, args.repeats, args.disk_dir))
-        print(f"  disk {block_mib} MiB blocks done", flush=True)
-    for block_mib in (1, 4):
-        disk_results.append(bench_shared_fs(block_mib, total, args.repeats, args.shared_dir))
-        print(f"  shared fs {block_mib} MiB blocks done", flush=True)
+    for kind, directory in (("disk", args.disk_dir), ("shared", args.shared_dir)):
+        for block_mib in (1, 4):
+            disk_results.append(bench_lower(kind, block_mib, total, args.repeats, directory))
+            print(f"  {kind} {block_mib} MiB blocks done", flush=True)
     attach = bench_attach(args.repeats)
     rows = []
     for r in results:
