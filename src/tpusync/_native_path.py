@@ -199,9 +199,9 @@ class BlockPlan:
     :func:`plan_segments` per move per call re-derives every piece's offset inside its region
     (~50 us a move); here those offsets are kept, host regions (fixed memory) too, and a call
     only reads each device buffer's address (pinning it) and adds ``block * stride``, for all
-    moves in one C pass (``_core.block_rows``). Rows are in :func:`run_hashed`'s order: (move, shard group,
-    replica, outer index, block). Device shard shapes never change (a DevicePool's shape and
-    sharding are fixed), and neither do host views, so neither do the offsets.
+    moves in one C pass (``_core.block_rows``). Rows are in :func:`run_hashed`'s order: (move,
+    shard group, replica, outer index, block). Device shard shapes never change (a DevicePool's
+    shape and sharding are fixed), and neither do host views, so neither do the offsets.
     """
 
     def __init__(self, moves: list[Move]) -> None:
