@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,21 +195,9 @@ def verify_all(pool: HostPool, model: Model, path: str, first_block: int = 0) ->
 
 
 @pytest.fixture
-def new_name() -> Iterator[Callable[[], str]]:
-    """Makes unique pool names; removes their files (and any temporary file) afterwards."""
-    made: list[str] = []
-
-    def make() -> str:
-        name = f"test-{uuid.uuid4().hex[:16]}"
-        made.append(name)
-        return name
-
-    yield make
-    for name in made:
-        target = pool_path(name)
-        target.unlink(missing_ok=True)
-        for temp in target.parent.glob(f".{target.name}.tmp-*"):
-            temp.unlink(missing_ok=True)
+def new_name(shm_names: Callable[[], str]) -> Callable[[], str]:
+    """Unique pool names whose files are removed afterwards (conftest's ``shm_names``)."""
+    return shm_names
 
 
 @pytest.fixture
