@@ -129,8 +129,18 @@ def test_block_rows_are_the_per_row_segments(rows: list, blocks: list) -> None:
     )
     src_blocks = np.array([b[0] for b in blocks], dtype=np.int64)
     dst_blocks = np.array([b[1] for b in blocks], dtype=np.int64)
+    # each row its own pair of bases, half of them split between the pair and the row
+    half = np.stack([src_base // 2, dst_base // 2], axis=1)
     table = _core.block_rows(
-        src_base, src_step, dst_base, dst_step, nbytes.astype(np.uint64), src_blocks, dst_blocks
+        half,
+        np.arange(len(rows), dtype=np.int64),
+        src_base - half[:, 0],
+        src_step,
+        dst_base - half[:, 1],
+        dst_step,
+        nbytes.astype(np.uint64),
+        src_blocks,
+        dst_blocks,
     )
     expected = [
         _core.block_segments(
@@ -150,6 +160,23 @@ def test_block_rows_are_the_per_row_segments(rows: list, blocks: list) -> None:
         lo, hi = table[:, 0].min(), (table[:, 0] + table[:, 2]).max()
         dlo, dhi = table[:, 1].min(), (table[:, 1] + table[:, 2]).max()
         assert _core.table_bounds(table) == (lo, hi, dlo, dhi)
+
+
+def test_block_rows_refuses_a_row_without_a_pair() -> None:
+    """A pair index outside pair_bases is refused before anything is read through it."""
+    one = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="pair_of_row"):
+        _core.block_rows(
+            np.zeros((1, 2), np.int64),
+            np.array([1]),
+            one,
+            one,
+            one,
+            one,
+            np.ones(1, np.uint64),
+            one,
+            one,
+        )
 
 
 def test_mapping_is_page_aligned_prefaulted_and_guarded() -> None:

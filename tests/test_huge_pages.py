@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 
@@ -91,3 +92,73 @@ def test_huge_pages_can_be_turned_off(monkeypatch, arrays, rng):
     queued = _huge_pages._queue.qsize()
     tpusync.DevicePool(jax.device_put(arrays.random(rng, (1024, 4096), np.float32)))
     assert _huge_pages._queue.qsize() == queued
+
+
+def _shmem_collapses() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            return COLLAPSES and "[deny]" not in f.read()
+    except OSError:
+        return False
+
+
+def _pmd_mapped_kib(path: str) -> int:
+    """KiB of ``path``'s mappings in this process that are mapped by huge pages (found by
+    inode: a pool created under a temporary name keeps that name in /proc)."""
+    inode = str(os.stat(path).st_ino)
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0]:  # a mapping's first line: range perms offset dev inode path
+                inside = len(fields) > 4 and fields[4] == inode
+            elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")):
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_huge_pages_mapping_starts_on_a_huge_page_boundary(rng, shm_names):
+    anonymous = _core.Mapping(5 * HUGE + 4096, huge_pages=True)
+    assert anonymous.address % HUGE == 0 and anonymous.size == 5 * HUGE + 4096
+    from tpusync.tiers.host_pool import pool_path
+
+    path = pool_path(shm_names())
+    with open(path, "wb") as f:
+        f.truncate(3 * HUGE)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        shared = _core.Mapping(3 * HUGE, huge_pages=True, fd=fd)
+        assert shared.address % HUGE == 0
+        data = rng.integers(0, 256, 3 * HUGE, dtype=np.uint8)
+        np.frombuffer(shared, np.uint8)[:] = data
+        assert path.read_bytes() == data.tobytes()  # the file's pages, from offset 0
+        shared.close()
+    finally:
+        os.close(fd)
+    np.frombuffer(anonymous, np.uint8)[-1] = 7  # the last page is mapped, writable
+    anonymous.close()
+
+
+@pytest.mark.skipif(not _shmem_collapses(), reason="needs MADV_COLLAPSE of shmem (Linux >= 6.1)")
+def test_named_host_pool_gets_huge_pages_that_a_restart_maps(arrays, rng, shm_names):
+    from tpusync.tiers import HostPool, PoolLayout
+
+    host = arrays.random(rng, (16, 512, 1024), np.uint16)  # 16 blocks of 1 MiB
+    source = tpusync.DevicePool(jax.device_put(host))
+    layout = PoolLayout.from_pools("huge", [source])
+    name = shm_names()
+    keys = [bytes([i]) * 8 for i in range(16)]
+    pool = HostPool(layout, 16, name=name)
+    pool.put_from_device(keys, [source], np.arange(16))
+    path = str(pool.path)
+    assert _huge_pages.wait_until_idle(timeout_s=20)
+    assert _pmd_mapped_kib(path) >= 4 * HUGE // 1024  # the 16 MiB slots: most of them huge
+    pool.close()
+    again = HostPool(layout, 16, name=name)  # a restart re-attaches the same file
+    assert again.attached and again.wait_mapped(timeout=20)
+    assert _huge_pages.wait_until_idle(timeout_s=20)
+    assert _pmd_mapped_kib(path) >= 4 * HUGE // 1024
+    target = tpusync.DevicePool(jax.device_put(np.zeros_like(host)))
+    again.get_to_device(keys[::-1], [target], np.arange(16))
+    np.testing.assert_array_equal(np.asarray(target.array), host[::-1])
+    again.close()

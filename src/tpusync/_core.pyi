@@ -28,9 +28,11 @@ def block_segments(
     merge: bool = ...,
 ) -> np.ndarray: ...
 def block_rows(
-    src_base: np.ndarray,
+    pair_bases: np.ndarray,
+    pair_of_row: np.ndarray,
+    src_rel: np.ndarray,
     src_step: np.ndarray,
-    dst_base: np.ndarray,
+    dst_rel: np.ndarray,
     dst_step: np.ndarray,
     nbytes: np.ndarray,
     src_blocks: np.ndarray,

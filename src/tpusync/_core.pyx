@@ -7,7 +7,8 @@ from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memset, strerror
 from posix.mman cimport (
-    MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap,
+    MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, PROT_NONE,
+    PROT_READ, PROT_WRITE, mmap, munmap,
 )
 
 cimport numpy as cnp
@@ -96,28 +97,40 @@ def block_segments(
 
 
 def block_rows(
-    const int64_t[::1] src_base, const int64_t[::1] src_step,
-    const int64_t[::1] dst_base, const int64_t[::1] dst_step, const uint64_t[::1] nbytes,
+    const int64_t[:, ::1] pair_bases, const int64_t[::1] pair_of_row,
+    const int64_t[::1] src_rel, const int64_t[::1] src_step,
+    const int64_t[::1] dst_rel, const int64_t[::1] dst_step, const uint64_t[::1] nbytes,
     const int64_t[::1] src_blocks, const int64_t[::1] dst_blocks,
 ):
-    """Rows (src, dst, nbytes) for every row r of a plan and block i, in (r, i) order:
-    ``src_base[r] + src_blocks[i] * src_step[r]`` to ``dst_base[r] + dst_blocks[i] *
-    dst_step[r]``, ``nbytes[r]`` bytes. One pass with the GIL released (numpy's broadcasts
-    with their temporaries cost ~10x more right after a model step has run)."""
-    cdef Py_ssize_t n_rows = src_base.shape[0], n_blocks = src_blocks.shape[0], r, i, at
-    if (src_step.shape[0] != n_rows or dst_base.shape[0] != n_rows
-            or dst_step.shape[0] != n_rows or nbytes.shape[0] != n_rows):
+    """Rows (src, dst, nbytes) for every row r of a plan and block i, in (r, i) order: from
+    ``pair_bases[p, 0] + src_rel[r] + src_blocks[i] * src_step[r]`` to ``pair_bases[p, 1] +
+    dst_rel[r] + dst_blocks[i] * dst_step[r]``, ``nbytes[r]`` bytes, where ``p =
+    pair_of_row[r]`` (a row's pair of buffers). One pass with the GIL released: numpy's
+    broadcasts and temporaries cost ~10x more right after a model step has run."""
+    cdef Py_ssize_t n_rows = src_rel.shape[0], n_blocks = src_blocks.shape[0], r, i, at, p
+    cdef Py_ssize_t n_pairs = pair_bases.shape[0]
+    if (src_step.shape[0] != n_rows or dst_rel.shape[0] != n_rows or pair_of_row.shape[0]
+            != n_rows or dst_step.shape[0] != n_rows or nbytes.shape[0] != n_rows):
         raise ValueError("the per-row arrays differ in length")
+    if pair_bases.shape[1] != 2:
+        raise ValueError("pair_bases must have shape (pairs, 2)")
     if dst_blocks.shape[0] != n_blocks:
         raise ValueError("source and destination block lists differ in length")
+    for r in range(n_rows):
+        if not 0 <= pair_of_row[r] < n_pairs:
+            raise ValueError(f"pair_of_row[{r}] = {pair_of_row[r]} is not a pair")
     cdef cnp.ndarray table = np.empty((n_rows * n_blocks, 3), dtype=np.uint64)
     cdef uint64_t[:, ::1] out = table
+    cdef int64_t src, dst
     with nogil:
         at = 0
         for r in range(n_rows):
+            p = pair_of_row[r]
+            src = pair_bases[p, 0] + src_rel[r]
+            dst = pair_bases[p, 1] + dst_rel[r]
             for i in range(n_blocks):
-                out[at, 0] = <uint64_t> (src_base[r] + src_blocks[i] * src_step[r])
-                out[at, 1] = <uint64_t> (dst_base[r] + dst_blocks[i] * dst_step[r])
+                out[at, 0] = <uint64_t> (src + src_blocks[i] * src_step[r])
+                out[at, 1] = <uint64_t> (dst + dst_blocks[i] * dst_step[r])
                 out[at, 2] = nbytes[r]
                 at += 1
     return table
@@ -272,13 +285,35 @@ def xxh64_rows(const uint64_t[:, ::1] rows not None, uint64_t seed=0):
     return out
 
 
+cdef void *_map_huge_aligned(size_t length, int flags, int fd) noexcept nogil:
+    """mmap at a 2 MiB boundary: only there can the kernel back the memory with huge pages
+    (for a file, the page-cache offset 0 must meet such a boundary too; the mapping starts at
+    offset 0). Reserves a larger range without memory, maps into it, returns the rest."""
+    cdef size_t span = length + HUGE_PAGE
+    cdef char *reserved = <char *> mmap(NULL, span, PROT_NONE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+    if <void *> reserved == MAP_FAILED:
+        return mmap(NULL, length, PROT_READ | PROT_WRITE, flags, fd, 0)
+    cdef char *aligned = <char *> ((<uintptr_t> reserved + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
+    cdef void *address = mmap(aligned, length, PROT_READ | PROT_WRITE, flags | MAP_FIXED, fd, 0)
+    if address == MAP_FAILED:
+        munmap(reserved, span)
+        return MAP_FAILED
+    if aligned > reserved:
+        munmap(reserved, aligned - reserved)
+    if reserved + span > aligned + length:
+        munmap(aligned + length, reserved + span - (aligned + length))
+    return address
+
+
 cdef class Mapping:
     """Page-aligned memory from ``mmap``, exposed through the buffer protocol.
 
     Anonymous private memory by default; with ``fd`` (an open file descriptor, e.g. of a file
     in /dev/shm), a shared mapping of that file from offset 0, which other processes mapping the
-    same file see. The mapping is removed when the object is closed or collected.
-    :meth:`close` refuses while buffer views (e.g. numpy arrays over it) are alive.
+    same file see. With ``huge_pages`` (and 2 MiB or more) it starts on a 2 MiB boundary and is
+    advised for transparent huge pages. The mapping is removed when the object is closed or
+    collected. :meth:`close` refuses while buffer views (e.g. numpy arrays over it) are alive.
     """
 
     cdef void *_address
@@ -293,13 +328,18 @@ cdef class Mapping:
         cdef void *address
         cdef int flags = MAP_SHARED if fd >= 0 else MAP_PRIVATE | MAP_ANONYMOUS
         with nogil:
-            address = mmap(NULL, mapped, PROT_READ | PROT_WRITE, flags, fd, 0)
+            if huge_pages and mapped >= HUGE_PAGE:
+                address = _map_huge_aligned(mapped, flags, fd)
+            else:
+                address = mmap(NULL, mapped, PROT_READ | PROT_WRITE, flags, fd, 0)
         if address == MAP_FAILED:
             raise MemoryError(f"mmap of {mapped} bytes failed: {strerror(errno).decode()}")
         self._address = address
         self.size = mapped
         if huge_pages:
-            madvise(address, mapped, MADV_HUGEPAGE)  # advisory: failure is harmless
+            # advisory (failure is harmless); a shared file's pages also need collapsing
+            # (collapse_huge_pages) where its filesystem does not allocate huge pages itself
+            madvise(address, mapped, MADV_HUGEPAGE)
         if populate:
             self.populate()
 

@@ -1,6 +1,7 @@
-"""Huge pages behind CPU device pools, collapsed in the background.
+"""Huge pages behind CPU device pools and /dev/shm host pools, collapsed in the background.
 
-On the CPU backend a DevicePool's buffers are host memory that XLA allocated in 4 KiB pages.
+On the CPU backend a DevicePool's buffers are host memory that XLA allocated in 4 KiB pages;
+a named HostPool's file lives in a tmpfs that allocates 4 KiB pages unless mounted with huge=.
 Block copies into and out of them scatter small pieces over hundreds of MiB, so every piece
 misses the TLB: measured here, 16 KiB pieces into 4 KiB-paged pools copy at 0.86x ``np.copyto``
 (whose numpy arrays get huge pages) and at 0.96x once the pools' pages are collapsed to 2 MiB.
@@ -49,6 +50,18 @@ def collapse_later(array: jax.Array) -> None:
             return
         data = shard.data
         ranges.append((data.unsafe_buffer_pointer(), data.nbytes))
+    _enqueue(ranges)
+
+
+def collapse_range_later(address: int, length: int) -> None:
+    """Queues a mapping's range (e.g. a /dev/shm pool's, whose tmpfs allocates only small
+    pages unless mounted with ``huge=``) for collapsing into huge pages. The huge pages stay in
+    the file's page cache: a process that re-attaches the pool maps them as they are."""
+    if enabled():
+        _enqueue([(address, length)])
+
+
+def _enqueue(ranges: list[tuple[int, int]]) -> None:
     global _worker, _pending
     with _lock:
         for item in ranges:

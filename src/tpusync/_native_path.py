@@ -261,11 +261,12 @@ class BlockPlan:
                     if dst is not None:
                         bases[at + 1] = dst[g][r]
                     at += 2
-        pair_bases = np.array(bases, dtype=np.int64).reshape(-1, 2)[self._pair_of_row]
         return _core.block_rows(
-            pair_bases[:, 0] + self._src_rel,
+            np.array(bases, dtype=np.int64).reshape(-1, 2),
+            self._pair_of_row,
+            self._src_rel,
             self._src_step,
-            pair_bases[:, 1] + self._dst_rel,
+            self._dst_rel,
             self._dst_step,
             self._nbytes,
             np.ascontiguousarray(src_blocks, dtype=np.int64),

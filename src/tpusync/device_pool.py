@@ -85,6 +85,9 @@ class DevicePool:
         # caller gives: the pool's own swaps (donated identity, scatters) keep its devices,
         # dtype and layout. See _native_unavailable.
         self._native_reason: tuple[str | None] | None = None
+        self._native_layout: Any = None  # the device layout _native_reason was found for
+        # the devices the pool spans: fixed, since update() keeps the sharding
+        self._devices = frozenset(array.sharding.device_set)
 
     @classmethod
     def zeros(
@@ -136,7 +139,6 @@ class DevicePool:
                     "reshard it to the pool's sharding first"
                 )
             self._array = array
-            self._native_reason = None  # another array: perhaps another layout
 
     def hold_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
         """Marks blocks as being read by a save: transfers refuse to write them until
@@ -177,12 +179,18 @@ class DevicePool:
             )
 
     def _native_unavailable(self) -> str | None:
-        """Why the native engine cannot move the pool's array, or None (kept until
-        :meth:`update`). Call with the lock held."""
-        if self._native_reason is None:
+        """Why the native engine cannot move the pool's array, or None. Call with the lock
+        held.
+
+        An updated array keeps the pool's devices and dtype (update() checks), so only its
+        device layout can change the answer: the answer is kept while the layout compares
+        equal (a cheap read, where the full check costs ~15 us an array right after a step)."""
+        layout = _device_layout(self._array)
+        if self._native_reason is None or layout is None or layout != self._native_layout:
             from tpusync._native_path import unavailable_reason
 
             self._native_reason = (unavailable_reason(self._array),)
+            self._native_layout = layout
         return self._native_reason[0]
 
     def _wait_for_readers(self) -> jax.Array:
@@ -202,6 +210,15 @@ class DevicePool:
         )
 
 
+def _device_layout(array: jax.Array) -> Any:
+    """The array's PJRT device layout, comparable by value, or None where JAX does not offer
+    it (then nothing may be concluded from it)."""
+    try:
+        return getattr(array, "_pjrt_layout", None)  # private; ~0.2 us
+    except Exception:  # e.g. UNIMPLEMENTED on some backends
+        return None
+
+
 def _check_alive(array: jax.Array, argument: str) -> None:
     if array.is_deleted():
         raise ArrayDeletedError(
@@ -216,7 +233,7 @@ def wait_for_readers(pools: list[DevicePool]) -> None:
     with the pools' locks held."""
     groups: dict[frozenset[Any], list[DevicePool]] = {}
     for pool in pools:
-        groups.setdefault(frozenset(pool._array.sharding.device_set), []).append(pool)
+        groups.setdefault(pool._devices, []).append(pool)
     for group in groups.values():
         arrays = _donated_identity(len(group))(*(pool._array for pool in group))
         for pool, array in zip(group, arrays, strict=True):

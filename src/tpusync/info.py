@@ -32,9 +32,9 @@ class HostInfo:
     o_direct: bool
     o_direct_reason: str
     transparent_huge_pages: str | None
-    shmem_huge_pages: str | None  # /dev/shm pools get huge pages only if not never/deny
+    shmem_huge_pages: str | None  # 'deny' keeps /dev/shm pools on small pages
     huge_pages_for_cpu_pools: (
-        bool  # TPUSYNC_HUGE_PAGES: CPU DevicePools collapsed (see _huge_pages)
+        bool  # TPUSYNC_HUGE_PAGES: CPU DevicePools, /dev/shm pools collapsed
     )
     copy_threads: int
     cpu_count: int
@@ -69,7 +69,7 @@ class Info:
                 f"  O_DIRECT in {h.o_direct_dir}: {'yes' if h.o_direct else 'no'} "
                 f"({h.o_direct_reason})",
                 f"  transparent huge pages: {h.transparent_huge_pages} (shmem "
-                f"{h.shmem_huge_pages}); CPU device pools collapsed to huge pages: "
+                f"{h.shmem_huge_pages}); CPU device and /dev/shm pools collapsed: "
                 f"{'yes' if h.huge_pages_for_cpu_pools else 'no (TPUSYNC_HUGE_PAGES=0)'}",
                 f"  copy threads: {h.copy_threads} of {h.cpu_count} usable cores",
             ]
