@@ -33,9 +33,7 @@ class HostInfo:
     o_direct_reason: str
     transparent_huge_pages: str | None
     shmem_huge_pages: str | None  # 'deny' keeps /dev/shm pools on small pages
-    huge_pages_for_cpu_pools: (
-        bool  # TPUSYNC_HUGE_PAGES: CPU DevicePools, /dev/shm pools collapsed
-    )
+    huge_pages_for_cpu_pools: bool  # TPUSYNC_HUGE_PAGES: CPU DevicePools, /dev/shm pools collapsed
     copy_threads: int
     cpu_count: int
 
