@@ -136,6 +136,31 @@ def test_xxh64_rows_hashes_each_row(rows: int, columns: int, seed: int) -> None:
     np.testing.assert_array_equal(_core.xxh64_rows(values, seed), np.array(expected, np.uint64))
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    total_rows=st.integers(1, 12),
+    blocks=st.integers(0, 9),
+    picks=st.lists(st.integers(0, 11), max_size=8),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_xxh64_gathered_hashes_the_picked_rows_per_block(
+    total_rows: int, blocks: int, picks: list[int], seed: int
+) -> None:
+    """A block's checksum from a hashed job's digests (row-major, rows x blocks) equals
+    xxh64_rows over the picked rows, transposed: what slot_checksums answers."""
+    digests = np.random.default_rng(total_rows * 100 + blocks).integers(
+        0, 2**64 - 1, total_rows * blocks, dtype=np.uint64, endpoint=True
+    )
+    rows = np.array([p % total_rows for p in picks], dtype=np.int64)
+    expected = _core.xxh64_rows(
+        np.ascontiguousarray(digests.reshape(total_rows, blocks)[rows].T), seed
+    )
+    np.testing.assert_array_equal(_core.xxh64_gathered(digests, rows, blocks, seed), expected)
+    if blocks:
+        with pytest.raises(ValueError, match="rows"):
+            _core.xxh64_gathered(digests, np.array([total_rows], np.int64), blocks)
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.binary(min_size=0, max_size=3000), seed=st.integers(0, 2**64 - 1))
 def test_xxh64_matches_the_reference(data: bytes, seed: int) -> None:

@@ -285,6 +285,38 @@ def xxh64_rows(const uint64_t[:, ::1] rows not None, uint64_t seed=0):
     return out
 
 
+def xxh64_gathered(const uint64_t[::1] digests not None, const int64_t[::1] rows not None,
+                   Py_ssize_t n_blocks, uint64_t seed=0):
+    """For each block b of a hashed job's digests (laid out row-major: ``digests[r * n_blocks
+    + b]``), XXH64 of the little-endian bytes of ``digests[rows[k] * n_blocks + b]`` for k in
+    order: :func:`xxh64_rows` of the gathered, transposed rows, in one call (a block's
+    checksum from its pieces' checksums, without numpy's gather and transpose)."""
+    cdef Py_ssize_t n_rows = rows.shape[0], b, k, j
+    if n_blocks < 0 or (n_blocks and digests.shape[0] % n_blocks):
+        raise ValueError("digests do not hold whole rows of n_blocks")
+    if n_blocks == 0:
+        return np.zeros(0, dtype=np.uint64)
+    cdef Py_ssize_t total_rows = digests.shape[0] // n_blocks
+    for k in range(n_rows):
+        if not 0 <= rows[k] < total_rows:
+            raise ValueError(f"rows[{k}] = {rows[k]} is not a row of digests")
+    cdef cnp.ndarray out = np.empty(n_blocks, dtype=np.uint64)
+    cdef uint64_t *sums = <uint64_t *> cnp.PyArray_DATA(out)
+    cdef unsigned char *row = <unsigned char *> PyMem_Malloc(max(n_rows, 1) * 8)
+    cdef uint64_t value
+    if row == NULL:
+        raise MemoryError()
+    with nogil:
+        for b in range(n_blocks):
+            for k in range(n_rows):
+                value = digests[rows[k] * n_blocks + b]
+                for j in range(8):
+                    row[k * 8 + j] = <unsigned char> (value >> (8 * j))
+            sums[b] = tps_xxh64(row, <size_t> n_rows * 8, seed)
+    PyMem_Free(row)
+    return out
+
+
 cdef void *_map_huge_aligned(size_t length, int flags, int fd) noexcept nogil:
     """mmap at a 2 MiB boundary: only there can the kernel back the memory with huge pages
     (for a file, the page-cache offset 0 must meet such a boundary too; the mapping starts at

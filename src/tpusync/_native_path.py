@@ -241,28 +241,52 @@ class BlockPlan:
         self._dst_step = join(dst_step, np.int64)
         self._nbytes = join(nbytes, np.uint64)
         self._pair_of_row = join(pair_of_row, np.int64)
-        self._first_rows = np.flatnonzero(join(first, bool))
-        self.pieces = len(self._first_rows)  # digests per block in run_hashed_plan's answer
+        self._first_rows = np.flatnonzero(join(first, bool)).astype(np.int64)
+        self.pieces = len(self._first_rows)  # piece checksums per block
+        # the pools these moves write (device destinations), for the donated identity step
+        pools = {id(m.dst.pool): m.dst.pool for m in moves if isinstance(m.dst, DeviceSide)}
+        self.destination_pools = [pool for pool in pools.values() if pool is not None]
+        # Where each device buffer's address goes in the per-pair bases (pair p: 2p source,
+        # 2p + 1 destination): a side on one device fills one place; others, per (shard
+        # group, replica) place, read replica 0 of a source group (read once).
+        self._base_template = np.array([b or 0 for b in self._host_bases], dtype=np.int64)
+        self._device_places: list[tuple[DeviceSide, int | None, list[tuple[int, int, int]]]] = []
+        at = 0
+        for move in moves:
+            groups = len(move.groups())
+            replicas = [
+                len(move.dst.groups[g].devices) if isinstance(move.dst, DeviceSide) else 1
+                for g in range(groups)
+            ]
+            for which, side in ((0, move.src), (1, move.dst)):
+                if not isinstance(side, DeviceSide):
+                    continue
+                places, spot = [], at + which
+                for g in range(groups):
+                    for r in range(replicas[g]):
+                        places.append((g, r if which else 0, spot))
+                        spot += 2
+                single = len(side.groups) == 1 and len(side.current().sharding.device_set) == 1
+                self._device_places.append((side, places[0][2] if single else None, places))
+            at += 2 * sum(replicas)
+        if at != len(self._host_bases):
+            raise AssertionError("BlockPlan: device places disagree with the planned pairs")
 
     def table(self, src_blocks: np.ndarray, dst_blocks: np.ndarray, holds: list[Any]) -> np.ndarray:
         """The segment table for this call's blocks; every device buffer it addresses is
         pinned in ``holds``."""
-        bases = list(self._host_bases)
-        at = 0
-        for move in self.moves:
-            src = _device_bases(move.src, holds) if isinstance(move.src, DeviceSide) else None
-            dst = _device_bases(move.dst, holds) if isinstance(move.dst, DeviceSide) else None
-            groups = len(src if src is not None else dst)  # type: ignore[arg-type]
-            for g in range(groups):
-                replicas = len(dst[g]) if dst is not None else 1
-                for r in range(replicas):
-                    if src is not None:
-                        bases[at] = src[g][0]  # a replicated shard is read once
-                    if dst is not None:
-                        bases[at + 1] = dst[g][r]
-                    at += 2
+        bases = self._base_template.copy()
+        for side, single, places in self._device_places:
+            if single is not None:  # one shard: the array is its data
+                array = side.current()
+                holds.append(_pin_buffer(array))
+                bases[single] = array.unsafe_buffer_pointer()
+            else:
+                addresses = _device_bases(side, holds)
+                for g, r, place in places:
+                    bases[place] = addresses[g][r]
         return _core.block_rows(
-            np.array(bases, dtype=np.int64).reshape(-1, 2),
+            bases.reshape(-1, 2),
             self._pair_of_row,
             self._src_rel,
             self._src_step,
@@ -294,11 +318,12 @@ def _device_bases(side: DeviceSide, holds: list[Any]) -> list[list[int]]:
 
 
 def run_hashed_plan(plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> np.ndarray:
-    """:func:`run_hashed` of the plan's moves with these block lists, answered block-major:
-    shape (blocks, pieces), each block's pieces in (move, shard group, outer index) order."""
+    """Runs the plan's moves with these block lists and returns each block's checksum: XXH64 of
+    its pieces' checksums (``_core.sum64`` of the bytes copied) in (move, shard group, outer
+    index) order, the first replica of each group (a slot's order: see slot_checksums)."""
     if not len(src_blocks):
-        return np.zeros((0, plan.pieces), np.uint64)
-    _prepare_destinations(plan.moves)
+        return np.zeros(0, np.uint64)
+    wait_for_readers(plan.destination_pools)
     holds: list[Any] = []
     try:
         table = plan.table(src_blocks, dst_blocks, holds)
@@ -307,7 +332,7 @@ def run_hashed_plan(plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndar
         digests = engine().copy_hashed(table) if len(table) else np.zeros(0, np.uint64)
     finally:
         del holds
-    return digests.reshape(-1, len(src_blocks))[plan._first_rows].T
+    return _core.xxh64_gathered(digests, plan._first_rows, len(src_blocks))
 
 
 def overlaps(table: np.ndarray) -> bool:

@@ -128,9 +128,12 @@ class TierStack:
     def touch(self, tier: int, keys: Sequence[bytes]) -> None:
         with self.lock:
             lru = self._lru[tier]
+            move = lru.move_to_end
             for key in keys:
-                lru[key] = None
-                lru.move_to_end(key)
+                try:
+                    move(key)
+                except KeyError:  # new here: enters at the hot end
+                    lru[key] = None
 
     def forget(self, tier: int, keys: Sequence[bytes]) -> None:
         with self.lock:
