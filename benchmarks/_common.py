@@ -58,6 +58,21 @@ class MemcpyLimit:
         self.pool.shutdown()
 
 
+TRANSFER_BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]
+
+
+def transfer_arguments(doc: str, json_default: str) -> Any:
+    """The command line both transfer benchmarks (CPU and GPU) take."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--total-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-kib", type=int, nargs="*", default=TRANSFER_BLOCK_SIZES_KIB)
+    parser.add_argument("--json", default=json_default)
+    return parser.parse_args()
+
+
 def print_table(headers: list[str], rows: list[list[Any]]) -> None:
     cells = [[str(h) for h in headers]] + [
         [f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows

@@ -16,7 +16,6 @@ Needs jax with a GPU backend and CuPy; says so and exits 2 without them.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -26,9 +25,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, print_table, write_json
-
-BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]
+from _common import median, print_table, transfer_arguments, write_json
 
 
 def _gpu() -> Any:
@@ -137,12 +134,7 @@ def bench_block_size(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--total-mib", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--block-kib", type=int, nargs="*", default=BLOCK_SIZES_KIB)
-    parser.add_argument("--json", default="gpu_transfer.json")
-    args = parser.parse_args()
+    args = transfer_arguments(__doc__, "gpu_transfer.json")
     gpu = _gpu()
     try:
         import cupy  # noqa: F401

@@ -10,7 +10,6 @@ buffers, one thread per core). Prints medians and ratios; writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -19,9 +18,7 @@ import numpy as np
 import tpusync
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _common import MemcpyLimit, median, print_table, settle, timed, write_json
-
-BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]
+from _common import MemcpyLimit, median, print_table, settle, timed, transfer_arguments, write_json
 
 
 def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemcpyLimit) -> dict:
@@ -71,12 +68,7 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemcpyLimi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--total-mib", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--block-kib", type=int, nargs="*", default=BLOCK_SIZES_KIB)
-    parser.add_argument("--json", default="transfer.json")
-    args = parser.parse_args()
+    args = transfer_arguments(__doc__, "transfer.json")
     total = args.total_mib * 2**20
     print(tpusync.info())
     limit = MemcpyLimit(total)

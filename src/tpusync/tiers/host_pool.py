@@ -484,17 +484,7 @@ class HostPool:
         if corrupt:
             self.drop_corrupt(corrupt)
         loaded = target._contains_checked(keys)
-        hits = sum(loaded)
-        self.stats.add(
-            hits=hits, misses=len(keys) - hits, bytes_out=hits * self.layout.payload_bytes
-        )
-        if hits < len(keys):
-            raise BlocksMissingError(
-                f"keys: {len(keys) - hits} of {len(keys)} blocks not served "
-                f"({len(corrupt)} failed their checksum)",
-                loaded=loaded,
-                corrupt=len(corrupt),
-            )
+        self._served(loaded, len(keys) - sum(loaded) - len(corrupt), len(corrupt))
 
     def _check_peer(self, pool: Any, argument: str) -> None:
         if not isinstance(pool, HostPool):
@@ -726,15 +716,18 @@ class HostPool:
             self.drop_corrupt(
                 [k for k, p, ok in zip(keys, present, loaded, strict=True) if p and not ok]
             )
-        hits = int(loaded.sum())
-        self.stats.add(
-            hits=hits, misses=len(keys) - hits, bytes_out=hits * self.layout.payload_bytes
-        )
-        if hits < len(keys):
+        self._served(loaded, int((~present).sum()), corrupt)
+
+    def _served(self, loaded: np.ndarray | list[bool], absent: int, corrupt: int) -> None:
+        """Counts a get's hits and misses; raises BlocksMissingError (with ``loaded`` per key)
+        unless every block was served."""
+        hits, wanted = int(np.count_nonzero(loaded)), len(loaded)
+        self.stats.add(hits=hits, misses=wanted - hits, bytes_out=hits * self.layout.payload_bytes)
+        if hits < wanted:
             raise BlocksMissingError(
-                f"keys: {len(keys) - hits} of {len(keys)} blocks not served "
-                f"({int((~present).sum())} absent, {corrupt} failed their checksum)",
-                loaded=loaded.tolist(),
+                f"keys: {wanted - hits} of {wanted} blocks not served "
+                f"({absent} absent, {corrupt} failed their checksum)",
+                loaded=np.asarray(loaded, dtype=bool).tolist(),
                 corrupt=corrupt,
             )
 
