@@ -162,3 +162,19 @@ def test_named_host_pool_gets_huge_pages_that_a_restart_maps(arrays, rng, shm_na
     again.get_to_device(keys[::-1], [target], np.arange(16))
     np.testing.assert_array_equal(np.asarray(target.array), host[::-1])
     again.close()
+
+
+def test_a_closed_named_pool_reopens_at_once_while_its_pages_are_collapsed(shm_names):
+    """close() releases ownership at once, even while the background collapse still holds the
+    pool's file (flock belongs to the open file, which a mapping keeps alive): reopening a
+    128 MiB pool right after closing it is an attach, never a PoolBusyError."""
+    from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
+
+    layout = PoolLayout("reopen", (ArrayLayout("k", "uint8", (1 << 20,), 0, 1),))
+    name = shm_names()
+    HostPool(layout, 128, name=name, populate=False).close()  # queues its collapse
+    for _ in range(3):
+        pool = HostPool(layout, 128, name=name, populate=False)
+        assert pool.attached
+        pool.close()
+    assert _huge_pages.wait_until_idle(timeout_s=30)

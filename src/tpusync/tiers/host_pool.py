@@ -249,9 +249,7 @@ class HostPool:
             self._create_named(populate)
             return
         self._fd = fd
-        self._mapping = _core.Mapping(
-            self.geometry.file_bytes, populate=False, huge_pages=True, fd=fd
-        )
+        self._mapping = _map_file(fd, self.geometry.file_bytes)
         self._write_owner_pid()
         self.attached = True
         self.attach_seconds = time.perf_counter() - start
@@ -281,7 +279,7 @@ class HostPool:
                 raise TierFullError(
                     f"capacity: cannot reserve {_size(need)} in {directory}: {exc.strerror}"
                 ) from None
-            self._mapping = _core.Mapping(need, populate=False, huge_pages=True, fd=fd)
+            self._mapping = _map_file(fd, need)
             if populate:
                 _prefault(self._mapping, f"prefaulting {self.path}")
             header = encode_header(self.geometry, os.getpid())
@@ -1084,6 +1082,21 @@ def _pools_locked(moves: list[Any]) -> Any:
     from tpusync.transfer import _pools_locked as lock_pools
 
     return lock_pools(moves)
+
+
+def _map_file(lock_fd: int, size: int) -> _core.Mapping:
+    """Maps the pool file that ``lock_fd`` holds the owner's flock on, through a second open
+    of it: a mapping keeps its open file alive, and so would the lock on it (flock belongs to
+    the open file, not the descriptor), e.g. while the kernel collapses the pages into huge
+    ones after close() unmapped them. The lock must go with the descriptor."""
+    try:
+        map_fd = os.open(f"/proc/self/fd/{lock_fd}", os.O_RDWR)  # the same file, a new open
+    except OSError:  # no /proc: map the locked open itself
+        return _core.Mapping(size, populate=False, huge_pages=True, fd=lock_fd)
+    try:
+        return _core.Mapping(size, populate=False, huge_pages=True, fd=map_fd)
+    finally:
+        os.close(map_fd)
 
 
 def _owner_pid(fd: int) -> int | None:
