@@ -70,6 +70,7 @@ def bench_dram(
     name = f"bench-{uuid.uuid4().hex[:8]}"
     for kind in ("anonymous", "shm"):
         pool = HostPool(layout, n, name=name if kind == "shm" else None, shm_dir=shm_dir)
+        settle()  # a named pool's pages are collapsed into huge ones in the background
         times: dict[str, list[float]] = {"limit": [], "put": [], "get": [], "get_fresh": []}
 
         def put(pool: HostPool) -> None:

@@ -160,10 +160,6 @@ class HostPool:
         else:
             self.path = pool_path(name, shm_dir)
             self._open_named(populate, on_mismatch)
-            # /dev/shm's tmpfs allocates small pages (unless mounted with huge=): collapse them
-            # in the background, as for device pools (see _huge_pages). Once collapsed, the
-            # file's huge pages are what a restarted process re-attaches to.
-            _huge_pages.collapse_range_later(self._mapping.address, self._mapping.size)
         # Every view of the pool is built on this base array, which holds a buffer export of
         # the mapping: while any view lives, the mapping refuses to unmap (no dangling views).
         self._base: np.ndarray | None = np.frombuffer(self._mapping, dtype=np.uint8)
@@ -191,6 +187,12 @@ class HostPool:
             self._mapper_done = threading.Event()
             _thread.start_new_thread(self._map_in_background, (self._mapper_done,))
         self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], Any]] = {}
+        if self.path is not None:
+            # /dev/shm's tmpfs allocates small pages (unless mounted with huge=): collapse them
+            # in the background, as for device pools (see _huge_pages), once the records are
+            # read (the worker would slow their page faults). Once collapsed, the file's huge
+            # pages are what a restarted process re-attaches to.
+            _huge_pages.collapse_range_later(self._mapping.address, self._mapping.size)
 
     def wait_mapped(self, timeout: float | None = None) -> bool:
         """Waits until every slot's pages are mapped in this process (a re-attached pool maps
