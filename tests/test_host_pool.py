@@ -846,6 +846,24 @@ def test_bad_constructor_arguments(new_name, kwargs, argument):
         assert not list(target.parent.glob(f".{target.name}.tmp-*"))
 
 
+@pytest.mark.parametrize("kind", ["per-layer", "sharded"])
+def test_prepare_plans_both_directions_and_moves_nothing(arrays, rng, mesh, open_pool, kind):
+    """prepare() keeps the plans the first put and get would make, changes no byte on either
+    side, and the moves after it are exact; pools of another layout are refused."""
+    model = make_model(arrays, rng, mesh, kind)
+    pool = open_pool(model.layout, 8)
+    store(pool, model, keys_for([0, 1]), [0, 1], "native")
+    slots_before = [slot_payload(pool, k) for k in keys_for([0, 1])]
+    pool.prepare(model.pools)
+    assert set(pool._moves_kept) == {True, False}
+    model.check("after prepare")
+    assert [slot_payload(pool, k) for k in keys_for([0, 1])] == slots_before
+    load(pool, model, keys_for([0, 1]), [3, 2], "native")
+    other = make_model(arrays, rng, mesh, "stacked" if kind == "per-layer" else "per-layer")
+    with pytest.raises(InvalidArgumentError, match="pools"):
+        pool.prepare(other.pools)
+
+
 def test_use_after_close_is_a_clear_error(arrays, rng, mesh, open_pool):
     model = make_model(arrays, rng, mesh)
     pool = open_pool(model.layout, 4)

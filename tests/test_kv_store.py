@@ -239,6 +239,22 @@ def test_round_trip_on_each_path(arrays, rng, stores, path, dtype):
     kv.check([10, 11, 12], expected, before)
 
 
+def test_warmup_changes_no_byte_and_loads_after_it_are_exact(arrays, rng, stores):
+    """warmup() (what an engine calls at start-up) plans and compiles but moves nothing."""
+    kv = Kv(arrays, rng)
+    store = stores(make_config(None, 8), kv.pools)
+    tokens = prompt(rng, 2 * BS)
+    expected = kv.blocks([3, 4])
+    store.save(tokens, [3, 4])
+    before = kv.snapshot()
+    store.warmup()
+    store.warmup()  # again: still nothing moves
+    assert same(kv.snapshot(), before)
+    hit = store.lookup(tokens)
+    assert store.load(hit, [7, 8]).loaded_blocks == 2
+    kv.check([7, 8], expected, before)
+
+
 def test_load_fewer_blocks_than_the_hit(arrays, rng, stores):
     kv = Kv(arrays, rng)
     store = stores(make_config(None, 4), kv.pools)
@@ -1406,6 +1422,7 @@ def test_closed_store(arrays, rng, stores):
         lambda: store.offload_session_async("t", tokens, [0, 1]),
         lambda: store.restore_session("s", [2, 3]),
         lambda: store.drop_session("s"),
+        store.warmup,
     ]
     before = kv.snapshot()
     for call in calls:

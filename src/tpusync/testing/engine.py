@@ -249,10 +249,13 @@ class ToyEngine:
         dummy = (np.arange(prompt_len, dtype=np.int64) * 7919 % self.config.vocab_size).astype(
             np.int32
         )
-        with contextlib.ExitStack() as locks:  # compiles the pools' donated identity step
-            for pool in self.kv:
-                locks.enter_context(pool._lock)
-            wait_for_readers(self.kv)
+        if self.store is not None:
+            self.store.warmup()  # plans its moves, compiles the pools' donated identity step
+        else:
+            with contextlib.ExitStack() as locks:  # compiles the pools' donated identity step
+                for pool in self.kv:
+                    locks.enter_context(pool._lock)
+                wait_for_readers(self.kv)
         if cold:
             self.generate(dummy, n_new, use_cache=False, save=False, boundary=prompt_len - 1)
             return

