@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -627,22 +627,27 @@ def test_write_error_commits_nothing(
     fill(source, KEYS[:12])
     with open_pool(directory) as disk:
         disk.put(KEYS[:4], source)
-        real = disk_pool_module._write_full
-        calls = []
+        real = disk_pool_module._transfer_run
+        written = []  # blocks written before the failure
 
-        def failing(fd: int, memory: memoryview, offset: int) -> None:
-            calls.append(offset)
-            if len(calls) == 3:
-                raise OSError(code, os.strerror(code))
-            real(fd, memory, offset)
+        def failing(call: Callable[..., int], fd: int, memories: list, at: int) -> None:
+            if call is os.pwritev:  # the third block of the put fails, after two were written
+                room = max(0, 2 - len(written))
+                real(call, fd, memories[:room], at)
+                written.extend(memories[:room])
+                if len(memories) > room:
+                    raise OSError(code, os.strerror(code))
+                return
+            real(call, fd, memories, at)
 
-        monkeypatch.setattr(disk_pool_module, "_write_full", failing)
+        monkeypatch.setattr(disk_pool_module, "_transfer_run", failing)
         with pytest.raises(error) as info:
             disk.put(KEYS[4:12], source)
         assert isinstance(info.value.__cause__, OSError)
         assert os.strerror(code) in str(info.value)
         assert disk.keys() == KEYS[:4] and disk.free == CAPACITY - 4
-        monkeypatch.setattr(disk_pool_module, "_write_full", real)
+        assert written  # some blocks reached the disk before the failure
+        monkeypatch.setattr(disk_pool_module, "_transfer_run", real)
         load_and_check(disk, KEYS[:4])
         assert source.delete(KEYS[:12]) == 12  # unpinned
         fill(source, KEYS[:12])
@@ -659,14 +664,15 @@ def test_read_error_is_a_miss(
     with open_pool(directory) as disk, HostPool(layout, 6) as target:
         disk.put(KEYS[:6], source)
         _, bad_offset = on_disk(directory, KEYS[2], layout)
-        real = disk_pool_module._read_full
+        real = disk_pool_module._transfer_run
 
-        def failing(fd: int, memory: memoryview, offset: int) -> None:
-            if offset == bad_offset:
+        def failing(call: Callable[..., int], fd: int, memories: list, at: int) -> None:
+            end = at + sum(len(m) for m in memories)
+            if call is os.preadv and at <= bad_offset < end:  # a run holding block 2 fails
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
-            real(fd, memory, offset)
+            real(call, fd, memories, at)
 
-        monkeypatch.setattr(disk_pool_module, "_read_full", failing)
+        monkeypatch.setattr(disk_pool_module, "_transfer_run", failing)
         with pytest.raises(BlocksMissingError, match="1 unreadable") as info:
             disk.get(KEYS[:6], target)
         assert info.value.loaded == [i != 2 for i in range(6)]
@@ -926,3 +932,27 @@ if __name__ == "__main__":
         _writer(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "verify":
         _verify(sys.argv[2])
+
+
+def test_slab_runs_group_consecutive_slots_of_one_file() -> None:
+    """Every job lands in exactly one run; a run's slots follow each other in one slab file
+    (so one preadv/pwritev covers them), within the size cap; random slot orders included."""
+    rng = np.random.default_rng(11)
+    slot_bytes = 128 << 10
+    cap = disk_pool_module.MAX_RUN_BYTES // slot_bytes
+    for _ in range(200):
+        n = int(rng.integers(0, 80))
+        slots = rng.permutation(200)[:n] if rng.random() < 0.5 else np.arange(n) + 3
+        jobs = [
+            (10 + int(s) // 50, i, 4096 + (int(s) % 50) * slot_bytes) for i, s in enumerate(slots)
+        ]
+        runs = disk_pool_module._slab_runs(jobs, slot_bytes)
+        assert sorted(i for run in runs for i in run) == list(range(n))
+        for run in runs:
+            assert len(run) <= cap
+            fds = {jobs[i][0] for i in run}
+            offsets = [jobs[i][2] for i in run]
+            assert len(fds) == 1
+            assert offsets == [offsets[0] + k * slot_bytes for k in range(len(run))]
+        if n and np.array_equal(slots, np.arange(n) + 3):  # one file's worth: few, long runs
+            assert len(runs) <= -(-n // cap) + 2

@@ -671,13 +671,17 @@ class DiskPool:
         for src, dst in zip(source_slots.tolist(), slots, strict=True):
             fd, offset = self._locate(dst)
             jobs.append((fd, src, offset))
+        runs = _slab_runs(jobs, self.layout.slot_bytes)
 
-        def write(job: tuple[int, int, int]) -> None:
-            fd, src, offset = job
-            with source.slot_memory(src) as memory:
-                _write_full(fd, memory, offset)
+        def write(run: list[int]) -> None:
+            memories = [source.slot_memory(jobs[i][1]) for i in run]
+            try:
+                _transfer_run(os.pwritev, jobs[run[0]][0], memories, jobs[run[0]][2])
+            finally:
+                for memory in memories:
+                    memory.release()
 
-        errors = self._run(write, jobs, stop_on_error=True)
+        errors = self._run(write, runs, stop_on_error=True)
         if errors:
             exc = next(iter(errors.values()))
             raise self._io_error(exc, f"writing {len(jobs)} blocks") from exc
@@ -808,15 +812,31 @@ class DiskPool:
             for key, dst in zip(reservation.keys, reservation.slots.tolist(), strict=True):
                 fd, offset = self._locate(slot_of[key])
                 jobs.append((fd, dst, offset))
+            runs = _slab_runs(jobs, self.layout.slot_bytes)
+            failed: dict[int, OSError] = {}  # job index -> error
 
-            def read(job: tuple[int, int, int]) -> None:
-                fd, dst, offset = job
-                with target.slot_memory(dst) as memory:
-                    _read_full(fd, memory, offset)
+            def read(run: list[int]) -> None:
+                fd, _, offset = jobs[run[0]]
+                memories = [target.slot_memory(jobs[i][1]) for i in run]
+                try:
+                    try:
+                        _transfer_run(os.preadv, fd, memories, offset)
+                    except OSError:
+                        if len(run) == 1:
+                            raise
+                        for i, memory in zip(run, memories, strict=True):  # which ones fail
+                            try:
+                                _transfer_run(os.preadv, fd, [memory], jobs[i][2])
+                            except OSError as exc:
+                                failed[i] = exc
+                finally:
+                    for memory in memories:
+                        memory.release()
 
-            errors = self._run(read, jobs, stop_on_error=False)
+            for r, exc in self._run(read, runs, stop_on_error=False).items():
+                failed.update((i, exc) for i in runs[r])
             read_ok = np.ones(len(jobs), dtype=bool)
-            for i, exc in errors.items():
+            for i, exc in failed.items():
                 read_ok[i] = False
                 unreadable[reservation.keys[i]] = exc
             expected = np.array([stored[k] for k in reservation.keys], dtype=np.uint64)
@@ -965,24 +985,47 @@ class DiskPool:
         return dict(sorted(errors.items()))
 
 
-def _write_full(fd: int, memory: memoryview, offset: int) -> None:
-    """Writes all of ``memory`` at ``offset`` (``pwritev`` releases the GIL)."""
-    done, size = 0, len(memory)
-    while done < size:
-        n = os.pwritev(fd, [memory[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "the write made no progress")
-        done += n
+MAX_RUN_BYTES = 4 << 20  # one preadv/pwritev covers at most this much of consecutive slots
+_MAX_RUN_SLOTS = 64  # and at most this many slots (iovecs)
 
 
-def _read_full(fd: int, memory: memoryview, offset: int) -> None:
-    """Fills all of ``memory`` from ``offset`` (``preadv`` releases the GIL)."""
-    done, size = 0, len(memory)
-    while done < size:
-        n = os.preadv(fd, [memory[done:]], offset + done)
+def _slab_runs(jobs: list[tuple[int, int, int]], slot_bytes: int) -> list[list[int]]:
+    """Indices of ``jobs`` ((slab fd, DRAM slot, offset) each) grouped into runs of slots that
+    follow each other in one slab file, one ``preadv``/``pwritev`` each: a prefix saved together
+    lies in consecutive slots, and one large I/O is faster than many small ones (128 KiB reads
+    ran at ~0.5 GB/s here, 1 MiB ones at ~1.2, O_DIRECT)."""
+    limit = max(1, min(_MAX_RUN_SLOTS, MAX_RUN_BYTES // slot_bytes))
+    runs: list[list[int]] = []
+    for i in sorted(range(len(jobs)), key=lambda i: (jobs[i][0], jobs[i][2])):
+        if runs:
+            last = jobs[runs[-1][-1]]
+            fd, offset = jobs[i][0], jobs[i][2]
+            if fd == last[0] and offset == last[2] + slot_bytes and len(runs[-1]) < limit:
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs
+
+
+def _transfer_run(call: Callable[..., int], fd: int, memories: list[memoryview], at: int) -> None:
+    """Reads (``os.preadv``) or writes (``os.pwritev``) all of ``memories`` as one contiguous
+    file range from ``at``, going on after short transfers (both release the GIL)."""
+    views = list(memories)
+    while views:
+        n = call(fd, views, at)
         if n <= 0:
-            raise OSError(errno.EIO, "unexpected end of the slab file")
-        done += n
+            raise OSError(
+                errno.EIO,
+                "unexpected end of the slab file"
+                if call is os.preadv
+                else "the write made no progress",
+            )
+        at += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
