@@ -519,3 +519,68 @@ def test_repr_never_shows_the_secret():
     config = KVStoreConfig("m", 16, DramTier(4), secret=secret)
     assert "do-not-print" not in repr(config)
     assert secret.hex() not in repr(config)
+
+
+# --- the native BLAKE2b behind the chain ------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.binary(max_size=700),
+    key=st.binary(max_size=64),
+    person=st.binary(max_size=16),
+    digest_size=st.integers(1, 64),
+)
+def test_native_blake2b_equals_hashlib(
+    data: bytes, key: bytes, person: bytes, digest_size: int
+) -> None:
+    from tpusync import _core
+
+    expected = hashlib.blake2b(data, key=key, person=person, digest_size=digest_size).digest()
+    assert _core.blake2b(data, key, person, digest_size) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=300),
+    block_size=st.sampled_from([1, 3, 16, 32, 128]),
+    secret=st.binary(min_size=1, max_size=64),
+)
+def test_block_keys_equal_the_hashlib_chain(tokens: list, block_size: int, secret: bytes) -> None:
+    """The C chain gives the keys the scheme's definition gives (module docstring), computed
+    here block by block with hashlib."""
+    scheme = Blake2bChainKeys(secret)
+    ns = Namespace("m", b"\x01" * 16)
+    array = np.array(tokens, dtype=np.uint32)
+    digest = scheme.namespace_digest(ns)
+    parent, expected = digest, []
+    for i in range(len(tokens) // block_size):
+        piece = array[i * block_size : (i + 1) * block_size].astype("<u4").tobytes()
+        parent = hashlib.blake2b(
+            parent + piece, digest_size=16, key=secret, person=b"tpusync-kv-v1"
+        ).digest()
+        expected.append(digest[:TAG_BYTES] + parent)
+    assert scheme.block_keys(ns, array, block_size) == expected
+
+
+def test_native_blake2b_refuses_bad_sizes() -> None:
+    from tpusync import _core
+
+    for kwargs in ({"key": b"k" * 65}, {"person": b"p" * 17}, {"digest_size": 0}):
+        with pytest.raises(ValueError, match="BLAKE2b"):
+            _core.blake2b(b"x", **kwargs)
+    with pytest.raises(ValueError, match="step"):
+        _core.blake2b_chain(b"s" * 16, b"data", 0)
+
+
+def test_native_chain_ignores_a_partial_last_piece_and_empty_input() -> None:
+    from tpusync import _core
+
+    start, key = b"s" * 16, b"k" * 32
+    data = bytes(range(100))
+    keys = _core.blake2b_chain(start, data, 40, key, b"p", b"tag")
+    assert len(keys) == 2  # the last 20 bytes are not a whole piece
+    first = hashlib.blake2b(start + data[:40], key=key, person=b"p", digest_size=16).digest()
+    second = hashlib.blake2b(first + data[40:80], key=key, person=b"p", digest_size=16).digest()
+    assert keys == [b"tag" + first, b"tag" + second]
+    assert _core.blake2b_chain(start, b"", 40, key) == []

@@ -2,10 +2,11 @@
 """tpusync's native core: GIL-free byte movement and page-aligned memory. No policy lives here."""
 
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memset, strerror
+from libc.string cimport memcpy, memset, strerror
 from posix.mman cimport (
     MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, PROT_NONE,
     PROT_READ, PROT_WRITE, mmap, munmap,
@@ -314,6 +315,70 @@ def xxh64_gathered(const uint64_t[::1] digests not None, const int64_t[::1] rows
                     row[k * 8 + j] = <unsigned char> (value >> (8 * j))
             sums[b] = tps_xxh64(row, <size_t> n_rows * 8, seed)
     PyMem_Free(row)
+    return out
+
+
+cdef extern from "tpusync/blake2b.h" nogil:
+    ctypedef struct tps_blake2b:
+        size_t digest_bytes
+    int tps_blake2b_init(tps_blake2b *state, size_t digest_bytes, const void *key,
+                         size_t key_bytes, const void *person, size_t person_bytes)
+    void tps_blake2b_update(tps_blake2b *state, const void *data, size_t n)
+    void tps_blake2b_final(tps_blake2b *state, unsigned char *out)
+    void tps_blake2b_chain(const tps_blake2b *prefix, const unsigned char *start,
+                           const unsigned char *data, size_t step, size_t n, unsigned char *out)
+
+
+cdef tps_blake2b _blake2b_start(size_t digest_size, bytes key, bytes person) except *:
+    cdef tps_blake2b state
+    if tps_blake2b_init(&state, digest_size, <const char *> key, len(key),
+                        <const char *> person, len(person)) != 0:
+        raise ValueError("BLAKE2b takes a digest of 1 to 64 bytes, a key of at most 64 and a "
+                         "personalisation of at most 16")
+    return state
+
+
+def blake2b(const unsigned char[::1] data not None, bytes key=b"", bytes person=b"",
+            size_t digest_size=64):
+    """BLAKE2b of ``data`` (as ``hashlib.blake2b(data, key=..., person=..., digest_size=...)``
+    answers it; no salt). For the tests of :func:`blake2b_chain`."""
+    cdef tps_blake2b state = _blake2b_start(digest_size, key, person)
+    cdef bytearray out = bytearray(digest_size)
+    cdef unsigned char *dst = out
+    with nogil:
+        if data.shape[0]:
+            tps_blake2b_update(&state, &data[0], <size_t> data.shape[0])
+        tps_blake2b_final(&state, dst)
+    return bytes(out)
+
+
+def blake2b_chain(bytes start not None, const unsigned char[::1] data not None, size_t step,
+                  bytes key=b"", bytes person=b"", bytes tag=b""):
+    """The chain of keyed BLAKE2b values over ``data`` cut into pieces of ``step`` bytes:
+    value i = BLAKE2b(value i-1 + piece i), value -1 = ``start`` (its length is the digest
+    size), as the ``blake2b-chain-v1`` key scheme computes block keys (tpusync/kv/keys.py).
+    Returns ``tag + value`` for each whole piece, as a list of bytes. GIL released while
+    hashing."""
+    if step == 0:
+        raise ValueError("step must be > 0")
+    cdef tps_blake2b prefix = _blake2b_start(len(start), key, person)
+    cdef size_t n = <size_t> data.shape[0] // step
+    cdef size_t width = len(start), tag_bytes = len(tag), i
+    cdef bytearray values = bytearray(n * width)
+    cdef unsigned char *dst = values
+    cdef const unsigned char *first = start
+    cdef const unsigned char *src = &data[0] if data.shape[0] else NULL
+    with nogil:
+        if n:
+            tps_blake2b_chain(&prefix, first, src, step, n, dst)
+    cdef bytearray joined = bytearray(tag_bytes + width)
+    cdef unsigned char *at = joined
+    if tag_bytes:
+        memcpy(at, <const char *> tag, tag_bytes)
+    out = []
+    for i in range(n):
+        memcpy(at + tag_bytes, dst + i * width, width)
+        out.append(PyBytes_FromStringAndSize(<const char *> at, tag_bytes + width))
     return out
 
 

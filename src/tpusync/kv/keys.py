@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from tpusync import _core
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["Blake2bChainKeys", "KeyScheme", "Namespace", "check_tokens"]
@@ -38,6 +39,7 @@ __all__ = ["Blake2bChainKeys", "KeyScheme", "Namespace", "check_tokens"]
 KEY_BYTES = 24
 TAG_BYTES = 8
 _DIGEST_BYTES = 16
+_KV_PERSON = b"tpusync-kv-v1"
 DEFAULT_SECRET = b"tpusync-development-secret"  # for one trusted deployment only; see KVStoreConfig
 
 
@@ -155,19 +157,12 @@ class Blake2bChainKeys:
         digest = self.namespace_digest(namespace)
         tag = digest[:TAG_BYTES]
         n_full = len(tokens) // block_size
-        data = np.ascontiguousarray(tokens[: n_full * block_size], dtype="<u4").tobytes()
-        step = block_size * 4
-        keys = []
-        parent = digest
-        for i in range(n_full):
-            parent = hashlib.blake2b(
-                parent + data[i * step : (i + 1) * step],
-                digest_size=_DIGEST_BYTES,
-                key=self._secret,
-                person=b"tpusync-kv-v1",
-            ).digest()
-            keys.append(tag + parent)
-        return keys
+        data = np.ascontiguousarray(tokens[: n_full * block_size], dtype="<u4")
+        # the chain in C (~0.2 us a block against ~1.8 with hashlib here); tests pin it to
+        # hashlib's answer and to the golden vectors
+        return _core.blake2b_chain(
+            digest, data.view(np.uint8), block_size * 4, self._secret, _KV_PERSON, tag
+        )
 
     def tail_key(
         self, namespace: Namespace, parent: bytes | None, session_id: str, tail: np.ndarray
