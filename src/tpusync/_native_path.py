@@ -266,7 +266,11 @@ class BlockPlan:
                     for r in range(replicas[g]):
                         places.append((g, r if which else 0, spot))
                         spot += 2
-                single = len(side.groups) == 1 and len(side.current().sharding.device_set) == 1
+                single = (
+                    len(places) == 1
+                    and len(side.groups) == 1
+                    and len(side.current().sharding.device_set) == 1
+                )
                 self._device_places.append((side, places[0][2] if single else None, places))
             at += 2 * sum(replicas)
         if at != len(self._host_bases):
