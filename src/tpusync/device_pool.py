@@ -81,9 +81,8 @@ class DevicePool:
         self._lock = threading.RLock()
         self._held: dict[int, collections.Counter[int]] = {}  # block axis -> held block ids
         self._held_lock = threading.Lock()
-        # Why the native engine cannot move this array (None: it can), once per array the
-        # caller gives: the pool's own swaps (donated identity, scatters) keep its devices,
-        # dtype and layout. See _native_unavailable.
+        # Why the native engine cannot move the array (None: it can), found again only when
+        # the device layout changes: devices and dtype never do. See _native_unavailable.
         self._native_reason: tuple[str | None] | None = None
         self._native_layout: Any = None  # the device layout _native_reason was found for
         # the devices the pool spans: fixed, since update() keeps the sharding
