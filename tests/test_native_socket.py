@@ -96,6 +96,50 @@ def test_recv_exact_hashes_what_lands_across_timeouts(rng: np.random.Generator) 
         b.close()
 
 
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname(), timeout=5)
+        server, _ = listener.accept()
+    return client, server
+
+
+def test_recv_exact_over_tcp_collects_bytes_below_the_low_mark_and_resets_it(
+    rng: np.random.Generator,
+) -> None:
+    """recv_exact raises the socket's SO_RCVLOWAT while it waits (fewer wake-ups), yet bytes
+    fewer than that mark still arrive: a peer that sends 3,000 bytes and then nothing yields
+    those 3,000 after the timeout, a payload trickled in small pieces arrives whole, and the
+    mark is back at 1 afterwards (other readers of the socket see every byte)."""
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    sender, receiver = _tcp_pair()
+    try:
+        # the 3,000 bytes come while recv_exact already waits for 256 KiB of the missing MiB
+        later = threading.Timer(0.1, lambda: sender.sendall(data[:3000].tobytes()))
+        later.start()
+        buffer = np.zeros_like(data)
+        got = _core.recv_exact(receiver.fileno(), memoryview(buffer), 0.4)
+        later.join(5)
+        assert got == 3000 and np.array_equal(buffer[:3000], data[:3000])
+        assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        deadline = time.monotonic() + 10
+
+        def trickle() -> None:
+            for at in range(3000, len(data), 40_000):
+                sender.sendall(data[at : at + 40_000].tobytes())
+                time.sleep(0.002)
+
+        thread = threading.Thread(target=trickle)
+        thread.start()
+        while got < len(data) and time.monotonic() < deadline:
+            got += _core.recv_exact(receiver.fileno(), memoryview(buffer)[got:], 5.0)
+        thread.join(10)
+        assert got == len(data) and np.array_equal(buffer, data)
+        assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_send_all_sends_every_buffer_in_order_through_short_sends(
     rng: np.random.Generator,
 ) -> None:

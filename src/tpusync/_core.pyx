@@ -520,6 +520,9 @@ cdef extern from "sys/socket.h" nogil:
     ssize_t sendmsg(int sockfd, const msghdr *msg, int flags)
     int MSG_NOSIGNAL
     int MSG_DONTWAIT
+    int setsockopt(int sockfd, int level, int optname, const void *optval, unsigned int optlen)
+    int SOL_SOCKET
+    int SO_RCVLOWAT
 
 cdef extern from "sys/uio.h" nogil:
     struct iovec:
@@ -671,6 +674,15 @@ def send_all(int fd, buffers, double timeout_s):
     return sent
 
 
+cdef size_t _rcvlowat_max = 256 << 10
+
+
+def _set_rcvlowat_max(size_t nbytes):
+    """How many bytes recv_exact lets arrive before a wait ends (1: every arrival)."""
+    global _rcvlowat_max
+    _rcvlowat_max = max(nbytes, 1)
+
+
 def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
     """Receives until ``buffer`` (a writable contiguous buffer) is full from the socket ``fd``,
     waiting at most ``timeout_s`` for each read; the GIL is released for the whole loop (a
@@ -692,6 +704,8 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
     pfd.events = POLLIN
     cdef bint hashing = hasher is not None
     cdef size_t fed = 0
+    cdef int lowat = 1, want = 1, recv_errno = 0
+    cdef bint waited_out = False
     with nogil:
         while got < n:
             # read first, wait only when nothing is there: one system call per read while
@@ -701,13 +715,24 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
                 status = -2
                 break
             if k < 0:
+                if waited_out:
+                    break  # a whole wait and nothing arrived: the caller checks its deadline
+                # wake when a good part of what is missing has arrived, not at every packet:
+                # fewer wake-ups and longer copies (never more than is still missing)
+                want = <int> (n - got if n - got < _rcvlowat_max else _rcvlowat_max)
+                if want != lowat:
+                    recv_errno = errno  # what _retry_after judges, whatever setsockopt does
+                    if setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int)) == 0:
+                        lowat = want
+                    errno = recv_errno
                 r = _retry_after(&pfd, timeout_ms)
-                if r == 0:
-                    break  # timed out: the caller checks its deadline
                 if r < 0:
                     status, err = -1, errno
                     break
+                # on a timeout, read once more: bytes below the low mark count as progress
+                waited_out = r == 0
                 continue
+            waited_out = False
             got += <size_t>k
             if hashing and (got - fed >= HASH_STEP or got == n):
                 # hashed while still in cache, in steps long enough for the fast path
@@ -716,6 +741,9 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
                 fed = got
         if hashing and got > fed:  # timed out mid-step: the hasher keeps up with `got`
             hasher._feed(p + fed, <int64_t>(got - fed))
+        if lowat != 1:  # other readers of the socket (and polls) see every byte again
+            want = 1
+            setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int))
     if status == -2:
         raise EOFError("connection closed by the peer")
     if status == -1:
