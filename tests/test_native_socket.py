@@ -114,10 +114,10 @@ def test_recv_exact_over_tcp_collects_bytes_below_the_low_mark_and_resets_it(
     sender, receiver = _tcp_pair()
     try:
         # the 3,000 bytes come while recv_exact already waits for 256 KiB of the missing MiB
-        later = threading.Timer(0.1, lambda: sender.sendall(data[:3000].tobytes()))
+        later = threading.Timer(0.05, lambda: sender.sendall(data[:3000].tobytes()))
         later.start()
         buffer = np.zeros_like(data)
-        got = _core.recv_exact(receiver.fileno(), memoryview(buffer), 0.4)
+        got = _core.recv_exact(receiver.fileno(), memoryview(buffer), 1.0)  # ample slack
         later.join(5)
         assert got == 3000 and np.array_equal(buffer[:3000], data[:3000])
         assert receiver.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
