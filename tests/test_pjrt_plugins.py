@@ -46,6 +46,7 @@ SLOT_INDEX = {
     "PJRT_Client_Destroy": 11,
     "PJRT_Client_PlatformName": 12,
     "PJRT_Client_PlatformVersion": 14,
+    "PJRT_Client_LookupDevice": 17,
     "PJRT_Buffer_Destroy": 58,
     "PJRT_Client_CreateViewOfDeviceBuffer": 93,
     "PJRT_Buffer_CopyRawToHost": 100,
@@ -75,6 +76,13 @@ STRUCT_SIZES = {
     "PJRT_Client_DmaUnmap_Args": 32,
     "PJRT_Buffer_Destroy_Args": 24,
     "PJRT_Buffer_CopyRawToHost_Args": 56,
+    "PJRT_Client_LookupDevice_Args": 40,
+    "PJRT_RawBuffer_CreateRawAliasOfBuffer_Args": 32,
+    "PJRT_RawBuffer_Destroy_Args": 24,
+    "PJRT_RawBuffer_CopyRawHostToDevice_Args": 56,
+    # base (24 bytes), CreateRawAliasOfBuffer, Destroy, GetOnDeviceSizeInBytes, GetMemorySpace,
+    # CopyRawHostToDevice: the extension up to the last function tpusync calls
+    "PJRT_RawBuffer_Extension (used part)": 64,
 }
 
 
@@ -497,6 +505,8 @@ _CHILD = textwrap.dedent(
         "library_path": api.library_path,
         "extension_types": api.extension_types(),
         "raw_buffer": api.find_extension(_core.PJRT_EXTENSION_TYPE_RAW_BUFFER),
+        "can_read_raw": api.can_read_raw,
+        "can_write_raw": api.can_write_raw,
         "has_slot": {name: api.has_slot(name) for name in _core._slot_offsets()},
         "attributes": api.plugin_attributes(),
         "initialized": api.initialize(),
@@ -599,6 +609,10 @@ def test_real_plugin(name, tmp_path):
         assert 8 in out["extension_types"]
         address, size = out["raw_buffer"]
         assert address != 0 and size >= 24 + 8 * 6
+    # Both real tables offer the core calls of native reads; only libtpu's has the functions
+    # of in-place writes set (the CUDA plugin, 0.10.2 and 0.11.2 alike, has no such extension).
+    assert out["can_read_raw"] is True
+    assert out["can_write_raw"] is (name == "libtpu")
 
     # Attributes seen: {'xla_version': 2, 'stablehlo_current_version': [1, 24, 0],
     # 'stablehlo_minimum_version': [0, 9, 0]} (libtpu 0.0.52), plus 'cuda_version': 13000
@@ -627,6 +641,5 @@ def test_real_plugin(name, tmp_path):
     assert out["already_loaded_same_table"] is True
     label = "libtpu.so" if name == "libtpu" else "jax_plugins.xla_cuda13"
     assert out["describe_backend"] == (
-        f"PJRT C API {major}.{minor} via {label}; JAX's client pointer is 0; "
-        "native device copies not yet enabled (unproven on hardware): pure JAX"
+        f"PJRT C API {major}.{minor} via {label}; JAX's client pointer is 0: pure JAX"
     )

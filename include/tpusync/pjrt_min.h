@@ -316,6 +316,61 @@ typedef struct {
   PJRT_Event *event;  /* out */
 } PJRT_Buffer_CopyRawToHost_Args;
 
+/* A device by its global id (the id JAX reports as Device.id). */
+typedef struct {
+  size_t struct_size;
+  PJRT_Extension_Base *extension_start;
+  PJRT_Client *client;
+  int id;
+  PJRT_Device *device;  /* out; owned by the client */
+} PJRT_Client_LookupDevice_Args;
+
+/* ---- The raw-buffer extension (type 8; experimental upstream, no ABI promise) -------------
+ * A PJRT_RawBuffer aliases a PJRT_Buffer's device memory; it offers the in-place host->device
+ * write the core API lacks. The extension struct is a PJRT_Extension_Base followed by function
+ * pointers; its struct_size says how many the plugin has (check before calling one). */
+typedef struct PJRT_RawBuffer PJRT_RawBuffer;
+
+typedef struct {
+  size_t struct_size;
+  PJRT_Extension_Base *extension_start;
+  PJRT_Buffer *buffer;
+  PJRT_RawBuffer *raw_buffer;  /* out; the caller owns it */
+} PJRT_RawBuffer_CreateRawAliasOfBuffer_Args;
+
+typedef struct {
+  size_t struct_size;
+  PJRT_Extension_Base *extension_start;
+  PJRT_RawBuffer *buffer;
+} PJRT_RawBuffer_Destroy_Args;
+
+/* Copies transfer_size bytes from src into the raw buffer at byte offset; `event`, which the
+ * caller owns, is ready when the write is done. */
+typedef struct {
+  size_t struct_size;
+  PJRT_Extension_Base *extension_start;
+  PJRT_RawBuffer *buffer;
+  const void *src;
+  int64_t offset;
+  int64_t transfer_size;
+  PJRT_Event *event;  /* out */
+} PJRT_RawBuffer_CopyRawHostToDevice_Args;
+
+typedef PJRT_Error *PJRT_RawBuffer_CreateRawAliasOfBuffer_Fn(
+    PJRT_RawBuffer_CreateRawAliasOfBuffer_Args *args);
+typedef PJRT_Error *PJRT_RawBuffer_Destroy_Fn(PJRT_RawBuffer_Destroy_Args *args);
+typedef PJRT_Error *PJRT_RawBuffer_CopyRawHostToDevice_Fn(
+    PJRT_RawBuffer_CopyRawHostToDevice_Args *args);
+
+typedef struct {
+  PJRT_Extension_Base base;
+  PJRT_RawBuffer_CreateRawAliasOfBuffer_Fn *PJRT_RawBuffer_CreateRawAliasOfBuffer;
+  PJRT_RawBuffer_Destroy_Fn *PJRT_RawBuffer_Destroy;
+  void *unused_get_on_device_size_in_bytes;
+  void *unused_get_memory_space;
+  PJRT_RawBuffer_CopyRawHostToDevice_Fn *PJRT_RawBuffer_CopyRawHostToDevice;
+} PJRT_RawBuffer_Extension;
+
 enum {
   PJRT_Error_Destroy_Args_STRUCT_SIZE = TPS_PJRT_SIZE_UPTO(PJRT_Error_Destroy_Args, error),
   PJRT_Error_Message_Args_STRUCT_SIZE = TPS_PJRT_SIZE_UPTO(PJRT_Error_Message_Args, message_size),
@@ -341,6 +396,17 @@ enum {
   PJRT_Buffer_Destroy_Args_STRUCT_SIZE = TPS_PJRT_SIZE_UPTO(PJRT_Buffer_Destroy_Args, buffer),
   PJRT_Buffer_CopyRawToHost_Args_STRUCT_SIZE =
       TPS_PJRT_SIZE_UPTO(PJRT_Buffer_CopyRawToHost_Args, event),
+  PJRT_Client_LookupDevice_Args_STRUCT_SIZE =
+      TPS_PJRT_SIZE_UPTO(PJRT_Client_LookupDevice_Args, device),
+  PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE =
+      TPS_PJRT_SIZE_UPTO(PJRT_RawBuffer_CreateRawAliasOfBuffer_Args, raw_buffer),
+  PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE =
+      TPS_PJRT_SIZE_UPTO(PJRT_RawBuffer_Destroy_Args, buffer),
+  PJRT_RawBuffer_CopyRawHostToDevice_Args_STRUCT_SIZE =
+      TPS_PJRT_SIZE_UPTO(PJRT_RawBuffer_CopyRawHostToDevice_Args, event),
+  /* the extension as far as tpusync uses it: through CopyRawHostToDevice */
+  PJRT_RawBuffer_Extension_USED_SIZE =
+      TPS_PJRT_SIZE_UPTO(PJRT_RawBuffer_Extension, PJRT_RawBuffer_CopyRawHostToDevice),
 };
 
 /* ---- Function types of the slots tpusync uses --------------------------------------------- */
@@ -363,6 +429,7 @@ typedef PJRT_Error *PJRT_Client_CreateViewOfDeviceBuffer_Fn(
 typedef PJRT_Error *PJRT_Buffer_CopyRawToHost_Fn(PJRT_Buffer_CopyRawToHost_Args *args);
 typedef PJRT_Error *PJRT_Client_DmaMap_Fn(PJRT_Client_DmaMap_Args *args);
 typedef PJRT_Error *PJRT_Client_DmaUnmap_Fn(PJRT_Client_DmaUnmap_Args *args);
+typedef PJRT_Error *PJRT_Client_LookupDevice_Fn(PJRT_Client_LookupDevice_Args *args);
 
 /* ---- The table ------------------------------------------------------------------------------
  * A header, then one function pointer per slot: slot i lies at byte 40 + 8*i. Declared up to the
@@ -390,7 +457,7 @@ typedef struct PJRT_Api {
   /*  14 */ PJRT_Client_PlatformVersion_Fn *PJRT_Client_PlatformVersion;
   /*  15 */ void *unused_015; /* PJRT_Client_Devices */
   /*  16 */ void *unused_016; /* PJRT_Client_AddressableDevices */
-  /*  17 */ void *unused_017; /* PJRT_Client_LookupDevice */
+  /*  17 */ PJRT_Client_LookupDevice_Fn *PJRT_Client_LookupDevice;
   /*  18 */ void *unused_018; /* PJRT_Client_LookupAddressableDevice */
   /*  19 */ void *unused_019; /* PJRT_Client_AddressableMemories */
   /*  20 */ void *unused_020; /* PJRT_Client_Compile */
@@ -505,6 +572,7 @@ TPS_PJRT_SLOT_AT(PJRT_Client_Create, 10);
 TPS_PJRT_SLOT_AT(PJRT_Client_Destroy, 11);
 TPS_PJRT_SLOT_AT(PJRT_Client_PlatformName, 12);
 TPS_PJRT_SLOT_AT(PJRT_Client_PlatformVersion, 14);
+TPS_PJRT_SLOT_AT(PJRT_Client_LookupDevice, 17);
 TPS_PJRT_SLOT_AT(PJRT_Buffer_Destroy, 58);
 TPS_PJRT_SLOT_AT(PJRT_Client_CreateViewOfDeviceBuffer, 93);
 TPS_PJRT_SLOT_AT(PJRT_Buffer_CopyRawToHost, 100);
@@ -548,6 +616,20 @@ _Static_assert(offsetof(PJRT_Buffer_CopyRawToHost_Args, event) == 48,
                "PJRT_Buffer_CopyRawToHost_Args.event");
 _Static_assert(PJRT_Buffer_CopyRawToHost_Args_STRUCT_SIZE == 56,
                "PJRT_Buffer_CopyRawToHost_Args");
+_Static_assert(offsetof(PJRT_Client_LookupDevice_Args, device) == 32,
+               "PJRT_Client_LookupDevice_Args.device");
+_Static_assert(PJRT_Client_LookupDevice_Args_STRUCT_SIZE == 40, "PJRT_Client_LookupDevice_Args");
+_Static_assert(PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE == 32,
+               "PJRT_RawBuffer_CreateRawAliasOfBuffer_Args");
+_Static_assert(PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE == 24, "PJRT_RawBuffer_Destroy_Args");
+_Static_assert(PJRT_RawBuffer_CopyRawHostToDevice_Args_STRUCT_SIZE == 56,
+               "PJRT_RawBuffer_CopyRawHostToDevice_Args");
+_Static_assert(offsetof(PJRT_RawBuffer_Extension, PJRT_RawBuffer_CreateRawAliasOfBuffer) == 24,
+               "raw-buffer extension: CreateRawAliasOfBuffer");
+_Static_assert(offsetof(PJRT_RawBuffer_Extension, PJRT_RawBuffer_Destroy) == 32,
+               "raw-buffer extension: Destroy");
+_Static_assert(offsetof(PJRT_RawBuffer_Extension, PJRT_RawBuffer_CopyRawHostToDevice) == 56,
+               "raw-buffer extension: CopyRawHostToDevice");
 
 #ifdef __cplusplus
 }  /* extern "C" */

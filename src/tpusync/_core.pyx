@@ -416,6 +416,9 @@ cdef class Mapping:
     cdef void *_address
     cdef readonly size_t size
     cdef int _exports
+    # Called as on_unmap(address, size) just before the memory is unmapped (e.g. to undo a DMA
+    # registration with a device runtime); then cleared.
+    cdef public object on_unmap
 
     def __cinit__(self, size_t size, bint populate=True, bint huge_pages=False, int fd=-1):
         if size == 0:
@@ -479,6 +482,9 @@ cdef class Mapping:
             return
         if self._exports:
             raise BufferError(f"{self._exports} buffer views of this memory are still alive")
+        hook, self.on_unmap = self.on_unmap, None
+        if hook is not None:
+            hook(<uintptr_t> self._address, self.size)
         munmap(self._address, self.size)
         self._address = NULL
 
@@ -493,6 +499,12 @@ cdef class Mapping:
 
     def __dealloc__(self):
         if self._address != NULL:
+            hook, self.on_unmap = self.on_unmap, None
+            if hook is not None:
+                try:
+                    hook(<uintptr_t> self._address, self.size)
+                except BaseException:  # nothing can be raised from here; unmap regardless
+                    pass
             munmap(self._address, self.size)
             self._address = NULL
 

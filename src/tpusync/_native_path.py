@@ -1,4 +1,8 @@
-"""The native engine: raw memory gather/scatter in C over the shards' buffers (CPU backend).
+"""The native engine: gather/scatter of block segments over the shards' buffers.
+
+On the CPU backend a segment table is raw memory copied in C (the copy engine); on PJRT plugin
+backends the same table runs through the plugin's C API (:mod:`tpusync._pjrt_path`): planning
+is the same, only the last step differs.
 
 Runs under the device-memory safety rules of :mod:`tpusync.device_pool`: destinations are pools
 whose readers were waited for, and every device buffer read or written is pinned by a live DLPack
@@ -17,7 +21,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from tpusync import _core
+from tpusync import _core, _pjrt_path
 from tpusync._layout import DeviceSide, HostSide, Move
 from tpusync._plan import Region, block_bytes, segments, strided_offsets
 from tpusync.device_pool import wait_for_readers
@@ -75,7 +79,40 @@ except (ImportError, AttributeError):  # pragma: no cover - jax without it
     _to_capsule = None
 
 
-def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
+class Holds(list):
+    """What keeps one copy's device buffers alive (pins), and, on PJRT devices, the buffers its
+    segment table addresses (the views the plugin copies through)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_buffers: list[_pjrt_path.DeviceBuffer] = []
+
+
+def _hold(holds: list[Any], data: jax.Array, device: Any, written: bool) -> int:
+    """Pins a single-device buffer for the copy and returns its address; a PJRT device's buffer
+    is also waited for (a view has no definition event) and recorded in ``holds``."""
+    if device.platform == "cpu" and not _pjrt_path._bindings:
+        holds.append(_pin_buffer(data))
+        return data.unsafe_buffer_pointer()
+    from tpusync._paths import device_path
+
+    if device_path(device).engine != "pjrt":
+        holds.append(_pin_buffer(data))
+        return data.unsafe_buffer_pointer()
+    try:
+        holds.append(_pin_buffer(data))
+    except Exception:  # no DLPack export here: the reference alone keeps the buffer alive
+        holds.append(data)
+    data.block_until_ready()
+    address = data.unsafe_buffer_pointer()
+    if isinstance(holds, Holds):
+        holds.device_buffers.append(
+            _pjrt_path.DeviceBuffer(device, address, int(data.nbytes), written)
+        )
+    return address
+
+
+def _device_regions(side: DeviceSide, holds: list[Any], written: bool) -> list[list[Region]]:
     """Per shard group, the region of each replica (in the group's device order)."""
     array = side.current()
     if len(side.groups) == 1 and len(array.sharding.device_set) == 1:
@@ -87,19 +124,34 @@ def _device_regions(side: DeviceSide, holds: list[Any]) -> list[list[Region]]:
     for group in side.groups:
         regions = []
         for device in group.devices:
-            data = by_device[device]
-            holds.append(_pin_buffer(data))  # held until the copy is done
-            regions.append(
-                Region.contiguous(data.unsafe_buffer_pointer(), side.shard_shape, itemsize)
-            )
+            address = _hold(holds, by_device[device], device, written)  # until the copy is done
+            regions.append(Region.contiguous(address, side.shard_shape, itemsize))
         out.append(regions)
     return out
 
 
-def _regions(side: DeviceSide | HostSide, holds: list[Any]) -> list[list[Region]]:
+def _regions(
+    side: DeviceSide | HostSide, holds: list[Any], written: bool = False
+) -> list[list[Region]]:
     if isinstance(side, DeviceSide):
-        return _device_regions(side, holds)
+        return _device_regions(side, holds, written)
     return [[Region.of_array(view)] for view in side.views]
+
+
+def _copy(table: np.ndarray, holds: list[Any]) -> int:
+    """Runs a segment table: through the plugin where it addresses PJRT device buffers."""
+    if isinstance(holds, Holds) and holds.device_buffers:
+        return _pjrt_path.copy(table, holds.device_buffers)
+    return int(engine().copy(table)) if len(table) else 0
+
+
+def _copy_hashed(table: np.ndarray, holds: list[Any]) -> np.ndarray:
+    """Runs a segment table and returns each row's piece checksum over its host bytes (on PJRT
+    devices hashed after the copy: the host end of every row, which the copy left as is)."""
+    if isinstance(holds, Holds) and holds.device_buffers:
+        _pjrt_path.copy(table, holds.device_buffers)
+        return engine().hash(_pjrt_path.host_ends(table, holds.device_buffers))
+    return engine().copy_hashed(table)
 
 
 _U64 = 1 << 64
@@ -114,7 +166,7 @@ def plan_segments(
     ``memo`` (one dict per batch) lets moves of the same geometry and the same block lists --
     a KV slot's per-layer arrays -- reuse the first one's table, shifted by their base
     addresses, instead of planning again."""
-    dst_regions = _regions(move.dst, holds)
+    dst_regions = _regions(move.dst, holds, written=True)
     src_regions = _regions(move.src, holds)
     itemsize = move.src.dtype.itemsize
     pairs = [
@@ -168,7 +220,7 @@ def run_hashed(moves: list[Move]) -> list[np.ndarray]:
     in the same pass: an array of shape (shard groups, outer pieces, blocks), from the first
     replica of each group. Sources and destinations must not overlap."""
     _prepare_destinations(moves)
-    holds: list[Any] = []
+    holds = Holds()
     try:
         tables, shapes = [], []
         memo: dict[Any, Any] = {}
@@ -181,7 +233,7 @@ def run_hashed(moves: list[Move]) -> list[np.ndarray]:
         whole = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
         if overlaps(whole):
             raise ValueError("hashed copies need sources and destinations that do not overlap")
-        digests = engine().copy_hashed(whole)
+        digests = _copy_hashed(whole, holds)
     finally:
         del holds
     out, at = [], 0
@@ -213,7 +265,8 @@ class BlockPlan:
         pair = 0
         for move in moves:
             itemsize = move.src.dtype.itemsize
-            src_regions, dst_regions = _regions(move.src, holds), _regions(move.dst, holds)
+            src_regions = _regions(move.src, holds)
+            dst_regions = _regions(move.dst, holds, written=True)
             for src_group, dst_group in zip(src_regions, dst_regions, strict=True):
                 for replica, (s, d) in enumerate((src_group[0], t) for t in dst_group):
                     for side, region in ((move.src, s), (move.dst, d)):
@@ -250,7 +303,9 @@ class BlockPlan:
         # 2p + 1 destination): a side on one device fills one place; others, per (shard
         # group, replica) place, read replica 0 of a source group (read once).
         self._base_template = np.array([b or 0 for b in self._host_bases], dtype=np.int64)
-        self._device_places: list[tuple[DeviceSide, int | None, list[tuple[int, int, int]]]] = []
+        self._device_places: list[
+            tuple[DeviceSide, int | None, list[tuple[int, int, int]], bool]
+        ] = []
         at = 0
         for move in moves:
             groups = len(move.groups())
@@ -262,6 +317,7 @@ class BlockPlan:
                 if not isinstance(side, DeviceSide):
                     continue
                 places, spot = [], at + which
+                written = which == 1
                 for g in range(groups):
                     for r in range(replicas[g]):
                         places.append((g, r if which else 0, spot))
@@ -271,7 +327,9 @@ class BlockPlan:
                     and len(side.groups) == 1
                     and len(side.current().sharding.device_set) == 1
                 )
-                self._device_places.append((side, places[0][2] if single else None, places))
+                self._device_places.append(
+                    (side, places[0][2] if single else None, places, written)
+                )
             at += 2 * sum(replicas)
         if at != len(self._host_bases):
             raise AssertionError("BlockPlan: device places disagree with the planned pairs")
@@ -280,13 +338,11 @@ class BlockPlan:
         """The segment table for this call's blocks; every device buffer it addresses is
         pinned in ``holds``."""
         bases = self._base_template.copy()
-        for side, single, places in self._device_places:
+        for side, single, places, written in self._device_places:
             if single is not None:  # one shard: the array is its data
-                array = side.current()
-                holds.append(_pin_buffer(array))
-                bases[single] = array.unsafe_buffer_pointer()
+                bases[single] = _hold(holds, side.current(), side.groups[0].devices[0], written)
             else:
-                addresses = _device_bases(side, holds)
+                addresses = _device_bases(side, holds, written)
                 for g, r, place in places:
                     bases[place] = addresses[g][r]
         return _core.block_rows(
@@ -302,23 +358,18 @@ class BlockPlan:
         )
 
 
-def _device_bases(side: DeviceSide, holds: list[Any]) -> list[list[int]]:
+def _device_bases(side: DeviceSide, holds: list[Any], written: bool) -> list[list[int]]:
     """Per shard group, each replica's buffer address (in the group's device order), every
     buffer pinned in ``holds``: :func:`_device_regions` without the geometry."""
     array = side.current()
     if len(side.groups) == 1 and len(array.sharding.device_set) == 1:
-        holds.append(_pin_buffer(array))  # one shard: the array is its data
-        return [[array.unsafe_buffer_pointer()]]
+        # one shard: the array is its data
+        return [[_hold(holds, array, side.groups[0].devices[0], written)]]
     by_device = {shard.device: shard.data for shard in array.addressable_shards}
-    out = []
-    for group in side.groups:
-        addresses = []
-        for device in group.devices:
-            data = by_device[device]
-            holds.append(_pin_buffer(data))
-            addresses.append(data.unsafe_buffer_pointer())
-        out.append(addresses)
-    return out
+    return [
+        [_hold(holds, by_device[device], device, written) for device in group.devices]
+        for group in side.groups
+    ]
 
 
 def run_hashed_plan(plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> np.ndarray:
@@ -328,12 +379,12 @@ def run_hashed_plan(plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndar
     if not len(src_blocks):
         return np.zeros(0, np.uint64)
     wait_for_readers(plan.destination_pools)
-    holds: list[Any] = []
+    holds = Holds()
     try:
         table = plan.table(src_blocks, dst_blocks, holds)
         if overlaps(table):
             raise ValueError("hashed copies need sources and destinations that do not overlap")
-        digests = engine().copy_hashed(table) if len(table) else np.zeros(0, np.uint64)
+        digests = _copy_hashed(table, holds) if len(table) else np.zeros(0, np.uint64)
     finally:
         del holds
     return _core.xxh64_gathered(digests, plan._first_rows, len(src_blocks))
@@ -384,7 +435,7 @@ def run(moves: list[Move]) -> int:
     path, which runs pairs in order.
     """
     _prepare_destinations(moves)
-    holds: list[Any] = []
+    holds = Holds()
     try:
         tables = []
         memo: dict[Any, Any] = {}
@@ -393,7 +444,9 @@ def run(moves: list[Move]) -> int:
             tables.append(np.concatenate(parts) if parts else np.empty((0, 3), np.uint64))
         whole = np.concatenate(tables) if tables else np.empty((0, 3), np.uint64)
         if not overlaps(whole):
-            return int(engine().copy(whole)) if len(whole) else 0
+            return _copy(whole, holds)
+        if holds.device_buffers:  # device buffers never overlap host memory
+            raise AssertionError("a PJRT segment table overlaps itself")
         return sum(
             _copy_staged(table) if overlaps(table) else int(engine().copy(table))
             for table in tables
@@ -402,14 +455,18 @@ def run(moves: list[Move]) -> int:
         del holds
 
 
-def unavailable_reason(array: jax.Array) -> str | None:
-    """Why the native engine cannot move this array, or None if it can."""
+def unavailable_reason(array: jax.Array, write: bool = False, explicit: bool = False) -> str | None:
+    """Why the native engine cannot read (or, with ``write``, write) this array, or None if
+    it can. ``explicit``: the caller asked for path="native", which may use a PJRT engine that
+    path="auto" does not pick yet (unproven on the platform's hardware)."""
     from tpusync._paths import device_path
 
     for device in array.sharding.device_set:
         path = device_path(device)
-        if not path.native:
+        if not (path.native or (explicit and path.engine == "pjrt")):
             return path.reason
+        if write and not path.writes:
+            return f"{path.reason} (no in-place writes on {device.platform})"
     dtype = np.dtype(array.dtype)
     if getattr(dtype, "itemsize", 0) == 0 or _is_sub_byte(dtype):
         return f"dtype {dtype} is packed below one byte on device: pure JAX"
@@ -417,6 +474,18 @@ def unavailable_reason(array: jax.Array) -> str | None:
     if order is not None and order != tuple(range(array.ndim)):
         return f"non-default device layout {order}: pure JAX"
     return None
+
+
+def pjrt_device(array: jax.Array) -> bool:
+    """Whether the array lives on devices served through a PJRT plugin (not raw CPU memory)."""
+    return any(pjrt_device_of(d) for d in array.sharding.device_set)
+
+
+def pjrt_device_of(device: Any) -> bool:
+    """Whether a device is served through a PJRT plugin (not raw CPU memory)."""
+    from tpusync._paths import device_path
+
+    return device_path(device).engine == "pjrt"
 
 
 _LAYOUT_ORDERS: dict[Any, tuple[int, ...] | None] = {}

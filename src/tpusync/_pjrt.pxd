@@ -189,6 +189,35 @@ cdef extern from "tpusync/pjrt_min.h" nogil:
         int64_t transfer_size
         PJRT_Event *event
 
+    ctypedef struct PJRT_Client_LookupDevice_Args:
+        size_t struct_size
+        PJRT_Extension_Base *extension_start
+        PJRT_Client *client
+        int id
+        PJRT_Device *device
+
+    # The raw-buffer extension (experimental upstream): only what tpusync calls.
+    ctypedef struct PJRT_RawBuffer:
+        pass
+
+    ctypedef struct PJRT_RawBuffer_CreateRawAliasOfBuffer_Args:
+        size_t struct_size
+        PJRT_Extension_Base *extension_start
+        PJRT_Buffer *buffer
+        PJRT_RawBuffer *raw_buffer
+
+    ctypedef struct PJRT_RawBuffer_Destroy_Args:
+        size_t struct_size
+        PJRT_Extension_Base *extension_start
+        PJRT_RawBuffer *buffer
+
+    ctypedef struct PJRT_RawBuffer_Extension:
+        PJRT_Extension_Base base
+        PJRT_Error *(*PJRT_RawBuffer_CreateRawAliasOfBuffer)(
+            PJRT_RawBuffer_CreateRawAliasOfBuffer_Args *args) noexcept nogil
+        PJRT_Error *(*PJRT_RawBuffer_Destroy)(PJRT_RawBuffer_Destroy_Args *args) noexcept nogil
+        void *PJRT_RawBuffer_CopyRawHostToDevice
+
     enum:
         PJRT_Error_Destroy_Args_STRUCT_SIZE
         PJRT_Error_Message_Args_STRUCT_SIZE
@@ -207,6 +236,11 @@ cdef extern from "tpusync/pjrt_min.h" nogil:
         PJRT_Client_DmaUnmap_Args_STRUCT_SIZE
         PJRT_Buffer_Destroy_Args_STRUCT_SIZE
         PJRT_Buffer_CopyRawToHost_Args_STRUCT_SIZE
+        PJRT_Client_LookupDevice_Args_STRUCT_SIZE
+        PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE
+        PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE
+        PJRT_RawBuffer_CopyRawHostToDevice_Args_STRUCT_SIZE
+        PJRT_RawBuffer_Extension_USED_SIZE
 
     # The table. Only the used slots are named here; the C header places them (slot i at byte
     # 40 + 8*i). A slot exists only if it ends within struct_size: check before calling.
@@ -235,8 +269,22 @@ cdef extern from "tpusync/pjrt_min.h" nogil:
             PJRT_Buffer_CopyRawToHost_Args *args) noexcept nogil
         PJRT_Error *(*PJRT_Client_DmaMap)(PJRT_Client_DmaMap_Args *args) noexcept nogil
         PJRT_Error *(*PJRT_Client_DmaUnmap)(PJRT_Client_DmaUnmap_Args *args) noexcept nogil
+        PJRT_Error *(*PJRT_Client_LookupDevice)(
+            PJRT_Client_LookupDevice_Args *args) noexcept nogil
 
 
 # The entry point every plugin library exports as the C symbol "GetPjrtApi" (looked up with
 # dlsym, never linked): no arguments; the caller does not own the table.
 ctypedef const PJRT_Api *(*tps_GetPjrtApi_fn)() noexcept nogil
+
+
+cdef extern from "tpusync/pjrt_copy.h" nogil:
+    ctypedef struct tps_pjrt_target:
+        unsigned long long base
+        unsigned long long size
+        PJRT_Buffer *buffer
+        PJRT_RawBuffer *raw
+
+    int tps_pjrt_copy(const PJRT_Api *api, const PJRT_RawBuffer_Extension *raw_ext,
+                      const tps_pjrt_target *targets, size_t n_targets, const void *rows,
+                      size_t n_rows, char *message, size_t message_size, size_t *issued)

@@ -34,6 +34,16 @@ from tpusync._pjrt cimport (
     PJRT_Event_Await_Args_STRUCT_SIZE, PJRT_Event_Destroy_Args_STRUCT_SIZE,
     PJRT_Event_OnReady_Args_STRUCT_SIZE, PJRT_Extension_Base_STRUCT_SIZE,
 )
+from tpusync._pjrt cimport (
+    PJRT_Buffer, PJRT_Buffer_Destroy_Args, PJRT_Client_CreateViewOfDeviceBuffer_Args,
+    PJRT_Client_DmaMap_Args, PJRT_Client_DmaUnmap_Args, PJRT_Client_LookupDevice_Args,
+    PJRT_Client_LookupDevice_Args_STRUCT_SIZE, PJRT_Device, PJRT_RawBuffer,
+    PJRT_RawBuffer_CopyRawHostToDevice_Args_STRUCT_SIZE,
+    PJRT_RawBuffer_CreateRawAliasOfBuffer_Args,
+    PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE, PJRT_RawBuffer_Destroy_Args,
+    PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE, PJRT_RawBuffer_Extension,
+    PJRT_RawBuffer_Extension_USED_SIZE, tps_pjrt_copy, tps_pjrt_target,
+)
 
 import operator
 import os
@@ -83,6 +93,12 @@ cdef int _CODE_UNIMPLEMENTED = 12
 cdef int _CODE_INTERNAL = 13
 
 # Tables on which this process called PJRT_Plugin_Initialize through a PjrtApi.
+# The slots a device->host read of a view uses.
+_READ_SLOTS = (
+    "PJRT_Client_CreateViewOfDeviceBuffer", "PJRT_Buffer_Destroy", "PJRT_Buffer_CopyRawToHost",
+    "PJRT_Event_OnReady", "PJRT_Event_Destroy", "PJRT_Error_Destroy",
+)
+
 cdef set _PJRT_INITIALIZED = set()
 _PJRT_INIT_LOCK = threading.Lock()
 
@@ -130,6 +146,7 @@ cdef dict _pjrt_slot_offsets_c():
         "PJRT_Buffer_CopyRawToHost": <size_t> (<char *> &t.PJRT_Buffer_CopyRawToHost - base),
         "PJRT_Client_DmaMap": <size_t> (<char *> &t.PJRT_Client_DmaMap - base),
         "PJRT_Client_DmaUnmap": <size_t> (<char *> &t.PJRT_Client_DmaUnmap - base),
+        "PJRT_Client_LookupDevice": <size_t> (<char *> &t.PJRT_Client_LookupDevice - base),
     }
 
 
@@ -165,6 +182,13 @@ def _struct_sizes():
         "PJRT_Client_DmaUnmap_Args": PJRT_Client_DmaUnmap_Args_STRUCT_SIZE,
         "PJRT_Buffer_Destroy_Args": PJRT_Buffer_Destroy_Args_STRUCT_SIZE,
         "PJRT_Buffer_CopyRawToHost_Args": PJRT_Buffer_CopyRawToHost_Args_STRUCT_SIZE,
+        "PJRT_Client_LookupDevice_Args": PJRT_Client_LookupDevice_Args_STRUCT_SIZE,
+        "PJRT_RawBuffer_CreateRawAliasOfBuffer_Args":
+            PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE,
+        "PJRT_RawBuffer_Destroy_Args": PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE,
+        "PJRT_RawBuffer_CopyRawHostToDevice_Args":
+            PJRT_RawBuffer_CopyRawHostToDevice_Args_STRUCT_SIZE,
+        "PJRT_RawBuffer_Extension (used part)": PJRT_RawBuffer_Extension_USED_SIZE,
     }
 
 
@@ -561,6 +585,214 @@ cdef class PjrtApi:
             err = self._api.PJRT_Client_Destroy(&args)
         if err != NULL:
             raise _pjrt_error(self._api, err, "PJRT_Client_Destroy")
+
+    # ---- device copies (the native path on plugin backends) ---------------------------------
+
+    def lookup_device(self, client_address, int device_id):
+        """The address of the client's ``PJRT_Device`` with this global id (JAX's Device.id)."""
+        self._require("PJRT_Client_LookupDevice")
+        cdef PJRT_Client_LookupDevice_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_Client_LookupDevice_Args_STRUCT_SIZE
+        args.client = self._client(client_address)
+        args.id = device_id
+        cdef PJRT_Error *err
+        with nogil:
+            err = self._api.PJRT_Client_LookupDevice(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_Client_LookupDevice")
+        if args.device == NULL:
+            raise PjrtError(f"PJRT_Client_LookupDevice({device_id}) returned no device",
+                            _CODE_NOT_FOUND)
+        return <uintptr_t> args.device
+
+    def create_view(self, client_address, device_address, buffer_address, int64_t nbytes):
+        """A ``PJRT_Buffer`` viewing ``nbytes`` of existing device memory as a flat uint8 array
+        (no copy, no ownership: the memory must outlive the view). Returns its address; free
+        it with :meth:`destroy_buffer`."""
+        self._require("PJRT_Client_CreateViewOfDeviceBuffer")
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes: a view needs at least one byte, got {nbytes}")
+        cdef int64_t dims[1]
+        dims[0] = nbytes
+        cdef PJRT_Client_CreateViewOfDeviceBuffer_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_Client_CreateViewOfDeviceBuffer_Args_STRUCT_SIZE
+        args.client = self._client(client_address)
+        args.device_buffer_ptr = <void *> _pjrt_address(buffer_address, "device memory")
+        args.dims = dims
+        args.num_dims = 1
+        args.element_type = 6  # PJRT_Buffer_Type_U8: offsets are plain byte offsets
+        args.device = <PJRT_Device *> _pjrt_address(device_address, "a PJRT_Device")
+        cdef PJRT_Error *err
+        with nogil:
+            err = self._api.PJRT_Client_CreateViewOfDeviceBuffer(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_Client_CreateViewOfDeviceBuffer")
+        if args.buffer == NULL:
+            raise PjrtError("PJRT_Client_CreateViewOfDeviceBuffer returned no buffer",
+                            _CODE_INTERNAL)
+        return <uintptr_t> args.buffer
+
+    def destroy_buffer(self, buffer_address):
+        """Frees a ``PJRT_Buffer`` made by :meth:`create_view` (not the memory it views)."""
+        self._require("PJRT_Buffer_Destroy")
+        cdef PJRT_Buffer_Destroy_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_Buffer_Destroy_Args_STRUCT_SIZE
+        args.buffer = <PJRT_Buffer *> _pjrt_address(buffer_address, "a PJRT_Buffer")
+        cdef PJRT_Error *err
+        with nogil:
+            err = self._api.PJRT_Buffer_Destroy(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_Buffer_Destroy")
+
+    cdef const PJRT_RawBuffer_Extension *_raw_extension(self):
+        found = self.find_extension(PJRT_EXTENSION_TYPE_RAW_BUFFER)
+        if found is None:
+            return NULL
+        address, size = found
+        cdef const PJRT_RawBuffer_Extension *ext = <const PJRT_RawBuffer_Extension *> (
+            <uintptr_t> address)
+        if size < PJRT_RawBuffer_Extension_USED_SIZE:
+            return NULL
+        if (ext.PJRT_RawBuffer_CreateRawAliasOfBuffer == NULL
+                or ext.PJRT_RawBuffer_Destroy == NULL
+                or ext.PJRT_RawBuffer_CopyRawHostToDevice == NULL):
+            return NULL
+        return ext
+
+    @property
+    def can_write_raw(self):
+        """Whether the plugin offers in-place host->device writes: the raw-buffer extension,
+        long enough to hold CopyRawHostToDevice, with the three functions tpusync calls set."""
+        return self._raw_extension() != NULL
+
+    @property
+    def can_read_raw(self):
+        """Whether the plugin offers device->host reads of views: CreateViewOfDeviceBuffer,
+        CopyRawToHost, Buffer_Destroy and the event calls."""
+        return all(self.has_slot(name) for name in _READ_SLOTS)
+
+    def create_raw_alias(self, buffer_address):
+        """A ``PJRT_RawBuffer`` aliasing a buffer's device memory (raw-buffer extension);
+        returns its address; free it with :meth:`destroy_raw_buffer`."""
+        cdef const PJRT_RawBuffer_Extension *ext = self._raw_extension()
+        if ext == NULL:
+            raise PjrtError(f"{self.source} has no usable raw-buffer extension",
+                            _CODE_UNIMPLEMENTED)
+        cdef PJRT_RawBuffer_CreateRawAliasOfBuffer_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE
+        args.buffer = <PJRT_Buffer *> _pjrt_address(buffer_address, "a PJRT_Buffer")
+        cdef PJRT_Error *err
+        with nogil:
+            err = ext.PJRT_RawBuffer_CreateRawAliasOfBuffer(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_RawBuffer_CreateRawAliasOfBuffer")
+        if args.raw_buffer == NULL:
+            raise PjrtError("PJRT_RawBuffer_CreateRawAliasOfBuffer returned no raw buffer",
+                            _CODE_INTERNAL)
+        return <uintptr_t> args.raw_buffer
+
+    def destroy_raw_buffer(self, raw_address):
+        """Frees a ``PJRT_RawBuffer`` made by :meth:`create_raw_alias`."""
+        cdef const PJRT_RawBuffer_Extension *ext = self._raw_extension()
+        if ext == NULL:
+            raise PjrtError(f"{self.source} has no usable raw-buffer extension",
+                            _CODE_UNIMPLEMENTED)
+        cdef PJRT_RawBuffer_Destroy_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE
+        args.buffer = <PJRT_RawBuffer *> _pjrt_address(raw_address, "a PJRT_RawBuffer")
+        cdef PJRT_Error *err
+        with nogil:
+            err = ext.PJRT_RawBuffer_Destroy(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_RawBuffer_Destroy")
+
+    def dma_map(self, client_address, address, size_t size):
+        """Registers host memory with the client for DMA (e.g. pinned for the GPU's copy
+        engines); undo with :meth:`dma_unmap` before the memory is freed."""
+        self._require("PJRT_Client_DmaMap")
+        cdef PJRT_Client_DmaMap_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_Client_DmaMap_Args_STRUCT_SIZE
+        args.client = self._client(client_address)
+        args.data = <void *> _pjrt_address(address, "host memory")
+        args.size = size
+        cdef PJRT_Error *err
+        with nogil:
+            err = self._api.PJRT_Client_DmaMap(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_Client_DmaMap")
+
+    def dma_unmap(self, client_address, address):
+        """Undoes :meth:`dma_map` of the memory starting at ``address``."""
+        self._require("PJRT_Client_DmaUnmap")
+        cdef PJRT_Client_DmaUnmap_Args args
+        memset(&args, 0, sizeof(args))
+        args.struct_size = PJRT_Client_DmaUnmap_Args_STRUCT_SIZE
+        args.client = self._client(client_address)
+        args.data = <void *> _pjrt_address(address, "host memory")
+        cdef PJRT_Error *err
+        with nogil:
+            err = self._api.PJRT_Client_DmaUnmap(&args)
+        if err != NULL:
+            raise _pjrt_error(self._api, err, "PJRT_Client_DmaUnmap")
+
+    def copy_rows(self, cnp.ndarray targets not None, cnp.ndarray rows not None):
+        """Runs a segment table between host memory and device buffers; returns the number of
+        device copies issued. GIL released; completion from the plugin's event callbacks.
+
+        ``targets``: uint64 (n, 4) rows (device base address, bytes, PJRT_Buffer view or 0,
+        PJRT_RawBuffer alias or 0), sorted by base, not overlapping. ``rows``: uint64 (n, 3)
+        (src, dst, nbytes) as for the CPU copy engine: a source inside a target is read from
+        the device, a destination inside one is written, anything else is a host memcpy.
+        Raises PjrtError (the plugin's message and code) after every issued copy finished."""
+        for name in _READ_SLOTS:
+            self._require(name)
+        targets = np.ascontiguousarray(targets, dtype=np.uint64)
+        rows = _segment_table(rows)
+        if targets.ndim != 2 or targets.shape[1] != 4:
+            raise InvalidArgumentError(f"targets: expected shape (n, 4), got {(<object> targets).shape}")
+        if targets.shape[0] > 1 and bool(np.any(np.diff(targets[:, 0].astype(np.int64)) <= 0)):
+            order = np.argsort(targets[:, 0], kind="stable")
+            targets = np.ascontiguousarray(targets[order])
+        cdef Py_ssize_t i, n_targets = targets.shape[0]
+        cdef uint64_t[:, ::1] t = targets
+        for i in range(1, n_targets):
+            if t[i - 1, 0] + t[i - 1, 1] > t[i, 0]:
+                raise InvalidArgumentError("targets: device buffer ranges overlap")
+        cdef tps_pjrt_target *c_targets = <tps_pjrt_target *> PyMem_Malloc(
+            max(n_targets, 1) * sizeof(tps_pjrt_target))
+        if c_targets == NULL:
+            raise MemoryError()
+        cdef const PJRT_RawBuffer_Extension *ext = self._raw_extension()
+        cdef char message[512]
+        cdef size_t issued = 0
+        cdef int code
+        cdef const void *row_data = cnp.PyArray_DATA(rows)
+        cdef size_t n_rows = <size_t> rows.shape[0]
+        try:
+            for i in range(n_targets):
+                c_targets[i].base = t[i, 0]
+                c_targets[i].size = t[i, 1]
+                c_targets[i].buffer = <PJRT_Buffer *> (<uintptr_t> t[i, 2])
+                c_targets[i].raw = <PJRT_RawBuffer *> (<uintptr_t> t[i, 3])
+                if c_targets[i].raw != NULL and ext == NULL:
+                    raise PjrtError(f"{self.source} has no usable raw-buffer extension",
+                                    _CODE_UNIMPLEMENTED)
+            with nogil:
+                code = tps_pjrt_copy(self._api, ext, c_targets, <size_t> n_targets, row_data,
+                                     n_rows, message, sizeof(message), &issued)
+        finally:
+            PyMem_Free(c_targets)
+        if code != 0:
+            text = message.decode("utf-8", "replace")
+            name = _PJRT_ERROR_CODE_NAMES.get(code, f"CODE_{code}")
+            raise PjrtError(f"device copy failed ({name}): {text}", code, text)
+        return issued
 
     def __repr__(self):
         major, minor = self.version

@@ -1,53 +1,70 @@
 """What the PJRT C API of a plugin backend offers tpusync (read at run time, never assumed).
 
-:func:`describe_backend` finds the ``PJRT_Api`` table JAX uses for a device's backend, reads its
-version through tpusync's own declarations (``_core.PjrtApi``), and checks that JAX's
+:func:`probe` finds the ``PJRT_Api`` table JAX uses for a device's backend, reads its version
+through tpusync's own declarations (``_core.PjrtApi``), and checks that JAX's
 ``client.unsafe_client_pointer`` really is a ``PJRT_Client*`` of that plugin (by asking the
-plugin for the client's platform name) before anything would trust it. Native device copies are
-not enabled on any plugin backend yet, so the answer always ends in "pure JAX"; the line says
-what was found, or what failed.
+plugin for the client's platform name) before anything would trust it. :func:`describe_backend`
+says, in one line, what was found and which path the device gets.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
-
-# The reason's tail while native device copies are off for plugin backends.
-_PURE_JAX = "native device copies not yet enabled (unproven on hardware): pure JAX"
 
 # Plugins that JAX loads itself without keeping the table: the library file names to look for
 # among the libraries this process has mapped (never loading one).
 _LOADED_LIBRARY_NAMES = {"tpu": ("libtpu.so",)}
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`probe` found: the table and a checked client pointer, or None and why."""
+
+    api: Any  # _core.PjrtApi, or None when nothing usable was found
+    client: int
+    summary: str  # what was found, or what failed, in words
+
+
+def probe(device: Any) -> Probe:
+    """The PJRT C API table and client behind a JAX device. Never raises."""
+    try:
+        return _probe(device)
+    except Exception as exc:  # the probe must never break info() or path choice
+        return Probe(None, 0, f"PJRT probe failed ({type(exc).__name__}: {exc})")
+
+
 def describe_backend(device: Any) -> str:
     """One line on a backend's PJRT C API and the path its devices get. Never raises."""
     try:
-        return _describe(device)
-    except Exception as exc:  # the probe must never break info() or path choice
+        from tpusync._paths import plugin_path
+
+        return plugin_path(device).reason
+    except Exception as exc:
         return f"PJRT probe failed ({type(exc).__name__}: {exc}): pure JAX"
 
 
-def _describe(device: Any) -> str:
+def _probe(device: Any) -> Probe:
     platform = getattr(device, "platform", None)
     client = getattr(device, "client", None)
     if not isinstance(platform, str) or client is None:
-        return f"not a JAX device ({type(device).__name__}): no PJRT C API to probe: pure JAX"
+        kind = type(device).__name__
+        return Probe(None, 0, f"not a JAX device ({kind}): no PJRT C API to probe")
     try:
         from jax._src import xla_bridge
     except Exception as exc:
-        return f"{platform}: cannot read JAX's backends ({exc}): pure JAX"
+        return Probe(None, 0, f"{platform}: cannot read JAX's backends ({exc})")
     try:
         from tpusync._core import PjrtApi, PjrtError
     except ImportError as exc:
-        return f"{platform}: native core did not import ({exc}): pure JAX"
+        return Probe(None, 0, f"{platform}: native core did not import ({exc})")
 
     # The backend JAX made this device's client with, found by identity (no guessing).
     backends = dict(getattr(xla_bridge, "_backends", {}))
     names = [name for name, backend in backends.items() if backend is client]
     if not names:
-        return f"{platform}: its client is not one of JAX's backends: pure JAX"
+        return Probe(None, 0, f"{platform}: its client is not one of JAX's backends")
     name = names[0]
 
     registration = getattr(xla_bridge, "_backend_factories", {}).get(name)
@@ -58,34 +75,39 @@ def _describe(device: Any) -> str:
         else:
             path = _loaded_library(name)
             if path is None:
-                return f"{platform}: no PJRT C API plugin table for backend {name!r}: pure JAX"
+                return Probe(
+                    None, 0, f"{platform}: no PJRT C API plugin table for backend {name!r}"
+                )
             api = PjrtApi.from_library(path, already_loaded=True)
     except PjrtError as exc:
-        return f"{platform}: PJRT C API table refused: {exc}: pure JAX"
+        return Probe(None, 0, f"{platform}: PJRT C API table refused: {exc}")
     major, minor = api.version
     found = f"PJRT C API {major}.{minor} via {_plugin_label(api)}"
-    return f"{found}; {_check_client(api, client, name, platform)}; {_PURE_JAX}"
+    pointer, check = _check_client(api, client, name, platform)
+    if pointer == 0:
+        return Probe(None, 0, f"{found}; {check}")
+    return Probe(api, pointer, f"{found}; {check}")
 
 
-def _check_client(api: Any, client: Any, name: str, platform: str) -> str:
-    """Whether JAX's client pointer is a live PJRT_Client of this table, in words."""
+def _check_client(api: Any, client: Any, name: str, platform: str) -> tuple[int, str]:
+    """JAX's client pointer if it is a live PJRT_Client of this table (else 0), in words."""
     pointer = getattr(client, "unsafe_client_pointer", None)
     if callable(pointer):
         pointer = pointer()
     if not isinstance(pointer, int):
-        return "JAX gives no client pointer (jax < 0.10.1)"
+        return 0, "JAX gives no client pointer (jax < 0.10.1)"
     if pointer == 0:
-        return "JAX's client pointer is 0"
+        return 0, "JAX's client pointer is 0"
     try:
         pjrt_name = api.platform_name(pointer)
     except Exception as exc:
-        return f"client pointer check failed ({exc})"
+        return 0, f"client pointer check failed ({exc})"
     accepted = {platform, name, getattr(client, "platform", platform)}
     if platform == "gpu":
         accepted |= {"cuda", "rocm"}
     if pjrt_name.lower() not in accepted:
-        return f"client pointer check failed (PJRT says {pjrt_name!r}, JAX says {platform!r})"
-    return f"client pointer checked ({pjrt_name})"
+        return 0, f"client pointer check failed (PJRT says {pjrt_name!r}, JAX says {platform!r})"
+    return pointer, f"client pointer checked ({pjrt_name})"
 
 
 def _plugin_label(api: Any) -> str:

@@ -83,7 +83,7 @@ class DevicePool:
         self._held_lock = threading.Lock()
         # Why the native engine cannot move the array (None: it can), found again only when
         # the device layout changes: devices and dtype never do. See _native_unavailable.
-        self._native_reason: tuple[str | None] | None = None
+        self._native_reason: tuple[str | None, str | None] | None = None  # (read, write)
         self._native_layout: Any = None  # the device layout _native_reason was found for
         # the devices the pool spans: fixed, since update() keeps the sharding
         self._devices = frozenset(array.sharding.device_set)
@@ -177,9 +177,9 @@ class DevicePool:
                 "before writing them"
             )
 
-    def _native_unavailable(self) -> str | None:
-        """Why the native engine cannot move the pool's array, or None. Call with the lock
-        held.
+    def _native_unavailable(self, write: bool = True) -> str | None:
+        """Why the native engine cannot read (or, with ``write``, write) the pool's array, or
+        None. Call with the lock held.
 
         An updated array keeps the pool's devices and dtype (update() checks), so only its
         device layout can change the answer: the answer is kept while the layout compares
@@ -188,9 +188,12 @@ class DevicePool:
         if self._native_reason is None or layout is None or layout != self._native_layout:
             from tpusync._native_path import unavailable_reason
 
-            self._native_reason = (unavailable_reason(self._array),)
+            self._native_reason = (
+                unavailable_reason(self._array),
+                unavailable_reason(self._array, write=True),
+            )
             self._native_layout = layout
-        return self._native_reason[0]
+        return self._native_reason[1 if write else 0]
 
     def _wait_for_readers(self) -> jax.Array:
         """Runs the donated identity step (see the module docstring) and returns the array

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync import _core, _pjrt_path
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["HostBuffer"]
@@ -54,6 +54,7 @@ class HostBuffer:
             )
         nbytes = int(np.prod(shape_tuple, dtype=np.int64)) * np_dtype.itemsize
         self._mapping = _core.Mapping(max(nbytes, 1), populate=populate, huge_pages=huge_pages)
+        _pjrt_path.offer_for_dma(self._mapping)  # registered on first use by a PJRT device
         self._array: np.ndarray | None = np.frombuffer(
             self._mapping, dtype=np_dtype, count=nbytes // np_dtype.itemsize
         ).reshape(shape_tuple)

@@ -229,12 +229,20 @@ def _choose_engine(moves: Sequence[Move], path: Path) -> str:
     if path == "jax":
         return "jax"
     reasons = []
+    explicit = path == "native"
     for move in moves:
         for side in (move.src, move.dst):
             if isinstance(side, DeviceSide):
-                reason = _native_path.unavailable_reason(side.array)
+                write = side is move.dst
+                reason = _native_path.unavailable_reason(side.array, write, explicit)
                 if reason:
                     reasons.append(f"{side.argument}: {reason}")
+        if (
+            isinstance(move.src, DeviceSide)
+            and isinstance(move.dst, DeviceSide)
+            and _native_path.pjrt_device(move.src.array)
+        ):
+            reasons.append("dst: device-to-device copies on a PJRT backend run in JAX")
     if not reasons:
         return "native"
     if path == "native":

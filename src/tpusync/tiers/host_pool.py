@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync import _core, _huge_pages, _native_path
+from tpusync import _core, _huge_pages, _native_path, _pjrt_path
 from tpusync._progress import Progress
 from tpusync.device_pool import DevicePool, wait_for_readers
 from tpusync.errors import (
@@ -193,6 +193,8 @@ class HostPool:
             # read (the worker would slow their page faults). Once collapsed, the file's huge
             # pages are what a restarted process re-attaches to.
             _huge_pages.collapse_range_later(self._mapping.address, self._mapping.size)
+        # registered for DMA with a PJRT device runtime on first use there (pinned copies)
+        _pjrt_path.offer_for_dma(self._mapping)
 
     def wait_mapped(self, timeout: float | None = None) -> bool:
         """Waits until every slot's pages are mapped in this process (a re-attached pool maps
@@ -753,7 +755,8 @@ class HostPool:
         self._ensure_populated(slots)
         if path != "jax" and all(isinstance(pool, DevicePool) for pool in pools):
             with _PoolLocks(pools):
-                if _native_ready(pools):  # planning reads buffer addresses: native pools only
+                # planning reads buffer addresses: native pools only
+                if _native_ready(pools, write=to_device):
                     plan = self._kept_plan(pools, to_device)
                     if to_device:  # what validation would check, had it run for this call
                         for pool, array in zip(pools, self.layout.arrays, strict=True):
@@ -822,12 +825,16 @@ class HostPool:
                 "pools: prepare() plans moves of DevicePools; pass the pools loads write"
             )
         with _PoolLocks(pools):
-            if _native_ready(pools):
-                _native_path.engine()
-                for to_device in (True, False):
+            for to_device in (True, False):
+                if _native_ready(pools, write=to_device):
+                    _native_path.engine()
                     self._kept_plan(pools, to_device)
             wait_for_readers(pools)
         self.wait_mapped()
+        devices = {d for pool in pools for d in pool._devices}
+        for device in devices:  # host memory registered for the devices' DMA, where offered
+            if _native_path.pjrt_device_of(device):
+                _pjrt_path.prepare_dma(device, self._mapping)
 
     def _kept_plan(self, pools: Sequence[DevicePool], to_device: bool) -> _native_path.BlockPlan:
         """The validated moves between ``pools`` and the slot views, planned for the native
@@ -1046,10 +1053,10 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-def _native_ready(pools: Sequence[DevicePool]) -> bool:
-    """Whether the native engine can move every pool's current array (its layout may change
-    between calls, unlike its shape); called with the pools locked."""
-    return all(pool._native_unavailable() is None for pool in pools)
+def _native_ready(pools: Sequence[DevicePool], write: bool) -> bool:
+    """Whether the native engine can read (or write) every pool's current array (its layout
+    may change between calls, unlike its shape); called with the pools locked."""
+    return all(pool._native_unavailable(write) is None for pool in pools)
 
 
 def _slot_major(digests: list[np.ndarray]) -> np.ndarray:

@@ -1,0 +1,302 @@
+"""The native engine on PJRT plugin backends (GPU, TPU): block copies through the PJRT C API.
+
+A device buffer is reached through a *view*: ``PJRT_Client_CreateViewOfDeviceBuffer`` over the
+address JAX reports (``unsafe_buffer_pointer``), as a flat uint8 array, on JAX's own client.
+Reads are ``PJRT_Buffer_CopyRawToHost`` of the view (a core call); in-place writes need the
+raw-buffer extension (``PJRT_RawBuffer_CopyRawHostToDevice`` on a raw alias of the view), which
+not every plugin offers (the CUDA plugin does not; libtpu does). Every block is one copy, all
+issued at once and completed by the plugin's event callbacks (``_core.PjrtApi.copy_rows``).
+Views and aliases live for one call. Host memory that tpusync allocated (``HostBuffer``,
+``HostPool``) is registered for DMA (``PJRT_Client_DmaMap``) on first use where the plugin
+offers it, and unregistered before it is unmapped.
+
+The safety rules are those of :mod:`tpusync.device_pool`, plus one: a view has no definition
+event, so a source shard is waited for (``block_until_ready``) before it is read.
+
+Until this path has been proven on a platform's hardware (``benchmarks/gpu_transfer.py``),
+``path="auto"`` keeps that platform on the pure-JAX path; ``path="native"`` (or
+``TPUSYNC_PJRT=1`` for auto) asks for it. A binding (:func:`bind`) serves a platform's devices
+from a given plugin table and client: tests use it with a stand-in plugin over CPU memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Platforms on which benchmarks/gpu_transfer.py has shown this path byte-exact on hardware, so
+# that path="auto" picks it there. Empty until a run on real hardware says otherwise.
+PROVEN_PLATFORMS: frozenset[str] = frozenset()
+
+
+def auto_enabled(platform: str) -> bool:
+    """Whether ``path="auto"`` picks the PJRT engine on this platform."""
+    return platform in PROVEN_PLATFORMS or os.environ.get("TPUSYNC_PJRT") == "1"
+
+
+@dataclass
+class PjrtBackend:
+    """One plugin table and live client, and what tpusync can do through them."""
+
+    api: Any  # _core.PjrtApi
+    client: int  # PJRT_Client*
+    label: str  # what was found, in words
+    stand_in: bool = False  # a binding (tests), not JAX's own client
+    auto: bool = False  # path="auto" picks it (a binding's choice; else auto_enabled())
+    _devices: dict[int, int] = field(default_factory=dict)  # jax device id -> PJRT_Device*
+    _dma_mapped: set[int] = field(default_factory=set)  # host ranges (start) registered here
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def reads(self) -> bool:
+        return bool(self.api.can_read_raw and self.api.has_slot("PJRT_Client_LookupDevice"))
+
+    @property
+    def writes(self) -> bool:
+        return self.reads and bool(self.api.can_write_raw)
+
+    @property
+    def dma(self) -> bool:
+        return bool(
+            self.api.has_slot("PJRT_Client_DmaMap") and self.api.has_slot("PJRT_Client_DmaUnmap")
+        )
+
+    def device(self, device: Any) -> int:
+        """The PJRT_Device* of a JAX device (looked up by its global id once)."""
+        found = self._devices.get(device.id)
+        if found is None:
+            found = self.api.lookup_device(self.client, device.id)
+            self._devices[device.id] = found
+        return found
+
+    def capabilities(self) -> str:
+        parts = ["reads" if self.reads else "no raw reads"]
+        parts.append("in-place writes" if self.writes else "no raw-buffer extension for writes")
+        if self.dma:
+            parts.append("DMA registration")
+        return ", ".join(parts)
+
+
+_bindings: dict[str, PjrtBackend] = {}
+_backends: dict[int, PjrtBackend] = {}  # by client pointer
+_state_lock = threading.Lock()
+
+
+def bind(platform: str, api: Any, client: int, label: str, *, auto: bool = True) -> PjrtBackend:
+    """Serves every device of ``platform`` from ``api`` and ``client`` instead of what JAX uses
+    (for tests: a stand-in plugin over CPU memory); ``auto``: path="auto" picks it, as on a
+    proven platform. Undo with :func:`unbind`."""
+    backend = PjrtBackend(api, client, label, stand_in=True, auto=auto)
+    with _state_lock:
+        _bindings[platform] = backend
+    _forget_paths()
+    return backend
+
+
+def unbind(platform: str) -> None:
+    with _state_lock:
+        backend = _bindings.pop(platform, None)
+    if backend is not None:
+        _unmap_all(backend)
+    _forget_paths()
+
+
+def _forget_paths() -> None:
+    from tpusync._paths import device_path
+
+    device_path.cache_clear()
+
+
+def bound(platform: str) -> PjrtBackend | None:
+    return _bindings.get(platform)
+
+
+def backend_for(device: Any) -> tuple[PjrtBackend | None, str]:
+    """The PJRT backend serving a JAX device, or None, and what was found, in words."""
+    binding = _bindings.get(getattr(device, "platform", None))  # type: ignore[arg-type]
+    if binding is not None:
+        return binding, binding.label
+    from tpusync._pjrt_probe import probe
+
+    found = probe(device)
+    if found.api is None:
+        return None, found.summary
+    with _state_lock:
+        backend = _backends.get(found.client)
+        if backend is None:
+            backend = PjrtBackend(found.api, found.client, found.summary)
+            _backends[found.client] = backend
+    return backend, found.summary
+
+
+# ---- host memory registered for DMA --------------------------------------------------------
+
+_host_ranges: dict[int, int] = {}  # start -> size: memory tpusync allocated, offered for DMA
+
+
+def offer_for_dma(mapping: Any) -> None:
+    """Marks a ``_core.Mapping`` (a HostBuffer's or HostPool's memory) as worth registering for
+    DMA with a plugin that offers it, on first use; unregistered before it is unmapped."""
+    start, size = int(mapping.address), int(mapping.size)
+    if not start:
+        return
+    with _state_lock:
+        _host_ranges[start] = size
+    mapping.on_unmap = _forget_host_range
+
+
+def _forget_host_range(start: int, size: int) -> None:
+    with _state_lock:
+        _host_ranges.pop(start, None)
+        backends = [b for b in (*_bindings.values(), *_backends.values()) if start in b._dma_mapped]
+    for backend in backends:
+        with backend._lock:
+            if start in backend._dma_mapped:
+                backend._dma_mapped.discard(start)
+                # the memory goes away either way; never fail an unmap
+                with contextlib.suppress(Exception):
+                    backend.api.dma_unmap(backend.client, start)
+
+
+def _unmap_all(backend: PjrtBackend) -> None:
+    with backend._lock:
+        for start in list(backend._dma_mapped):
+            with contextlib.suppress(Exception):
+                backend.api.dma_unmap(backend.client, start)
+        backend._dma_mapped.clear()
+
+
+def _ensure_dma(backend: PjrtBackend, host_lo: int, host_hi: int) -> None:
+    """Registers every offered host range meeting [host_lo, host_hi) that is not yet."""
+    if not backend.dma or host_lo >= host_hi:
+        return
+    with _state_lock:
+        wanted = [
+            (start, size)
+            for start, size in _host_ranges.items()
+            if start < host_hi and start + size > host_lo and start not in backend._dma_mapped
+        ]
+    for start, size in wanted:
+        with backend._lock:
+            if start in backend._dma_mapped:
+                continue
+            try:
+                backend.api.dma_map(backend.client, start, size)
+            except Exception:  # registration only speeds copies up: go on without it
+                continue
+            backend._dma_mapped.add(start)
+
+
+def prepare_dma(device: Any, mapping: Any) -> bool:
+    """Registers a mapping for DMA with the backend of ``device`` now (start-up work, so the
+    first copy does not pay for it); False where the backend does not offer it."""
+    backend, _ = backend_for(device)
+    if backend is None or not backend.dma:
+        return False
+    start = int(mapping.address)
+    _ensure_dma(backend, start, start + int(mapping.size))
+    return start in backend._dma_mapped
+
+
+# ---- copies ----------------------------------------------------------------------------------
+
+
+@dataclass
+class DeviceBuffer:
+    """A device buffer a segment table addresses: its JAX device, address, bytes, and whether
+    the table writes it."""
+
+    device: Any
+    address: int
+    nbytes: int
+    written: bool
+
+
+def copy(table: np.ndarray, buffers: list[DeviceBuffer]) -> int:
+    """Runs a segment table whose device ends lie in ``buffers`` (every one pinned and ready);
+    returns the bytes copied. Raises PjrtError (a TpuSyncError) when a copy fails."""
+    if not len(table):
+        return 0
+    backend, _reason = _single_backend(buffers)
+    api, client = backend.api, backend.client
+    unique: dict[int, DeviceBuffer] = {}
+    for buf in buffers:
+        seen = unique.get(buf.address)
+        if seen is None:
+            unique[buf.address] = DeviceBuffer(buf.device, buf.address, buf.nbytes, buf.written)
+        else:
+            seen.written |= buf.written
+            seen.nbytes = max(seen.nbytes, buf.nbytes)
+    targets = np.zeros((len(unique), 4), dtype=np.uint64)
+    views: list[int] = []
+    aliases: list[int] = []
+    try:
+        for i, buf in enumerate(sorted(unique.values(), key=lambda b: b.address)):
+            view = api.create_view(client, backend.device(buf.device), buf.address, buf.nbytes)
+            views.append(view)
+            raw = 0
+            if buf.written:
+                raw = api.create_raw_alias(view)
+                aliases.append(raw)
+            targets[i] = (buf.address, buf.nbytes, view, raw)
+        if backend.dma and _host_ranges:
+            host = _host_bounds(table, targets)
+            if host is not None:
+                _ensure_dma(backend, *host)
+        api.copy_rows(targets, table)
+    finally:
+        for raw in aliases:
+            api.destroy_raw_buffer(raw)
+        for view in views:
+            api.destroy_buffer(view)
+    return int(table[:, 2].sum())
+
+
+def _single_backend(buffers: list[DeviceBuffer]) -> tuple[PjrtBackend, str]:
+    found: dict[int, tuple[PjrtBackend, str]] = {}
+    for buf in buffers:
+        backend, reason = backend_for(buf.device)
+        if backend is None:
+            raise AssertionError(f"no PJRT backend for {buf.device}: {reason}")
+        found[id(backend)] = (backend, reason)
+    if len(found) != 1:
+        raise AssertionError("one segment table spans several PJRT clients")
+    return next(iter(found.values()))
+
+
+def _host_bounds(table: np.ndarray, targets: np.ndarray) -> tuple[int, int] | None:
+    """The span of the table's host ends (the ends outside every device buffer)."""
+    starts = targets[:, 0]
+    ends = starts + targets[:, 1]
+
+    def on_device(addresses: np.ndarray) -> np.ndarray:
+        at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+        inside = at >= 0
+        inside[inside] = addresses[inside] < ends[at[inside]]
+        return inside
+
+    host = np.concatenate(
+        [table[~on_device(table[:, 0]), 0:1], table[~on_device(table[:, 1]), 1:2]]
+    )
+    if not len(host):
+        return None
+    return int(host.min()), int(host.max()) + 1
+
+
+def host_ends(table: np.ndarray, buffers: list[DeviceBuffer]) -> np.ndarray:
+    """The table with each row's host end in the source column (what a hash pass reads):
+    a device->host row's destination, a host->device row's source."""
+    starts = np.array(sorted({b.address for b in buffers}), dtype=np.uint64)
+    sizes = {b.address: b.nbytes for b in buffers}
+    ends = starts + np.array([sizes[int(s)] for s in starts], dtype=np.uint64)
+    at = np.searchsorted(starts, table[:, 0], side="right").astype(np.int64) - 1
+    from_device = at >= 0
+    from_device[from_device] = table[from_device, 0] < ends[at[from_device]]
+    out = table.copy()
+    out[from_device, 0] = table[from_device, 1]
+    return out

@@ -1,0 +1,408 @@
+"""The native engine on PJRT plugin backends, run against a STAND-IN plugin over CPU memory.
+
+No GPU or TPU here, so ``tests/pjrt_stand_in.c`` (built with gcc for this module) plays the
+plugin: views, raw aliases, DMA registration and copies that complete on a thread of its own,
+through the same PJRT C API calls tpusync makes on real hardware. It is bound to the CPU devices
+(``_pjrt_path.bind``), so real JAX arrays travel through tpusync's PJRT engine: segment tables,
+views, event callbacks, host-side checksums, error and leak handling. The ABI itself is proven
+against real plugin tables (test_pjrt_plugins.py) and on a GPU (benchmarks/gpu_transfer.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_host_pool import keys_for, load, make_model, store
+
+import tpusync
+from tpusync import _core, _pjrt_path
+from tpusync._paths import device_path
+from tpusync.errors import NativePathUnavailableError, TpuSyncError
+from tpusync.tiers import HostPool
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 30.0
+BF16 = np.dtype(ml_dtypes.bfloat16)
+COUNTERS = ("live_events", "live_views", "live_raw")
+
+
+class StandIn:
+    """The built stand-in plugin: its table and client as tpusync sees them, and its hooks."""
+
+    def __init__(self, library: Path) -> None:
+        self.lib = ctypes.CDLL(str(library))
+        self.lib.stand_in_counter.restype = ctypes.c_long
+        self.lib.stand_in_counter.argtypes = [ctypes.c_char_p]
+        for hook in ("stand_in_refuse_copy", "stand_in_fail_copy", "stand_in_delay_us"):
+            getattr(self.lib, hook).argtypes = [ctypes.c_long]
+        self.lib.stand_in_set_writes.argtypes = [ctypes.c_int]
+        self.api = _core.PjrtApi.from_library(str(library))
+        self.client = self.api.try_create_client()
+
+    def count(self, name: str) -> int:
+        value = int(self.lib.stand_in_counter(name.encode()))
+        assert value >= 0, f"unknown counter {name}"
+        return value
+
+    def bind(self, *, writes: bool = True, auto: bool = True) -> None:
+        self.lib.stand_in_set_writes(int(writes))
+        _pjrt_path.bind("cpu", self.api, self.client, "stand-in PJRT plugin", auto=auto)
+
+    def reset(self) -> None:
+        self.lib.stand_in_refuse_copy(0)
+        self.lib.stand_in_fail_copy(0)
+        self.lib.stand_in_delay_us(0)
+
+    def assert_nothing_live(self) -> None:
+        assert {name: self.count(name) for name in COUNTERS} == dict.fromkeys(COUNTERS, 0)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> StandIn:
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    assert compiler, "the stand-in plugin needs a C compiler (gcc)"
+    library = tmp_path_factory.mktemp("pjrt") / "stand_in.so"
+    subprocess.run(
+        [compiler, "-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-pthread",
+         "-I", str(REPO / "include"), "-o", str(library), str(REPO / "tests/pjrt_stand_in.c")],
+        check=True, timeout=120,
+    )  # fmt: skip
+    return StandIn(library)
+
+
+@pytest.fixture
+def stand_in(built: StandIn) -> Iterator[StandIn]:
+    """The stand-in bound to the CPU devices for one test; unbound (and checked for leaks)
+    afterwards."""
+    built.reset()
+    built.bind()
+    try:
+        yield built
+        built.assert_nothing_live()
+    finally:
+        built.reset()
+        _pjrt_path.unbind("cpu")
+
+
+def put(x: np.ndarray, target: Any = None) -> jax.Array:
+    return jax.device_put(np.array(x, copy=True), target or jax.devices()[0])
+
+
+def bits(x: Any) -> np.ndarray:
+    host = np.asarray(x)
+    return host.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[host.dtype.itemsize])
+
+
+def test_info_and_paths_name_the_engine(stand_in):
+    path = device_path(jax.devices()[0])
+    assert (path.engine, path.native, path.reads, path.writes) == ("pjrt", True, True, True)
+    text = str(tpusync.info())
+    assert "stand-in PJRT plugin; reads, in-place writes, DMA registration" in text
+
+
+CASES = [
+    # shape, dtype, block axis
+    ((16, 4, 8), BF16, 0),
+    ((16, 3, 5), np.dtype(ml_dtypes.float8_e4m3fn), 0),
+    ((16, 64), np.dtype(ml_dtypes.float8_e5m2), 0),
+    ((2, 16, 4, 8), BF16, 1),
+    ((16,), np.dtype(np.int8), 0),
+    ((16, 2, 2, 3, 2), np.dtype(np.int32), 0),
+    ((3, 16, 8), np.dtype(np.float32), 1),
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "axis"), CASES, ids=[str(c) for c in CASES])
+def test_both_directions_match_the_jax_path(stand_in, arrays, rng, shape, dtype, axis):
+    n = shape[axis]
+    source = arrays.random(rng, shape, dtype)
+    src_blocks = rng.permutation(n)[: n - 3]  # scattered, some left out
+    dst_blocks = rng.permutation(n)[: n - 3]
+    host_shape = (*shape[:axis], len(src_blocks), *shape[axis + 1 :])
+    out = {}
+    for path in ("native", "jax"):
+        pool = tpusync.DevicePool(put(source))
+        host = np.zeros(host_shape, dtype)
+        f = tpusync.transfer(
+            pool,
+            host,
+            src_blocks=src_blocks,
+            dst_blocks=np.arange(len(src_blocks)),
+            block_axis=axis,
+            path=path,
+        )
+        assert f.result(TIMEOUT) == host.nbytes and f.path == path
+        incoming = arrays.random(rng, host_shape, dtype)
+        g = tpusync.transfer(
+            incoming,
+            pool,
+            src_blocks=np.arange(len(dst_blocks)),
+            dst_blocks=dst_blocks,
+            block_axis=axis,
+            path=path,
+        )
+        g.result(TIMEOUT)
+        out[path] = (host, np.asarray(pool.array).copy(), incoming)
+    host, device, incoming = out["native"]
+    arrays.assert_same(host, np.take(source, src_blocks, axis=axis), "device->host")
+    expected = source.copy()
+    index = (slice(None),) * axis + (dst_blocks,)
+    expected[index] = incoming
+    arrays.assert_same(device, expected, "host->device")
+    arrays.assert_same(out["jax"][0], host, "jax path, device->host")
+    assert stand_in.count("callbacks_on_worker") > 0  # completion came from the plugin's thread
+
+
+@given(data=st.data())
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_block_lists(stand_in, arrays, rng, data):
+    n = 40
+    source = arrays.random(rng, (n, 3, 4), BF16)
+    pool = tpusync.DevicePool(put(source))
+    src = data.draw(st.lists(st.integers(0, n - 1), max_size=n), label="src")
+    dst = data.draw(st.permutations(range(n)), label="dst")[: len(src)]
+    host = arrays.random(rng, (n, 3, 4), BF16)
+    expected = host.copy()
+    expected[np.asarray(dst, dtype=np.int64)] = source[np.asarray(src, dtype=np.int64)]
+    tpusync.transfer(pool, host, src_blocks=src, dst_blocks=dst).result(TIMEOUT)
+    arrays.assert_same(host, expected, "device->host")
+    back = arrays.random(rng, (n, 3, 4), BF16)
+    want = np.asarray(pool.array).copy()
+    want[np.asarray(dst, dtype=np.int64)] = back[np.asarray(src, dtype=np.int64)]
+    tpusync.transfer(back, pool, src_blocks=src, dst_blocks=dst).result(TIMEOUT)
+    arrays.assert_same(pool.array, want, "host->device")
+
+
+@pytest.mark.parametrize(
+    "spec", [P(None, "a"), P(None, "a", "b"), P()], ids=["with-replicas", "split", "replicated"]
+)
+def test_sharded_arrays(stand_in, arrays, rng, mesh, spec):
+    source = arrays.random(rng, (8, 4, 6), np.float32)
+    sharding = NamedSharding(mesh, spec)
+    pool = tpusync.DevicePool(put(source, sharding))
+    groups = {}
+    for shard in pool.array.addressable_shards:
+        groups.setdefault(tuple((s.start, s.stop) for s in shard.index), shard.index)
+    order = sorted(groups, key=lambda k: tuple(a for a, _ in k))
+    shard_shape = sharding.shard_shape(source.shape)
+    host = np.zeros((len(order), *shard_shape), np.float32)
+    f = tpusync.transfer(pool, host, path="native")
+    f.result(TIMEOUT)
+    for i, key in enumerate(order):
+        arrays.assert_same(host[i], source[groups[key]], f"shard {i}")
+    incoming = arrays.random(rng, host.shape, np.float32)
+    tpusync.transfer(incoming, pool, path="native").result(TIMEOUT)
+    for shard in pool.array.addressable_shards:  # every replica got its shard
+        i = order.index(tuple((s.start, s.stop) for s in shard.index))
+        arrays.assert_same(shard.data, incoming[i], f"replica on {shard.device}")
+
+
+@pytest.mark.parametrize("direction", ["read", "write"])
+@pytest.mark.parametrize("failure", ["refused", "failed"])
+def test_a_failed_copy_fails_the_transfer_and_leaks_nothing(
+    stand_in, arrays, rng, direction, failure
+):
+    source = arrays.random(rng, (32, 16), np.uint16)
+    pool = tpusync.DevicePool(put(source))
+    host = np.zeros_like(source)
+    order = rng.permutation(32)  # 32 separate copies
+    stand_in.lib.stand_in_delay_us(200)  # copies still pending when the failure happens
+    if failure == "refused":
+        stand_in.lib.stand_in_refuse_copy(5)
+    else:
+        stand_in.lib.stand_in_fail_copy(5)
+    if direction == "read":
+        f = tpusync.transfer(pool, host, src_blocks=order, dst_blocks=np.arange(32))
+    else:
+        f = tpusync.transfer(host, pool, src_blocks=np.arange(32), dst_blocks=order)
+    error = f.exception(TIMEOUT)
+    assert isinstance(error, TpuSyncError) and isinstance(error, _core.PjrtError)
+    wanted = "injected refusal" if failure == "refused" else "injected copy failure"
+    assert wanted in str(error), error
+    assert error.code_name == ("RESOURCE_EXHAUSTED" if failure == "refused" else "DATA_LOSS")
+    stand_in.assert_nothing_live()  # every issued copy finished; views and aliases freed
+    stand_in.reset()
+    f = tpusync.transfer(pool, host, src_blocks=order, dst_blocks=np.arange(32))
+    f.result(TIMEOUT)  # the engine is usable again
+    if direction == "read":
+        arrays.assert_same(host, source[order], "after the failure")
+
+
+def test_pending_copies_are_waited_for(stand_in, arrays, rng):
+    source = arrays.random(rng, (64, 256), np.uint8)
+    pool = tpusync.DevicePool(put(source))
+    host = np.zeros_like(source)
+    stand_in.lib.stand_in_delay_us(500)  # 64 copies x 0.5 ms on the plugin's thread
+    names = ("callbacks_on_worker", "callbacks_inline", "copies")
+    before = [stand_in.count(n) for n in names]
+    order = rng.permutation(64)
+    tpusync.transfer(pool, host, src_blocks=order, dst_blocks=np.arange(64)).result(TIMEOUT)
+    arrays.assert_same(host, source[order], "after delayed copies")
+    on_worker, inline, copies = (stand_in.count(n) - b for n, b in zip(names, before, strict=True))
+    # one copy per run of neighbouring blocks, each completed by a callback from the plugin's
+    # thread: none was ready when its callback was registered
+    assert copies > 32 and (on_worker, inline) == (copies, 0)
+
+
+def test_concurrent_transfers(stand_in, arrays, rng):
+    stand_in.lib.stand_in_delay_us(50)
+    errors: list[BaseException] = []
+    sources = [arrays.random(rng, (24, 64), np.int32) for _ in range(4)]
+    orders = [rng.permutation(24) for _ in range(4)]
+
+    def work(i: int) -> None:
+        try:
+            pool = tpusync.DevicePool(put(sources[i]))
+            host = tpusync.HostBuffer((24, 64), np.int32)
+            for _ in range(5):
+                tpusync.transfer(pool, host, src_blocks=orders[i], dst_blocks=np.arange(24)).result(
+                    TIMEOUT
+                )
+                assert np.array_equal(host.array, sources[i][orders[i]])
+                tpusync.transfer(host, pool, src_blocks=np.arange(24), dst_blocks=orders[i]).result(
+                    TIMEOUT
+                )
+                assert np.array_equal(np.asarray(pool.array), sources[i])
+            host.close()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+
+
+def test_a_plugin_without_in_place_writes(stand_in, arrays, rng):
+    stand_in.bind(writes=False)
+    path = device_path(jax.devices()[0])
+    assert (path.engine, path.native, path.reads, path.writes) == ("pjrt", True, True, False)
+    assert "no raw-buffer extension for writes" in path.reason
+    source = arrays.random(rng, (8, 32), BF16)
+    pool = tpusync.DevicePool(put(source))
+    host = np.zeros_like(source)
+    f = tpusync.transfer(pool, host)
+    assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
+    incoming = arrays.random(rng, (8, 32), BF16)
+    f = tpusync.transfer(incoming, pool)
+    assert f.path == "jax"  # auto: the write runs in JAX
+    f.result(TIMEOUT)
+    arrays.assert_same(pool.array, incoming, "written through JAX")
+    with pytest.raises(NativePathUnavailableError, match="no in-place writes"):
+        tpusync.transfer(incoming, pool, path="native")
+
+
+def test_unproven_platforms_keep_auto_on_jax(stand_in, arrays, rng, monkeypatch):
+    stand_in.bind(auto=False)
+    path = device_path(jax.devices()[0])
+    assert (path.engine, path.native) == ("pjrt", False)
+    assert "until proven on this platform's hardware" in path.reason
+    source = arrays.random(rng, (8, 16), np.float32)
+    pool = tpusync.DevicePool(put(source))
+    host = np.zeros_like(source)
+    f = tpusync.transfer(pool, host)
+    assert f.path == "jax" and f.result(TIMEOUT) == host.nbytes
+    f = tpusync.transfer(pool, host, path="native")  # asked for explicitly: it runs
+    assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
+    monkeypatch.setenv("TPUSYNC_PJRT", "1")
+    stand_in.bind(auto=False)  # paths are found again
+    assert device_path(jax.devices()[0]).native
+    f = tpusync.transfer(pool, host)
+    assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
+
+
+def test_device_to_device_runs_in_jax(stand_in, arrays, rng):
+    source = arrays.random(rng, (8, 16), np.float32)
+    a = tpusync.DevicePool(put(source))
+    b = tpusync.DevicePool.zeros((8, 16), np.float32)
+    f = tpusync.transfer(a, b, src_blocks=[1, 2], dst_blocks=[5, 0])
+    assert f.path == "jax"
+    f.result(TIMEOUT)
+    np.testing.assert_array_equal(np.asarray(b.array)[[5, 0]], source[[1, 2]])
+
+
+def test_host_memory_is_registered_for_dma_once(stand_in, arrays, rng):
+    source = arrays.random(rng, (16, 1024), np.uint8)
+    pool = tpusync.DevicePool(put(source))
+    host = tpusync.HostBuffer((16, 1024), np.uint8)
+    calls, live, to_dma = (
+        stand_in.count(n) for n in ("dma_map_calls", "dma_maps_live", "copies_to_dma")
+    )
+    for _ in range(3):
+        tpusync.transfer(pool, host, src_blocks=np.arange(16)[::-1], dst_blocks=range(16)).result(
+            TIMEOUT
+        )
+    assert stand_in.count("dma_map_calls") == calls + 1  # once, on first use
+    assert stand_in.count("dma_maps_live") == live + 1
+    assert stand_in.count("copies_to_dma") >= to_dma + 3 * 16
+    plain = np.zeros_like(source)  # memory tpusync did not allocate is never registered
+    tpusync.transfer(pool, plain).result(TIMEOUT)
+    assert stand_in.count("dma_map_calls") == calls + 1
+    host.close()  # unregistered before it is unmapped
+    assert stand_in.count("dma_maps_live") == live
+
+
+@pytest.mark.parametrize("kind", ["per-layer", "stacked-sharded"])
+def test_host_pool_round_trip_with_checksums(stand_in, arrays, rng, mesh, kind):
+    """The DRAM tier over the PJRT engine: blocks stored and loaded bit for bit, and each
+    block's checksum (hashed on the host after the plugin's copy) is the format's."""
+    model = make_model(arrays, rng, mesh, kind, BF16)
+    pool = HostPool(model.layout, 6)
+    try:
+        pool.prepare(model.pools)  # registers the slots for DMA, plans both directions
+        assert stand_in.count("dma_maps_live") >= 1
+        keys = keys_for([0, 2, 5])
+        assert store(pool, model, keys, [0, 2, 5], "native") == 3
+        for key in keys:
+            assert int(pool._records["checksum"][pool.slot_of(key)]) == model.checksum(key)
+        load(pool, model, keys[::-1], [7, 1, 3], "native")
+        stats = pool.stats
+        assert (stats.hits, stats.misses, stats.checksum_failures) == (3, 0, 0)
+    finally:
+        pool.close()
+    assert stand_in.count("dma_maps_live") == 0
+
+
+def test_copy_rows_rejects_rows_outside_one_buffer(built):
+    buffer = np.arange(4096, dtype=np.uint8)
+    host = np.zeros(4096, np.uint8)
+    api, client = built.api, built.client
+    device = api.lookup_device(client, 0)
+    view = api.create_view(client, device, buffer.ctypes.data, 1024)
+    try:
+        targets = np.array([[buffer.ctypes.data, 1024, view, 0]], dtype=np.uint64)
+        crossing = np.array([[buffer.ctypes.data + 1000, host.ctypes.data, 100]], np.uint64)
+        with pytest.raises(_core.PjrtError, match="crosses the end of a device buffer") as info:
+            api.copy_rows(targets, crossing)
+        assert info.value.code_name == "INVALID_ARGUMENT"
+        no_alias = np.array([[host.ctypes.data, buffer.ctypes.data, 8]], np.uint64)
+        with pytest.raises(_core.PjrtError, match="no raw alias"):
+            api.copy_rows(targets, no_alias)
+        assert not host.any()  # nothing was copied
+        fine = np.array([[buffer.ctypes.data + 8, host.ctypes.data, 16]], np.uint64)
+        assert api.copy_rows(targets, fine) == 1
+        np.testing.assert_array_equal(host[:16], buffer[8:24])
+    finally:
+        api.destroy_buffer(view)
+    built.assert_nothing_live()
+    assert os.path.exists(api.library_path)
