@@ -470,9 +470,16 @@ def unavailable_reason(array: jax.Array, write: bool = False, explicit: bool = F
     dtype = np.dtype(array.dtype)
     if getattr(dtype, "itemsize", 0) == 0 or _is_sub_byte(dtype):
         return f"dtype {dtype} is packed below one byte on device: pure JAX"
-    order = _major_to_minor(array)
-    if order is not None and order != tuple(range(array.ndim)):
+    facts = _layout_facts(array)
+    if facts is None:
+        if pjrt_device(array):  # raw bytes mean nothing without knowing the layout
+            return "the device layout cannot be read: pure JAX"
+        return None
+    order, tiling = facts
+    if order != tuple(range(array.ndim)):
         return f"non-default device layout {order}: pure JAX"
+    if tiling:  # e.g. TPU's (8, 128) tiles: a block's bytes are not row-major
+        return f"tiled device layout {tiling}: pure JAX"
     return None
 
 
@@ -488,28 +495,35 @@ def pjrt_device_of(device: Any) -> bool:
     return device_path(device).engine == "pjrt"
 
 
-_LAYOUT_ORDERS: dict[Any, tuple[int, ...] | None] = {}
+_LAYOUTS: dict[Any, tuple[tuple[int, ...], tuple[Any, ...]]] = {}
 
 
-def _major_to_minor(array: jax.Array) -> tuple[int, ...] | None:
-    """The array's device layout as major-to-minor axes (None when the backend has none).
+def _layout_facts(array: jax.Array) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
+    """The array's device layout as (major-to-minor axes, tiles), or None when the backend
+    says nothing.
 
     ``Array.format`` costs ~80 us per array (it builds Python layout objects); the PJRT layout
     it is made from costs ~20 us and hashes by value, so its answer is kept per layout."""
     pjrt_layout = getattr(array, "_pjrt_layout", None)  # private: fall back to .format
     if pjrt_layout is not None:
         try:
-            order = _LAYOUT_ORDERS.get(pjrt_layout)
-            if order is None and pjrt_layout not in _LAYOUT_ORDERS:
-                order = tuple(pjrt_layout._xla_layout().minor_to_major()[::-1])
-                if len(_LAYOUT_ORDERS) < 1024:
-                    _LAYOUT_ORDERS[pjrt_layout] = order
-            return order
+            facts = _LAYOUTS.get(pjrt_layout)
+            if facts is None:
+                xla = pjrt_layout._xla_layout()
+                facts = (
+                    tuple(xla.minor_to_major()[::-1]),
+                    tuple(tuple(t) for t in xla.tiling()),
+                )
+                if len(_LAYOUTS) < 1024:
+                    _LAYOUTS[pjrt_layout] = facts
+            return facts
         except Exception:  # e.g. UNIMPLEMENTED on some backends: ask .format
             pass
     layout = getattr(getattr(array, "format", None), "layout", None)
     order = getattr(layout, "major_to_minor", None)
-    return None if order is None else tuple(order)
+    if order is None:
+        return None
+    return tuple(order), tuple(getattr(layout, "tiling", ()) or ())
 
 
 def _is_sub_byte(dtype: np.dtype) -> bool:
