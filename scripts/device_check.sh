@@ -2,7 +2,8 @@
 # One call on the lent GPU machine (Python 3.12, jax with the CUDA PJRT plugin, CuPy, no network,
 # no meson-python): builds tpusync from this tree with the build wheels carried in .wheelhouse/
 # (scripts/device_wheels.sh fetches them here), shows what tpusync finds on the GPU (its PJRT
-# probe), and runs benchmarks/gpu_transfer.py. Everything it prints also lands in $OUT.
+# probe), and runs benchmarks/gpu_transfer.py and benchmarks/gpu_tiers.py (the PJRT engine
+# beside pure JAX and cudaMemcpyAsync, bytes checked). Everything it prints also lands in $OUT.
 #
 #   run(command="bash scripts/device_check.sh", carry=[".wheelhouse"], timeout_s=540)
 set -euo pipefail
@@ -24,4 +25,6 @@ mkdir -p "$OUT"
   (cd /tmp && "$venv/bin/python" -m tpusync info)
   echo "== gpu_transfer"
   "$venv/bin/python" benchmarks/gpu_transfer.py --json "$OUT/gpu_transfer.json" "$@"
+  echo "== gpu_tiers"
+  "$venv/bin/python" benchmarks/gpu_tiers.py --json "$OUT/gpu_tiers.json"
 } 2>&1 | tee "$OUT/device_check.log"
