@@ -3,7 +3,10 @@
 For each block size, moves ``--total-mib`` of scattered blocks (a random permutation) between a
 ``DevicePool`` on the first GPU and a ``HostBuffer``, both directions, with the native PJRT path
 (asked for explicitly: ``path="auto"`` keeps a platform on pure JAX until a run like this one
-has proven it) and with the pure-JAX path, checking that each delivers the right bytes. A
+has proven it) and with the pure-JAX path, checking that each delivers the right bytes. The
+native reads run three ways: as tpusync does them (blocks under 1 MiB gathered on the device
+first, then few large copies), every block its own ``CopyRawToHost`` ("no gather"), and into
+host memory tpusync did not allocate, so never registered for DMA ("unregistered"). A
 direction the plugin cannot do natively (the CUDA plugin has no raw-buffer extension, so no
 in-place host->device writes) is reported with the reason. ``tpusync.info()`` printed first says
 what the PJRT probe found. The limit, alternating with them in the same run: CuPy's
@@ -115,6 +118,14 @@ def bench_block_size(
     def d2h_pageable(path: str) -> None:
         tpusync.transfer(pool, plain, src_blocks=order, dst_blocks=identity, path=path).result()
 
+    def d2h_direct(path: str) -> None:
+        # every block its own CopyRawToHost, not gathered on the device first
+        os.environ["TPUSYNC_PJRT_STAGE_BELOW"] = "0"
+        try:
+            d2h(path)
+        finally:
+            del os.environ["TPUSYNC_PJRT_STAGE_BELOW"]
+
     # bytes: each path's device->host result equals the source blocks, and host->device puts
     # them back where they came from; a direction a path cannot run is left out, with why
     runs: dict[str, Any] = {}
@@ -122,6 +133,7 @@ def bench_block_size(
     cases = [
         ("d2h_native", d2h, "native", host.array),
         ("d2h_pageable_native", d2h_pageable, "native", plain),
+        ("d2h_direct_native", d2h_direct, "native", host.array),
         ("h2d_native", h2d, "native", None),
         ("d2h_jax", d2h, "jax", host.array),
         ("h2d_jax", h2d, "jax", None),
@@ -195,6 +207,7 @@ def main() -> None:
                 f"{block_kib} KiB",
                 r["limit_d2h_gbps"],
                 *_cell(r, "d2h_native", "limit_d2h"),
+                *_cell(r, "d2h_direct_native", "limit_d2h"),
                 *_cell(r, "d2h_pageable_native", "limit_d2h"),
                 *_cell(r, "d2h_jax", "limit_d2h"),
                 r["limit_h2d_gbps"],
@@ -214,6 +227,8 @@ def main() -> None:
             "block",
             "memcpy D2H",
             "D2H native",
+            "x",
+            "no gather",
             "x",
             "unregistered",
             "x",

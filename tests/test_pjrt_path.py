@@ -44,6 +44,8 @@ COUNTERS = ("live_events", "live_views", "live_raw")
 class StandIn:
     """The built stand-in plugin: its table and client as tpusync sees them, and its hooks."""
 
+    mode = "staged"  # or "direct": see the stand_in fixture
+
     def __init__(self, library: Path) -> None:
         self.lib = ctypes.CDLL(str(library))
         self.lib.stand_in_counter.restype = ctypes.c_long
@@ -85,10 +87,16 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> StandIn:
     return StandIn(library)
 
 
-@pytest.fixture
-def stand_in(built: StandIn) -> Iterator[StandIn]:
+@pytest.fixture(params=["staged", "direct"])
+def stand_in(
+    built: StandIn, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[StandIn]:
     """The stand-in bound to the CPU devices for one test; unbound (and checked for leaks)
-    afterwards."""
+    afterwards. Each test runs twice: with small reads gathered on the device first (the
+    default) and with every row its own plugin copy."""
+    built.mode = request.param
+    if request.param == "direct":
+        monkeypatch.setenv("TPUSYNC_PJRT_STAGE_BELOW", "0")
     built.reset()
     built.bind()
     try:
@@ -224,10 +232,12 @@ def test_a_failed_copy_fails_the_transfer_and_leaks_nothing(
     host = np.zeros_like(source)
     order = rng.permutation(32)  # 32 separate copies
     stand_in.lib.stand_in_delay_us(200)  # copies still pending when the failure happens
+    # direct: 32 copies, the 5th fails; staged: reads are one merged copy, which fails
+    nth = 1 if stand_in.mode == "staged" and direction == "read" else 5
     if failure == "refused":
-        stand_in.lib.stand_in_refuse_copy(5)
+        stand_in.lib.stand_in_refuse_copy(nth)
     else:
-        stand_in.lib.stand_in_fail_copy(5)
+        stand_in.lib.stand_in_fail_copy(nth)
     if direction == "read":
         f = tpusync.transfer(pool, host, src_blocks=order, dst_blocks=np.arange(32))
     else:
@@ -246,7 +256,7 @@ def test_a_failed_copy_fails_the_transfer_and_leaks_nothing(
 
 
 def test_pending_copies_are_waited_for(stand_in, arrays, rng):
-    source = arrays.random(rng, (64, 256), np.uint8)
+    source = arrays.random(rng, (64, 1024), np.uint8)
     pool = tpusync.DevicePool(put(source))
     host = np.zeros_like(source)
     stand_in.lib.stand_in_delay_us(500)  # 64 copies x 0.5 ms on the plugin's thread
@@ -256,9 +266,11 @@ def test_pending_copies_are_waited_for(stand_in, arrays, rng):
     tpusync.transfer(pool, host, src_blocks=order, dst_blocks=np.arange(64)).result(TIMEOUT)
     arrays.assert_same(host, source[order], "after delayed copies")
     on_worker, inline, copies = (stand_in.count(n) - b for n, b in zip(names, before, strict=True))
-    # one copy per run of neighbouring blocks, each completed by a callback from the plugin's
-    # thread: none was ready when its callback was registered
-    assert copies > 32 and (on_worker, inline) == (copies, 0)
+    # one copy per run of neighbouring blocks (staged: one for all, gathered on the device
+    # in destination order), each completed by a callback from the plugin's thread: none was
+    # ready when its callback was registered
+    assert copies == 1 if stand_in.mode == "staged" else copies > 32, copies
+    assert (on_worker, inline) == (copies, 0)
 
 
 def test_concurrent_transfers(stand_in, arrays, rng):
@@ -354,7 +366,7 @@ def test_host_memory_is_registered_for_dma_once(stand_in, arrays, rng):
         )
     assert stand_in.count("dma_map_calls") == calls + 1  # once, on first use
     assert stand_in.count("dma_maps_live") == live + 1
-    assert stand_in.count("copies_to_dma") >= to_dma + 3 * 16
+    assert stand_in.count("copies_to_dma") >= to_dma + 3
     plain = np.zeros_like(source)  # memory tpusync did not allocate is never registered
     tpusync.transfer(pool, plain).result(TIMEOUT)
     assert stand_in.count("dma_map_calls") == calls + 1
@@ -372,7 +384,12 @@ def test_host_pool_round_trip_with_checksums(stand_in, arrays, rng, mesh, kind):
         pool.prepare(model.pools)  # registers the slots for DMA, plans both directions
         assert stand_in.count("dma_maps_live") >= 1
         keys = keys_for([0, 2, 5])
+        copies = stand_in.count("copies")
         assert store(pool, model, keys, [0, 2, 5], "native") == 3
+        pieces = 3 * len(model.pools) * model.layout.arrays[0].n_shards
+        if kind == "per-layer":  # staged: a slot's pieces from every layer are one copy
+            expected = 3 if stand_in.mode == "staged" else pieces
+            assert stand_in.count("copies") - copies == expected
         for key in keys:
             assert int(pool._records["checksum"][pool.slot_of(key)]) == model.checksum(key)
         load(pool, model, keys[::-1], [7, 1, 3], "native")
@@ -406,3 +423,40 @@ def test_copy_rows_rejects_rows_outside_one_buffer(built):
         api.destroy_buffer(view)
     built.assert_nothing_live()
     assert os.path.exists(api.library_path)
+
+
+def test_reads_of_mixed_pieces_and_dtypes(stand_in, arrays, rng):
+    """Pieces of different sizes (a common unit of 64 bytes), several arrays in one batch, and
+    a dtype that cannot be bitcast (bool: copied as it is) all arrive bit for bit."""
+    shapes = [((16, 64), np.float32), ((16, 96), BF16), ((16, 3, 5), np.bool_)]
+    sources = [arrays.random(rng, shape, dtype) for shape, dtype in shapes]
+    pools = [tpusync.DevicePool(put(x)) for x in sources]
+    src = rng.permutation(16)[:11]
+    dst = rng.permutation(16)[:11]
+    hosts = [np.zeros_like(x) for x in sources]
+    items = [tpusync.Transfer(p, h, src, dst) for p, h in zip(pools, hosts, strict=True)]
+    copies = stand_in.count("copies")
+    f = tpusync.transfer_batch(items)
+    assert f.path == "native"
+    f.result(TIMEOUT)
+    for host, source in zip(hosts, sources, strict=True):
+        expected = np.zeros_like(source)
+        expected[dst] = source[src]
+        arrays.assert_same(host, expected, str(source.dtype))
+    if stand_in.mode == "staged":  # bool rows one by one; the others gathered, fewer copies
+        assert stand_in.count("copies") - copies < 11 + 2 * 11
+
+
+def test_large_reads_are_gathered_in_chunks(stand_in, arrays, rng, monkeypatch):
+    from tpusync import _pjrt_staging
+
+    monkeypatch.setattr(_pjrt_staging, "CHUNK_BYTES", 8 << 10)  # 8 blocks of 1 KiB a gather
+    source = arrays.random(rng, (64, 512), BF16)
+    pool = tpusync.DevicePool(put(source))
+    host = np.zeros_like(source)
+    order = rng.permutation(64)
+    copies = stand_in.count("copies")
+    tpusync.transfer(pool, host, src_blocks=order, dst_blocks=np.arange(64)).result(TIMEOUT)
+    arrays.assert_same(host, source[order], "chunked")
+    if stand_in.mode == "staged":  # each chunk's destinations follow each other: one copy
+        assert stand_in.count("copies") - copies == 8

@@ -107,7 +107,7 @@ def _hold(holds: list[Any], data: jax.Array, device: Any, written: bool) -> int:
     address = data.unsafe_buffer_pointer()
     if isinstance(holds, Holds):
         holds.device_buffers.append(
-            _pjrt_path.DeviceBuffer(device, address, int(data.nbytes), written)
+            _pjrt_path.DeviceBuffer(device, address, int(data.nbytes), written, data)
         )
     return address
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from tpusync import _pjrt_staging
+
 # Platforms on which benchmarks/gpu_transfer.py has shown this path byte-exact on hardware, so
 # that path="auto" picks it there. Empty until a run on real hardware says otherwise.
 PROVEN_PLATFORMS: frozenset[str] = frozenset()
@@ -215,15 +217,24 @@ class DeviceBuffer:
     address: int
     nbytes: int
     written: bool
+    array: Any = None  # the jax.Array whose buffer it is (for gathers on the device)
 
 
 def copy(table: np.ndarray, buffers: list[DeviceBuffer]) -> int:
     """Runs a segment table whose device ends lie in ``buffers`` (every one pinned and ready);
-    returns the bytes copied. Raises PjrtError (a TpuSyncError) when a copy fails."""
+    returns the bytes copied. Raises PjrtError (a TpuSyncError) when a copy fails.
+
+    Small reads are gathered on the device first (:mod:`tpusync._pjrt_staging`)."""
     if not len(table):
         return 0
     backend, _reason = _single_backend(buffers)
     api, client = backend.api, backend.client
+    nbytes = int(table[:, 2].sum())
+    table, staged = _pjrt_staging.stage_reads(table, buffers, _pjrt_staging.stage_below())
+    buffers = buffers + [
+        DeviceBuffer(device, s.unsafe_buffer_pointer(), int(s.nbytes), False, s)
+        for device, s in staged
+    ]
     unique: dict[int, DeviceBuffer] = {}
     for buf in buffers:
         seen = unique.get(buf.address)
@@ -254,7 +265,8 @@ def copy(table: np.ndarray, buffers: list[DeviceBuffer]) -> int:
             api.destroy_raw_buffer(raw)
         for view in views:
             api.destroy_buffer(view)
-    return int(table[:, 2].sum())
+        del staged  # the staging arrays outlive every copy that reads them
+    return nbytes
 
 
 def _single_backend(buffers: list[DeviceBuffer]) -> tuple[PjrtBackend, str]:
