@@ -4,11 +4,13 @@ A device buffer is reached through a *view*: ``PJRT_Client_CreateViewOfDeviceBuf
 address JAX reports (``unsafe_buffer_pointer``), as a flat uint8 array, on JAX's own client.
 Reads are ``PJRT_Buffer_CopyRawToHost`` of the view (a core call); in-place writes need the
 raw-buffer extension (``PJRT_RawBuffer_CopyRawHostToDevice`` on a raw alias of the view), which
-not every plugin offers (the CUDA plugin does not; libtpu does). Every block is one copy, all
-issued at once and completed by the plugin's event callbacks (``_core.PjrtApi.copy_rows``).
-Views and aliases live for one call. Host memory that tpusync allocated (``HostBuffer``,
-``HostPool``) is registered for DMA (``PJRT_Client_DmaMap``) on first use where the plugin
-offers it, and unregistered before it is unmapped.
+not every plugin offers (the CUDA plugin does not; libtpu does). Each row of the segment table
+is one copy (small reads are first gathered on the device, :mod:`tpusync._pjrt_staging`, so
+that neighbouring destinations make one row), all issued at once and completed by the plugin's
+event callbacks (``_core.PjrtApi.copy_rows``). Views and aliases live for one call. Host
+memory that tpusync allocated (``HostBuffer``, ``HostPool``) is registered for DMA
+(``PJRT_Client_DmaMap``) on first use where the plugin offers it, and unregistered before it
+is unmapped.
 
 The safety rules are those of :mod:`tpusync.device_pool`, plus one: a view has no definition
 event, so a source shard is waited for (``block_until_ready``) before it is read.
@@ -48,7 +50,6 @@ class PjrtBackend:
     api: Any  # _core.PjrtApi
     client: int  # PJRT_Client*
     label: str  # what was found, in words
-    stand_in: bool = False  # a binding (tests), not JAX's own client
     auto: bool = False  # path="auto" picks it (a binding's choice; else auto_enabled())
     _devices: dict[int, int] = field(default_factory=dict)  # jax device id -> PJRT_Device*
     _dma_mapped: set[int] = field(default_factory=set)  # host ranges (start) registered here
@@ -86,6 +87,7 @@ class PjrtBackend:
 
 _bindings: dict[str, PjrtBackend] = {}
 _backends: dict[int, PjrtBackend] = {}  # by client pointer
+_by_device: dict[Any, tuple[PjrtBackend | None, str]] = {}  # probed once per JAX device
 _state_lock = threading.Lock()
 
 
@@ -93,7 +95,7 @@ def bind(platform: str, api: Any, client: int, label: str, *, auto: bool = True)
     """Serves every device of ``platform`` from ``api`` and ``client`` instead of what JAX uses
     (for tests: a stand-in plugin over CPU memory); ``auto``: path="auto" picks it, as on a
     proven platform. Undo with :func:`unbind`."""
-    backend = PjrtBackend(api, client, label, stand_in=True, auto=auto)
+    backend = PjrtBackend(api, client, label, auto=auto)
     with _state_lock:
         _bindings[platform] = backend
     _forget_paths()
@@ -123,17 +125,22 @@ def backend_for(device: Any) -> tuple[PjrtBackend | None, str]:
     binding = _bindings.get(getattr(device, "platform", None))  # type: ignore[arg-type]
     if binding is not None:
         return binding, binding.label
+    known = _by_device.get(device)
+    if known is not None:
+        return known
     from tpusync._pjrt_probe import probe
 
     found = probe(device)
-    if found.api is None:
-        return None, found.summary
-    with _state_lock:
-        backend = _backends.get(found.client)
-        if backend is None:
-            backend = PjrtBackend(found.api, found.client, found.summary)
-            _backends[found.client] = backend
-    return backend, found.summary
+    answer: tuple[PjrtBackend | None, str] = (None, found.summary)
+    if found.api is not None:
+        with _state_lock:
+            backend = _backends.get(found.client)
+            if backend is None:
+                backend = PjrtBackend(found.api, found.client, found.summary)
+                _backends[found.client] = backend
+        answer = (backend, found.summary)
+    _by_device[device] = answer
+    return answer
 
 
 # ---- host memory registered for DMA --------------------------------------------------------
