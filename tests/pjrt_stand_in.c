@@ -56,7 +56,7 @@ struct PJRT_Event {
 
 static atomic_long live_events, live_views, live_raw, copies_done, copies_to_dma;
 static atomic_long callbacks_on_worker, callbacks_inline, dma_maps_live, dma_map_calls;
-static atomic_long refuse_countdown, fail_countdown, delay_us;
+static atomic_long refuse_countdown, fail_countdown, delay_us, corrupt_mask;
 
 long stand_in_counter(const char *name) {
   if (!strcmp(name, "live_events")) return live_events;
@@ -77,6 +77,8 @@ void stand_in_refuse_copy(long n) { refuse_countdown = n; }
 void stand_in_fail_copy(long n) { fail_countdown = n; }
 /* Every copy waits this long on the worker first (keeps events pending). */
 void stand_in_delay_us(long us) { delay_us = us; }
+/* Flips the first byte of every read (mask 1) and/or raw write (mask 2): a plugin that lies. */
+void stand_in_corrupt(long mask) { corrupt_mask = mask; }
 
 static int countdown_hits(atomic_long *counter) {
   long now = atomic_load(counter);
@@ -115,6 +117,7 @@ typedef struct job {
   const void *src;
   size_t n;
   int fail;
+  int corrupt;
   PJRT_Event *event;
   struct job *next;
 } job;
@@ -175,6 +178,7 @@ static void *worker(void *unused) {
       error = make_error(PJRT_Error_Code_DATA_LOSS, "injected copy failure");
     } else {
       memcpy(j->dst, j->src, j->n);
+      if (j->corrupt && j->n) ((unsigned char *)j->dst)[0] ^= 0x5A;
       atomic_fetch_add(&copies_done, 1);
     }
     complete(j->event, error);
@@ -189,7 +193,7 @@ static void start_worker(void) {
   pthread_detach(t);
 }
 
-static PJRT_Event *enqueue(void *dst, const void *src, size_t n) {
+static PJRT_Event *enqueue(void *dst, const void *src, size_t n, int corrupt) {
   pthread_once(&worker_once, start_worker);
   PJRT_Event *ev = calloc(1, sizeof *ev);
   pthread_mutex_init(&ev->mu, NULL);
@@ -201,6 +205,7 @@ static PJRT_Event *enqueue(void *dst, const void *src, size_t n) {
   j->src = src;
   j->n = n;
   j->fail = countdown_hits(&fail_countdown);
+  j->corrupt = corrupt;
   j->event = ev;
   pthread_mutex_lock(&queue_mu);
   if (queue_tail) queue_tail->next = j; else queue_head = j;
@@ -343,7 +348,8 @@ static PJRT_Error *copy_raw_to_host(PJRT_Buffer_CopyRawToHost_Args *a) {
   if (countdown_hits(&refuse_countdown))
     return make_error(PJRT_Error_Code_RESOURCE_EXHAUSTED, "injected refusal");
   if (in_dma(a->dst, (size_t)a->transfer_size)) atomic_fetch_add(&copies_to_dma, 1);
-  a->event = enqueue(a->dst, a->buffer->base + a->offset, (size_t)a->transfer_size);
+  a->event = enqueue(a->dst, a->buffer->base + a->offset, (size_t)a->transfer_size,
+                     (int)(corrupt_mask & 1));
   return NULL;
 }
 
@@ -405,7 +411,8 @@ static PJRT_Error *raw_host_to_device(PJRT_RawBuffer_CopyRawHostToDevice_Args *a
   if (countdown_hits(&refuse_countdown))
     return make_error(PJRT_Error_Code_RESOURCE_EXHAUSTED, "injected refusal");
   if (in_dma(a->src, (size_t)a->transfer_size)) atomic_fetch_add(&copies_to_dma, 1);
-  a->event = enqueue(view->base + a->offset, a->src, (size_t)a->transfer_size);
+  a->event = enqueue(view->base + a->offset, a->src, (size_t)a->transfer_size,
+                     (int)(corrupt_mask & 2));
   return NULL;
 }
 

@@ -50,7 +50,13 @@ class StandIn:
         self.lib = ctypes.CDLL(str(library))
         self.lib.stand_in_counter.restype = ctypes.c_long
         self.lib.stand_in_counter.argtypes = [ctypes.c_char_p]
-        for hook in ("stand_in_refuse_copy", "stand_in_fail_copy", "stand_in_delay_us"):
+        hooks = (
+            "stand_in_refuse_copy",
+            "stand_in_fail_copy",
+            "stand_in_delay_us",
+            "stand_in_corrupt",
+        )
+        for hook in hooks:
             getattr(self.lib, hook).argtypes = [ctypes.c_long]
         self.lib.stand_in_set_writes.argtypes = [ctypes.c_int]
         self.api = _core.PjrtApi.from_library(str(library))
@@ -66,6 +72,7 @@ class StandIn:
         _pjrt_path.bind("cpu", self.api, self.client, "stand-in PJRT plugin", auto=auto)
 
     def reset(self) -> None:
+        self.lib.stand_in_corrupt(0)
         self.lib.stand_in_refuse_copy(0)
         self.lib.stand_in_fail_copy(0)
         self.lib.stand_in_delay_us(0)
@@ -99,6 +106,8 @@ def stand_in(
         monkeypatch.setenv("TPUSYNC_PJRT_STAGE_BELOW", "0")
     built.reset()
     built.bind()
+    for device in jax.devices():  # each device's self-test runs before the test's copies
+        assert device_path(device).engine == "pjrt"
     try:
         yield built
         built.assert_nothing_live()
@@ -460,3 +469,32 @@ def test_large_reads_are_gathered_in_chunks(stand_in, arrays, rng, monkeypatch):
     arrays.assert_same(host, source[order], "chunked")
     if stand_in.mode == "staged":  # each chunk's destinations follow each other: one copy
         assert stand_in.count("copies") - copies == 8
+
+
+@pytest.mark.parametrize("lie", ["reads", "writes"])
+def test_a_plugin_that_moves_wrong_bytes_is_not_used(stand_in, arrays, rng, lie):
+    """Each device's engine is proven with scratch arrays before any caller's byte moves: a
+    plugin whose reads (or raw writes) come back wrong is not used for them."""
+    stand_in.lib.stand_in_corrupt(1 if lie == "reads" else 2)
+    stand_in.bind()  # proven anew
+    path = device_path(jax.devices()[0])
+    if lie == "reads":
+        assert (path.engine, path.native) == ("none", False)
+        assert "self-test: bytes read through a view differ" in path.reason
+    else:
+        assert (path.engine, path.native, path.reads, path.writes) == ("pjrt", True, True, False)
+        assert "self-test: bytes written through a raw alias differ" in path.reason
+    source = arrays.random(rng, (8, 256), BF16)
+    pool = tpusync.DevicePool(put(source))
+    host = np.zeros_like(source)
+    f = tpusync.transfer(pool, host)
+    assert f.path == ("jax" if lie == "reads" else "native")
+    f.result(TIMEOUT)
+    arrays.assert_same(host, source, "read")
+    incoming = arrays.random(rng, (8, 256), BF16)
+    g = tpusync.transfer(incoming, pool)
+    assert g.path == "jax"
+    g.result(TIMEOUT)
+    arrays.assert_same(pool.array, incoming, "written")
+    with pytest.raises(NativePathUnavailableError):
+        tpusync.transfer(incoming, pool, path="native")

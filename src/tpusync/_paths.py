@@ -53,6 +53,12 @@ def plugin_path(device: Any) -> DevicePath:
     what = f"{found}; {backend.capabilities()}"
     if not reads:
         return DevicePath(False, f"{what}: pure JAX", "none", False, False)
+    if hasattr(device, "id") and hasattr(device, "client"):  # a JAX device: prove it first
+        reads, writes, failed = _pjrt_path.self_test(backend, device)
+        if failed:
+            what = f"{what}; {failed}"
+        if not reads:
+            return DevicePath(False, f"{what}: pure JAX", "none", False, False)
     platform = getattr(device, "platform", "")
     if backend.auto or _pjrt_path.auto_enabled(platform):
         tail = "native reads and writes" if writes else "native reads, pure-JAX writes"

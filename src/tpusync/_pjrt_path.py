@@ -27,6 +27,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,7 @@ def bind(platform: str, api: Any, client: int, label: str, *, auto: bool = True)
     backend = PjrtBackend(api, client, label, auto=auto)
     with _state_lock:
         _bindings[platform] = backend
+        _self_tested.clear()  # a new binding is proven anew
     _forget_paths()
     return backend
 
@@ -235,7 +237,7 @@ def copy(table: np.ndarray, buffers: list[DeviceBuffer]) -> int:
     if not len(table):
         return 0
     backend, _reason = _single_backend(buffers)
-    api, client = backend.api, backend.client
+    api = backend.api
     nbytes = int(table[:, 2].sum())
     table, staged = _pjrt_staging.stage_reads(table, buffers, _pjrt_staging.stage_below())
     buffers = buffers + [
@@ -250,28 +252,14 @@ def copy(table: np.ndarray, buffers: list[DeviceBuffer]) -> int:
         else:
             seen.written |= buf.written
             seen.nbytes = max(seen.nbytes, buf.nbytes)
-    targets = np.zeros((len(unique), 4), dtype=np.uint64)
-    views: list[int] = []
-    aliases: list[int] = []
     try:
-        for i, buf in enumerate(sorted(unique.values(), key=lambda b: b.address)):
-            view = api.create_view(client, backend.device(buf.device), buf.address, buf.nbytes)
-            views.append(view)
-            raw = 0
-            if buf.written:
-                raw = api.create_raw_alias(view)
-                aliases.append(raw)
-            targets[i] = (buf.address, buf.nbytes, view, raw)
-        if backend.dma and _host_ranges:
-            host = _host_bounds(table, targets)
-            if host is not None:
-                _ensure_dma(backend, *host)
-        api.copy_rows(targets, table)
+        with _Views(backend, list(unique.values())) as targets:
+            if backend.dma and _host_ranges:
+                host = _host_bounds(table, targets)
+                if host is not None:
+                    _ensure_dma(backend, *host)
+            api.copy_rows(targets, table)
     finally:
-        for raw in aliases:
-            api.destroy_raw_buffer(raw)
-        for view in views:
-            api.destroy_buffer(view)
         del staged  # the staging arrays outlive every copy that reads them
     return nbytes
 
@@ -319,3 +307,108 @@ def host_ends(table: np.ndarray, buffers: list[DeviceBuffer]) -> np.ndarray:
     out = table.copy()
     out[from_device, 0] = table[from_device, 1]
     return out
+
+
+# ---- a self-test per device, before any user byte moves -------------------------------------
+
+_SELF_TEST_BYTES = 3 * 4096
+_self_tested: dict[tuple[int, int, int, bool], tuple[bool, bool, str]] = {}
+
+
+def self_test(backend: PjrtBackend, device: Any) -> tuple[bool, bool, str]:
+    """Proves the engine on one device with scratch arrays of its own: reads two pieces of a
+    known pattern out of order through a view (and, where the plugin can write, writes two
+    pieces raw and reads them back through JAX). Returns (reads work, writes work, what
+    failed or ""). Never raises; never touches a caller's array. Once per table, client,
+    device and write capability."""
+    key = (backend.api.address, backend.client, device.id, backend.writes)
+    known = _self_tested.get(key)
+    if known is None:
+        known = _self_tested[key] = _self_test(backend, device)
+    return known
+
+
+@cache
+def _owned() -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x: jnp.array(x, copy=True))
+
+
+def _self_test(backend: PjrtBackend, device: Any) -> tuple[bool, bool, str]:
+    import jax
+
+    pattern = (np.arange(_SELF_TEST_BYTES, dtype=np.uint32) * 2654435761 >> 13).astype(np.uint8)
+    try:
+        # a computation's own output: on the CPU backend device_put would alias `pattern`
+        array = _owned()(jax.device_put(pattern, device))
+        array.block_until_ready()
+        address = array.unsafe_buffer_pointer()
+        host = np.zeros(_SELF_TEST_BYTES, np.uint8)
+        h = host.ctypes.data
+        rows = np.array(
+            [[address + 4096, h, 4096], [address, h + 4096, 4096], [address + 8192, h + 8192, 7]],
+            dtype=np.uint64,
+        )
+        scratch = DeviceBuffer(device, address, _SELF_TEST_BYTES, backend.writes)
+        with _Views(backend, [scratch]) as targets:
+            backend.api.copy_rows(targets, rows)
+            expected = np.concatenate([pattern[4096:8192], pattern[:4096], pattern[8192:8199]])
+            if not np.array_equal(host[:8199], expected) or host[8199:].any():
+                return False, False, "self-test: bytes read through a view differ"
+            if not backend.writes:
+                return True, False, ""
+            incoming = pattern[::-1].copy()
+            s = incoming.ctypes.data
+            write_rows = np.array(
+                [[s, address + 8192, 4096], [s + 4096, address, 4096]], dtype=np.uint64
+            )
+            backend.api.copy_rows(targets, write_rows)
+        got = np.asarray(array)
+        want = pattern.copy()
+        want[8192:] = incoming[:4096]
+        want[:4096] = incoming[4096:8192]
+        if not np.array_equal(got, want):
+            return True, False, "self-test: bytes written through a raw alias differ"
+        return True, True, ""
+    except Exception as exc:  # any failure means: not this engine on this device
+        return False, False, f"self-test failed ({type(exc).__name__}: {exc})"
+
+
+class _Views:
+    """Views (and raw aliases) of device buffers for one copy, as the targets table
+    ``copy_rows`` takes; destroyed on exit."""
+
+    def __init__(self, backend: PjrtBackend, buffers: list[DeviceBuffer]) -> None:
+        self.backend = backend
+        self.buffers = sorted(buffers, key=lambda b: b.address)
+        self.views: list[int] = []
+        self.aliases: list[int] = []
+
+    def __enter__(self) -> np.ndarray:
+        api, client = self.backend.api, self.backend.client
+        targets = np.zeros((len(self.buffers), 4), dtype=np.uint64)
+        try:
+            for i, buf in enumerate(self.buffers):
+                address, nbytes, written = buf.address, buf.nbytes, buf.written
+                view = api.create_view(client, self.backend.device(buf.device), address, nbytes)
+                self.views.append(view)
+                raw = 0
+                if written:
+                    raw = api.create_raw_alias(view)
+                    self.aliases.append(raw)
+                targets[i] = (address, nbytes, view, raw)
+        except BaseException:
+            self.__exit__()
+            raise
+        return targets
+
+    def __exit__(self, *exc: object) -> None:
+        api = self.backend.api
+        for raw in self.aliases:
+            api.destroy_raw_buffer(raw)
+        for view in self.views:
+            api.destroy_buffer(view)
+        self.aliases.clear()
+        self.views.clear()
