@@ -54,7 +54,9 @@ class PjrtBackend:
     auto: bool = False  # path="auto" picks it (a binding's choice; else auto_enabled())
     _devices: dict[int, int] = field(default_factory=dict)  # jax device id -> PJRT_Device*
     _dma_mapped: set[int] = field(default_factory=set)  # host ranges (start) registered here
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # re-entrant: a Mapping collected by the garbage collector while a thread holds it unmaps
+    # itself (on_unmap) on that same thread
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def reads(self) -> bool:
@@ -89,7 +91,7 @@ class PjrtBackend:
 _bindings: dict[str, PjrtBackend] = {}
 _backends: dict[int, PjrtBackend] = {}  # by client pointer
 _by_device: dict[Any, tuple[PjrtBackend | None, str]] = {}  # probed once per JAX device
-_state_lock = threading.Lock()
+_state_lock = threading.RLock()  # re-entrant for the same reason as PjrtBackend._lock
 
 
 def bind(platform: str, api: Any, client: int, label: str, *, auto: bool = True) -> PjrtBackend:
@@ -189,7 +191,7 @@ def _ensure_dma(backend: PjrtBackend, host_lo: int, host_hi: int) -> None:
     with _state_lock:
         wanted = [
             (start, size)
-            for start, size in _host_ranges.items()
+            for start, size in list(_host_ranges.items())
             if start < host_hi and start + size > host_lo and start not in backend._dma_mapped
         ]
     for start, size in wanted:
