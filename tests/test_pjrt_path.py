@@ -498,3 +498,22 @@ def test_a_plugin_that_moves_wrong_bytes_is_not_used(stand_in, arrays, rng, lie)
     arrays.assert_same(pool.array, incoming, "written")
     with pytest.raises(NativePathUnavailableError):
         tpusync.transfer(incoming, pool, path="native")
+
+
+def test_a_batch_that_reads_and_writes_the_same_blocks_runs_in_order(stand_in, arrays, rng):
+    source = arrays.random(rng, (8, 512), np.uint16)
+    pool = tpusync.DevicePool(put(source))
+    saved = np.zeros((4, 512), np.uint16)
+    incoming = arrays.random(rng, (4, 512), np.uint16)
+    f = tpusync.transfer_batch(
+        [
+            tpusync.Transfer(pool, saved, [1, 3, 5, 7], range(4)),  # read first...
+            tpusync.Transfer(incoming, pool, range(4), [7, 5, 3, 1]),  # ...then overwrite
+        ]
+    )
+    assert f.path == "native"
+    f.result(TIMEOUT)
+    arrays.assert_same(saved, source[[1, 3, 5, 7]], "read before the write")
+    expected = source.copy()
+    expected[[7, 5, 3, 1]] = incoming
+    arrays.assert_same(pool.array, expected, "written after the read")
