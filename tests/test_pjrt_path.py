@@ -517,3 +517,29 @@ def test_a_batch_that_reads_and_writes_the_same_blocks_runs_in_order(stand_in, a
     expected = source.copy()
     expected[[7, 5, 3, 1]] = incoming
     arrays.assert_same(pool.array, expected, "written after the read")
+
+
+def test_kv_store_over_the_plugin(stand_in, arrays, rng, stores, tmp_path):
+    """The KV store end to end on the PJRT engine: a save, a load from DRAM, and a load after
+    the blocks were evicted to disk, every block bit for bit and no checksum failure."""
+    from test_kv_store import BS, Kv, make_config, prompt
+
+    kv = Kv(arrays, rng, BF16)
+    store = stores(make_config(tmp_path, 16, disk=16), kv.pools)
+    tokens = prompt(rng, 5 * BS + 7)
+    src = [3, 9, 1, 20, 33, 40]
+    expected = kv.blocks(src[:5])
+    assert store.save(tokens, src).stored_blocks == 5
+    assert store.flush(TIMEOUT)
+    for targets, evict in (([50, 51, 52, 53, 54], False), ([60, 2, 44, 7, 12], True)):
+        if evict:
+            assert store.evict(tokens, tier="dram") == 5
+        copies = stand_in.count("copies")
+        with store.lookup(tokens) as hit:
+            assert hit.num_blocks == 5 and hit.tiers == ("disk" if evict else "dram",) * 5
+            assert store.load(hit, targets).loaded_blocks == 5
+        assert stand_in.count("copies") > copies  # the load went through the plugin
+        kv.check(targets, expected)
+    stats = store.stats()
+    failures = {name: tier["checksum_failures"] for name, tier in stats["tiers"].items()}
+    assert set(failures.values()) == {0}, failures
