@@ -21,10 +21,13 @@ mkdir -p "$OUT"
   start=$(date +%s)
   "$venv/bin/pip" install -q --no-index --no-build-isolation --no-deps .
   echo "built in $(( $(date +%s) - start )) s"
-  echo "== tpusync info"
-  (cd /tmp && "$venv/bin/python" -m tpusync info)
+  # Past the build, a failing step (even a crash) is reported and the next one still runs:
+  # device time is scarce, and every step says something.
+  step() { "$@" || echo "!! $1 ... exited with $?"; }
+  echo "== tpusync info (the PJRT probe and each GPU's self-test)"
+  (cd /tmp && step "$venv/bin/python" -m tpusync info)
   echo "== gpu_transfer"
-  "$venv/bin/python" benchmarks/gpu_transfer.py --json "$OUT/gpu_transfer.json" "$@"
+  step "$venv/bin/python" benchmarks/gpu_transfer.py --json "$OUT/gpu_transfer.json" "$@"
   echo "== gpu_tiers"
-  "$venv/bin/python" benchmarks/gpu_tiers.py --json "$OUT/gpu_tiers.json"
+  step "$venv/bin/python" benchmarks/gpu_tiers.py --json "$OUT/gpu_tiers.json"
 } 2>&1 | tee "$OUT/device_check.log"
