@@ -319,17 +319,24 @@ def test_a_plugin_without_in_place_writes(stand_in, arrays, rng):
     path = device_path(jax.devices()[0])
     assert (path.engine, path.native, path.reads, path.writes) == ("pjrt", True, True, False)
     assert "no raw-buffer extension for writes" in path.reason
-    source = arrays.random(rng, (8, 32), BF16)
+    read_then_write(arrays, rng, read_path="native", refusal="no in-place writes")
+
+
+def read_then_write(arrays: Any, rng: Any, *, read_path: str, refusal: str | None = None) -> None:
+    """A read with ``path="auto"`` takes ``read_path``, and delivers the bytes; a write runs in
+    JAX (and delivers them); asking for a native write is refused (matching ``refusal``)."""
+    source = arrays.random(rng, (8, 256), BF16)
     pool = tpusync.DevicePool(put(source))
     host = np.zeros_like(source)
     f = tpusync.transfer(pool, host)
-    assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
-    incoming = arrays.random(rng, (8, 32), BF16)
-    f = tpusync.transfer(incoming, pool)
-    assert f.path == "jax"  # auto: the write runs in JAX
-    f.result(TIMEOUT)
+    assert f.path == read_path and f.result(TIMEOUT) == host.nbytes
+    arrays.assert_same(host, source, "read")
+    incoming = arrays.random(rng, (8, 256), BF16)
+    g = tpusync.transfer(incoming, pool)
+    assert g.path == "jax"  # auto: the write runs in JAX
+    g.result(TIMEOUT)
     arrays.assert_same(pool.array, incoming, "written through JAX")
-    with pytest.raises(NativePathUnavailableError, match="no in-place writes"):
+    with pytest.raises(NativePathUnavailableError, match=refusal):
         tpusync.transfer(incoming, pool, path="native")
 
 
@@ -484,20 +491,7 @@ def test_a_plugin_that_moves_wrong_bytes_is_not_used(stand_in, arrays, rng, lie)
     else:
         assert (path.engine, path.native, path.reads, path.writes) == ("pjrt", True, True, False)
         assert "self-test: bytes written through a raw alias differ" in path.reason
-    source = arrays.random(rng, (8, 256), BF16)
-    pool = tpusync.DevicePool(put(source))
-    host = np.zeros_like(source)
-    f = tpusync.transfer(pool, host)
-    assert f.path == ("jax" if lie == "reads" else "native")
-    f.result(TIMEOUT)
-    arrays.assert_same(host, source, "read")
-    incoming = arrays.random(rng, (8, 256), BF16)
-    g = tpusync.transfer(incoming, pool)
-    assert g.path == "jax"
-    g.result(TIMEOUT)
-    arrays.assert_same(pool.array, incoming, "written")
-    with pytest.raises(NativePathUnavailableError):
-        tpusync.transfer(incoming, pool, path="native")
+    read_then_write(arrays, rng, read_path="jax" if lie == "reads" else "native")
 
 
 def test_a_batch_that_reads_and_writes_the_same_blocks_runs_in_order(stand_in, arrays, rng):

@@ -282,16 +282,9 @@ def _host_bounds(table: np.ndarray, targets: np.ndarray) -> tuple[int, int] | No
     """The span of the table's host ends (the ends outside every device buffer)."""
     starts = targets[:, 0]
     ends = starts + targets[:, 1]
-
-    def on_device(addresses: np.ndarray) -> np.ndarray:
-        at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
-        inside = at >= 0
-        inside[inside] = addresses[inside] < ends[at[inside]]
-        return inside
-
-    host = np.concatenate(
-        [table[~on_device(table[:, 0]), 0:1], table[~on_device(table[:, 1]), 1:2]]
-    )
+    src_on_device = _pjrt_staging.locate(table[:, 0], starts, ends)[0]
+    dst_on_device = _pjrt_staging.locate(table[:, 1], starts, ends)[0]
+    host = np.concatenate([table[~src_on_device, 0:1], table[~dst_on_device, 1:2]])
     if not len(host):
         return None
     return int(host.min()), int(host.max()) + 1
@@ -303,9 +296,7 @@ def host_ends(table: np.ndarray, buffers: list[DeviceBuffer]) -> np.ndarray:
     starts = np.array(sorted({b.address for b in buffers}), dtype=np.uint64)
     sizes = {b.address: b.nbytes for b in buffers}
     ends = starts + np.array([sizes[int(s)] for s in starts], dtype=np.uint64)
-    at = np.searchsorted(starts, table[:, 0], side="right").astype(np.int64) - 1
-    from_device = at >= 0
-    from_device[from_device] = table[from_device, 0] < ends[at[from_device]]
+    from_device = _pjrt_staging.locate(table[:, 0], starts, ends)[0]
     out = table.copy()
     out[from_device, 0] = table[from_device, 1]
     return out

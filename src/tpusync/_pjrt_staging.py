@@ -43,6 +43,17 @@ def stage_below() -> int:
     return DEFAULT_STAGE_BELOW if configured is None else max(0, int(configured))
 
 
+def locate(
+    addresses: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which addresses lie in one of the sorted, disjoint ranges [starts[i], ends[i]), and the
+    index of the last range starting at or before each (meaningful where inside)."""
+    at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+    inside = at >= 0
+    inside[inside] = addresses[inside] < ends[at[inside]]
+    return inside, at
+
+
 def _bucket(n: int) -> int:
     return max(8, 1 << (n - 1).bit_length())
 
@@ -90,9 +101,7 @@ def stage_reads(
     order = np.argsort(starts, kind="stable")
     starts = starts[order]
     ends = starts + np.array([readable[i].nbytes for i in order], dtype=np.uint64)
-    at = np.searchsorted(starts, table[:, 0], side="right").astype(np.int64) - 1
-    inside = at >= 0
-    inside[inside] = table[inside, 0] < ends[at[inside]]
+    inside, at = locate(table[:, 0], starts, ends)
     small = inside & (table[:, 2] < below)
     if not small.any():
         return table, []
