@@ -5,8 +5,10 @@ certificate is a real self-signed one made by ``openssl`` for 127.0.0.1."""
 from __future__ import annotations
 
 import shutil
+import socket
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from tpusync.cluster import (
     RegistryUnavailableError,
     RemoteRegistry,
 )
+from tpusync.cluster.dataplane import Served
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 
@@ -162,3 +165,59 @@ def test_plaintext_off_loopback_is_refused_unless_asked_for(source: HostPool) ->
         assert server.port > 0  # listening in the clear, as asked
     with pytest.raises(InvalidArgumentError, match=r"tls: expected an ssl\.SSLContext"):
         BlockServer(source, secret=SECRET, tls="yes")  # type: ignore[arg-type]
+
+
+def test_a_pull_over_tls_stops_at_its_deadline(
+    pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """Real time, TLS (whose reads wait in Python, not in the native loop): a block every 0.3 s
+    under a 1 s lease that is never renewed; the client stops after 0.8 s and keeps only the
+    blocks it completed."""
+    source, target = pools
+    server_tls, client_tls = contexts
+
+    class Slow(BlockServer):
+        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+            time.sleep(0.3)
+            super()._send_block(conn, header, data)
+
+        def _renew(self, served: Served, params: dict[str, Any]) -> bool:
+            return False
+
+    keys = [key_for(i) for i in range(6)]
+    with (
+        Slow(source, secret=SECRET, lease_ttl_s=1.0, tls=server_tls) as server,
+        BlockClient(server.address, secret=SECRET, tls=client_tls, timeout_s=5.0) as client,
+    ):
+        start = time.monotonic()
+        result = client.pull_result(keys, target)
+        assert time.monotonic() - start < 1.5  # not the 1.8 s all six blocks take
+        done = sum(result.loaded)
+        assert done < 6 and result.loaded == [True] * done + [False] * (6 - done)
+        assert isinstance(result.error, TimeoutError)
+        assert_clean(target, done)
+
+
+def test_a_pull_over_tls_follows_its_renewed_deadline(
+    pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    """Real time, TLS: 8 blocks, one every 0.15 s, under a 0.5 s lease; each renewal moves the
+    deadline on, and reads wait by the moved deadline (not by the one they started with)."""
+    source, target = pools
+    server_tls, client_tls = contexts
+
+    class Slow(BlockServer):
+        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+            time.sleep(0.15)
+            super()._send_block(conn, header, data)
+
+    keys = [key_for(i) for i in range(8)]
+    with (
+        Slow(source, secret=SECRET, lease_ttl_s=0.5, tls=server_tls) as server,
+        BlockClient(server.address, secret=SECRET, tls=client_tls, timeout_s=5.0) as client,
+    ):
+        result = client.pull_result(keys, target)
+        assert result.loaded == [True] * 8 and result.released and result.error is None
+        for key in keys:
+            assert payload(target, key) == payload(source, key)
+        assert_clean(target, 8)

@@ -633,6 +633,7 @@ class _Connection:
         assert self.sock is not None
         got, n = 0, view.nbytes
         native = not isinstance(self.sock, ssl.SSLSocket)  # TLS decrypts in Python's ssl
+        timeout_set: float | None = None  # what the TLS socket waits at most, as last set
         while got < n:
             at = deadline.at if isinstance(deadline, _Deadline) else deadline
             left = at - time.monotonic()
@@ -647,7 +648,11 @@ class _Connection:
                 if got < n and wait >= self._timeout:
                     raise TimeoutError(f"{self.label} sent nothing for {self._timeout:g} s")
                 continue
-            self.sock.settimeout(wait)
+            if wait != timeout_set:
+                # settimeout is a system call; a TLS read returns one record (16 KiB), so it
+                # changes only in the last I/O timeout before the deadline (or when it moves)
+                self.sock.settimeout(wait)
+                timeout_set = wait
             try:
                 r = self.sock.recv_into(view[got:], n - got)
             except TimeoutError:
