@@ -313,6 +313,7 @@ def test_connection_cut_mid_block(source: HostPool, target: HostPool, cut_at: in
                 sent[0] += 1
                 _send_buffers(conn, [header, data[: len(data) // 2]])
                 conn.shutdown(socket.SHUT_RDWR)
+                time.sleep(0.1)  # the client sees the cut and goes on before this thread unwinds
                 raise ConnectionResetError("cut by the test")
             sent[0] += 1
             super()._send_block(conn, header, data)
@@ -330,7 +331,16 @@ def test_connection_cut_mid_block(source: HostPool, target: HostPool, cut_at: in
         for key in keys:
             assert payload(target, key) == payload(source, key)
         assert_clean(target, 8)
-        assert_unpinned(server, keys)
+        # The cut get's pins go when its server thread unwinds, which the client does not wait
+        # for (it saw the cut first and went on): eventually, not at once.
+        assert len(server.leases) == 0
+        deleted = [0]
+
+        def all_deletable() -> bool:
+            deleted[0] += server.pool.delete(keys)
+            return deleted[0] == len(keys)
+
+        eventually(all_deletable)
 
 
 def test_lease_expired_during_a_slow_pull_commits_nothing(
