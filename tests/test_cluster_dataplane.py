@@ -90,6 +90,26 @@ def assert_unpinned(server: BlockServer, keys: list[bytes]) -> None:
     assert server.pool.delete(keys) == sum(present)
 
 
+def slow_server(
+    delay_s: float, *, renews: bool = True, renewals: list[float] | None = None
+) -> type[BlockServer]:
+    """A BlockServer that waits ``delay_s`` (real time) before each block; with ``renews=False``
+    it refuses every lease renewal; the times of the renewals it is asked for go to
+    ``renewals``."""
+
+    class Slow(BlockServer):
+        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+            time.sleep(delay_s)
+            super()._send_block(conn, header, data)
+
+        def _renew(self, served: Served, params: dict[str, Any]) -> bool:
+            if renewals is not None:
+                renewals.append(time.monotonic())
+            return renews and super()._renew(served, params)
+
+    return Slow
+
+
 @pytest.fixture
 def source(rng: np.random.Generator, arrays: Any) -> Iterator[HostPool]:
     with HostPool(LAYOUT, CAPACITY) as pool:
@@ -376,16 +396,9 @@ def test_pull_stops_at_its_deadline_before_the_lease_ends(
     renew it. The client stops receiving after 0.8 s (DEADLINE_FRACTION of the TTL), releases in
     time and keeps only the blocks it completed."""
 
-    class Slow(BlockServer):
-        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
-            time.sleep(0.3)
-            super()._send_block(conn, header, data)
-
-        def _renew(self, served: Served, params: dict) -> bool:
-            return False
-
+    slow = slow_server(0.3, renews=False)
     keys = [key_for(i) for i in range(6)]
-    with Slow(source, secret=SECRET, lease_ttl_s=1.0) as server, client_for(server) as client:
+    with slow(source, secret=SECRET, lease_ttl_s=1.0) as server, client_for(server) as client:
         start = time.monotonic()
         result = client.pull_result(keys, target)
         assert time.monotonic() - start < 1.5  # not the 1.8 s all six blocks take
@@ -401,19 +414,10 @@ def test_a_pull_longer_than_its_lease_renews_it(source: HostPool, target: HostPo
     """Real time: 8 blocks, one every 0.15 s, under a 0.5 s lease: the client renews the lease
     every third of its TTL over its control connection, receives everything, and the lease was
     held the whole time."""
-    renewals = []
-
-    class Slow(BlockServer):
-        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
-            time.sleep(0.15)
-            super()._send_block(conn, header, data)
-
-        def _renew(self, served: Served, params: dict) -> bool:
-            renewals.append(time.monotonic())
-            return super()._renew(served, params)
-
+    renewals: list[float] = []
+    slow = slow_server(0.15, renewals=renewals)
     keys = [key_for(i) for i in range(8)]
-    with Slow(source, secret=SECRET, lease_ttl_s=0.5) as server, client_for(server) as client:
+    with slow(source, secret=SECRET, lease_ttl_s=0.5) as server, client_for(server) as client:
         result = client.pull_result(keys, target)
         assert result.loaded == [True] * 8 and result.released and result.error is None
         assert len(renewals) >= 3

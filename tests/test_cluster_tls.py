@@ -5,7 +5,6 @@ certificate is a real self-signed one made by ``openssl`` for 127.0.0.1."""
 from __future__ import annotations
 
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -23,6 +22,7 @@ from test_cluster_dataplane import (
     fill,
     key_for,
     payload,
+    slow_server,
 )
 
 from tpusync.cluster import (
@@ -35,7 +35,6 @@ from tpusync.cluster import (
     RegistryUnavailableError,
     RemoteRegistry,
 )
-from tpusync.cluster.dataplane import Served
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 
@@ -175,18 +174,10 @@ def test_a_pull_over_tls_stops_at_its_deadline(
     blocks it completed."""
     source, target = pools
     server_tls, client_tls = contexts
-
-    class Slow(BlockServer):
-        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
-            time.sleep(0.3)
-            super()._send_block(conn, header, data)
-
-        def _renew(self, served: Served, params: dict[str, Any]) -> bool:
-            return False
-
+    slow = slow_server(0.3, renews=False)
     keys = [key_for(i) for i in range(6)]
     with (
-        Slow(source, secret=SECRET, lease_ttl_s=1.0, tls=server_tls) as server,
+        slow(source, secret=SECRET, lease_ttl_s=1.0, tls=server_tls) as server,
         BlockClient(server.address, secret=SECRET, tls=client_tls, timeout_s=5.0) as client,
     ):
         start = time.monotonic()
@@ -205,15 +196,10 @@ def test_a_pull_over_tls_follows_its_renewed_deadline(
     deadline on, and reads wait by the moved deadline (not by the one they started with)."""
     source, target = pools
     server_tls, client_tls = contexts
-
-    class Slow(BlockServer):
-        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
-            time.sleep(0.15)
-            super()._send_block(conn, header, data)
-
+    slow = slow_server(0.15)
     keys = [key_for(i) for i in range(8)]
     with (
-        Slow(source, secret=SECRET, lease_ttl_s=0.5, tls=server_tls) as server,
+        slow(source, secret=SECRET, lease_ttl_s=0.5, tls=server_tls) as server,
         BlockClient(server.address, secret=SECRET, tls=client_tls, timeout_s=5.0) as client,
     ):
         result = client.pull_result(keys, target)
