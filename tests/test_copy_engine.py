@@ -123,7 +123,8 @@ def test_block_segments_merge_only_runs_contiguous_on_both_sides() -> None:
     blocks=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096)), max_size=40),
 )
 def test_block_rows_are_the_per_row_segments(rows: list, blocks: list) -> None:
-    """block_rows (a plan's table, one C pass) equals block_segments row by row, unmerged."""
+    """BlockRows.rows (a plan's table, one C pass) equals block_segments row by row,
+    unmerged."""
     src_base, src_step, dst_base, dst_step, nbytes = (
         np.array(c, dtype=np.int64) for c in zip(*rows, strict=True)
     )
@@ -131,17 +132,16 @@ def test_block_rows_are_the_per_row_segments(rows: list, blocks: list) -> None:
     dst_blocks = np.array([b[1] for b in blocks], dtype=np.int64)
     # each row its own pair of bases, half of them split between the pair and the row
     half = np.stack([src_base // 2, dst_base // 2], axis=1)
-    table = _core.block_rows(
-        half,
+    rows_plan = _core.BlockRows(
         np.arange(len(rows), dtype=np.int64),
         src_base - half[:, 0],
         src_step,
         dst_base - half[:, 1],
         dst_step,
         nbytes.astype(np.uint64),
-        src_blocks,
-        dst_blocks,
+        len(rows),
     )
+    table = rows_plan.rows(half, src_blocks, dst_blocks)
     expected = [
         _core.block_segments(
             src_base[r : r + 1],
@@ -162,21 +162,19 @@ def test_block_rows_are_the_per_row_segments(rows: list, blocks: list) -> None:
         assert _core.table_bounds(table) == (lo, hi, dlo, dhi)
 
 
-def test_block_rows_refuses_a_row_without_a_pair() -> None:
-    """A pair index outside pair_bases is refused before anything is read through it."""
+def test_block_rows_refuses_a_row_without_a_pair_and_bad_bases() -> None:
+    """A pair index outside the pairs is refused when the plan is made, before anything is
+    read through it; so are bases of the wrong shape and block lists of unequal length."""
     one = np.zeros(1, np.int64)
     with pytest.raises(ValueError, match="pair_of_row"):
-        _core.block_rows(
-            np.zeros((1, 2), np.int64),
-            np.array([1]),
-            one,
-            one,
-            one,
-            one,
-            np.ones(1, np.uint64),
-            one,
-            one,
-        )
+        _core.BlockRows(np.array([1]), one, one, one, one, np.ones(1, np.uint64), 1)
+    with pytest.raises(ValueError, match="differ in length"):
+        _core.BlockRows(np.array([0]), one, one, one, np.zeros(2, np.int64), one.view(np.uint64), 1)
+    plan = _core.BlockRows(np.array([0]), one, one, one, one, np.ones(1, np.uint64), 1)
+    with pytest.raises(ValueError, match="pair_bases"):
+        plan.rows(np.zeros((2, 2), np.int64), one, one)
+    with pytest.raises(ValueError, match="block lists"):
+        plan.rows(np.zeros((1, 2), np.int64), one, np.zeros(2, np.int64))
 
 
 def test_mapping_is_page_aligned_prefaulted_and_guarded() -> None:
@@ -207,3 +205,36 @@ def test_populate_ranges_are_checked() -> None:
     mapping.close()
     with pytest.raises(ValueError, match="closed"):
         mapping.populate()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    index=st.dictionaries(st.binary(min_size=1, max_size=4), st.integers(0, 15), max_size=12),
+    keys=st.lists(st.binary(min_size=1, max_size=4), max_size=20),
+)
+def test_pin_slots_matches_a_plain_loop(index: dict, keys: list) -> None:
+    """pin_slots (a pool's pin in one pass) answers each key's slot and checksum as a plain
+    loop does, pins each present occurrence once (duplicates too), and unpin_slots undoes it."""
+    rng = np.random.default_rng(len(keys))
+    records = np.zeros(16, dtype=[("state", np.uint8), ("checksum", np.uint64)])
+    records["checksum"] = rng.integers(1, 2**63, 16, dtype=np.uint64)
+    pins = rng.integers(0, 3, 16).astype(np.int64)
+    before = pins.copy()
+    slots, sums, all_present = _core.pin_slots(index, keys, pins, records["checksum"])
+    expected_slots = np.array([index.get(k, -1) for k in keys], dtype=np.int64)
+    assert np.array_equal(slots, expected_slots)
+    assert sums.tolist() == [int(records["checksum"][s]) if s >= 0 else 0 for s in expected_slots]
+    assert all_present == all(k in index for k in keys)
+    added = np.zeros(16, np.int64)
+    np.add.at(added, expected_slots[expected_slots >= 0], 1)
+    assert np.array_equal(pins, before + added)
+    _core.unpin_slots(pins, slots)
+    assert np.array_equal(pins, before)
+
+
+def test_pin_slots_refuses_a_slot_outside_the_pool_and_pins_nothing() -> None:
+    pins = np.zeros(4, np.int64)
+    checksums = np.arange(4, dtype=np.uint64)
+    with pytest.raises(IndexError, match="outside the pool"):
+        _core.pin_slots({b"a": 1, b"b": 4}, [b"a", b"b"], pins, checksums)
+    assert not pins.any()

@@ -8,6 +8,7 @@ the test ends, whatever happened.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -855,7 +856,7 @@ def test_prepare_plans_both_directions_and_moves_nothing(arrays, rng, mesh, open
     store(pool, model, keys_for([0, 1]), [0, 1], "native")
     slots_before = [slot_payload(pool, k) for k in keys_for([0, 1])]
     pool.prepare(model.pools)
-    assert set(pool._moves_kept) == {True, False}
+    assert set(pool._kept.plans) == {True, False}
     model.check("after prepare")
     assert [slot_payload(pool, k) for k in keys_for([0, 1])] == slots_before
     load(pool, model, keys_for([0, 1]), [3, 2], "native")
@@ -877,6 +878,42 @@ def test_use_after_close_is_a_clear_error(arrays, rng, mesh, open_pool):
             call()
         assert "closed" in str(info.value)
     model.check("after calls on a closed pool")
+
+
+def test_close_right_after_native_moves_needs_no_garbage_collection(arrays, rng, mesh, open_pool):
+    """What a pool keeps for its device pools (plans holding views of its slots) goes when
+    close() drops it, not at the next garbage collection: close() succeeds at once."""
+    model = make_model(arrays, rng, mesh)
+    pool = open_pool(model.layout, 4)
+    gc.disable()
+    try:
+        store(pool, model, keys_for([0, 1]), [0, 1], "native")
+        load(pool, model, keys_for([0, 1]), [3, 2], "native")
+        pool.close()
+        assert pool.closed
+    finally:
+        gc.enable()
+    model.check("after close")
+
+
+def test_kept_plans_follow_the_pool_list(arrays, rng, mesh, open_pool):
+    """The plans kept for a list of device pools serve that list only: another list (or the
+    same pools in another order) is planned anew, and moves with each list stay exact."""
+    model = make_model(arrays, rng, mesh)
+    pool = open_pool(model.layout, 8)
+    store(pool, model, keys_for([0, 1]), [0, 1], "native")
+    first = pool._kept
+    assert first is not None and first.matches(model.pools)
+    assert not first.matches(list(reversed(model.pools)))
+    other = make_model(arrays, rng, mesh)
+    store(pool, other, keys_for([2, 3]), [2, 3], "native")
+    assert pool._kept is not first and not pool._kept.matches(model.pools)
+    del first
+    model.stored.update(other.stored)  # what the first list will load of the other's
+    load(pool, model, keys_for([0, 1, 2, 3]), [7, 6, 5, 4], "native")
+    assert pool._kept.matches(model.pools)
+    model.check("after loads with the first list again")
+    other.check("the other list, untouched by them")
 
 
 CLOSE_WITH_VIEWS = """

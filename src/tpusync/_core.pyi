@@ -28,17 +28,24 @@ def block_segments(
     nbytes: int,
     merge: bool = ...,
 ) -> np.ndarray: ...
-def block_rows(
-    pair_bases: np.ndarray,
-    pair_of_row: np.ndarray,
-    src_rel: np.ndarray,
-    src_step: np.ndarray,
-    dst_rel: np.ndarray,
-    dst_step: np.ndarray,
-    nbytes: np.ndarray,
-    src_blocks: np.ndarray,
-    dst_blocks: np.ndarray,
-) -> np.ndarray: ...
+
+class BlockRows:
+    n_rows: int
+    n_pairs: int
+    def __init__(
+        self,
+        pair_of_row: np.ndarray,
+        src_rel: np.ndarray,
+        src_step: np.ndarray,
+        dst_rel: np.ndarray,
+        dst_step: np.ndarray,
+        nbytes: np.ndarray,
+        n_pairs: int,
+    ) -> None: ...
+    def rows(
+        self, pair_bases: np.ndarray, src_blocks: np.ndarray, dst_blocks: np.ndarray
+    ) -> np.ndarray: ...
+
 def table_bounds(table: np.ndarray) -> tuple[int, int, int, int]: ...
 def xxh64(data: Any, seed: int = ...) -> int: ...
 def xxh64_rows(rows: np.ndarray, seed: int = ...) -> np.ndarray: ...
@@ -50,6 +57,10 @@ def xxh64_gathered(
     digests: np.ndarray, rows: np.ndarray, n_blocks: int, seed: int = ...
 ) -> np.ndarray: ...
 def sum64(data: Any) -> int: ...
+def pin_slots(
+    index: dict[bytes, int], keys: list[bytes], pins: np.ndarray, checksums: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]: ...
+def unpin_slots(pins: np.ndarray, slots: np.ndarray) -> None: ...
 def recv_exact(fd: int, buffer: Any, timeout_s: float, hasher: PieceHasher | None = ...) -> int: ...
 def send_all(fd: int, buffers: list[Any], timeout_s: float) -> int: ...
 

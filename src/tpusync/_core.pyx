@@ -97,44 +97,63 @@ def block_segments(
     return table[:rows]
 
 
-def block_rows(
-    const int64_t[:, ::1] pair_bases, const int64_t[::1] pair_of_row,
-    const int64_t[::1] src_rel, const int64_t[::1] src_step,
-    const int64_t[::1] dst_rel, const int64_t[::1] dst_step, const uint64_t[::1] nbytes,
-    const int64_t[::1] src_blocks, const int64_t[::1] dst_blocks,
-):
-    """Rows (src, dst, nbytes) for every row r of a plan and block i, in (r, i) order: from
-    ``pair_bases[p, 0] + src_rel[r] + src_blocks[i] * src_step[r]`` to ``pair_bases[p, 1] +
-    dst_rel[r] + dst_blocks[i] * dst_step[r]``, ``nbytes[r]`` bytes, where ``p =
-    pair_of_row[r]`` (a row's pair of buffers). One pass with the GIL released: numpy's
-    broadcasts and temporaries cost ~10x more right after a model step has run."""
-    cdef Py_ssize_t n_rows = src_rel.shape[0], n_blocks = src_blocks.shape[0], r, i, at, p
-    cdef Py_ssize_t n_pairs = pair_bases.shape[0]
-    if (src_step.shape[0] != n_rows or dst_rel.shape[0] != n_rows or pair_of_row.shape[0]
-            != n_rows or dst_step.shape[0] != n_rows or nbytes.shape[0] != n_rows):
-        raise ValueError("the per-row arrays differ in length")
-    if pair_bases.shape[1] != 2:
-        raise ValueError("pair_bases must have shape (pairs, 2)")
-    if dst_blocks.shape[0] != n_blocks:
-        raise ValueError("source and destination block lists differ in length")
-    for r in range(n_rows):
-        if not 0 <= pair_of_row[r] < n_pairs:
-            raise ValueError(f"pair_of_row[{r}] = {pair_of_row[r]} is not a pair")
-    cdef cnp.ndarray table = np.empty((n_rows * n_blocks, 3), dtype=np.uint64)
-    cdef uint64_t[:, ::1] out = table
-    cdef int64_t src, dst
-    with nogil:
-        at = 0
-        for r in range(n_rows):
-            p = pair_of_row[r]
-            src = pair_bases[p, 0] + src_rel[r]
-            dst = pair_bases[p, 1] + dst_rel[r]
-            for i in range(n_blocks):
-                out[at, 0] = <uint64_t> (src + src_blocks[i] * src_step[r])
-                out[at, 1] = <uint64_t> (dst + dst_blocks[i] * dst_step[r])
-                out[at, 2] = nbytes[r]
-                at += 1
-    return table
+cdef class BlockRows:
+    """A plan's per-row geometry, checked once; :meth:`rows` turns one call's buffer bases
+    and block lists into its segment table. Row r of pair ``p = pair_of_row[r]`` (a pair of
+    buffers) moves ``nbytes[r]`` bytes for each block i, from ``pair_bases[p, 0] + src_rel[r]
+    + src_blocks[i] * src_step[r]`` to ``pair_bases[p, 1] + dst_rel[r] + dst_blocks[i] *
+    dst_step[r]``. Kept by the plan, since taking seven arrays' buffers again on every call
+    cost ~15 us right after a model step."""
+
+    cdef const int64_t[::1] _pair_of_row
+    cdef const int64_t[::1] _src_rel
+    cdef const int64_t[::1] _src_step
+    cdef const int64_t[::1] _dst_rel
+    cdef const int64_t[::1] _dst_step
+    cdef const uint64_t[::1] _nbytes
+    cdef readonly Py_ssize_t n_rows, n_pairs
+
+    def __init__(self, const int64_t[::1] pair_of_row not None,
+                 const int64_t[::1] src_rel not None, const int64_t[::1] src_step not None,
+                 const int64_t[::1] dst_rel not None, const int64_t[::1] dst_step not None,
+                 const uint64_t[::1] nbytes not None, Py_ssize_t n_pairs):
+        cdef Py_ssize_t r, n = src_rel.shape[0]
+        if (src_step.shape[0] != n or dst_rel.shape[0] != n or pair_of_row.shape[0] != n
+                or dst_step.shape[0] != n or nbytes.shape[0] != n):
+            raise ValueError("the per-row arrays differ in length")
+        for r in range(n):
+            if not 0 <= pair_of_row[r] < n_pairs:
+                raise ValueError(f"pair_of_row[{r}] = {pair_of_row[r]} is not a pair")
+        self._pair_of_row, self._src_rel, self._src_step = pair_of_row, src_rel, src_step
+        self._dst_rel, self._dst_step, self._nbytes = dst_rel, dst_step, nbytes
+        self.n_rows, self.n_pairs = n, n_pairs
+
+    def rows(self, const int64_t[:, ::1] pair_bases not None,
+             const int64_t[::1] src_blocks not None, const int64_t[::1] dst_blocks not None):
+        """The segment table (uint64, rows (src, dst, nbytes)) for every row r and block i,
+        in (r, i) order: one pass with the GIL released."""
+        cdef Py_ssize_t n_blocks = src_blocks.shape[0], r, i, at, p
+        if pair_bases.shape[0] != self.n_pairs or pair_bases.shape[1] != 2:
+            raise ValueError(f"pair_bases must have shape ({self.n_pairs}, 2)")
+        if dst_blocks.shape[0] != n_blocks:
+            raise ValueError("source and destination block lists differ in length")
+        cdef cnp.ndarray table = np.empty((self.n_rows * n_blocks, 3), dtype=np.uint64)
+        cdef uint64_t *out = <uint64_t *> cnp.PyArray_DATA(table)
+        cdef int64_t src, dst, src_step, dst_step
+        cdef uint64_t nbytes
+        with nogil:
+            at = 0
+            for r in range(self.n_rows):
+                p = self._pair_of_row[r]
+                src = pair_bases[p, 0] + self._src_rel[r]
+                dst = pair_bases[p, 1] + self._dst_rel[r]
+                src_step, dst_step, nbytes = self._src_step[r], self._dst_step[r], self._nbytes[r]
+                for i in range(n_blocks):
+                    out[at] = <uint64_t> (src + src_blocks[i] * src_step)
+                    out[at + 1] = <uint64_t> (dst + dst_blocks[i] * dst_step)
+                    out[at + 2] = nbytes
+                    at += 3
+        return table
 
 
 def table_bounds(const uint64_t[:, ::1] table):
@@ -316,6 +335,44 @@ def xxh64_gathered(const uint64_t[::1] digests not None, const int64_t[::1] rows
             sums[b] = tps_xxh64(row, <size_t> n_rows * 8, seed)
     PyMem_Free(row)
     return out
+
+
+def pin_slots(dict index not None, list keys not None, int64_t[::1] pins not None,
+              const uint64_t[:] checksums not None):
+    """A slot pool's pin in one pass: each key's slot in ``index`` (-1 where absent) and its
+    recorded checksum (0 where absent), one pin added to each present slot. Returns (slots,
+    checksums, all present). Every slot is checked before any pin is taken, so an error
+    changes nothing. Call with the pool's lock held."""
+    cdef Py_ssize_t n = len(keys), i, capacity = min(pins.shape[0], checksums.shape[0])
+    cdef cnp.ndarray slots = np.empty(n, dtype=np.int64)
+    cdef cnp.ndarray sums = np.zeros(n, dtype=np.uint64)
+    cdef int64_t *s = <int64_t *> cnp.PyArray_DATA(slots)
+    cdef uint64_t *c = <uint64_t *> cnp.PyArray_DATA(sums)
+    cdef bint all_present = True
+    cdef int64_t slot
+    for i in range(n):
+        found = index.get(keys[i])
+        if found is None:
+            s[i] = -1
+            all_present = False
+            continue
+        slot = found
+        if not 0 <= slot < capacity:
+            raise IndexError(f"slot {slot} of key {i} is outside the pool")
+        s[i] = slot
+    for i in range(n):
+        if s[i] >= 0:
+            pins[s[i]] += 1
+            c[i] = checksums[s[i]]
+    return slots, sums, all_present
+
+
+def unpin_slots(int64_t[::1] pins not None, const int64_t[::1] slots not None):
+    """Drops the pin :func:`pin_slots` took on each slot (slots < 0 were absent: skipped)."""
+    cdef Py_ssize_t i, capacity = pins.shape[0]
+    for i in range(slots.shape[0]):
+        if 0 <= slots[i] < capacity:
+            pins[slots[i]] -= 1
 
 
 cdef extern from "tpusync/blake2b.h" nogil:

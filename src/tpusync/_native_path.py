@@ -251,7 +251,7 @@ class BlockPlan:
     :func:`plan_segments` per move per call re-derives every piece's offset inside its region
     (~50 us a move); here those offsets are kept, host regions (fixed memory) too, and a call
     only reads each device buffer's address (pinning it) and adds ``block * stride``, for all
-    moves in one C pass (``_core.block_rows``). Rows are in :func:`run_hashed`'s order: (move,
+    moves in one C pass (``_core.BlockRows``). Rows are in :func:`run_hashed`'s order: (move,
     shard group, replica, outer index, block). Device shard shapes never change (a DevicePool's
     shape and sharding are fixed), and neither do host views, so neither do the offsets.
     """
@@ -288,12 +288,15 @@ class BlockPlan:
         def join(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
             return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
-        self._src_rel = join(src_rel, np.int64)
-        self._dst_rel = join(dst_rel, np.int64)
-        self._src_step = join(src_step, np.int64)
-        self._dst_step = join(dst_step, np.int64)
-        self._nbytes = join(nbytes, np.uint64)
-        self._pair_of_row = join(pair_of_row, np.int64)
+        self._rows = _core.BlockRows(
+            join(pair_of_row, np.int64),
+            join(src_rel, np.int64),
+            join(src_step, np.int64),
+            join(dst_rel, np.int64),
+            join(dst_step, np.int64),
+            join(nbytes, np.uint64),
+            pair,
+        )
         self._first_rows = np.flatnonzero(join(first, bool)).astype(np.int64)
         self.pieces = len(self._first_rows)  # piece checksums per block
         # the pools these moves write (device destinations), for the donated identity step
@@ -327,8 +330,10 @@ class BlockPlan:
                     and len(side.groups) == 1
                     and len(side.current().sharding.device_set) == 1
                 )
+                # a plain-CPU destination of one shard is addressed without a pin (see table)
+                unpinned = single and written and side.groups[0].devices[0].platform == "cpu"
                 self._device_places.append(
-                    (side, places[0][2] if single else None, places, written)
+                    (side, places[0][2] if single else None, places, written, unpinned)
                 )
             at += 2 * sum(replicas)
         if at != len(self._host_bases):
@@ -336,23 +341,22 @@ class BlockPlan:
 
     def table(self, src_blocks: np.ndarray, dst_blocks: np.ndarray, holds: list[Any]) -> np.ndarray:
         """The segment table for this call's blocks; every device buffer it addresses is
-        pinned in ``holds``."""
+        pinned in ``holds``, except a destination on the plain CPU path: call it right after
+        :func:`wait_for_readers` with the pools locked, when only the locked pool refers to its
+        new array, so that nothing can free or donate that buffer before the locks go."""
         bases = self._base_template.copy()
-        for side, single, places, written in self._device_places:
-            if single is not None:  # one shard: the array is its data
+        plain = not _pjrt_path._bindings  # CPU buffers are host memory (see _hold)
+        for side, single, places, written, unpinned in self._device_places:
+            if unpinned and plain:  # a pin costs ~5-10 us after a model step
+                bases[single] = side.current().unsafe_buffer_pointer()
+            elif single is not None:  # one shard: the array is its data
                 bases[single] = _hold(holds, side.current(), side.groups[0].devices[0], written)
             else:
                 addresses = _device_bases(side, holds, written)
                 for g, r, place in places:
                     bases[place] = addresses[g][r]
-        return _core.block_rows(
+        return self._rows.rows(
             bases.reshape(-1, 2),
-            self._pair_of_row,
-            self._src_rel,
-            self._src_step,
-            self._dst_rel,
-            self._dst_step,
-            self._nbytes,
             np.ascontiguousarray(src_blocks, dtype=np.int64),
             np.ascontiguousarray(dst_blocks, dtype=np.int64),
         )
@@ -372,13 +376,19 @@ def _device_bases(side: DeviceSide, holds: list[Any], written: bool) -> list[lis
     ]
 
 
-def run_hashed_plan(plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> np.ndarray:
+def run_hashed_plan(
+    plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndarray, *, donated: bool = False
+) -> np.ndarray:
     """Runs the plan's moves with these block lists and returns each block's checksum: XXH64 of
     its pieces' checksums (``_core.sum64`` of the bytes copied) in (move, shard group, outer
-    index) order, the first replica of each group (a slot's order: see slot_checksums)."""
+    index) order, the first replica of each group (a slot's order: see slot_checksums).
+    ``donated``: the caller already started the destination pools' donation (under the locks
+    it still holds); only its wait is left."""
     if not len(src_blocks):
+        if donated:
+            wait_for_readers(plan.destination_pools, started=True)
         return np.zeros(0, np.uint64)
-    wait_for_readers(plan.destination_pools)
+    wait_for_readers(plan.destination_pools, started=donated)
     holds = Holds()
     try:
         table = plan.table(src_blocks, dst_blocks, holds)

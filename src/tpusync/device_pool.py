@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -165,6 +166,8 @@ class DevicePool:
 
     def _check_writable(self, block_ids: np.ndarray, block_axis: int, argument: str) -> None:
         """Raises BlocksHeldError when a transfer would write a held block."""
+        if not self._held.get(block_axis):  # nothing held: the usual case, without the lock
+            return
         with self._held_lock:
             held = self._held.get(block_axis)
             if not held:
@@ -229,10 +232,11 @@ def _check_alive(array: jax.Array, argument: str) -> None:
         )
 
 
-def wait_for_readers(pools: list[DevicePool]) -> None:
-    """The donated identity step of several pools: one dispatch per set of devices (a jitted
-    call spans one), then waited for, so the pools' readers are waited for concurrently. Call
-    with the pools' locks held."""
+def start_donation(pools: Sequence[DevicePool]) -> None:
+    """Dispatches the donated identity step of several pools, one dispatch per set of devices
+    (a jitted call spans one), and swaps in its results without waiting: each new array becomes
+    ready once every reader of the old one is done (see :func:`wait_for_readers`). Call with
+    the pools' locks held, and hold them until the results were waited for and written."""
     groups: dict[frozenset[Any], list[DevicePool]] = {}
     for pool in pools:
         groups.setdefault(pool._devices, []).append(pool)
@@ -240,5 +244,13 @@ def wait_for_readers(pools: list[DevicePool]) -> None:
         arrays = _donated_identity(len(group))(*(pool._array for pool in group))
         for pool, array in zip(group, arrays, strict=True):
             pool._array = array
+
+
+def wait_for_readers(pools: Sequence[DevicePool], *, started: bool = False) -> None:
+    """The donated identity step of several pools, waited for: their readers are waited for
+    concurrently. With ``started``, :func:`start_donation` was already called for them (work
+    done in between overlaps the wait). Call with the pools' locks held."""
+    if not started:
+        start_donation(pools)
     for pool in pools:
         pool._array.block_until_ready()

@@ -33,7 +33,7 @@ import numpy as np
 
 from tpusync import _core, _huge_pages, _native_path, _pjrt_path
 from tpusync._progress import Progress
-from tpusync.device_pool import DevicePool, wait_for_readers
+from tpusync.device_pool import DevicePool, start_donation, wait_for_readers
 from tpusync.errors import (
     BlockIndexError,
     BlocksMissingError,
@@ -177,6 +177,7 @@ class HostPool:
         # re-attached one (its pages exist in /dev/shm but this process has not mapped them;
         # a copy maps the slots it touches in one call first, instead of a fault per page).
         self._populated = np.full(capacity, populate and not self.attached, dtype=bool)
+        self._all_populated = bool(self._populated.all())  # then a copy need not look
         self._mapper_stop = threading.Event()
         self._mapper_done: threading.Event | None = None
         if self.attached and populate:
@@ -186,7 +187,7 @@ class HostPool:
             # cost milliseconds of the attach on 2 busy cores.
             self._mapper_done = threading.Event()
             _thread.start_new_thread(self._map_in_background, (self._mapper_done,))
-        self._moves_kept: dict[bool, tuple[tuple[weakref.ref[Any], ...], Any]] = {}
+        self._kept: _KeptPools | None = None  # for the last list of pools moved with
         if self.path is not None:
             # /dev/shm's tmpfs allocates small pages (unless mounted with huge=): collapse them
             # in the background, as for device pools (see _huge_pages), once the records are
@@ -565,26 +566,21 @@ class HostPool:
 
     def _pin_checked(self, keys: list[bytes]) -> Pinned:
         with self._lock:
-            self._open_base()
-            get = self._index.get
-            slots = np.fromiter((get(k, -1) for k in keys), np.int64, len(keys))
-            present = slots >= 0
-            if present.all():  # the usual case: no masks (each costs ~10 us after a step)
-                np.add.at(self._pins, slots, 1)
-                return Pinned(keys, slots, present, self._records["checksum"][slots], True)
-            np.add.at(self._pins, slots[present], 1)
-            checksums = np.zeros(len(keys), dtype=np.uint64)
-            checksums[present] = self._records["checksum"][slots[present]]
-        return Pinned(keys, slots, present, checksums)
+            records = self._open_records()
+            # one native pass: numpy's masks and np.add.at cost ~10 us each after a model step
+            slots, checksums, all_present = _core.pin_slots(
+                self._index, keys, self._pins, records["checksum"]
+            )
+        return Pinned(keys, slots, slots >= 0, checksums, all_present)
 
     def unpin(self, pinned: Pinned) -> None:
         with self._lock:
-            slots = pinned.slots[pinned.present]
-            np.add.at(self._pins, slots, -1)
-            for slot in set(slots.tolist()) & self._retired if self._retired else ():
-                if not self._pins[slot]:  # a dropped block's last reader is done with it
-                    self._retired.discard(slot)
-                    self._free.append(slot)
+            _core.unpin_slots(self._pins, pinned.slots)
+            if self._retired:
+                for slot in set(pinned.slots[pinned.present].tolist()) & self._retired:
+                    if not self._pins[slot]:  # a dropped block's last reader is done with it
+                        self._retired.discard(slot)
+                        self._free.append(slot)
 
     def slot_memory(self, slot: int) -> memoryview:
         """The writable bytes of one slot (``layout.slot_bytes``, page-aligned) for file I/O.
@@ -703,7 +699,10 @@ class HostPool:
         corrupt = 0
         try:
             if pinned.all_present:  # the usual load: no masks to apply
-                bad = self._copy_out(pools, block_ids, pinned.slots, path) != pinned.checksums
+                got = self._copy_out(pools, block_ids, pinned.slots, path)
+                # one C compare, where numpy's != and any() cost ~10 us each after a step
+                expected = pinned.checksums
+                bad = None if got.tobytes() == expected.tobytes() else got != expected
             elif present.any():
                 got = self._copy_out(pools, block_ids[present], pinned.slots[present], path)
                 bad = got != pinned.checksums[present]
@@ -718,13 +717,16 @@ class HostPool:
             self.drop_corrupt(
                 [k for k, p, ok in zip(keys, present, loaded, strict=True) if p and not ok]
             )
+        if pinned.all_present and not corrupt:
+            self.stats.served(len(keys), 0, len(keys) * self.layout.payload_bytes)
+            return
         self._served(loaded, int((~present).sum()), corrupt)
 
     def _served(self, loaded: np.ndarray | list[bool], absent: int, corrupt: int) -> None:
         """Counts a get's hits and misses; raises BlocksMissingError (with ``loaded`` per key)
         unless every block was served."""
         hits, wanted = int(np.count_nonzero(loaded)), len(loaded)
-        self.stats.add(hits=hits, misses=wanted - hits, bytes_out=hits * self.layout.payload_bytes)
+        self.stats.served(hits, wanted - hits, hits * self.layout.payload_bytes)
         if hits < wanted:
             raise BlocksMissingError(
                 f"keys: {wanted - hits} of {wanted} blocks not served "
@@ -750,19 +752,22 @@ class HostPool:
         """Moves device blocks ``block_ids`` to or from ``slots`` (one transfer per array) and
         returns the blocks' checksums over the bytes moved: computed in the copy pass on the
         native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
-        from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
-
         self._ensure_populated(slots)
-        if path != "jax" and all(isinstance(pool, DevicePool) for pool in pools):
-            with _PoolLocks(pools):
+        kept = self._kept_for(pools) if path != "jax" else None
+        if kept is not None and kept.locks is not None:  # DevicePools only
+            with kept.locks:
+                if to_device:  # its wait overlaps the checks below
+                    start_donation(kept.unique)
                 # planning reads buffer addresses: native pools only
                 if _native_ready(pools, write=to_device):
-                    plan = self._kept_plan(pools, to_device)
+                    plan = self._kept_plan(kept, pools, to_device)
                     if to_device:  # what validation would check, had it run for this call
                         for pool, array in zip(pools, self.layout.arrays, strict=True):
                             pool._check_writable(block_ids, array.block_axis, "block_ids")
                     src, dst = (slots, block_ids) if to_device else (block_ids, slots)
-                    return _native_path.run_hashed_plan(plan, src, dst)
+                    return _native_path.run_hashed_plan(plan, src, dst, donated=to_device)
+        from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
+
         items = []
         for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
             if to_device:
@@ -795,6 +800,8 @@ class HostPool:
 
     def _ensure_populated(self, slots: np.ndarray) -> None:
         """Maps the pages of ``slots`` not yet mapped, a run of neighbouring slots per call."""
+        if self._all_populated:
+            return
         todo = slots[~self._populated[slots]]
         if not len(todo):
             return
@@ -810,6 +817,7 @@ class HostPool:
                 write=self.path is None,
             )
         self._populated[todo] = True
+        self._all_populated = bool(self._populated.all())
 
     def prepare(self, pools: Sequence[DevicePool]) -> None:
         """Does now, once, what the first move between ``pools`` and the slots would pay for:
@@ -824,31 +832,38 @@ class HostPool:
             raise InvalidArgumentError(
                 "pools: prepare() plans moves of DevicePools; pass the pools loads write"
             )
-        with _PoolLocks(pools):
+        kept = self._kept_for(pools)
+        with kept.locks:
             for to_device in (True, False):
                 if _native_ready(pools, write=to_device):
                     _native_path.engine()
-                    self._kept_plan(pools, to_device)
-            wait_for_readers(pools)
+                    self._kept_plan(kept, pools, to_device)
+            wait_for_readers(kept.unique)
         self.wait_mapped()
         devices = {d for pool in pools for d in pool._devices}
         for device in devices:  # host memory registered for the devices' DMA, where offered
             if _native_path.pjrt_device_of(device):
                 _pjrt_path.prepare_dma(device, self._mapping)
 
-    def _kept_plan(self, pools: Sequence[DevicePool], to_device: bool) -> _native_path.BlockPlan:
-        """The validated moves between ``pools`` and the slot views, planned for the native
-        engine: validation (endpoints, shapes, dtypes, shards) and planning run once per list
-        of DevicePools and direction, since a DevicePool's shape, dtype and sharding never
-        change and the slot views are fixed. Call with the pools locked and native-ready."""
-        from tpusync.transfer import Transfer, _plan_move
+    def _kept_for(self, pools: Sequence[Any]) -> _KeptPools:
+        """What is kept for moves with ``pools`` (the same list as last time, usually)."""
+        kept = self._kept
+        if kept is None or not kept.matches(pools):
+            kept = self._kept = _KeptPools(pools)
+        return kept
 
-        kept = self._moves_kept.get(to_device)
-        if (
-            kept is None
-            or len(kept[0]) != len(pools)
-            or not all(ref() is pool for ref, pool in zip(kept[0], pools, strict=True))
-        ):
+    def _kept_plan(
+        self, kept: _KeptPools, pools: Sequence[DevicePool], to_device: bool
+    ) -> _native_path.BlockPlan:
+        """The validated moves between ``pools`` (those ``kept`` is for) and the slot views,
+        planned for the native engine: validation (endpoints, shapes, dtypes, shards) and
+        planning run once per list of DevicePools and direction, since a DevicePool's shape,
+        dtype and sharding never change and the slot views are fixed. Call with the pools
+        locked and native-ready."""
+        plan = kept.plans.get(to_device)
+        if plan is None:
+            from tpusync.transfer import Transfer, _plan_move
+
             # No blocks: validation must not depend on (or race with) which blocks a save
             # holds right now; the call's own blocks are checked by the caller.
             none = np.zeros(0, dtype=np.int64)
@@ -859,9 +874,8 @@ class HostPool:
                 else:
                     item = Transfer(pool, view, none, none, array.block_axis)
                 moves.append(_plan_move(item))
-            kept = (tuple(weakref.ref(pool) for pool in pools), _native_path.BlockPlan(moves))
-            self._moves_kept[to_device] = kept
-        return kept[1]
+            plan = kept.plans[to_device] = _native_path.BlockPlan(moves)
+        return plan
 
     # --- delete, close ----------------------------------------------------------------------
 
@@ -909,7 +923,7 @@ class HostPool:
         with self._lock:
             if self._base is None:
                 return
-            self._moves_kept.clear()  # they hold views of the slots
+            self._kept = None  # its plans hold views of the slots
             base, records = self._base, self._records
             self._base = self._records = None  # type: ignore[assignment]
             del base, records
@@ -1106,6 +1120,27 @@ class _PoolLocks:
     def __exit__(self, *exc: object) -> None:
         for lock in reversed(self._locks):
             lock.release()
+
+
+class _KeptPools:
+    """What a HostPool keeps between moves with one list of pools (a store's DevicePools):
+    the pools' locks in order and the native plans per direction (see HostPool._kept_plan).
+    It holds the pools (its plans would anyway), so their ids name them while it lives: the
+    last list moved with stays alive until another one is used or the HostPool closes."""
+
+    def __init__(self, pools: Sequence[Any]) -> None:
+        self._pools = tuple(pools)
+        self._ids = tuple(map(id, pools))
+        devices = all(isinstance(pool, DevicePool) for pool in pools)
+        self.locks = _PoolLocks(pools) if devices else None
+        # each pool once, in order (the donated identity step runs once a pool)
+        self.unique: list[DevicePool] = list({id(p): p for p in pools}.values()) if devices else []
+        self.plans: dict[bool, _native_path.BlockPlan] = {}
+
+    def matches(self, pools: Sequence[Any]) -> bool:
+        # by id (the pools it holds cannot die): ~1 us, where comparing each pool costs ~10
+        # right after a model step
+        return tuple(map(id, pools)) == self._ids
 
 
 def _pools_locked(moves: list[Any]) -> Any:
