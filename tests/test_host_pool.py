@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -914,6 +915,22 @@ def test_kept_plans_follow_the_pool_list(arrays, rng, mesh, open_pool):
     assert pool._kept.matches(model.pools)
     model.check("after loads with the first list again")
     other.check("the other list, untouched by them")
+
+
+def test_puts_from_plain_arrays_keep_nothing(arrays, rng, mesh, open_pool):
+    """A put from plain jax.Arrays (not DevicePools) neither replaces what is kept for the
+    store's DevicePools nor holds the arrays afterwards."""
+    model = make_model(arrays, rng, mesh)
+    pool = open_pool(model.layout, 8)
+    store(pool, model, keys_for([0]), [0], "native")
+    kept = pool._kept
+    plain = [jax.numpy.array(p.array, copy=True) for p in model.pools]
+    watch = weakref.ref(plain[0])
+    pool.put_from_device(keys_for([1], "plain"), plain, [1], path="native")
+    assert pool._kept is kept and kept.matches(model.pools)
+    del plain
+    gc.collect()
+    assert watch() is None, "the HostPool still holds a plain array it read from"
 
 
 CLOSE_WITH_VIEWS = """

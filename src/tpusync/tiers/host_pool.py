@@ -754,7 +754,7 @@ class HostPool:
         native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
         self._ensure_populated(slots)
         kept = self._kept_for(pools) if path != "jax" else None
-        if kept is not None and kept.locks is not None:  # DevicePools only
+        if kept is not None:  # DevicePools only
             with kept.locks:
                 if to_device:  # its wait overlaps the checks below
                     start_donation(kept.unique)
@@ -833,6 +833,7 @@ class HostPool:
                 "pools: prepare() plans moves of DevicePools; pass the pools loads write"
             )
         kept = self._kept_for(pools)
+        assert kept is not None  # DevicePools, checked above
         with kept.locks:
             for to_device in (True, False):
                 if _native_ready(pools, write=to_device):
@@ -845,11 +846,15 @@ class HostPool:
             if _native_path.pjrt_device_of(device):
                 _pjrt_path.prepare_dma(device, self._mapping)
 
-    def _kept_for(self, pools: Sequence[Any]) -> _KeptPools:
-        """What is kept for moves with ``pools`` (the same list as last time, usually)."""
+    def _kept_for(self, pools: Sequence[Any]) -> _KeptPools | None:
+        """What is kept for moves with ``pools`` (the same list as last time, usually); None
+        unless they are all DevicePools (nothing is kept for other arrays, nor are they held)."""
         kept = self._kept
-        if kept is None or not kept.matches(pools):
-            kept = self._kept = _KeptPools(pools)
+        if kept is not None and kept.matches(pools):
+            return kept
+        if not all(isinstance(pool, DevicePool) for pool in pools):
+            return None
+        kept = self._kept = _KeptPools(pools)
         return kept
 
     def _kept_plan(
@@ -1123,18 +1128,17 @@ class _PoolLocks:
 
 
 class _KeptPools:
-    """What a HostPool keeps between moves with one list of pools (a store's DevicePools):
-    the pools' locks in order and the native plans per direction (see HostPool._kept_plan).
-    It holds the pools (its plans would anyway), so their ids name them while it lives: the
-    last list moved with stays alive until another one is used or the HostPool closes."""
+    """What a HostPool keeps between moves with one list of DevicePools (a store's): the
+    pools' locks in order and the native plans per direction (see HostPool._kept_plan). It
+    holds the pools (its plans would anyway), so their ids name them while it lives: the last
+    list moved with stays alive until another one is used or the HostPool closes."""
 
-    def __init__(self, pools: Sequence[Any]) -> None:
+    def __init__(self, pools: Sequence[DevicePool]) -> None:
         self._pools = tuple(pools)
         self._ids = tuple(map(id, pools))
-        devices = all(isinstance(pool, DevicePool) for pool in pools)
-        self.locks = _PoolLocks(pools) if devices else None
+        self.locks = _PoolLocks(pools)
         # each pool once, in order (the donated identity step runs once a pool)
-        self.unique: list[DevicePool] = list({id(p): p for p in pools}.values()) if devices else []
+        self.unique: list[DevicePool] = list({id(p): p for p in pools}.values())
         self.plans: dict[bool, _native_path.BlockPlan] = {}
 
     def matches(self, pools: Sequence[Any]) -> bool:
