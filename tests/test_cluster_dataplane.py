@@ -90,6 +90,20 @@ def assert_unpinned(server: BlockServer, keys: list[bytes]) -> None:
     assert server.pool.delete(keys) == sum(present)
 
 
+def assert_stops_at_deadline(client: BlockClient, keys: list[bytes], target: HostPool) -> int:
+    """Pulls six blocks from a server that takes 0.3 s a block and refuses renewals, under a
+    1 s lease: the pull stops at its deadline, keeps a completed prefix, reports the timeout and
+    leaks no slot. Returns how many blocks it kept."""
+    start = time.monotonic()
+    result = client.pull_result(keys, target)
+    assert time.monotonic() - start < 1.5  # not the 1.8 s all six blocks take
+    done = sum(result.loaded)
+    assert done < 6 and result.loaded == [True] * done + [False] * (6 - done)
+    assert isinstance(result.error, TimeoutError)
+    assert_clean(target, done)
+    return done
+
+
 def slow_server(
     delay_s: float, *, renews: bool = True, renewals: list[float] | None = None
 ) -> type[BlockServer]:
@@ -399,13 +413,7 @@ def test_pull_stops_at_its_deadline_before_the_lease_ends(
     slow = slow_server(0.3, renews=False)
     keys = [key_for(i) for i in range(6)]
     with slow(source, secret=SECRET, lease_ttl_s=1.0) as server, client_for(server) as client:
-        start = time.monotonic()
-        result = client.pull_result(keys, target)
-        assert time.monotonic() - start < 1.5  # not the 1.8 s all six blocks take
-        done = sum(result.loaded)
-        assert done < 6 and result.loaded == [True] * done + [False] * (6 - done)
-        assert isinstance(result.error, TimeoutError)
-        assert_clean(target, done)
+        done = assert_stops_at_deadline(client, keys, target)
         for key in keys[:done]:
             assert payload(target, key) == payload(source, key)
 
