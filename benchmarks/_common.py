@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import itertools
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -56,6 +58,44 @@ class MemcpyLimit:
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+def fio_gbps(
+    directory: str,
+    total: int,
+    block_bytes: int,
+    rw: str,
+    *,
+    ioengine: str = "psync",
+    iodepth: int = 1,
+) -> float | None:
+    """fio's sequential direct (O_DIRECT) ``rw`` ("read" or "write") of ``total`` bytes in
+    ``block_bytes`` requests, in GB/s: the disk's limit; None where fio is not installed."""
+    if shutil.which("fio") is None:
+        return None
+    result = subprocess.run(
+        [
+            "fio",
+            "--name=limit",
+            f"--directory={directory}",
+            f"--rw={rw}",
+            "--direct=1",
+            f"--bs={block_bytes}",
+            f"--size={total}",
+            f"--ioengine={ioengine}",
+            f"--iodepth={iodepth}",
+            "--numjobs=1",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    if rw == "read":  # fio lays the file out first: gone once read
+        for leftover in glob.glob(os.path.join(directory, "limit.*")):
+            os.unlink(leftover)
+    return json.loads(result.stdout)["jobs"][0][rw]["bw_bytes"] / 1e9
 
 
 TRANSFER_BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]

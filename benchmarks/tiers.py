@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +36,7 @@ from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 from tpusync.tiers.host_pool import pool_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MemcpyLimit, median, print_table, settle, timed, write_json
+from _common import MemcpyLimit, fio_gbps, median, print_table, settle, timed, write_json
 
 N_ARRAYS = 8
 
@@ -135,37 +132,6 @@ def raw_direct_io(directory: str, total: int, block_bytes: int) -> tuple[float, 
     return total / write / 1e9, total / read / 1e9
 
 
-def fio_gbps(directory: str, total: int, block_bytes: int) -> tuple[float, float] | None:
-    """fio's sequential direct write and read, where fio is installed."""
-    if shutil.which("fio") is None:
-        return None
-    out = {}
-    for rw in ("write", "read"):
-        result = subprocess.run(
-            [
-                "fio",
-                "--name=tier",
-                f"--directory={directory}",
-                f"--rw={rw}",
-                "--direct=1",
-                f"--bs={block_bytes}",
-                f"--size={total}",
-                "--ioengine=psync",
-                "--numjobs=1",
-                "--output-format=json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        )
-        job = json.loads(result.stdout)["jobs"][0][rw]
-        out[rw] = job["bw_bytes"] / 1e9
-    for leftover in glob.glob(os.path.join(directory, "tier.*")):
-        os.unlink(leftover)
-    return out["write"], out["read"]
-
-
 def raw_file_per_block(directory: str, n: int, block_bytes: int) -> tuple[float, float]:
     """The same loop a shared-FS tier runs, without tpusync: each block written to a temporary
     file, fsynced and renamed into place, then every file read back whole: the filesystem's
@@ -232,7 +198,11 @@ def bench_lower(kind: str, block_mib: int, total: int, repeats: int, directory: 
             target.delete(keys)
             times["get"].append(n * block_bytes / timed(partial(tier.get, keys, target)) / 1e9)
         if kind == "disk":
-            fio = fio_gbps(workdir, n * layout.slot_bytes, layout.slot_bytes)
+            total, size = n * layout.slot_bytes, layout.slot_bytes
+            fio = (
+                fio_gbps(workdir, total, size, "write"),
+                fio_gbps(workdir, total, size, "read"),
+            )
     finally:
         tier.close()
         source.close()
@@ -244,7 +214,7 @@ def bench_lower(kind: str, block_mib: int, total: int, repeats: int, directory: 
         "bytes": n * block_bytes,
         **{f"{k}_gbps": median(v) for k, v in times.items()},
     }
-    if fio:
+    if fio and None not in fio:
         result["fio_write_gbps"], result["fio_read_gbps"] = fio
     return result
 
