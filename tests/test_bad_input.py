@@ -435,6 +435,15 @@ def test_pool_constructor_and_update_reject_bad_arrays(arrays, rng):
         rejected(
             arrays, lambda b=bad: DevicePool(b), None, InvalidArgumentError, ValueError, "array"
         )
+    for bad in ("yes", 1, None):
+        rejected(
+            arrays,
+            lambda b=bad: DevicePool(put(np.ones((4, 4), np.float32)), donated_steps=b),
+            None,
+            InvalidArgumentError,
+            ValueError,
+            "donated_steps",
+        )
     pool = DevicePool(put(arrays.random(rng, (4, 4), np.float32)))
     rejected(arrays, lambda: pool.update(deleted), pool, ArrayDeletedError, ValueError, "array")
     for bad in (

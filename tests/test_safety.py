@@ -1,4 +1,4 @@
-"""Device-memory safety: the two rules of the DevicePool contract, raced for real.
+"""Device-memory safety: the rules of the DevicePool contract, raced for real.
 
 Each race runs many rounds with the rule in place and must never corrupt; a companion test
 drops the rule (monkeypatching the one function that implements it) and must see corruption,
@@ -8,6 +8,7 @@ which proves the race really overlaps and the check can fail.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import tpusync
-from tpusync import _native_path
+from tpusync import _native_path, device_pool
 from tpusync.device_pool import DevicePool
 
 ROUNDS = 12
@@ -102,3 +103,90 @@ def test_raw_read_keeps_donated_buffer_alive(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_read_race_detects_a_missing_pin(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _read_race_corruptions(ROUNDS, monkeypatch, pin=False) > 0
+
+
+# --- donated_steps: the engine's steps donate the pool; writes skip the identity step ---------
+
+
+# A model step as the contract expects it: it donates the pool and returns its next version,
+# written (in place, the donated buffer) only after a long read of the whole pool.
+_slow_donating_step = jax.jit(lambda x: x + 0.0 * _slow_reader(x)[:, None], donate_argnums=0)
+
+
+def _step_race(rounds: int) -> tuple[int, int]:
+    """Writes into a donated_steps pool right after a slow step was dispatched on it; returns
+    (rounds whose write was lost, rounds whose step still ran when the write began). The write
+    must wait for the step that computes the array, or the step's output overwrites it."""
+    written = tpusync.HostBuffer((ROWS, COLS), np.float32)
+    written.array[...] = 3.0
+    lost = running = 0
+    for _ in range(rounds):
+        pool = DevicePool(jax.device_put(np.ones((ROWS, COLS), np.float32)), donated_steps=True)
+        pool.update(_slow_donating_step(pool.array))  # dispatched, still running
+        running += not pool._array.is_ready()
+        tpusync.transfer(written, pool, path="native").result(timeout=30)
+        if not np.all(np.asarray(pool.array) == 3.0):
+            lost += 1
+    written.close()
+    return lost, running
+
+
+def _count_identity_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    identity = device_pool._donated_identity
+
+    def counted(count: int = 1) -> object:
+        calls.append(count)
+        return identity(count)
+
+    monkeypatch.setattr(device_pool, "_donated_identity", counted)
+    return calls
+
+
+def test_donated_steps_write_waits_for_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    identity_steps = _count_identity_steps(monkeypatch)
+    lost, running = _step_race(ROUNDS)
+    assert lost == 0
+    assert running > 0  # the race is real: writes began while the step ran
+    assert identity_steps == []  # every write took the in-place path
+
+
+def _written_pool(rng: np.random.Generator) -> tuple[DevicePool, np.ndarray, tpusync.HostBuffer]:
+    before = rng.standard_normal((64, 256), dtype=np.float32)
+    pool = DevicePool(jax.device_put(before), donated_steps=True)
+    pool.update(_slow_donating_step(pool.array))  # a step's output, held by the pool alone
+    source = tpusync.HostBuffer((64, 256), np.float32)
+    source.array[...] = rng.standard_normal((64, 256), dtype=np.float32)
+    return pool, np.asarray(pool.array).copy(), source
+
+
+def test_donated_steps_writes_the_same_array_in_place(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    identity_steps = _count_identity_steps(monkeypatch)
+    pool, _, source = _written_pool(rng)
+    array = weakref.ref(pool._array)  # weak: a strong reference would rule the path out
+    tpusync.transfer(source, pool, path="native").result(timeout=30)
+    assert array() is pool._array and identity_steps == []
+    np.testing.assert_array_equal(np.asarray(pool.array), source.array)
+    source.close()
+
+
+def test_donated_steps_never_changes_an_array_someone_holds(rng: np.random.Generator) -> None:
+    """Another reference to the array, or a numpy value read from it, rules the in-place write
+    out: the identity step runs, as for any pool, and what was read stays as it was."""
+    pool, before, source = _written_pool(rng)
+    held = pool.array
+    tpusync.transfer(source, pool, path="native").result(timeout=30)
+    assert held.is_deleted() and pool.array is not held
+    np.testing.assert_array_equal(np.asarray(pool.array), source.array)
+
+    del held
+    read = np.asarray(pool.array)  # cached in the array: it may share the buffer
+    seen = read.copy()
+    source.array[...] += 1.0
+    tpusync.transfer(source, pool, path="native").result(timeout=30)
+    np.testing.assert_array_equal(read, seen)
+    np.testing.assert_array_equal(np.asarray(pool.array), source.array)
+    assert not np.array_equal(seen, source.array) and not np.array_equal(before, seen)
+    source.close()

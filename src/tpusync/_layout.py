@@ -41,10 +41,20 @@ class ShardGroup:
 @dataclass
 class DeviceSide:
     argument: str
-    array: jax.Array  # the array at validation time (a pool's may be replaced later)
+    given: jax.Array | None  # a plain array; None for a pool, whose array is read from it
     pool: DevicePool | None
     shard_shape: tuple[int, ...]
     groups: tuple[ShardGroup, ...]
+
+    @property
+    def array(self) -> jax.Array:
+        """The side's array now: a pool's current one (its shape, dtype and sharding are
+        fixed). A side holds no reference to a pool's array, which would keep a
+        ``donated_steps`` pool from being written in place."""
+        if self.pool is not None:
+            return self.pool._array
+        assert self.given is not None
+        return self.given
 
     @property
     def dtype(self) -> np.dtype:
@@ -55,7 +65,7 @@ class DeviceSide:
         return len(self.shard_shape)
 
     def current(self) -> jax.Array:
-        return self.pool._array if self.pool is not None else self.array
+        return self.array
 
 
 @dataclass
@@ -123,7 +133,7 @@ def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
             f"{argument}: no shard of this array is addressable from process "
             f"{jax.process_index()}; transfer it in a process that owns some of its devices"
         )
-    return DeviceSide(argument, array, pool, shard_shape, ordered)
+    return DeviceSide(argument, None if pool is not None else array, pool, shard_shape, ordered)
 
 
 def as_host_array(obj: Any, argument: str) -> np.ndarray | None:

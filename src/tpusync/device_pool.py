@@ -10,6 +10,12 @@ The ownership contract (written once, here):
   it. Donation makes the runtime wait for every computation still reading the buffer, and the
   identity keeps the same device memory, so the write cannot race a reader. The older reference is
   deleted, which is why callers always go through :attr:`array`.
+* A pool made with ``donated_steps=True`` skips that identity step when it can prove the pool holds
+  the only reference to its array (no other Python reference, no numpy value cached from it) and
+  only waits for the array to be computed. The engine promises what tpusync cannot see: every
+  computation that reads the array donates it (as model steps that write the KV cache do), so
+  none still reads it once it is computed. The write then lands in the same array, which no one
+  else can reach. Otherwise the identity step runs as above.
 * On the pure-JAX path a write is a donated scatter; the pool swaps in its result.
 * Every transfer that touches a pool holds the pool's lock while it runs, so transfers into and out
   of one pool never interleave.
@@ -28,6 +34,7 @@ The ownership contract (written once, here):
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from collections.abc import Sequence
 from functools import cache
@@ -54,6 +61,21 @@ def _donated_identity(count: int = 1) -> Any:
     return jax.jit(lambda *arrays: arrays, donate_argnums=tuple(range(count)))
 
 
+class _Holder:
+    held: Any = None
+
+
+def _sole_refcount() -> int:
+    """What ``sys.getrefcount(obj.attribute)`` answers when that attribute is the object's only
+    reference, on this interpreter (the count of the call's own argument varies by version)."""
+    holder = _Holder()
+    holder.held = object()
+    return sys.getrefcount(holder.held)
+
+
+_SOLE_REFCOUNT = _sole_refcount()
+
+
 @cache
 def _owned_copy() -> Any:
     return jax.jit(lambda array: jnp.array(array, copy=True))
@@ -65,9 +87,21 @@ class DevicePool:
     Args:
       array: the pool's initial array. tpusync owns it from now on.
       name: a label for errors and metrics.
+      donated_steps: the engine donates the array to every computation that reads it (its model
+        steps take the pool's array with ``donate_argnums`` and the pool is updated with their
+        output). Then a write into the pool skips the donated identity step whenever the pool
+        holds the only reference to its array, and waits only for the array to be computed
+        (measured here: ~0.2 ms less per KV load). Leave it False when anything reads the array
+        without donating it: a write could race that read.
     """
 
-    def __init__(self, array: jax.Array, *, name: str = "pool") -> None:
+    def __init__(
+        self, array: jax.Array, *, name: str = "pool", donated_steps: bool = False
+    ) -> None:
+        if not isinstance(donated_steps, bool):
+            raise InvalidArgumentError(
+                f"donated_steps: expected True or False, got {donated_steps!r}"
+            )
         if not isinstance(array, jax.Array):
             raise InvalidArgumentError(
                 f"array: DevicePool takes a jax.Array, got {type(array).__name__}; "
@@ -79,6 +113,7 @@ class DevicePool:
             _huge_pages.collapse_later(array)  # fewer TLB misses in block copies
         self.name = name
         self._array = array
+        self.donated_steps = donated_steps
         self._lock = threading.RLock()
         self._held: dict[int, collections.Counter[int]] = {}  # block axis -> held block ids
         self._held_lock = threading.Lock()
@@ -97,12 +132,13 @@ class DevicePool:
         *,
         sharding: jax.sharding.Sharding | None = None,
         name: str = "pool",
+        donated_steps: bool = False,
     ) -> DevicePool:
         """A pool of zeros with the given shape, dtype and sharding (default: first device)."""
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-        return cls(array, name=name)
+        return cls(array, name=name, donated_steps=donated_steps)
 
     @property
     def array(self) -> jax.Array:
@@ -198,6 +234,16 @@ class DevicePool:
             self._native_layout = layout
         return self._native_reason[1 if write else 0]
 
+    def _writable_in_place(self) -> bool:
+        """Whether a raw write may skip the identity step (see ``donated_steps``): the pool's
+        attribute is the array's only reference and no numpy value was cached from it (that
+        value may share the buffer). Call with the lock held: nothing can take a reference then."""
+        return (
+            self.donated_steps
+            and sys.getrefcount(self._array) == _SOLE_REFCOUNT
+            and getattr(self._array, "_npy_value", self) is None  # unknown: not proven
+        )
+
     def _wait_for_readers(self) -> jax.Array:
         """Runs the donated identity step (see the module docstring) and returns the array
         whose memory may now be written raw. Call with the lock held."""
@@ -235,11 +281,13 @@ def _check_alive(array: jax.Array, argument: str) -> None:
 def start_donation(pools: Sequence[DevicePool]) -> None:
     """Dispatches the donated identity step of several pools, one dispatch per set of devices
     (a jitted call spans one), and swaps in its results without waiting: each new array becomes
-    ready once every reader of the old one is done (see :func:`wait_for_readers`). Call with
-    the pools' locks held, and hold them until the results were waited for and written."""
+    ready once every reader of the old one is done (see :func:`wait_for_readers`). Pools
+    writable in place (``donated_steps``) keep their array. Call with the pools' locks held, and
+    hold them until the results were waited for and written."""
     groups: dict[frozenset[Any], list[DevicePool]] = {}
     for pool in pools:
-        groups.setdefault(pool._devices, []).append(pool)
+        if not pool._writable_in_place():  # those only wait for their array's definition
+            groups.setdefault(pool._devices, []).append(pool)
     for group in groups.values():
         arrays = _donated_identity(len(group))(*(pool._array for pool in group))
         for pool, array in zip(group, arrays, strict=True):
@@ -248,8 +296,9 @@ def start_donation(pools: Sequence[DevicePool]) -> None:
 
 def wait_for_readers(pools: Sequence[DevicePool], *, started: bool = False) -> None:
     """The donated identity step of several pools, waited for: their readers are waited for
-    concurrently. With ``started``, :func:`start_donation` was already called for them (work
-    done in between overlaps the wait). Call with the pools' locks held."""
+    concurrently (for a pool writable in place, the computation of its array only). With
+    ``started``, :func:`start_donation` was already called for them (work done in between
+    overlaps the wait). Call with the pools' locks held."""
     if not started:
         start_donation(pools)
     for pool in pools:

@@ -222,7 +222,7 @@ def _adopt_pool_sources(moves: Sequence[Move]) -> None:
         if isinstance(src, DeviceSide) and src.pool is None:
             for pool in pools.values():
                 if pool._array is src.array:
-                    src.pool = pool
+                    src.pool, src.given = pool, None
 
 
 def _choose_engine(moves: Sequence[Move], path: Path) -> str:

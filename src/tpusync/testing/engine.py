@@ -69,7 +69,8 @@ class ToyEngine:
         self.config = config
         self.params = params if params is not None else M.init_params(config)
         self.kv = [
-            DevicePool(array, name=f"kv{i}") for i, array in enumerate(M.init_kv_pools(config))
+            DevicePool(array, name=f"kv{i}", donated_steps=True)  # its steps donate the KV
+            for i, array in enumerate(M.init_kv_pools(config))
         ]
         self.store = KVCacheStore(store_config, self.kv) if store_config is not None else None
         self._free = list(range(config.num_blocks - 1, -1, -1))
