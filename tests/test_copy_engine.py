@@ -232,6 +232,23 @@ def test_pin_slots_matches_a_plain_loop(index: dict, keys: list) -> None:
     assert np.array_equal(pins, before)
 
 
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(-3, 40), max_size=70), limit=st.integers(0, 40))
+def test_block_ids_status_matches_a_plain_check(ids: list, limit: int) -> None:
+    """block_ids_status (the KV store's id check in one pass) answers as a plain check does:
+    out of range first, then a repeat; the ids are left as they were."""
+    array = np.array(ids, dtype=np.int64)
+    before = array.copy()
+    if any(not 0 <= i < limit for i in ids):
+        expected = 1
+    elif len(set(ids)) != len(ids):
+        expected = 2
+    else:
+        expected = 0
+    assert _core.block_ids_status(array, limit) == expected
+    assert np.array_equal(array, before)
+
+
 def test_pin_slots_refuses_a_slot_outside_the_pool_and_pins_nothing() -> None:
     pins = np.zeros(4, np.int64)
     checksums = np.arange(4, dtype=np.uint64)

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from tpusync import _core
 from tpusync.device_pool import DevicePool
 from tpusync.errors import (
     BlockIndexError,
@@ -339,12 +340,13 @@ class KVCacheStore:
             )
         else:
             ids = ids[:needed]
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_device_blocks):
+        status = _core.block_ids_status(ids, self.num_device_blocks)
+        if status == 1:
             raise BlockIndexError(
                 f"{argument}: ids must be in 0..{self.num_device_blocks - 1}, got "
                 f"{int(ids.min())}..{int(ids.max())}"
             )
-        if len(np.unique(ids)) != len(ids):
+        if status == 2:
             raise BlockIndexError(f"{argument}: a block id appears more than once")
         return ids
 

@@ -1011,12 +1011,13 @@ class HostPool:
         if ids.dtype == np.bool_ or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
             raise InvalidArgumentError(f"block_ids: expected integers, got dtype {ids.dtype}")
         ids = ids.astype(np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= count):
+        status = _core.block_ids_status(ids, count)
+        if status == 1:
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
             raise BlockIndexError(
                 f"block_ids: {bad} is out of range for pools of {count} blocks (0..{count - 1})"
             )
-        if unique and len(np.unique(ids)) != len(ids):
+        if unique and status == 2:
             raise BlockIndexError("block_ids: a device block appears twice; each is written once")
         return ids
 
