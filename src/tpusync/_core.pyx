@@ -4,9 +4,9 @@
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.errno cimport errno
-from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memcpy, memset, strerror
+from libc.string cimport memcmp, memcpy, memset, strerror
 from libc.stdlib cimport qsort
 from posix.mman cimport (
     MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, PROT_NONE,
@@ -618,6 +618,7 @@ cdef extern from "sys/socket.h" nogil:
         size_t msg_controllen
         int msg_flags
     ssize_t sendmsg(int sockfd, const msghdr *msg, int flags)
+    ssize_t recvmsg(int sockfd, msghdr *msg, int flags)
     int MSG_NOSIGNAL
     int MSG_DONTWAIT
     int setsockopt(int sockfd, int level, int optname, const void *optval, unsigned int optlen)
@@ -696,6 +697,12 @@ cdef class PieceHasher:
         if view.shape[0]:
             with nogil:
                 self._feed(&view[0], view.shape[0])
+
+    cdef void _reset(self) noexcept nogil:
+        """Starts over for the next block (the digests are overwritten piece by piece)."""
+        self._piece = 0
+        self._position = 0
+        tps_sum64_init(&self._state)
 
     cdef void _feed(self, const unsigned char *data, int64_t n) noexcept nogil:
         """``data`` holds the block's bytes [position, position + n)."""
@@ -849,6 +856,262 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
     if status == -1:
         raise OSError(err, strerror(err).decode())
     return got
+
+
+FRAME_HEADER_BYTES = 96
+FRAMES_DONE, FRAMES_HEADER, FRAMES_TIMEOUT, FRAMES_SILENT = 0, 1, 2, 3
+cdef enum:
+    _FRAMES_DONE = 0
+    _FRAMES_HEADER = 1
+    _FRAMES_TIMEOUT = 2
+    _FRAMES_SILENT = 3
+
+
+cdef extern from "time.h" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_MONOTONIC
+
+
+cdef double _monotonic() noexcept nogil:
+    cdef timespec t
+    clock_gettime(CLOCK_MONOTONIC, &t)
+    return t.tv_sec + t.tv_nsec * 1e-9
+
+
+cdef void _block_header(unsigned char *out, uint64_t request_id, const unsigned char *key,
+                        size_t key_len, const unsigned char *fingerprint, uint64_t length,
+                        uint16_t scheme, uint64_t checksum) noexcept nogil:
+    """The 96 bytes of a BLOCK frame header (cluster/wire.py lays the format out)."""
+    cdef uint16_t version = 1, frame_type = 1
+    cdef uint8_t n = <uint8_t> key_len
+    cdef uint32_t crc
+    memset(out, 0, 96)
+    memcpy(out, b"TPSB", 4)
+    memcpy(out + 4, &version, 2)
+    memcpy(out + 6, &frame_type, 2)
+    memcpy(out + 8, &request_id, 8)
+    memcpy(out + 16, &n, 1)
+    memcpy(out + 17, key, key_len)
+    memcpy(out + 49, fingerprint, 16)
+    memcpy(out + 65, &length, 8)
+    memcpy(out + 73, &scheme, 2)
+    memcpy(out + 75, &checksum, 8)
+    crc = tps_crc32c(0, out, 92)
+    memcpy(out + 92, &crc, 4)
+
+
+def block_frame_headers(uint64_t request_id, list keys not None, bytes fingerprint not None,
+                        uint64_t payload_length, const uint64_t[::1] checksums not None,
+                        int scheme):
+    """The BLOCK frame headers of ``keys`` (each with its checksum), joined: what
+    :class:`FrameReceiver` expects, built as ``wire.encode_header`` builds them."""
+    cdef Py_ssize_t n = len(keys), i
+    if checksums.shape[0] != n or len(fingerprint) != 16:
+        raise ValueError("one checksum per key and a 16-byte fingerprint")
+    out = bytearray(96 * n)
+    cdef unsigned char[::1] view = out
+    cdef bytes key
+    for i in range(n):
+        key = keys[i]
+        if not 1 <= len(key) <= 32:
+            raise ValueError("keys are 1 to 32 bytes")
+        _block_header(&view[96 * i], request_id, key, len(key), fingerprint, payload_length,
+                      <uint16_t> scheme, checksums[i])
+    return bytes(out)
+
+
+cdef class FrameReceiver:
+    """Receives one response's BLOCK frames straight into their slots, with the GIL released
+    across blocks: each header must equal, byte for byte, the one expected for its block (its
+    key, request id, layout fingerprint, length and recorded checksum); the payload lands in
+    the block's slot and is hashed piece by piece as it arrives (:class:`PieceHasher`), and
+    the block's checksum is compared with the one recorded. Each payload read also takes the
+    next frame's header (a BLOCK payload is always followed by one), one system call less per
+    block.
+
+    :meth:`run` stops at a header it did not expect (a MISSING, ERROR or early END frame, a
+    damaged header, ...): :attr:`header` holds it and :attr:`index` is its block; the caller
+    decodes it and goes on with :meth:`resume`. Once every block arrived, :meth:`run` reads the
+    header that follows them (the END frame, for the caller to check).
+
+    ``addresses`` are the slots' payload addresses: the caller keeps that memory mapped and
+    writable (and reserved for these blocks) until the receiver is done."""
+
+    cdef int _fd
+    cdef Py_ssize_t _n
+    cdef bytes _expected
+    cdef const uint64_t[::1] _addresses
+    cdef const uint64_t[::1] _checksums
+    cdef uint64_t _size
+    cdef PieceHasher _hasher
+    cdef Py_ssize_t _pieces
+    cdef unsigned char _header[96]
+    cdef size_t _header_got
+    cdef uint64_t _payload_got
+    cdef uint64_t _fed
+    cdef bint _in_payload
+    cdef readonly Py_ssize_t index
+    cdef readonly object results
+    cdef unsigned char[::1] _results
+    cdef readonly uint64_t bytes_received
+    cdef readonly uint64_t bytes_read
+
+    def __cinit__(self, int fd, bytes expected_headers not None, const uint64_t[::1] addresses,
+                  const uint64_t[::1] checksums, uint64_t payload_length, offsets, lengths):
+        self._n = addresses.shape[0]
+        if len(expected_headers) != 96 * self._n or checksums.shape[0] != self._n:
+            raise ValueError("one 96-byte header, address and checksum per block")
+        self._fd = fd
+        self._expected = expected_headers
+        self._addresses = addresses
+        self._checksums = checksums
+        self._size = payload_length
+        self._hasher = PieceHasher(offsets, lengths)
+        self._pieces = self._hasher._offsets.shape[0]
+        self.results = np.zeros(self._n, dtype=np.uint8)  # 1: verified, 2: failed its checksum
+        self._results = self.results
+        self.index = 0
+        self._header_got = 0
+        self._in_payload = False
+        self.bytes_received = 0  # verified or not, whole payloads
+        self.bytes_read = 0  # everything read from the socket
+
+    @property
+    def header(self):
+        """The header :meth:`run` stopped at (96 bytes), or the END frame's after the last
+        block."""
+        return PyBytes_FromStringAndSize(<char *> self._header, 96)
+
+    def resume(self, Py_ssize_t index):
+        """Goes on at block ``index`` (0..blocks), reading its header first: after the caller
+        handled the frame :meth:`run` stopped at (and, for a BLOCK frame it took itself, its
+        payload)."""
+        if not 0 <= index <= self._n:
+            raise ValueError(f"index {index} is outside 0..{self._n}")
+        self.index = index
+        self._header_got = 0
+        self._in_payload = False
+
+    def run(self, double budget_s, double silence_s):
+        """Receives until every block and the header after them arrived (FRAMES_DONE), a
+        header differs from the one expected (FRAMES_HEADER), ``budget_s`` passed
+        (FRAMES_TIMEOUT: the caller checks its deadline and calls again to go on), or
+        ``silence_s`` passed without a byte (FRAMES_SILENT). Raises EOFError when the peer
+        closed the connection and OSError for a socket error."""
+        cdef double now = _monotonic()
+        cdef double end = now + budget_s, last_byte = now, left
+        cdef int timeout_ms
+        cdef const unsigned char *expected = self._expected
+        cdef pollfd pfd
+        pfd.fd = self._fd
+        pfd.events = POLLIN
+        cdef iovec iov[2]
+        cdef msghdr msg
+        memset(&msg, 0, sizeof(msg))
+        msg.msg_iov = iov
+        cdef ssize_t k = 0
+        cdef uint64_t missing, take
+        cdef int r = 0, status = -1, err = 0, lowat = 1, want = 1, recv_errno = 0
+        cdef bint waited_out = False
+        cdef unsigned char *payload
+        cdef bint read_some = False
+        with nogil:
+            while True:
+                if read_some:  # data keeps coming: still hand back at the budget
+                    read_some = False
+                    last_byte = _monotonic()
+                    if last_byte >= end:
+                        status = _FRAMES_TIMEOUT
+                        break
+                if not self._in_payload:
+                    if self._header_got == 96:
+                        if self.index == self._n:
+                            status = _FRAMES_DONE
+                            break
+                        if memcmp(self._header, expected + 96 * self.index, 96) != 0:
+                            status = _FRAMES_HEADER
+                            break
+                        self._in_payload = True
+                        self._payload_got = 0
+                        self._fed = 0
+                        self._header_got = 0
+                        self._hasher._reset()
+                        continue
+                    missing = 96 - self._header_got
+                    k = recv(self._fd, self._header + self._header_got, missing, MSG_DONTWAIT)
+                else:
+                    payload = <unsigned char *> <uintptr_t> self._addresses[self.index]
+                    missing = self._size - self._payload_got
+                    iov[0].iov_base = payload + self._payload_got
+                    iov[0].iov_len = missing
+                    iov[1].iov_base = self._header  # the next frame's header, if it is there
+                    iov[1].iov_len = 96
+                    msg.msg_iovlen = 2
+                    k = recvmsg(self._fd, &msg, MSG_DONTWAIT)
+                if k == 0:
+                    status = -2
+                    break
+                if k < 0:
+                    now = _monotonic()
+                    if now - last_byte >= silence_s and waited_out:
+                        status = _FRAMES_SILENT
+                        break
+                    if now >= end and waited_out:
+                        status = _FRAMES_TIMEOUT
+                        break
+                    left = last_byte + silence_s - now
+                    if end - now < left:
+                        left = end - now
+                    if left < 0:
+                        left = 0
+                    timeout_ms = <int>(left * 1000.0) + 1 if left < 2e6 else 2000000000
+                    # wake when a good part of what is missing arrived (see recv_exact)
+                    want = <int> (missing if missing < _rcvlowat_max else _rcvlowat_max)
+                    if want != lowat:
+                        recv_errno = errno
+                        if setsockopt(self._fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int)) == 0:
+                            lowat = want
+                        errno = recv_errno
+                    r = _retry_after(&pfd, timeout_ms)
+                    if r < 0:
+                        status, err = -1, errno
+                        break
+                    # on a timeout, read once more: bytes below the low mark count as progress
+                    waited_out = r == 0
+                    continue
+                waited_out = False
+                self.bytes_read += <uint64_t> k
+                read_some = True
+                if not self._in_payload:
+                    self._header_got += <size_t> k
+                    continue
+                take = <uint64_t> k if <uint64_t> k < missing else missing
+                self._payload_got += take
+                self._header_got = <size_t> (<uint64_t> k - take)
+                if self._payload_got - self._fed >= HASH_STEP or self._payload_got == self._size:
+                    self._hasher._feed(payload + self._fed, <int64_t> (self._payload_got - self._fed))
+                    self._fed = self._payload_got
+                if self._payload_got == self._size:
+                    self._results[self.index] = 1 if (
+                        self._hasher._piece == self._pieces
+                        and tps_xxh64(&self._hasher._digests[0] if self._pieces else NULL,
+                                      <size_t> self._pieces * 8, 0)
+                        == self._checksums[self.index]
+                    ) else 2
+                    self.bytes_received += self._size
+                    self.index += 1
+                    self._in_payload = False
+            if lowat != 1:
+                want = 1
+                setsockopt(self._fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int))
+        if status == -2:
+            raise EOFError("connection closed by the peer")
+        if status == -1:
+            raise OSError(err, strerror(err).decode())
+        return status
 
 
 def sum64_regions(const uint64_t[::1] starts not None, const uint64_t[::1] lengths not None):

@@ -77,7 +77,7 @@ from tpusync.errors import (
     InvalidArgumentError,
     TpuSyncError,
 )
-from tpusync.tiers._pool_file import slot_checksums
+from tpusync.tiers._pool_file import CHECKSUM_SCHEME, slot_checksums
 from tpusync.tiers.host_pool import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
@@ -665,6 +665,21 @@ class _Connection:
                 hasher.feed(view[got : got + r])
             got += r
 
+    def receive_frames(self, receiver: _core.FrameReceiver, deadline: _Deadline) -> int:
+        """Runs ``receiver`` until it is done or stops at a frame it did not expect, within
+        ``deadline`` (read again at every wait) and the connection's I/O timeout."""
+        while True:
+            left = deadline.at - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    "the pull's deadline passed (its lease could not be renewed in time)"
+                )
+            status = receiver.run(left, self._timeout)
+            if status == _core.FRAMES_SILENT:
+                raise TimeoutError(f"{self.label} sent nothing for {self._timeout:g} s")
+            if status != _core.FRAMES_TIMEOUT:  # else: the deadline's turn (it may have moved)
+                return status
+
 
 class _Deadline:
     """A pull's receive deadline (monotonic seconds), moved on by each lease renewal."""
@@ -686,6 +701,63 @@ class PullResult:
     error: BaseException | None = None
     released: bool = True
     bytes_received: int = field(default=0)
+
+
+class _Stripe:
+    """One connection's share of a pull: its blocks' keys, reserved slots and recorded
+    checksums, and what arrived (``ok``: verified, ``complete``: received whole, both over the
+    whole reservation)."""
+
+    def __init__(
+        self, reservation: Reservation, indices: np.ndarray, expected: np.ndarray, target: HostPool
+    ) -> None:
+        self.indices = indices
+        self.keys = [reservation.keys[i] for i in indices.tolist()]
+        self.slots = np.asarray(reservation.slots, dtype=np.int64)[indices]
+        self.expected = np.ascontiguousarray(np.asarray(expected, dtype=np.uint64)[indices])
+        self.target = target
+        self.size = target.layout.payload_bytes
+        self.limit = max(self.size, MAX_ERROR_BYTES)
+        n = len(reservation.keys)
+        self.ok = np.zeros(n, dtype=bool)
+        self.complete = np.zeros(n, dtype=bool)
+        self.nbytes = 0
+
+    def receiver(self, conn: _Connection, rid: int, addresses: np.ndarray) -> _core.FrameReceiver:
+        layout = self.target.layout
+        assert conn.sock is not None
+        headers = _core.block_frame_headers(
+            rid, self.keys, layout.fingerprint, self.size, self.expected, CHECKSUM_SCHEME
+        )
+        return _core.FrameReceiver(
+            conn.sock.fileno(), headers, addresses, self.expected, self.size, *layout.piece_table
+        )
+
+    def take_results(self, receiver: _core.FrameReceiver) -> None:
+        """Adds what ``receiver`` received (its blocks verified or failed) to the stripe's."""
+        results = receiver.results
+        self.complete[self.indices[results != 0]] = True
+        self.ok[self.indices[results == 1]] = True
+        self.nbytes += receiver.bytes_received
+
+    def receive_block(
+        self, conn: _Connection, j: int, header: wire.FrameHeader, deadline: _Deadline
+    ) -> None:
+        """Receives block ``j``'s payload into its slot, hashed piece by piece as it lands
+        (while its bytes are still in cache), and judges it."""
+        layout = self.target.layout
+        i, expected = int(self.indices[j]), int(self.expected[j])
+        hasher = _core.PieceHasher(*layout.piece_table)
+        with self.target.slot_memory(int(self.slots[j])) as memory, memory[: self.size] as payload:
+            conn.recv_into(payload, deadline, hasher)
+        self.nbytes += self.size
+        self.complete[i] = True
+        self.ok[i] = (
+            header.fingerprint == layout.fingerprint
+            and header.checksum == expected
+            and hasher.complete
+            and int(slot_checksums(hasher.digests[None, :])[0]) == expected
+        )
 
 
 class BlockClient:
@@ -978,72 +1050,110 @@ class BlockClient:
         """Receives the blocks ``indices`` of the reservation over ``conn``; returns the mask
         of verified blocks (over the whole reservation), the corrupt count, the bytes received
         and the failure that ended the stream early (if any)."""
-        n = len(reservation.keys)
-        ok = np.zeros(n, dtype=bool)
-        complete = np.zeros(n, dtype=bool)
-        layout = target.layout
-        size = layout.payload_bytes
-        pieces = layout.piece_table
-        limit = max(size, MAX_ERROR_BYTES)
-        header_buf = bytearray(wire.HEADER_SIZE)
-        header_view = memoryview(header_buf)
+        stripe = _Stripe(reservation, indices, expected, target)
         error: BaseException | None = None
-        nbytes = 0
         try:
             self._ensure(conn)
-            keys = [reservation.keys[i] for i in indices.tolist()]
-            rid = conn.send_get(lease_id, keys)
-            try:
-                conn.recv_into(header_view, deadline)
-            except (EOFError, ConnectionError):
-                # Closed before the first frame (an idle connection the server had just timed
-                # out): nothing was written anywhere; ask once more on a fresh connection.
-                conn.drop()
-                self._ensure(conn)
-                rid = conn.send_get(lease_id, keys)
-                conn.recv_into(header_view, deadline)
-            for n_done, (i, key) in enumerate(zip(indices.tolist(), keys, strict=True)):
-                if n_done:
-                    conn.recv_into(header_view, deadline)
-                header = wire.decode_header(header_buf, max_payload=limit)
-                self._check_frame(header, rid, conn)
-                if header.frame_type == wire.END:
-                    raise _StreamError("the response ended early")
-                if header.key != key:
-                    raise _StreamError(f"a frame for {header.key.hex()}, expected {key.hex()}")
-                if header.frame_type == wire.MISSING:
-                    continue
-                if header.payload_length != size:
-                    raise _StreamError(f"a block of {header.payload_length} B, expected {size}")
-                slot = int(reservation.slots[i])
-                # hashed piece by piece as it lands, while its bytes are still in cache
-                hasher = _core.PieceHasher(*pieces)
-                with target.slot_memory(slot) as memory, memory[:size] as payload:
-                    conn.recv_into(payload, deadline, hasher)
-                nbytes += size
-                complete[i] = True
-                ok[i] = (
-                    header.fingerprint == layout.fingerprint
-                    and header.checksum == int(expected[i])
-                    and hasher.complete
-                    and int(slot_checksums(hasher.digests[None, :])[0]) == int(expected[i])
-                )
-            conn.recv_into(header_view, deadline)
-            header = wire.decode_header(header_buf, max_payload=limit)
-            self._check_frame(header, rid, conn)
-            if header.frame_type != wire.END:
-                raise _StreamError(f"a {header.type_name} frame after the last block")
+            if isinstance(conn.sock, ssl.SSLSocket):  # TLS decrypts in Python's ssl
+                self._receive_frames_in_python(conn, lease_id, stripe, deadline)
+            else:
+                self._receive_frames_natively(conn, lease_id, stripe, deadline)
         except (OSError, EOFError, wire.FrameError, _StreamError, _ProtocolError) as exc:
             error = exc
             conn.drop()  # the stream's position is unknown
         except PeerUnavailableError as exc:
             error = exc
-        corrupt = int((complete & ~ok).sum())
+        corrupt = int((stripe.complete & ~stripe.ok).sum())
         if corrupt:
             log.warning(
                 "tpusync: pull from %s: %d blocks failed verification; dropped", conn.label, corrupt
             )
-        return ok, corrupt, nbytes, error
+        return stripe.ok, corrupt, stripe.nbytes, error
+
+    def _receive_frames_natively(
+        self, conn: _Connection, lease_id: int, stripe: _Stripe, deadline: _Deadline
+    ) -> None:
+        """The stripe's frames through one :class:`_core.FrameReceiver` (the GIL released across
+        blocks); the frames it does not expect are handled here, one at a time."""
+        target = stripe.target
+        target._ensure_populated(stripe.slots)
+        # a view of the pool's memory for the whole stream: close() refuses meanwhile
+        with memoryview(target._open_base()) as memory:
+            base = np.frombuffer(memory, np.uint8).ctypes.data + target.geometry.data_offset
+            addresses = (base + stripe.slots * target.layout.slot_bytes).astype(np.uint64)
+            rid = conn.send_get(lease_id, stripe.keys)
+            receiver = stripe.receiver(conn, rid, addresses)
+            try:
+                try:
+                    status = conn.receive_frames(receiver, deadline)
+                except (EOFError, ConnectionError):
+                    if receiver.bytes_read:
+                        raise
+                    # Closed before the first byte (an idle connection the server had just
+                    # timed out): nothing was written anywhere; ask once more, freshly connected.
+                    conn.drop()
+                    self._ensure(conn)
+                    rid = conn.send_get(lease_id, stripe.keys)
+                    receiver = stripe.receiver(conn, rid, addresses)
+                    status = conn.receive_frames(receiver, deadline)
+                while status == _core.FRAMES_HEADER:  # a frame the receiver did not expect
+                    j = receiver.index
+                    header = wire.decode_header(receiver.header, max_payload=stripe.limit)
+                    if self._frame_has_block(header, rid, conn, stripe.keys[j], stripe.size):
+                        stripe.receive_block(conn, j, header, deadline)
+                    receiver.resume(j + 1)
+                    status = conn.receive_frames(receiver, deadline)
+                self._check_end(wire.decode_header(receiver.header, max_payload=stripe.limit),
+                                rid, conn)  # fmt: skip
+            finally:
+                stripe.take_results(receiver)
+                del receiver  # before the view of the pool's memory goes
+
+    def _receive_frames_in_python(
+        self, conn: _Connection, lease_id: int, stripe: _Stripe, deadline: _Deadline
+    ) -> None:
+        """The stripe's frames one at a time through :meth:`_Connection.recv_into`."""
+        header_buf = bytearray(wire.HEADER_SIZE)
+        header_view = memoryview(header_buf)
+        rid = conn.send_get(lease_id, stripe.keys)
+        try:
+            conn.recv_into(header_view, deadline)
+        except (EOFError, ConnectionError):
+            # Closed before the first frame (an idle connection the server had just timed
+            # out): nothing was written anywhere; ask once more on a fresh connection.
+            conn.drop()
+            self._ensure(conn)
+            rid = conn.send_get(lease_id, stripe.keys)
+            conn.recv_into(header_view, deadline)
+        for j, key in enumerate(stripe.keys):
+            if j:
+                conn.recv_into(header_view, deadline)
+            header = wire.decode_header(header_buf, max_payload=stripe.limit)
+            if self._frame_has_block(header, rid, conn, key, stripe.size):
+                stripe.receive_block(conn, j, header, deadline)
+        conn.recv_into(header_view, deadline)
+        self._check_end(wire.decode_header(header_buf, max_payload=stripe.limit), rid, conn)
+
+    def _frame_has_block(
+        self, header: wire.FrameHeader, rid: int, conn: _Connection, key: bytes, size: int
+    ) -> bool:
+        """Whether the frame of block ``key`` carries its payload (BLOCK) or not (MISSING);
+        raises _StreamError for anything else."""
+        self._check_frame(header, rid, conn)
+        if header.frame_type == wire.END:
+            raise _StreamError("the response ended early")
+        if header.key != key:
+            raise _StreamError(f"a frame for {header.key.hex()}, expected {key.hex()}")
+        if header.frame_type == wire.MISSING:
+            return False
+        if header.payload_length != size:
+            raise _StreamError(f"a block of {header.payload_length} B, expected {size}")
+        return True
+
+    def _check_end(self, header: wire.FrameHeader, rid: int, conn: _Connection) -> None:
+        self._check_frame(header, rid, conn)
+        if header.frame_type != wire.END:
+            raise _StreamError(f"a {header.type_name} frame after the last block")
 
     # --- push -------------------------------------------------------------------------------
 
