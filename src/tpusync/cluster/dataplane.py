@@ -136,6 +136,50 @@ def _send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     _core.send_all(sock.fileno(), list(buffers), 1e9 if timeout is None else timeout)
 
 
+SEND_BATCH_BYTES = 4 << 20
+
+
+class _FrameBatch:
+    """Frames queued for one :func:`_send_buffers` call: headers, and the payloads of pinned
+    (and mapped) slots as views of the pool's memory (held until sent), sent once
+    SEND_BATCH_BYTES of payload are queued and on :meth:`flush`."""
+
+    def __init__(self, conn: socket.socket, pool: HostPool) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._size = pool.layout.payload_bytes
+        self._memory: memoryview | None = None
+        self._base = 0
+        self._buffers: list[Any] = []
+        self._bytes = 0
+
+    def add(self, header: bytes, slot: int | None = None) -> None:
+        self._buffers.append(header)
+        if slot is None:
+            return
+        if self._memory is None:  # one view of the pool's memory: close() refuses meanwhile
+            self._memory = memoryview(self._pool._open_base())
+            self._base = self._pool.geometry.data_offset
+        start = self._base + slot * self._pool.layout.slot_bytes
+        self._buffers.append(self._memory[start : start + self._size])
+        self._bytes += self._size
+        if self._bytes >= SEND_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffers:
+            _send_buffers(self._conn, self._buffers)
+        self._buffers = []
+        self._bytes = 0
+
+    def release(self) -> None:
+        """Drops what was not sent and lets go of the pool's memory."""
+        self._buffers = []
+        if self._memory is not None:
+            self._memory.release()
+            self._memory = None
+
+
 def _keys_param(value: Any) -> list[bytes]:
     if not isinstance(value, list) or len(value) > MAX_KEYS_PER_REQUEST:
         raise InvalidArgumentError(
@@ -425,7 +469,13 @@ class BlockServer(AuthenticatedTcpServer):
         except InvalidArgumentError as exc:  # e.g. the pool was closed
             self._send_error(conn, served, rid, str(exc))
             return True
+        # Frames go out SEND_BATCH_BYTES at a time, one GIL-free sendmsg loop each (a block at
+        # a time cost ~1.4x the server's CPU per byte at 128 KiB blocks). A subclass that
+        # overrides _send_block (tests that pace or damage frames) gets it called per block.
+        hooked = type(self)._send_block is not BlockServer._send_block
+        batch = _FrameBatch(conn, pool)
         try:
+            pool._ensure_populated(pinned.slots[pinned.present])  # pages the views will read
             for key, slot, present, checksum in zip(
                 keys,
                 pinned.slots.tolist(),
@@ -434,15 +484,21 @@ class BlockServer(AuthenticatedTcpServer):
                 strict=True,
             ):
                 if not present or key not in leased:
-                    conn.sendall(wire.encode_header(wire.MISSING, rid, key, fingerprint))
+                    batch.add(wire.encode_header(wire.MISSING, rid, key, fingerprint))
                     continue
                 header = wire.encode_header(
                     wire.BLOCK, rid, key, fingerprint, payload_length=size, checksum=checksum
                 )
-                with pool.slot_memory(slot) as memory, memory[:size] as payload:
-                    self._send_block(conn, header, payload)
-            conn.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
+                if hooked:
+                    batch.flush()
+                    with pool.slot_memory(slot) as memory, memory[:size] as payload:
+                        self._send_block(conn, header, payload)
+                else:
+                    batch.add(header, slot)
+            batch.add(wire.encode_header(wire.END, rid, b"", fingerprint))
+            batch.flush()
         finally:
+            batch.release()
             pool.unpin(pinned)
         return True
 
