@@ -139,6 +139,40 @@ def test_a_put_cut_mid_block_commits_nothing_in_flight(
         assert tier.contains(keys) == [False, False]
 
 
+def test_a_frame_that_contradicts_its_put_stores_nothing_of_it(
+    node: StoreNode, source: HostPool
+) -> None:
+    """Block 0's frame carries another checksum than the put declared (the node's native
+    receiver stops at it and reads it a frame at a time): that block is not stored, the put
+    goes on, and block 1 is."""
+    client = BlockClient(node.address, secret=SECRET, layout=LAYOUT, timeout_s=5.0)
+    keys = [key_for(0), key_for(1)]
+    pinned = source.pin(keys)
+    try:
+        conn = client._conns[0]
+        rid, answer = conn.send_put(keys, pinned.checksums.tolist())
+        assert answer["accept"] == [True, True]
+        size = LAYOUT.payload_bytes
+        frames = []
+        for i, (key, slot, checksum) in enumerate(
+            zip(keys, pinned.slots.tolist(), pinned.checksums.tolist(), strict=True)
+        ):
+            declared = checksum ^ 1 if i == 0 else checksum
+            header = wire.encode_header(wire.BLOCK, rid, key, LAYOUT.fingerprint, size, declared)
+            with source.slot_memory(slot) as memory:
+                frames.append(header + bytes(memory[:size]))
+        assert conn.sock is not None
+        conn.sock.sendall(b"".join(frames))
+        assert conn.finish_put(rid, LAYOUT.fingerprint)["stored"] == [False, True]
+    finally:
+        source.unpin(pinned)
+        client.close()
+    with tier_for(node) as tier:
+        assert tier.contains(keys) == [False, True]
+    (pool,) = node.server.pools
+    assert_clean(pool, 1)
+
+
 def test_garbage_after_a_put_closes_only_that_connection(
     node: StoreNode, source: HostPool, rng: np.random.Generator
 ) -> None:

@@ -48,7 +48,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +178,36 @@ class _FrameBatch:
         if self._memory is not None:
             self._memory.release()
             self._memory = None
+
+
+@contextlib.contextmanager
+def slot_addresses(pool: HostPool, slots: np.ndarray) -> Iterator[np.ndarray]:
+    """The payload addresses of ``slots`` (their pages mapped first), valid inside the block: a
+    view of the pool's memory is held meanwhile, so the pool refuses to close."""
+    pool._ensure_populated(slots)
+    with memoryview(pool._open_base()) as memory:
+        base = np.frombuffer(memory, np.uint8).ctypes.data + pool.geometry.data_offset
+        yield (base + np.asarray(slots, np.int64) * pool.layout.slot_bytes).astype(np.uint64)
+
+
+def frame_receiver(
+    sock: socket.socket,
+    request_id: int,
+    keys: list[bytes],
+    layout: PoolLayout,
+    checksums: np.ndarray,
+    addresses: np.ndarray,
+) -> _core.FrameReceiver:
+    """A native receiver of the BLOCK frames of ``keys`` (in order) for ``request_id``, each
+    with its recorded checksum, into the slots at ``addresses``."""
+    checksums = np.ascontiguousarray(checksums, dtype=np.uint64)
+    size = layout.payload_bytes
+    headers = _core.block_frame_headers(
+        request_id, keys, layout.fingerprint, size, checksums, CHECKSUM_SCHEME
+    )
+    return _core.FrameReceiver(
+        sock.fileno(), headers, addresses, checksums, size, *layout.piece_table
+    )
 
 
 def _keys_param(value: Any) -> list[bytes]:
@@ -780,13 +810,9 @@ class _Stripe:
         self.nbytes = 0
 
     def receiver(self, conn: _Connection, rid: int, addresses: np.ndarray) -> _core.FrameReceiver:
-        layout = self.target.layout
         assert conn.sock is not None
-        headers = _core.block_frame_headers(
-            rid, self.keys, layout.fingerprint, self.size, self.expected, CHECKSUM_SCHEME
-        )
-        return _core.FrameReceiver(
-            conn.sock.fileno(), headers, addresses, self.expected, self.size, *layout.piece_table
+        return frame_receiver(
+            conn.sock, rid, self.keys, self.target.layout, self.expected, addresses
         )
 
     def take_results(self, receiver: _core.FrameReceiver) -> None:
@@ -1131,12 +1157,7 @@ class BlockClient:
     ) -> None:
         """The stripe's frames through one :class:`_core.FrameReceiver` (the GIL released across
         blocks); the frames it does not expect are handled here, one at a time."""
-        target = stripe.target
-        target._ensure_populated(stripe.slots)
-        # a view of the pool's memory for the whole stream: close() refuses meanwhile
-        with memoryview(target._open_base()) as memory:
-            base = np.frombuffer(memory, np.uint8).ctypes.data + target.geometry.data_offset
-            addresses = (base + stripe.slots * target.layout.slot_bytes).astype(np.uint64)
+        with slot_addresses(stripe.target, stripe.slots) as addresses:
             rid = conn.send_get(lease_id, stripe.keys)
             receiver = stripe.receiver(conn, rid, addresses)
             try:
@@ -1163,7 +1184,7 @@ class BlockClient:
                                 rid, conn)  # fmt: skip
             finally:
                 stripe.take_results(receiver)
-                del receiver  # before the view of the pool's memory goes
+                del receiver  # before the pool's memory may go
 
     def _receive_frames_in_python(
         self, conn: _Connection, lease_id: int, stripe: _Stripe, deadline: _Deadline
@@ -1288,16 +1309,20 @@ class BlockClient:
             accept = _bool_list(answer, "accept", len(keys))
             present = _bool_list(answer, "present", len(keys))
             assert conn.sock is not None
-            for key, slot, checksum, take in zip(
-                keys, slots.tolist(), checksums.tolist(), accept, strict=True
-            ):
-                if not take:
-                    continue
-                header = wire.encode_header(
-                    wire.BLOCK, rid, key, fingerprint, payload_length=size, checksum=checksum
-                )
-                with source.slot_memory(slot) as memory, memory[:size] as payload:
-                    _send_buffers(conn.sock, [header, payload])
+            source._ensure_populated(slots)  # pages the batch's views will read
+            batch = _FrameBatch(conn.sock, source)
+            try:
+                for key, slot, checksum, take in zip(
+                    keys, slots.tolist(), checksums.tolist(), accept, strict=True
+                ):
+                    if take:
+                        batch.add(
+                            wire.encode_header(wire.BLOCK, rid, key, fingerprint, size, checksum),
+                            slot,
+                        )
+                batch.flush()
+            finally:
+                batch.release()
             done = _bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
         except (OSError, EOFError, _StreamError, _ProtocolError, PeerUnavailableError) as exc:
             conn.drop()  # the stream's position is unknown

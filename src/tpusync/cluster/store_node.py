@@ -57,6 +57,8 @@ from tpusync.cluster.dataplane import (
     RemotePool,
     Served,
     _keys_param,
+    frame_receiver,
+    slot_addresses,
 )
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import MemoryRegistry, NodeInfo, Registry, check_ttl
@@ -419,12 +421,12 @@ class StoreServer(BlockServer):
         ok = np.zeros(len(reservation.keys), dtype=bool)
         try:
             _send_json(conn, {"id": rid, "result": {"accept": accept, "present": present}})
-            self._receive_put(conn, pool, rid, reservation, expected, ok)
+            verified = self._receive_put(conn, pool, rid, reservation, expected, ok)
         except BaseException:
             pool.abort(reservation)
             raise  # the connection closes (OSError, EOFError, a frame error): nothing committed
-        if ok.any():
-            picked = np.flatnonzero(ok)
+        picked = np.flatnonzero(ok & ~verified)  # not hashed as they landed: hashed now
+        if len(picked):
             ok[picked] = pool.hash_slots(reservation.slots[picked]) == expected[picked]
         corrupt = int(len(ok) - ok.sum())
         if corrupt:
@@ -451,26 +453,73 @@ class StoreServer(BlockServer):
         reservation: Any,
         expected: np.ndarray,
         ok: np.ndarray,
-    ) -> None:
+    ) -> np.ndarray:
         """Receives the BLOCK frames of the accepted keys (in order) and the END frame;
-        ``ok[i]`` is set for each complete block whose frame matches its declaration."""
+        ``ok[i]`` is set for each complete block whose frame matches its declaration. Returns
+        which blocks were also verified as they landed (the rest are hashed afterwards)."""
+        keys = list(reservation.keys)
+        if isinstance(conn, ssl.SSLSocket):  # TLS decrypts in Python: a frame at a time
+            for i in range(len(keys)):
+                self._receive_put_block(conn, pool, rid, reservation, expected, ok, i)
+            self._check_put_end(conn, rid, None)
+            return np.zeros(len(keys), dtype=bool)
+        silence = conn.gettimeout() or 1e6
+        with slot_addresses(pool, reservation.slots) as addresses:
+            receiver = frame_receiver(conn, rid, keys, pool.layout, expected, addresses)
+            try:
+                while (status := receiver.run(1e9, silence)) != _core.FRAMES_DONE:
+                    if status == _core.FRAMES_SILENT:
+                        raise TimeoutError(f"the peer sent nothing for {silence} s mid-put")
+                    if status == _core.FRAMES_HEADER:  # not the frame declared: Python's turn
+                        i = receiver.index
+                        self._receive_put_block(
+                            conn, pool, rid, reservation, expected, ok, i, receiver.header
+                        )
+                        receiver.resume(i + 1)
+                self._check_put_end(conn, rid, receiver.header)
+            finally:
+                verified = receiver.results == 1
+                del receiver  # before the pool's memory may go
+        ok |= verified
+        return verified
+
+    def _receive_put_block(
+        self,
+        conn: socket.socket,
+        pool: HostPool,
+        rid: int,
+        reservation: Any,
+        expected: np.ndarray,
+        ok: np.ndarray,
+        i: int,
+        header_bytes: bytes | None = None,
+    ) -> None:
+        """Block ``i`` of a put, a frame at a time (its header read here unless given)."""
         layout = pool.layout
         size = layout.payload_bytes
-        header_buf = bytearray(wire.HEADER_SIZE)
-        for i, key in enumerate(reservation.keys):
+        key = reservation.keys[i]
+        if header_bytes is None:
+            header_buf = bytearray(wire.HEADER_SIZE)
             _recv_exactly(conn, memoryview(header_buf))
-            header = wire.decode_header(header_buf, max_payload=size)
-            if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != key:
-                raise wire.FrameError(
-                    f"expected the BLOCK frame of {key.hex()} for request {rid}", "stream"
-                )
-            if header.payload_length != size:
-                raise wire.FrameError(f"a block of {header.payload_length} B, expected {size}")
-            with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
-                _recv_exactly(conn, payload)
-            ok[i] = header.fingerprint == layout.fingerprint and header.checksum == int(expected[i])
-        _recv_exactly(conn, memoryview(header_buf))
-        header = wire.decode_header(header_buf, max_payload=0)
+            header_bytes = bytes(header_buf)
+        header = wire.decode_header(header_bytes, max_payload=size)
+        if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != key:
+            raise wire.FrameError(
+                f"expected the BLOCK frame of {key.hex()} for request {rid}", "stream"
+            )
+        if header.payload_length != size:
+            raise wire.FrameError(f"a block of {header.payload_length} B, expected {size}")
+        with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
+            _recv_exactly(conn, payload)
+        ok[i] = header.fingerprint == layout.fingerprint and header.checksum == int(expected[i])
+
+    @staticmethod
+    def _check_put_end(conn: socket.socket, rid: int, header_bytes: bytes | None) -> None:
+        if header_bytes is None:
+            header_buf = bytearray(wire.HEADER_SIZE)
+            _recv_exactly(conn, memoryview(header_buf))
+            header_bytes = bytes(header_buf)
+        header = wire.decode_header(header_bytes, max_payload=0)
         if header.frame_type != wire.END or header.request_id != rid:
             raise wire.FrameError(f"expected the END frame of request {rid}", "stream")
 
