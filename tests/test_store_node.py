@@ -102,6 +102,23 @@ def test_a_corrupt_source_block_is_refused(node: StoreNode, source: HostPool) ->
     assert_clean(pool, 2)
 
 
+def put_frames(
+    conn: Any, keys: list[bytes], source: HostPool, pinned: Any, declared: list[int] | None = None
+) -> tuple[int, list[bytes]]:
+    """Starts a put of ``keys`` by hand (both accepted) and returns its request id and each
+    block's frame, the header declaring ``declared[i]`` (default: the recorded checksum)."""
+    rid, answer = conn.send_put(keys, pinned.checksums.tolist())
+    assert answer["accept"] == [True] * len(keys)
+    size = LAYOUT.payload_bytes
+    frames = []
+    sums = pinned.checksums.tolist() if declared is None else declared
+    for key, slot, checksum in zip(keys, pinned.slots.tolist(), sums, strict=True):
+        header = wire.encode_header(wire.BLOCK, rid, key, LAYOUT.fingerprint, size, checksum)
+        with source.slot_memory(slot) as memory:
+            frames.append(header + bytes(memory[:size]))
+    return rid, frames
+
+
 @pytest.mark.parametrize("cut_at", [0, 50, wire.HEADER_SIZE + 10])
 def test_a_put_cut_mid_block_commits_nothing_in_flight(
     node: StoreNode, source: HostPool, cut_at: int
@@ -113,16 +130,7 @@ def test_a_put_cut_mid_block_commits_nothing_in_flight(
     pinned = source.pin(keys)
     try:
         conn = client._conns[0]
-        rid, answer = conn.send_put(keys, pinned.checksums.tolist())
-        assert answer["accept"] == [True, True]
-        size = LAYOUT.payload_bytes
-        frames = []
-        for key, slot, checksum in zip(
-            keys, pinned.slots.tolist(), pinned.checksums.tolist(), strict=True
-        ):
-            header = wire.encode_header(wire.BLOCK, rid, key, LAYOUT.fingerprint, size, checksum)
-            with source.slot_memory(slot) as memory:
-                frames.append(header + bytes(memory[:size]))
+        _, frames = put_frames(conn, keys, source, pinned)
         assert conn.sock is not None
         conn.sock.sendall(frames[0] + frames[1][:cut_at])
         conn.drop()
@@ -150,17 +158,8 @@ def test_a_frame_that_contradicts_its_put_stores_nothing_of_it(
     pinned = source.pin(keys)
     try:
         conn = client._conns[0]
-        rid, answer = conn.send_put(keys, pinned.checksums.tolist())
-        assert answer["accept"] == [True, True]
-        size = LAYOUT.payload_bytes
-        frames = []
-        for i, (key, slot, checksum) in enumerate(
-            zip(keys, pinned.slots.tolist(), pinned.checksums.tolist(), strict=True)
-        ):
-            declared = checksum ^ 1 if i == 0 else checksum
-            header = wire.encode_header(wire.BLOCK, rid, key, LAYOUT.fingerprint, size, declared)
-            with source.slot_memory(slot) as memory:
-                frames.append(header + bytes(memory[:size]))
+        recorded = pinned.checksums.tolist()
+        rid, frames = put_frames(conn, keys, source, pinned, [recorded[0] ^ 1, recorded[1]])
         assert conn.sock is not None
         conn.sock.sendall(b"".join(frames))
         assert conn.finish_put(rid, LAYOUT.fingerprint)["stored"] == [False, True]

@@ -790,6 +790,29 @@ def _set_rcvlowat_max(size_t nbytes):
     _rcvlowat_max = max(nbytes, 1)
 
 
+cdef int _wait_for_more(int fd, pollfd *pfd, size_t missing, int *lowat,
+                        int timeout_ms) noexcept nogil:
+    """After a read found nothing: waits (``_retry_after``) until a good part of the ``missing``
+    bytes arrived, not each packet -- SO_RCVLOWAT raised to min(missing, _rcvlowat_max), never
+    more than is still missing: fewer wake-ups and longer copies. ``lowat`` is the mark now set
+    (put it back with ``_reset_lowat``)."""
+    cdef int want = <int> (missing if missing < _rcvlowat_max else _rcvlowat_max)
+    cdef int saved
+    if want != lowat[0]:
+        saved = errno  # what _retry_after judges, whatever setsockopt does
+        if setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int)) == 0:
+            lowat[0] = want
+        (&errno)[0] = saved  # errno is a macro: written through its address
+    return _retry_after(pfd, timeout_ms)
+
+
+cdef void _reset_lowat(int fd, int lowat) noexcept nogil:
+    """Other readers of the socket (and polls) see every byte again."""
+    cdef int one = 1
+    if lowat != 1:
+        setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(int))
+
+
 def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
     """Receives until ``buffer`` (a writable contiguous buffer) is full from the socket ``fd``,
     waiting at most ``timeout_s`` for each read; the GIL is released for the whole loop (a
@@ -811,7 +834,7 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
     pfd.events = POLLIN
     cdef bint hashing = hasher is not None
     cdef size_t fed = 0
-    cdef int lowat = 1, want = 1, recv_errno = 0
+    cdef int lowat = 1
     cdef bint waited_out = False
     with nogil:
         while got < n:
@@ -824,15 +847,7 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
             if k < 0:
                 if waited_out:
                     break  # a whole wait and nothing arrived: the caller checks its deadline
-                # wake when a good part of what is missing has arrived, not at every packet:
-                # fewer wake-ups and longer copies (never more than is still missing)
-                want = <int> (n - got if n - got < _rcvlowat_max else _rcvlowat_max)
-                if want != lowat:
-                    recv_errno = errno  # what _retry_after judges, whatever setsockopt does
-                    if setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int)) == 0:
-                        lowat = want
-                    errno = recv_errno
-                r = _retry_after(&pfd, timeout_ms)
+                r = _wait_for_more(fd, &pfd, n - got, &lowat, timeout_ms)
                 if r < 0:
                     status, err = -1, errno
                     break
@@ -848,9 +863,7 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
                 fed = got
         if hashing and got > fed:  # timed out mid-step: the hasher keeps up with `got`
             hasher._feed(p + fed, <int64_t>(got - fed))
-        if lowat != 1:  # other readers of the socket (and polls) see every byte again
-            want = 1
-            setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int))
+        _reset_lowat(fd, lowat)
     if status == -2:
         raise EOFError("connection closed by the peer")
     if status == -1:
@@ -1014,7 +1027,7 @@ cdef class FrameReceiver:
         msg.msg_iov = iov
         cdef ssize_t k = 0
         cdef uint64_t missing, take
-        cdef int r = 0, status = -1, err = 0, lowat = 1, want = 1, recv_errno = 0
+        cdef int r = 0, status = -1, err = 0, lowat = 1
         cdef bint waited_out = False
         cdef unsigned char *payload
         cdef bint read_some = False
@@ -1068,14 +1081,7 @@ cdef class FrameReceiver:
                     if left < 0:
                         left = 0
                     timeout_ms = <int>(left * 1000.0) + 1 if left < 2e6 else 2000000000
-                    # wake when a good part of what is missing arrived (see recv_exact)
-                    want = <int> (missing if missing < _rcvlowat_max else _rcvlowat_max)
-                    if want != lowat:
-                        recv_errno = errno
-                        if setsockopt(self._fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int)) == 0:
-                            lowat = want
-                        errno = recv_errno
-                    r = _retry_after(&pfd, timeout_ms)
+                    r = _wait_for_more(self._fd, &pfd, missing, &lowat, timeout_ms)
                     if r < 0:
                         status, err = -1, errno
                         break
@@ -1104,9 +1110,7 @@ cdef class FrameReceiver:
                     self.bytes_received += self._size
                     self.index += 1
                     self._in_payload = False
-            if lowat != 1:
-                want = 1
-                setsockopt(self._fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(int))
+            _reset_lowat(self._fd, lowat)
         if status == -2:
             raise EOFError("connection closed by the peer")
         if status == -1:

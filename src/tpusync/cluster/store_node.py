@@ -458,10 +458,27 @@ class StoreServer(BlockServer):
         ``ok[i]`` is set for each complete block whose frame matches its declaration. Returns
         which blocks were also verified as they landed (the rest are hashed afterwards)."""
         keys = list(reservation.keys)
+        size = pool.layout.payload_bytes
+
+        def one_block(i: int, header_bytes: bytes | None = None) -> None:
+            """Block ``i`` a frame at a time (its header read here unless given)."""
+            header = wire.decode_header(header_bytes or _recv_header(conn), max_payload=size)
+            if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != keys[i]:
+                raise wire.FrameError(
+                    f"expected the BLOCK frame of {keys[i].hex()} for request {rid}", "stream"
+                )
+            if header.payload_length != size:
+                raise wire.FrameError(f"a block of {header.payload_length} B, expected {size}")
+            with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
+                _recv_exactly(conn, payload)
+            ok[i] = header.fingerprint == pool.layout.fingerprint and header.checksum == int(
+                expected[i]
+            )
+
         if isinstance(conn, ssl.SSLSocket):  # TLS decrypts in Python: a frame at a time
             for i in range(len(keys)):
-                self._receive_put_block(conn, pool, rid, reservation, expected, ok, i)
-            self._check_put_end(conn, rid, None)
+                one_block(i)
+            self._check_put_end(rid, _recv_header(conn))
             return np.zeros(len(keys), dtype=bool)
         silence = conn.gettimeout() or 1e6
         with slot_addresses(pool, reservation.slots) as addresses:
@@ -471,54 +488,17 @@ class StoreServer(BlockServer):
                     if status == _core.FRAMES_SILENT:
                         raise TimeoutError(f"the peer sent nothing for {silence} s mid-put")
                     if status == _core.FRAMES_HEADER:  # not the frame declared: Python's turn
-                        i = receiver.index
-                        self._receive_put_block(
-                            conn, pool, rid, reservation, expected, ok, i, receiver.header
-                        )
-                        receiver.resume(i + 1)
-                self._check_put_end(conn, rid, receiver.header)
+                        one_block(receiver.index, receiver.header)
+                        receiver.resume(receiver.index + 1)
+                self._check_put_end(rid, receiver.header)
             finally:
                 verified = receiver.results == 1
                 del receiver  # before the pool's memory may go
         ok |= verified
         return verified
 
-    def _receive_put_block(
-        self,
-        conn: socket.socket,
-        pool: HostPool,
-        rid: int,
-        reservation: Any,
-        expected: np.ndarray,
-        ok: np.ndarray,
-        i: int,
-        header_bytes: bytes | None = None,
-    ) -> None:
-        """Block ``i`` of a put, a frame at a time (its header read here unless given)."""
-        layout = pool.layout
-        size = layout.payload_bytes
-        key = reservation.keys[i]
-        if header_bytes is None:
-            header_buf = bytearray(wire.HEADER_SIZE)
-            _recv_exactly(conn, memoryview(header_buf))
-            header_bytes = bytes(header_buf)
-        header = wire.decode_header(header_bytes, max_payload=size)
-        if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != key:
-            raise wire.FrameError(
-                f"expected the BLOCK frame of {key.hex()} for request {rid}", "stream"
-            )
-        if header.payload_length != size:
-            raise wire.FrameError(f"a block of {header.payload_length} B, expected {size}")
-        with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
-            _recv_exactly(conn, payload)
-        ok[i] = header.fingerprint == layout.fingerprint and header.checksum == int(expected[i])
-
     @staticmethod
-    def _check_put_end(conn: socket.socket, rid: int, header_bytes: bytes | None) -> None:
-        if header_bytes is None:
-            header_buf = bytearray(wire.HEADER_SIZE)
-            _recv_exactly(conn, memoryview(header_buf))
-            header_bytes = bytes(header_buf)
+    def _check_put_end(rid: int, header_bytes: bytes) -> None:
         header = wire.decode_header(header_bytes, max_payload=0)
         if header.frame_type != wire.END or header.request_id != rid:
             raise wire.FrameError(f"expected the END frame of request {rid}", "stream")
@@ -654,6 +634,12 @@ def _checksums_param(value: Any, n: int) -> list[int]:
     ):
         raise InvalidArgumentError(f"checksums: expected {n} integers in 0..2**64-1")
     return value
+
+
+def _recv_header(conn: socket.socket) -> bytes:
+    header = bytearray(wire.HEADER_SIZE)
+    _recv_exactly(conn, memoryview(header))
+    return bytes(header)
 
 
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
