@@ -28,7 +28,8 @@ from tpusync.cluster import (
     RemotePool,
     wire,
 )
-from tpusync.cluster.dataplane import Served, _send_buffers
+from tpusync.cluster.dataplane import Served
+from tpusync.cluster.frames import send_buffers
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 
@@ -345,7 +346,7 @@ def test_connection_cut_mid_block(source: HostPool, target: HostPool, cut_at: in
         def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
             if sent[0] == cut_at:
                 sent[0] += 1
-                _send_buffers(conn, [header, data[: len(data) // 2]])
+                send_buffers(conn, [header, data[: len(data) // 2]])
                 conn.shutdown(socket.SHUT_RDWR)
                 time.sleep(0.1)  # the client sees the cut and goes on before this thread unwinds
                 raise ConnectionResetError("cut by the test")

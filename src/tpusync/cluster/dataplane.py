@@ -48,7 +48,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster import wire
+from tpusync.cluster.frames import FrameBatch, frame_receiver, send_buffers, slot_addresses
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import check_keys
 from tpusync.cluster.registry_server import (
@@ -77,7 +78,7 @@ from tpusync.errors import (
     InvalidArgumentError,
     TpuSyncError,
 )
-from tpusync.tiers._pool_file import CHECKSUM_SCHEME, slot_checksums
+from tpusync.tiers._pool_file import slot_checksums
 from tpusync.tiers.host_pool import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
@@ -121,93 +122,6 @@ class _StreamError(Exception):
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Sends every buffer in order with ``sendmsg`` (no joining copy), handling short sends;
-    raises TimeoutError when the peer takes nothing for the socket's timeout."""
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: the record layer copies anyway
-        for buffer in buffers:
-            if len(buffer):
-                sock.sendall(buffer)
-        return
-    # one GIL-free call for the whole frame: short sends and waits for room loop in C
-    timeout = sock.gettimeout()
-    _core.send_all(sock.fileno(), list(buffers), 1e9 if timeout is None else timeout)
-
-
-SEND_BATCH_BYTES = 4 << 20
-
-
-class _FrameBatch:
-    """Frames queued for one :func:`_send_buffers` call: headers, and the payloads of pinned
-    (and mapped) slots as views of the pool's memory (held until sent), sent once
-    SEND_BATCH_BYTES of payload are queued and on :meth:`flush`."""
-
-    def __init__(self, conn: socket.socket, pool: HostPool) -> None:
-        self._conn = conn
-        self._pool = pool
-        self._size = pool.layout.payload_bytes
-        self._memory: memoryview | None = None
-        self._base = 0
-        self._buffers: list[Any] = []
-        self._bytes = 0
-
-    def add(self, header: bytes, slot: int | None = None) -> None:
-        self._buffers.append(header)
-        if slot is None:
-            return
-        if self._memory is None:  # one view of the pool's memory: close() refuses meanwhile
-            self._memory = memoryview(self._pool._open_base())
-            self._base = self._pool.geometry.data_offset
-        start = self._base + slot * self._pool.layout.slot_bytes
-        self._buffers.append(self._memory[start : start + self._size])
-        self._bytes += self._size
-        if self._bytes >= SEND_BATCH_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._buffers:
-            _send_buffers(self._conn, self._buffers)
-        self._buffers = []
-        self._bytes = 0
-
-    def release(self) -> None:
-        """Drops what was not sent and lets go of the pool's memory."""
-        self._buffers = []
-        if self._memory is not None:
-            self._memory.release()
-            self._memory = None
-
-
-@contextlib.contextmanager
-def slot_addresses(pool: HostPool, slots: np.ndarray) -> Iterator[np.ndarray]:
-    """The payload addresses of ``slots`` (their pages mapped first), valid inside the block: a
-    view of the pool's memory is held meanwhile, so the pool refuses to close."""
-    pool._ensure_populated(slots)
-    with memoryview(pool._open_base()) as memory:
-        base = np.frombuffer(memory, np.uint8).ctypes.data + pool.geometry.data_offset
-        yield (base + np.asarray(slots, np.int64) * pool.layout.slot_bytes).astype(np.uint64)
-
-
-def frame_receiver(
-    sock: socket.socket,
-    request_id: int,
-    keys: list[bytes],
-    layout: PoolLayout,
-    checksums: np.ndarray,
-    addresses: np.ndarray,
-) -> _core.FrameReceiver:
-    """A native receiver of the BLOCK frames of ``keys`` (in order) for ``request_id``, each
-    with its recorded checksum, into the slots at ``addresses``."""
-    checksums = np.ascontiguousarray(checksums, dtype=np.uint64)
-    size = layout.payload_bytes
-    headers = _core.block_frame_headers(
-        request_id, keys, layout.fingerprint, size, checksums, CHECKSUM_SCHEME
-    )
-    return _core.FrameReceiver(
-        sock.fileno(), headers, addresses, checksums, size, *layout.piece_table
-    )
 
 
 def _keys_param(value: Any) -> list[bytes]:
@@ -475,7 +389,7 @@ class BlockServer(AuthenticatedTcpServer):
         header = wire.encode_header(
             wire.ERROR, rid, b"", served.pool.layout.fingerprint, payload_length=len(data)
         )
-        _send_buffers(conn, [header, data])
+        send_buffers(conn, [header, data])
 
     def _handle_get(
         self, conn: socket.socket, served: Served, rid: int, params: dict[str, Any]
@@ -503,7 +417,7 @@ class BlockServer(AuthenticatedTcpServer):
         # a time cost ~1.4x the server's CPU per byte at 128 KiB blocks). A subclass that
         # overrides _send_block (tests that pace or damage frames) gets it called per block.
         hooked = type(self)._send_block is not BlockServer._send_block
-        batch = _FrameBatch(conn, pool)
+        batch = FrameBatch(conn, pool)
         try:
             pool._ensure_populated(pinned.slots[pinned.present])  # pages the views will read
             for key, slot, present, checksum in zip(
@@ -534,7 +448,7 @@ class BlockServer(AuthenticatedTcpServer):
 
     def _send_block(self, conn: socket.socket, header: bytes, payload: memoryview) -> None:
         """Sends one BLOCK frame (a hook for tests that damage frames)."""
-        _send_buffers(conn, [header, payload])
+        send_buffers(conn, [header, payload])
 
     def close(self) -> None:
         """Stops accepting, closes every connection, waits (briefly) for their threads and
@@ -1310,7 +1224,7 @@ class BlockClient:
             present = _bool_list(answer, "present", len(keys))
             assert conn.sock is not None
             source._ensure_populated(slots)  # pages the batch's views will read
-            batch = _FrameBatch(conn.sock, source)
+            batch = FrameBatch(conn.sock, source)
             try:
                 for key, slot, checksum, take in zip(
                     keys, slots.tolist(), checksums.tolist(), accept, strict=True

@@ -57,9 +57,8 @@ from tpusync.cluster.dataplane import (
     RemotePool,
     Served,
     _keys_param,
-    frame_receiver,
-    slot_addresses,
 )
+from tpusync.cluster.frames import frame_receiver, slot_addresses
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import MemoryRegistry, NodeInfo, Registry, check_ttl
 from tpusync.cluster.registry_server import (
