@@ -456,6 +456,28 @@ def test_pool_constructor_and_update_reject_bad_arrays(arrays, rng):
         )
 
 
+def test_block_holds_count_and_refuse_blocks_outside_the_pool(arrays, rng):
+    """Holds are counted per block (two saves of a block, released one by one); releasing a
+    block without a hold keeps it without one; ids outside the pool and a wrong axis are
+    refused with the argument named, and change nothing."""
+    pool = DevicePool(put(arrays.random(rng, (6, 4), np.float32)))
+    pool.hold_blocks([1, 3, 3])
+    pool.release_blocks([3, 5])
+    assert pool.held_blocks() == [1, 3]
+    pool.release_blocks(np.array([1, 3]))
+    assert pool.held_blocks() == []
+    pool.hold_blocks([2])
+    for call, error, argument in (
+        (lambda: pool.hold_blocks([6]), BlockIndexError, "block_ids"),
+        (lambda: pool.release_blocks([-1]), BlockIndexError, "block_ids"),
+        (lambda: pool.hold_blocks([0], block_axis=2), InvalidArgumentError, "block_axis"),
+        (lambda: pool.hold_blocks([0.5]), InvalidArgumentError, "block_ids"),
+    ):
+        with pytest.raises(error, match=argument):
+            call()
+    assert pool.held_blocks() == [2] and pool.held_blocks(1) == []
+
+
 # --- destinations that may not be written ---------------------------------------------------------
 
 

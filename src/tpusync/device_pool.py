@@ -33,7 +33,6 @@ The ownership contract (written once, here):
 
 from __future__ import annotations
 
-import collections
 import sys
 import threading
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ import numpy as np
 from tpusync import _huge_pages
 from tpusync.errors import (
     ArrayDeletedError,
+    BlockIndexError,
     BlocksHeldError,
     InvalidArgumentError,
     ShapeMismatchError,
@@ -115,7 +115,10 @@ class DevicePool:
         self._array = array
         self.donated_steps = donated_steps
         self._lock = threading.RLock()
-        self._held: dict[int, collections.Counter[int]] = {}  # block axis -> held block ids
+        # block axis -> holds per block (one array pass per save, where a Counter cost ~0.5 ms
+        # to release 512 blocks) and the holds in all, read without the lock by the fast path
+        self._held: dict[int, np.ndarray] = {}
+        self._held_total: dict[int, int] = {}
         self._held_lock = threading.Lock()
         # Why the native engine cannot move the array (None: it can), found again only when
         # the device layout changes: devices and dtype never do. See _native_unavailable.
@@ -176,39 +179,62 @@ class DevicePool:
                 )
             self._array = array
 
+    def _block_ids(self, block_ids: Any, block_axis: Any) -> np.ndarray:
+        """``block_ids`` as int64, each a block of ``block_axis`` (checked)."""
+        if type(block_axis) is not int or not 0 <= block_axis < len(self.shape):
+            raise InvalidArgumentError(
+                f"block_axis: expected an axis of the pool's {len(self.shape)}, got {block_axis!r}"
+            )
+        ids = np.asarray(block_ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"block_ids: expected integers, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64).reshape(-1)
+        n = self.shape[block_axis]
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise BlockIndexError(
+                f"block_ids: {int(ids.min())}..{int(ids.max())} is outside the pool's blocks "
+                f"0..{n - 1} on axis {block_axis}"
+            )
+        return ids
+
     def hold_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
         """Marks blocks as being read by a save: transfers refuse to write them until
         :meth:`release_blocks` (holds are counted; each hold is released once)."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ids = self._block_ids(block_ids, block_axis)
         with self._held_lock:
-            self._held.setdefault(block_axis, collections.Counter()).update(ids.tolist())
+            counts = self._held.get(block_axis)
+            if counts is None:
+                counts = self._held[block_axis] = np.zeros(self.shape[block_axis], np.int64)
+            np.add.at(counts, ids, 1)
+            self._held_total[block_axis] = self._held_total.get(block_axis, 0) + len(ids)
 
     def release_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
-        """Drops one hold from each block (the save no longer reads it)."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        """Drops one hold from each block (the save no longer reads it); a block without a
+        hold stays without one."""
+        ids = self._block_ids(block_ids, block_axis)
         with self._held_lock:
-            held = self._held.get(block_axis)
-            if held is None:
+            counts = self._held.get(block_axis)
+            if counts is None:
                 return
-            held.subtract(ids.tolist())
-            for block in ids.tolist():
-                if held[block] <= 0:
-                    del held[block]
+            np.subtract.at(counts, ids, 1)
+            np.maximum(counts, 0, out=counts)
+            self._held_total[block_axis] = int(counts.sum())
 
     def held_blocks(self, block_axis: int = 0) -> list[int]:
         """The blocks a save still reads (sorted)."""
         with self._held_lock:
-            return sorted(self._held.get(block_axis, ()))
+            counts = self._held.get(block_axis)
+            return [] if counts is None else np.flatnonzero(counts).tolist()
 
     def _check_writable(self, block_ids: np.ndarray, block_axis: int, argument: str) -> None:
-        """Raises BlocksHeldError when a transfer would write a held block."""
-        if not self._held.get(block_axis):  # nothing held: the usual case, without the lock
+        """Raises BlocksHeldError when a transfer would write a held block (``block_ids`` were
+        checked against the pool)."""
+        if not self._held_total.get(block_axis):  # nothing held: the usual case, no lock
             return
         with self._held_lock:
-            held = self._held.get(block_axis)
-            if not held:
-                return
-            busy = [b for b in np.unique(block_ids).tolist() if held.get(b, 0) > 0]
+            counts = self._held[block_axis]
+            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+            busy = np.unique(ids[counts[ids] > 0]).tolist()
         if busy:
             raise BlocksHeldError(
                 f"{argument}: blocks {busy[:8]}{'...' if len(busy) > 8 else ''} of pool "
