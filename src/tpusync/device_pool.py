@@ -73,7 +73,9 @@ def _sole_refcount() -> int:
     return sys.getrefcount(holder.held)
 
 
-_SOLE_REFCOUNT = _sole_refcount()
+# A free-threaded interpreter defers reference counts: a count proves nothing there, so
+# donated_steps pools always take the identity step (-1 never matches).
+_SOLE_REFCOUNT = _sole_refcount() if getattr(sys, "_is_gil_enabled", lambda: True)() else -1
 
 
 @cache
