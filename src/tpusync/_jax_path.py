@@ -132,7 +132,7 @@ def _pinned_host(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 def _device_to_host(move: Move) -> None:
     src, dst = move.src, move.dst
     assert isinstance(src, DeviceSide) and isinstance(dst, HostSide)
-    array = src.current()
+    array = src.array
     n = len(move.src_blocks)
     out_sharding = _pinned_host(array.sharding)
     if move.whole:
@@ -161,7 +161,7 @@ def _device_to_host(move: Move) -> None:
 def _host_to_pool(move: Move) -> None:
     src, dst = move.src, move.dst
     assert isinstance(src, HostSide) and isinstance(dst, DeviceSide) and dst.pool is not None
-    pool_array = dst.current()
+    pool_array = dst.array
     per_device = []
     # device_put of an aligned host array aliases it on CPU (no copy); the fused gather-scatter
     # then makes the one copy into the donated pool. The source must stay unchanged until the
@@ -193,8 +193,8 @@ def _device_to_pool(move: Move) -> None:
     assert isinstance(src, DeviceSide) and isinstance(dst, DeviceSide) and dst.pool is not None
     src_idx = jnp.asarray(_padded(move.src_blocks))
     dst_idx = jnp.asarray(_padded(move.dst_blocks))
-    pool_array = dst.current()
-    source = src.current()
+    pool_array = dst.array
+    source = src.array
     if source is pool_array:
         result = _move_within_fn(move.block_axis)(pool_array, src_idx, dst_idx)
     else:
@@ -228,5 +228,5 @@ def run(moves: list[Move]) -> int:
         total += move.nbytes
     for move in moves:
         if isinstance(move.dst, DeviceSide):
-            move.dst.current().block_until_ready()
+            move.dst.array.block_until_ready()
     return total

@@ -64,9 +64,6 @@ class DeviceSide:
     def ndim(self) -> int:
         return len(self.shard_shape)
 
-    def current(self) -> jax.Array:
-        return self.array
-
 
 @dataclass
 class HostSide:

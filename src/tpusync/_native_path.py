@@ -114,7 +114,7 @@ def _hold(holds: list[Any], data: jax.Array, device: Any, written: bool) -> int:
 
 def _device_regions(side: DeviceSide, holds: list[Any], written: bool) -> list[list[Region]]:
     """Per shard group, the region of each replica (in the group's device order)."""
-    array = side.current()
+    array = side.array
     if len(side.groups) == 1 and len(array.sharding.device_set) == 1:
         by_device = {side.groups[0].devices[0]: array}  # one shard: the array is its data
     else:
@@ -328,7 +328,7 @@ class BlockPlan:
                 single = (
                     len(places) == 1
                     and len(side.groups) == 1
-                    and len(side.current().sharding.device_set) == 1
+                    and len(side.array.sharding.device_set) == 1
                 )
                 # a plain-CPU destination of one shard is addressed without a pin (see table)
                 unpinned = single and written and side.groups[0].devices[0].platform == "cpu"
@@ -348,9 +348,9 @@ class BlockPlan:
         plain = not _pjrt_path._bindings  # CPU buffers are host memory (see _hold)
         for side, single, places, written, unpinned in self._device_places:
             if unpinned and plain:  # a pin costs ~5-10 us after a model step
-                bases[single] = side.current().unsafe_buffer_pointer()
+                bases[single] = side.array.unsafe_buffer_pointer()
             elif single is not None:  # one shard: the array is its data
-                bases[single] = _hold(holds, side.current(), side.groups[0].devices[0], written)
+                bases[single] = _hold(holds, side.array, side.groups[0].devices[0], written)
             else:
                 addresses = _device_bases(side, holds, written)
                 for g, r, place in places:
@@ -365,7 +365,7 @@ class BlockPlan:
 def _device_bases(side: DeviceSide, holds: list[Any], written: bool) -> list[list[int]]:
     """Per shard group, each replica's buffer address (in the group's device order), every
     buffer pinned in ``holds``: :func:`_device_regions` without the geometry."""
-    array = side.current()
+    array = side.array
     if len(side.groups) == 1 and len(array.sharding.device_set) == 1:
         # one shard: the array is its data
         return [[_hold(holds, array, side.groups[0].devices[0], written)]]

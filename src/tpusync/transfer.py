@@ -272,10 +272,10 @@ def _execute(
         with _pools_locked(moves):
             for move in moves:
                 for side in (move.src, move.dst):
-                    if isinstance(side, DeviceSide) and side.current().is_deleted():
+                    if isinstance(side, DeviceSide) and side.array.is_deleted():
                         from tpusync.device_pool import _check_alive
 
-                        _check_alive(side.current(), side.argument)
+                        _check_alive(side.array, side.argument)
             runner(moves)
     except TpuSyncError as exc:
         future.set_exception(exc)
