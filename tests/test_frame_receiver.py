@@ -4,9 +4,11 @@ the frames it does not expect, its time budget and a silent peer hand back to th
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -89,6 +91,19 @@ class Case:
             receiver.resume(receiver.index + 1)
 
 
+@contextlib.contextmanager
+def reads_of_at_most(nbytes: int | None) -> Iterator[None]:
+    """The native receivers take at most ``nbytes`` per read meanwhile (None: as built)."""
+    if nbytes is None:
+        yield
+        return
+    previous = _core._set_recv_step(nbytes)
+    try:
+        yield
+    finally:
+        _core._set_recv_step(previous)
+
+
 def _send_in_pieces(sock: socket.socket, data: bytes, cuts: list[int]) -> threading.Thread:
     def send() -> None:
         at = 0
@@ -129,31 +144,42 @@ def test_block_frame_headers_are_the_wire_encoding(
     size=st.integers(2, 20_000),
     cuts=st.lists(st.integers(0, 200_000), max_size=12),
     missing=st.sets(st.integers(0, 5), max_size=3),
+    step=st.sampled_from([None, 1, 95, 4096]),
 )
 def test_blocks_land_verified_however_the_stream_is_cut(
-    seed: int, n: int, size: int, cuts: list[int], missing: set[int]
+    seed: int, n: int, size: int, cuts: list[int], missing: set[int], step: int | None
 ) -> None:
+    """Also with reads capped below a payload (2 MiB blocks are read 128 KiB at a time): the
+    next header is then read apart from the payload's last bytes."""
     case = Case(np.random.default_rng(seed), n, size, {i for i in missing if i < n})
     a, b = socket.socketpair()
-    try:
-        sender = _send_in_pieces(a, case.stream, [c % len(case.stream) for c in cuts])
-        receiver = case.receiver(b.fileno())
-        end = case.drive(receiver)
-        sender.join(10)
-        assert end.frame_type == wire.END
-        got = [i for i in range(n) if i not in case.missing]
-        assert receiver.results.tolist() == [0 if i in case.missing else 1 for i in range(n)]
-        assert receiver.bytes_received == len(got) * size
-        for i in got:
-            assert np.array_equal(case.slots[i], case.payloads[i])
-    finally:
-        a.close()
-        b.close()
+    with reads_of_at_most(step):
+        try:
+            sender = _send_in_pieces(a, case.stream, [c % len(case.stream) for c in cuts])
+            receiver = case.receiver(b.fileno())
+            end = case.drive(receiver)
+            sender.join(10)
+            assert end.frame_type == wire.END
+            got = [i for i in range(n) if i not in case.missing]
+            assert receiver.results.tolist() == [0 if i in case.missing else 1 for i in range(n)]
+            assert receiver.bytes_received == len(got) * size
+            for i in got:
+                assert np.array_equal(case.slots[i], case.payloads[i])
+        finally:
+            a.close()
+            b.close()
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 4), size=st.integers(2, 5000))
-def test_a_damaged_byte_never_yields_a_verified_wrong_block(seed: int, n: int, size: int) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 4),
+    size=st.integers(2, 5000),
+    step=st.sampled_from([None, 1, 333]),
+)
+def test_a_damaged_byte_never_yields_a_verified_wrong_block(
+    seed: int, n: int, size: int, step: int | None
+) -> None:
     """One byte anywhere in the stream flipped: a damaged payload fails its checksum; a damaged
     header stops the receiver there (the caller's decode then refuses it, or it names another
     key). Every block marked verified holds exactly its bytes."""
@@ -163,25 +189,26 @@ def test_a_damaged_byte_never_yields_a_verified_wrong_block(seed: int, n: int, s
     at = int(rng.integers(0, len(stream)))
     stream[at] ^= 1 << int(rng.integers(0, 8))
     a, b = socket.socketpair()
-    try:
-        a.sendall(bytes(stream))
-        a.shutdown(socket.SHUT_WR)
-        receiver = case.receiver(b.fileno())
+    with reads_of_at_most(step):
         try:
-            ended = case.drive(receiver).frame_type == wire.END
-        except (wire.FrameError, EOFError):  # what the client refuses
-            ended = False
-        results = receiver.results.tolist()
-        assert not (ended and results == [1] * n)  # the damage was seen
-        for i, result in enumerate(results):
-            if result == 1:
-                assert np.array_equal(case.slots[i], case.payloads[i])
-            payload_start = 96 * (i + 1) + size * i
-            if payload_start <= at < payload_start + size:
-                assert result == 2  # its own payload was damaged
-    finally:
-        a.close()
-        b.close()
+            a.sendall(bytes(stream))
+            a.shutdown(socket.SHUT_WR)
+            receiver = case.receiver(b.fileno())
+            try:
+                ended = case.drive(receiver).frame_type == wire.END
+            except (wire.FrameError, EOFError):  # what the client refuses
+                ended = False
+            results = receiver.results.tolist()
+            assert not (ended and results == [1] * n)  # the damage was seen
+            for i, result in enumerate(results):
+                if result == 1:
+                    assert np.array_equal(case.slots[i], case.payloads[i])
+                payload_start = 96 * (i + 1) + size * i
+                if payload_start <= at < payload_start + size:
+                    assert result == 2  # its own payload was damaged
+        finally:
+            a.close()
+            b.close()
 
 
 def test_budget_silence_and_a_closed_peer_hand_back(rng: np.random.Generator) -> None:

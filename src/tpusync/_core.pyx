@@ -782,6 +782,18 @@ def send_all(int fd, buffers, double timeout_s):
 
 
 cdef size_t _rcvlowat_max = 256 << 10
+# Most bytes one read takes (recv_exact, FrameReceiver). A read of a whole 2 MiB payload copies
+# for ~200 us before the kernel reopens the window, so the sender stalls and sleeps; reads of
+# 128 KiB keep both ends streaming and the bytes hot for the hash. Measured here, 1 GiB of 2 MiB
+# blocks over loopback, one connection: 3.4-3.9 -> 4.0-4.6 GB/s, the sender's CPU per byte -10%.
+cdef size_t _recv_step = 128 << 10
+
+
+def _set_recv_step(size_t nbytes):
+    """Sets the most bytes one read takes (for tests and A/B runs); returns the previous."""
+    global _recv_step
+    previous, _recv_step = _recv_step, max(nbytes, 1)
+    return previous
 
 
 def _set_rcvlowat_max(size_t nbytes):
@@ -840,7 +852,7 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
         while got < n:
             # read first, wait only when nothing is there: one system call per read while
             # data streams in (MSG_DONTWAIT: never blocks, whatever the socket's mode)
-            k = recv(fd, p + got, n - got, MSG_DONTWAIT)
+            k = recv(fd, p + got, n - got if n - got < _recv_step else _recv_step, MSG_DONTWAIT)
             if k == 0:
                 status = -2
                 break
@@ -1063,6 +1075,9 @@ cdef class FrameReceiver:
                     iov[1].iov_base = self._header  # the next frame's header, if it is there
                     iov[1].iov_len = 96
                     msg.msg_iovlen = 2
+                    if missing > _recv_step:  # the header only with the payload's end
+                        iov[0].iov_len = _recv_step
+                        msg.msg_iovlen = 1
                     k = recvmsg(self._fd, &msg, MSG_DONTWAIT)
                 if k == 0:
                     status = -2
