@@ -29,7 +29,7 @@ from tpusync.cluster import (
     wire,
 )
 from tpusync.cluster.dataplane import Served
-from tpusync.cluster.frames import send_buffers
+from tpusync.cluster.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 
@@ -196,6 +196,53 @@ def test_striping_over_three_connections_and_two_local_addresses(
     # Keys dealt round robin: connections 0 and 2 on path 0 (127.0.0.1), connection 1 on path 1.
     assert sorted(peers) == [("127.0.0.1", 6), ("127.0.0.1", 7), ("127.0.0.2", 7)]
     assert_clean(target, 20)
+
+
+def test_connections_within_this_host_send_through_a_small_buffer(
+    source: HostPool, target: HostPool
+) -> None:
+    """Over loopback each end's send buffer is sized (Linux doubles the size asked for)
+    instead of autotuned: the server's (it sends pulls) and the client's (it sends pushes)."""
+    small = 2 * LOCAL_SEND_BUFFER_BYTES
+    with BlockServer(source, secret=SECRET) as server, client_for(server, connections=2) as client:
+        assert client.pull([key_for(i) for i in range(4)], target) == [True] * 4
+        with server._lock:
+            served = list(server._conns)
+        assert len(served) >= 2  # a connection per stripe
+        assert {c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for c in served} == {small}
+        for conn in client._conns:
+            assert conn.sock is not None
+            assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == small
+
+
+class _PeerOnAnotherHost:
+    """Stands in for a socket connected to another host (this machine has no second one)."""
+
+    def __init__(self, local: str, peer: str) -> None:
+        self.local, self.peer = local, peer
+        self.options: list[tuple[int, int, int]] = []
+
+    def getsockname(self) -> tuple[str, int]:
+        return (self.local, 40000)
+
+    def getpeername(self) -> tuple[str, int]:
+        return (self.peer, 7000)
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self.options.append((level, option, value))
+
+
+def test_only_peers_on_this_host_get_the_small_send_buffer() -> None:
+    far = _PeerOnAnotherHost("10.1.0.1", "10.1.0.2")
+    tune_for_peer(far)  # type: ignore[arg-type]
+    assert far.options == []  # left to autotuning: a fixed buffer caps buffer / RTT
+    for local, peer in (("10.1.0.1", "10.1.0.1"), ("127.0.0.1", "127.0.0.5"), ("::1", "::1")):
+        near = _PeerOnAnotherHost(local, peer)
+        tune_for_peer(near)  # type: ignore[arg-type]
+        assert near.options == [(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER_BYTES)]
+    a, b = socket.socketpair()  # not an IP socket: nothing to tune, no error
+    with a, b:
+        tune_for_peer(a)
 
 
 def test_remote_pool_is_the_read_side_of_a_lower_tier(source: HostPool, target: HostPool) -> None:

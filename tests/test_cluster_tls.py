@@ -5,6 +5,7 @@ certificate is a real self-signed one made by ``openssl`` for 127.0.0.1."""
 from __future__ import annotations
 
 import shutil
+import socket
 import ssl
 import subprocess
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from tpusync.cluster import (
     RegistryUnavailableError,
     RemoteRegistry,
 )
+from tpusync.cluster.frames import LOCAL_SEND_BUFFER_BYTES
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 
@@ -90,6 +92,13 @@ def test_block_pull_over_tls(
         for key in keys:
             assert payload(target, key) == payload(source, key)
         assert_clean(target, 12)
+        # TLS record writes ran slower through the small loopback send buffer: left autotuned
+        with server._lock:
+            served = list(server._conns)
+        small = 2 * LOCAL_SEND_BUFFER_BYTES
+        assert served and all(
+            c.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) != small for c in served
+        )
 
 
 def test_store_node_push_and_pull_over_tls(

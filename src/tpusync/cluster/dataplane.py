@@ -57,7 +57,13 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster import wire
-from tpusync.cluster.frames import FrameBatch, frame_receiver, send_buffers, slot_addresses
+from tpusync.cluster.frames import (
+    FrameBatch,
+    frame_receiver,
+    send_buffers,
+    slot_addresses,
+    tune_for_peer,
+)
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import check_keys
 from tpusync.cluster.registry_server import (
@@ -269,6 +275,7 @@ class BlockServer(AuthenticatedTcpServer):
 
     def _serve_connection(self, conn: socket.socket) -> None:
         conn.settimeout(self._io_timeout)
+        tune_for_peer(conn)
         served = self._initial_binding()
         streams = self._streams()
         while not self._closed:
@@ -521,6 +528,7 @@ class _Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
+            tune_for_peer(sock)  # for pushes
             client_handshake(sock, self._secret, f"the block server at {self.label}")
             self.sock = sock
             params: dict[str, Any] = {"protocol": PROTOCOL, "version": VERSION}

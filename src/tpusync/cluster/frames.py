@@ -6,6 +6,7 @@ The frame format itself is ``wire.py``'s."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import socket
 import ssl
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,15 @@ from tpusync.tiers._pool_file import CHECKSUM_SCHEME
 from tpusync.tiers.host_pool import HostPool
 from tpusync.tiers.layout import PoolLayout
 
-__all__ = ["SEND_BATCH_BYTES", "FrameBatch", "frame_receiver", "send_buffers", "slot_addresses"]
+__all__ = [
+    "LOCAL_SEND_BUFFER_BYTES",
+    "SEND_BATCH_BYTES",
+    "FrameBatch",
+    "frame_receiver",
+    "send_buffers",
+    "slot_addresses",
+    "tune_for_peer",
+]
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
@@ -35,6 +44,28 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
 
 
 SEND_BATCH_BYTES = 4 << 20
+
+# The send buffer of a connection whose peer is on this host (the kernel doubles it). Its
+# autotuned default grows to 4 MiB, and that much in flight over loopback cost both ends CPU
+# per byte: measured here, 1 GiB of 2 MiB blocks, 1 / 2 / 4 connections, 3.3-3.9 / 2.7-3.4 /
+# 3.0 -> 4.2-4.5 / 4.5-4.9 / 4.3 GB/s, the receiver's system time halved with 2 connections.
+# Across hosts it stays autotuned: a fixed buffer would cap a connection at buffer / RTT.
+LOCAL_SEND_BUFFER_BYTES = 256 << 10
+
+
+def tune_for_peer(sock: socket.socket) -> None:
+    """Sizes the send buffer of a connected socket whose peer is on this host (a loopback
+    address, or the socket's own address); leaves any other alone, and TLS (whose record
+    writes ran ~10% slower with the small buffer)."""
+    if isinstance(sock, ssl.SSLSocket):
+        return
+    try:
+        local, peer = sock.getsockname()[0], sock.getpeername()[0]
+        same_host = peer == local or ipaddress.ip_address(peer.split("%")[0]).is_loopback
+        if same_host:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER_BYTES)
+    except (OSError, ValueError, TypeError, IndexError):  # not an IP socket: nothing to tune
+        pass
 
 
 class FrameBatch:
