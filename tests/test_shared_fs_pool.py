@@ -406,6 +406,67 @@ def test_a_failure_inside_get_returns_every_slot_once(open_tier, dram, monkeypat
     check_served(target, keys[:3])
 
 
+@pytest.mark.parametrize("io_threads", [1, 3, 8])
+def test_io_threads_run_every_item_once_in_order(open_tier, io_threads):
+    """Each I/O thread takes the next item until none is left: every call runs once, results
+    come back in item order, failures in place (captured) or the first by order (raised)."""
+    tier = open_tier(small_layout(), io_threads=io_threads)
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> int:
+        with lock:
+            calls.append(i)
+        if i % 7 == 3:
+            raise ValueError(f"item {i}")
+        return i * i
+
+    items = list(range(100))
+    out = tier._run_all(work, items, capture=True)
+    assert sorted(calls) == items
+    for i, result in enumerate(out):
+        if i % 7 == 3:
+            assert isinstance(result, ValueError) and str(result) == f"item {i}"
+        else:
+            assert result == i * i
+    calls.clear()
+    with pytest.raises(ValueError, match=r"^item 3$"):
+        tier._run_all(work, items)
+    assert sorted(calls) == items  # the others still ran: none is left running on return
+
+
+def test_existence_checks_use_threads_only_when_stat_is_slow(open_tier, dram, monkeypatch):
+    """A local filesystem answers stat in microseconds: the keys are checked in the caller's
+    thread. Where the first answers are slow (a shared filesystem's round trips; slowed here,
+    since this machine has none), the rest go to the I/O threads. Both answer the same."""
+    layout = small_layout()
+    keys = [key_for(i) for i in range(40)]
+    source = dram(layout, 20)
+    fill(source, keys[:20])
+    tier = open_tier(layout, io_threads=4)
+    tier.put(keys[:20], source)
+    threads: set[str] = set()
+    original = tier._exists
+
+    def recording(key: bytes) -> bool:
+        threads.add(threading.current_thread().name)
+        return original(key)
+
+    monkeypatch.setattr(tier, "_exists", recording)
+    truth = [True] * 20 + [False] * 20
+    assert tier.contains(keys) == truth
+    assert threads == {threading.current_thread().name}
+
+    def slow(key: bytes) -> bool:
+        time.sleep(sfs._FAST_STAT_S * 4)
+        return recording(key)
+
+    threads.clear()
+    monkeypatch.setattr(tier, "_exists", slow)
+    assert tier.contains(keys) == truth
+    assert any(name.startswith("tpusync-sharedfs") for name in threads)
+
+
 # --- temporary files, sweep, durability, I/O errors ---------------------------------------------
 
 
