@@ -233,10 +233,16 @@ class _PeerOnAnotherHost:
 
 
 def test_only_peers_on_this_host_get_the_small_send_buffer() -> None:
-    far = _PeerOnAnotherHost("10.1.0.1", "10.1.0.2")
-    tune_for_peer(far)  # type: ignore[arg-type]
-    assert far.options == []  # left to autotuning: a fixed buffer caps buffer / RTT
-    for local, peer in (("10.1.0.1", "10.1.0.1"), ("127.0.0.1", "127.0.0.5"), ("::1", "::1")):
+    for local, peer in (("10.1.0.1", "10.1.0.2"), ("::ffff:10.1.0.1", "::ffff:10.1.0.2")):
+        far = _PeerOnAnotherHost(local, peer)
+        tune_for_peer(far)  # type: ignore[arg-type]
+        assert far.options == []  # left to autotuning: a fixed buffer caps buffer / RTT
+    for local, peer in (
+        ("10.1.0.1", "10.1.0.1"),
+        ("127.0.0.1", "127.0.0.5"),
+        ("::1", "::1"),
+        ("::ffff:10.1.0.1", "::ffff:127.0.0.2"),
+    ):
         near = _PeerOnAnotherHost(local, peer)
         tune_for_peer(near)  # type: ignore[arg-type]
         assert near.options == [(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER_BYTES)]

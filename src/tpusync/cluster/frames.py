@@ -61,8 +61,10 @@ def tune_for_peer(sock: socket.socket) -> None:
         return
     try:
         local, peer = sock.getsockname()[0], sock.getpeername()[0]
-        same_host = peer == local or ipaddress.ip_address(peer.split("%")[0]).is_loopback
-        if same_host:
+        address = ipaddress.ip_address(peer.split("%")[0])
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a dual-stack socket's view of 127.x
+        if peer == local or address.is_loopback:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LOCAL_SEND_BUFFER_BYTES)
     except (OSError, ValueError, TypeError, IndexError):  # not an IP socket: nothing to tune
         pass
