@@ -48,7 +48,7 @@ SEND_BATCH_BYTES = 4 << 20
 # The send buffer of a connection whose peer is on this host (the kernel doubles it). Its
 # autotuned default grows to 4 MiB, and that much in flight over loopback cost both ends CPU
 # per byte: measured here, 1 GiB of 2 MiB blocks, 1 / 2 / 4 connections, 3.3-3.9 / 2.7-3.4 /
-# 3.0 -> 4.2-4.5 / 4.5-4.9 / 4.3 GB/s, the receiver's system time halved with 2 connections.
+# 3.0 -> 4.15-4.24 / 4.45-4.91 / 4.26 GB/s; with 2 connections the receiver's system time halved.
 # Across hosts it stays autotuned: a fixed buffer would cap a connection at buffer / RTT.
 LOCAL_SEND_BUFFER_BYTES = 256 << 10
 
