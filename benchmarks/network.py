@@ -221,6 +221,10 @@ def child_block_server(config: dict[str, Any]) -> None:
     from tpusync.cluster import BlockServer
 
     secret = bytes.fromhex(config["secret"])
+    if config.get("autotuned_send_buffer"):  # the ablation in network_tuning.py
+        from tpusync.cluster import dataplane
+
+        dataplane.tune_for_peer = lambda sock: None
     pool = filled_pool(config["blocks"], config["block_bytes"])
     servers = []
     try:
