@@ -741,7 +741,7 @@ class SharedFsPool:
             self._run_items(fn, items, results, failed, iter(range(len(items))), None)
         else:
             executor = self._get_executor()
-            indices = iter(range(len(items)))  # next() on it is atomic: no lock to share it
+            indices = _Dealer(len(items))
             stop = threading.Event()
             futures: list[Future[Any]] = [
                 executor.submit(self._run_items, fn, items, results, failed, indices, stop)
@@ -786,6 +786,27 @@ class SharedFsPool:
                     self.io_threads, thread_name_prefix="tpusync-sharedfs"
                 )
             return self._executor
+
+
+class _Dealer:
+    """Hands out 0 .. n-1, each once, to any number of threads (under a lock: a plain
+    iterator is not safe to share on a free-threaded interpreter)."""
+
+    def __init__(self, n: int) -> None:
+        self._next = 0
+        self._n = n
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> _Dealer:
+        return self
+
+    def __next__(self) -> int:
+        with self._lock:
+            i = self._next
+            if i >= self._n:
+                raise StopIteration
+            self._next = i + 1
+            return i
 
 
 def _pwritev_all(fd: int, buffers: list[Any]) -> None:
