@@ -13,7 +13,7 @@ combinations and the connection counts alternate, ``--repeats`` times; medians a
 Client CPU is this process's (``getrusage``), server CPU the child's (``/proc/PID/stat``).
 Every child is stopped by its pid. Prints a markdown table; writes JSON.
 
-    python benchmarks/network_tuning.py [--total-mib 1024] [--block-kib 2048] [--repeats 5]
+    python benchmarks/network_tuning.py [--total-mib 1024] [--block-kib 2048] [--repeats 9]
         [--json benchmarks/results/network-tuning-cpu-2core.json]
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes per pull")
     parser.add_argument("--block-kib", type=int, default=2048, help="block size")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default=DEFAULT_JSON)
     args = parser.parse_args()
     from tpusync import _core
