@@ -4,7 +4,9 @@ jax.experimental.transfer; striping over two rate-limited paths; registry lookup
 * Loopback: a BlockServer in a child process serves a HostPool of ``--total-mib`` of 2 MiB blocks
   (random bytes); the benchmark process pulls them all into a local HostPool with a BlockClient
   (``client.pull(keys, target)``, every block verified against its checksum as it lands), with
-  1, 2 and 4 connections, without and with TLS (a self-signed certificate made by ``openssl``).
+  1, 2 and 4 connections, without and with TLS (a self-signed certificate made by ``openssl``),
+  and pushes the same blocks to a store node's server (``StoreServer``, in a third child) through
+  a ``StoreNodePool``, which the node verifies before it stores them.
   Alternating with those pulls in the same run: ``iperf3`` over loopback with the same byte count
   and as many streams (a bare TCP ceiling: no framing, no checksums, nothing stored), both with
   its defaults and with a 256 KiB socket buffer and 1 MiB writes (the ratio divides by the
@@ -304,8 +306,23 @@ def child_registry_server(config: dict[str, Any]) -> None:
         server.close()
 
 
+def child_store_server(config: dict[str, Any]) -> None:
+    """A store node's server (``tpusync serve``'s StoreServer) lending ``dram_bytes``."""
+    from tpusync.cluster import StoreServer
+
+    server = StoreServer(
+        config["dram_bytes"], secret=bytes.fromhex(config["secret"]), lease_ttl_s=LEASE_TTL_S
+    )
+    try:
+        _reply({"address": server.address})
+        _serve_requests(lambda request: {})
+    finally:
+        server.close()
+
+
 CHILDREN = {
     "block-server": child_block_server,
+    "store-server": child_store_server,
     "block-client": child_block_client,
     "jax-server": child_jax_server,
     "registry-server": child_registry_server,
@@ -356,6 +373,30 @@ class Puller:
         seconds = time.perf_counter() - start
         if not all(loaded):
             raise RuntimeError(f"{name}: {len(loaded) - sum(loaded)} blocks not pulled")
+        return seconds
+
+    def add_pusher(self, name: str, address: str, connections: int) -> None:
+        """A StoreNodePool (a store node as a lower tier) that pushes the target's blocks."""
+        from tpusync.cluster import StoreNodePool
+
+        self.clients[name] = StoreNodePool(
+            address,
+            layout=self.target.layout,
+            secret=self.secret,
+            connections=connections,
+            timeout_s=60.0,
+        )
+
+    def push(self, name: str) -> float:
+        """Seconds to push every block of the (full) target to the emptied store node (all
+        must be stored: the node verifies each against its checksum)."""
+        node = self.clients[name]
+        node.delete(self.keys)
+        start = time.perf_counter()
+        stored = node.put(self.keys, self.target)
+        seconds = time.perf_counter() - start
+        if stored != len(self.keys):
+            raise RuntimeError(f"{name}: {len(self.keys) - stored} blocks not stored")
         return seconds
 
     def verify(self, name: str) -> bool:
@@ -539,6 +580,19 @@ def bench_loopback(
                 context = client_context(cert) if tls and cert else None
                 puller.add(name, [f"127.0.0.1:{port}"], c, context, insecure=False)
                 runs[name] = c
+        # pushes of the same blocks (the target's, once pulled) to a store node's server
+        layout = puller.target.layout
+        _, store = start_child(
+            stack,
+            "store-server",
+            "store-server",
+            {"secret": secret.hex(), "dram_bytes": (blocks + 8) * layout.slot_bytes + (16 << 20)},
+            log_dir,
+        )
+        pushes: list[str] = []
+        for c in conns:
+            pushes.append(f"tpusync push {c} conn{'s' if c > 1 else ''}")
+            puller.add_pusher(pushes[-1], store["address"], c)
         iperf_port = None
         if iperf3_available():
             iperf_port = free_port()
@@ -558,6 +612,8 @@ def bench_loopback(
         # warm-up (and a byte-for-byte check of what each path delivers)
         for name in runs:
             puller.verify(name)
+        for name in pushes:  # the node stores only blocks it verified
+            puller.push(name)
         if iperf_port is not None:
             for c in conns:
                 iperf3_gbps([("127.0.0.1", iperf_port, None)], nbytes, c, tries=20)
@@ -577,6 +633,8 @@ def bench_loopback(
                             [("127.0.0.1", iperf_port, None)], nbytes, c, options=options
                         )
                         times.setdefault(label + suffix, []).append(gbps)
+            for name in pushes:  # the target holds every block after the pulls
+                times.setdefault(name, []).append(nbytes / puller.push(name) / 1e9)
             if jax_puller is not None:
                 times.setdefault("jax.experimental.transfer", []).append(
                     nbytes / jax_puller.pull() / 1e9
