@@ -61,28 +61,37 @@ def say(line: str) -> None:
 
 class PacedServer(BlockServer):
     """Reports every BLOCK frame it sends; after ``hold_after`` frames it sends the next one
-    half and stops (the hook the data plane documents for tests: ``_send_block``)."""
+    half and stops (the hook the data plane documents for tests: ``_send_block``). ``holding``
+    is printed only once every frame before the hold is wholly handed to the kernel: with
+    several connections, another thread may still be sending its last whole frame (a small
+    send buffer makes that wait for the reader)."""
 
     hold_after: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._sent = 0
-        self._count_lock = threading.Lock()
+        self._started = 0  # whole frames begun
+        self._done = 0  # whole frames handed to the kernel
+        self._count = threading.Condition()
         super().__init__(*args, **kwargs)
 
     def _send_block(self, conn: socket.socket, header: bytes, payload: memoryview) -> None:
-        with self._count_lock:
-            hold = self.hold_after is not None and self._sent >= self.hold_after
+        with self._count:
+            hold = self.hold_after is not None and self._started >= self.hold_after
             if not hold:
-                self._sent += 1
-                n = self._sent
+                self._started += 1
+                n = self._started
         if hold:
             conn.sendall(header)
             conn.sendall(payload[: len(payload) // 2])
+            with self._count:
+                self._count.wait_for(lambda: self._done == self._started, timeout=HOLD_S)
             say("holding")
             time.sleep(HOLD_S)
             raise ConnectionAbortedError("held")
         super()._send_block(conn, header, payload)
+        with self._count:
+            self._done += 1
+            self._count.notify_all()
         say(f"sent {n}")
 
 
