@@ -19,9 +19,11 @@ __all__ = [
     "ShapeMismatchError",
     "StaleHandleError",
     "TierFullError",
+    "TierIOError",
     "TpuSyncError",
     "TransferFailedError",
     "TransferTimeoutError",
+    "UnsafeFileError",
     "WrongDeviceError",
 ]
 
@@ -119,3 +121,14 @@ class BlocksMissingError(TpuSyncError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class UnsafeFileError(TpuSyncError, PermissionError):
+    """A tier's file or directory is not safe to use: not a regular file (a FIFO, a device, a
+    directory where a file belongs), owned by another user, or writable by others. The message
+    names the path and how to fix it."""
+
+
+class TierIOError(TpuSyncError, OSError):
+    """A tier's file could not be written or read (e.g. the filesystem is full); the message
+    names the path and the cause (chained)."""
