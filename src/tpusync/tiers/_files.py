@@ -24,12 +24,13 @@ from pathlib import Path
 from tpusync.errors import UnsafeFileError
 
 __all__ = [
-    "FILE_MODE",
     "DIRECTORY_MODE",
-    "check_directory",
+    "FILE_MODE",
     "check_descriptor",
-    "open_file",
+    "check_directory",
+    "check_owner",
     "make_directory",
+    "open_file",
 ]
 
 FILE_MODE = 0o600
