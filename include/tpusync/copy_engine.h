@@ -26,10 +26,12 @@ typedef struct tps_segment {
 typedef struct tps_engine tps_engine;
 
 /* Creates an engine with n_threads >= 1 threads in total (n_threads - 1 workers plus the
- * caller). Returns NULL and sets errno on failure. */
+ * caller). Returns NULL and sets errno on failure. An engine inherited through fork() runs
+ * every job on the calling thread alone: the child makes its own engine to use several. */
 tps_engine *tps_engine_create(int n_threads);
 
-/* Stops and joins the workers, then frees the engine. No copy may be in flight. */
+/* Stops and joins the workers, then frees the engine. No copy may be in flight. In a forked
+ * child (the workers did not survive the fork) it only frees the memory: it never blocks. */
 void tps_engine_destroy(tps_engine *engine);
 
 int tps_engine_threads(const tps_engine *engine);

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tpusync import _fork
 from tpusync.device_pool import DevicePool, _check_alive
 from tpusync.errors import (
     InvalidArgumentError,
@@ -110,6 +111,7 @@ def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
     waiting for the pool's lock: validating never waits for a transfer that runs on the pool.
     Whether a busy pool's array is still alive is checked when the transfer runs.
     """
+    _fork.check_device_use(argument)  # before the pool's lock and any JAX call
     pool = obj if isinstance(obj, DevicePool) else None
     array = pool._array if pool is not None else obj
     assert isinstance(array, jax.Array)

@@ -94,6 +94,23 @@ _by_device: dict[Any, tuple[PjrtBackend | None, str]] = {}  # probed once per JA
 _state_lock = threading.RLock()  # re-entrant for the same reason as PjrtBackend._lock
 
 
+def _forget_runtime_after_fork() -> None:
+    # A forked child inherits JAX's PJRT clients without their threads (device calls are
+    # refused there: see tpusync._fork) and locks that a thread gone with the fork may hold.
+    # Unmapping a HostPool or HostBuffer takes these locks: give it fresh ones, and nothing to
+    # unregister (the DMA registrations belong to the parent's clients).
+    global _state_lock
+    _state_lock = threading.RLock()
+    for backend in (*_bindings.values(), *_backends.values()):
+        backend._lock = threading.RLock()
+        backend._dma_mapped.clear()
+    _backends.clear()
+    _by_device.clear()
+
+
+os.register_at_fork(after_in_child=_forget_runtime_after_fork)
+
+
 def bind(platform: str, api: Any, client: int, label: str, *, auto: bool = True) -> PjrtBackend:
     """Serves every device of ``platform`` from ``api`` and ``client`` instead of what JAX uses
     (for tests: a stand-in plugin over CPU memory); ``auto``: path="auto" picks it, as on a

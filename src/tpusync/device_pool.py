@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpusync import _huge_pages
+from tpusync import _fork, _huge_pages
 from tpusync.errors import (
     ArrayDeletedError,
     BlockIndexError,
@@ -109,6 +109,7 @@ class DevicePool:
                 f"array: DevicePool takes a jax.Array, got {type(array).__name__}; "
                 "use DevicePool.zeros(...) or jax.device_put(...) first"
             )
+        _fork.check_device_use("array")
         _check_alive(array, "array")
         if any(d.platform == "cpu" for d in array.sharding.device_set):
             array = _owned_copy()(array)  # see the module docstring: never alias host memory
@@ -140,6 +141,7 @@ class DevicePool:
         donated_steps: bool = False,
     ) -> DevicePool:
         """A pool of zeros with the given shape, dtype and sharding (default: first device)."""
+        _fork.check_device_use("DevicePool.zeros")
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         array = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
@@ -166,6 +168,7 @@ class DevicePool:
     def update(self, array: jax.Array) -> None:
         """Replaces the pool's array with a newer version of the same shape, dtype and sharding
         (e.g. the output of a step that donated :attr:`array`)."""
+        _fork.check_device_use("array")
         _check_alive(array, "array")
         with self._lock:
             old = self._array
@@ -306,12 +309,20 @@ def _check_alive(array: jax.Array, argument: str) -> None:
         )
 
 
+def _check_not_forked(pools: Sequence[DevicePool]) -> None:
+    """Every raw or JAX write into a pool starts here: refused in a child forked after JAX
+    started (see tpusync._fork), before any device call."""
+    if _fork.jax_forked_from is not None and pools:
+        _fork.check_device_use(f"DevicePool {pools[0].name!r}")
+
+
 def start_donation(pools: Sequence[DevicePool]) -> None:
     """Dispatches the donated identity step of several pools, one dispatch per set of devices
     (a jitted call spans one), and swaps in its results without waiting: each new array becomes
     ready once every reader of the old one is done (see :func:`wait_for_readers`). Pools
     writable in place (``donated_steps``) keep their array. Call with the pools' locks held, and
     hold them until the results were waited for and written."""
+    _check_not_forked(pools)
     groups: dict[frozenset[Any], list[DevicePool]] = {}
     for pool in pools:
         if not pool._writable_in_place():  # those only wait for their array's definition
@@ -327,6 +338,7 @@ def wait_for_readers(pools: Sequence[DevicePool], *, started: bool = False) -> N
     concurrently (for a pool writable in place, the computation of its array only). With
     ``started``, :func:`start_donation` was already called for them (work done in between
     overlaps the wait). Call with the pools' locks held."""
+    _check_not_forked(pools)
     if not started:
         start_donation(pools)
     for pool in pools:

@@ -156,9 +156,10 @@ def info(directory: str | None = None) -> Info:
     import jax
     import jaxlib
 
-    from tpusync import __version__
+    from tpusync import __version__, _fork
     from tpusync._paths import device_path
 
+    _fork.check_device_use("tpusync.info")  # it lists JAX's devices
     devices = []
     for device in jax.devices():
         path = device_path(device) if device.process_index == jax.process_index() else None

@@ -131,7 +131,22 @@ static void copy_piece(const tps_job *job, char *dst, const char *src, uint64_t 
   memcpy(dst, src, n);
 }
 
+/* Fork safety. A child of fork() inherits an engine's memory but none of its worker threads:
+ * joining them, destroying the condition variable they waited on (glibc waits for its waiters
+ * to leave) or taking a lock one of them held would block the child forever. So every fork
+ * bumps this count in the child (pthread_atfork), and an engine made before the last fork is
+ * *inherited*: it runs each job on the calling thread alone, and destroy frees its memory
+ * without touching its threads, locks or condition variables (the dead threads' stacks are
+ * the C library's to reclaim). */
+static atomic_uint_fast64_t forks_seen;
+static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
+
+static void count_fork_in_child(void) { atomic_fetch_add(&forks_seen, 1); }
+
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, count_fork_in_child); }
+
 struct tps_engine {
+  uint_fast64_t forks_at_create; /* forks_seen when the threads were started */
   int n_threads;
   pthread_t *workers;
   pthread_mutex_t submit_lock; /* one job at a time */
@@ -263,6 +278,11 @@ static void run_part(const tps_job *job, int part) {
 #endif
 }
 
+/* Whether this process is a forked child of the one that started the engine's threads. */
+static int inherited(const tps_engine *e) {
+  return e->forks_at_create != atomic_load_explicit(&forks_seen, memory_order_relaxed);
+}
+
 static void *worker_main(void *p) {
   tps_worker_arg arg = *(tps_worker_arg *)p;
   free(p);
@@ -290,6 +310,8 @@ tps_engine *tps_engine_create(int n_threads) {
   }
   tps_engine *e = calloc(1, sizeof(*e));
   if (!e) return NULL;
+  pthread_once(&fork_handler_once, install_fork_handler);
+  e->forks_at_create = atomic_load(&forks_seen);
   e->n_threads = n_threads;
   pthread_mutex_init(&e->submit_lock, NULL);
   pthread_mutex_init(&e->lock, NULL);
@@ -321,6 +343,11 @@ tps_engine *tps_engine_create(int n_threads) {
 
 void tps_engine_destroy(tps_engine *e) {
   if (!e) return;
+  if (inherited(e)) { /* its threads are gone: free the memory only (see forks_seen) */
+    free(e->workers);
+    free(e);
+    return;
+  }
   pthread_mutex_lock(&e->lock);
   e->stop = 1;
   pthread_cond_broadcast(&e->wake);
@@ -349,7 +376,7 @@ static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_seg
     batch = batch < 4 ? 4 : batch > TPS_HASH_BATCH_MAX ? TPS_HASH_BATCH_MAX : batch / 4 * 4;
     job.batch = (size_t)batch;
   }
-  if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes) {
+  if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes || inherited(e)) {
     run_part(&job, 0);
     return job.total_bytes;
   }
