@@ -57,17 +57,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster import wire
-from tpusync.cluster.frames import (
-    FrameBatch,
-    frame_receiver,
-    send_buffers,
-    slot_addresses,
-    tune_for_peer,
-)
-from tpusync.cluster.leases import LeaseTable
-from tpusync.cluster.registry import check_keys
-from tpusync.cluster.registry_server import (
-    AuthenticatedTcpServer,
+from tpusync.cluster._handshake import (
     AuthenticationError,
     _check_secret,
     _error,
@@ -78,7 +68,18 @@ from tpusync.cluster.registry_server import (
     check_transport,
     client_handshake,
     parse_address,
+    retry_if_shed,
 )
+from tpusync.cluster._tcp_server import MAX_HANDSHAKES, AuthenticatedTcpServer
+from tpusync.cluster.frames import (
+    FrameBatch,
+    frame_receiver,
+    send_buffers,
+    slot_addresses,
+    tune_for_peer,
+)
+from tpusync.cluster.leases import LeaseTable
+from tpusync.cluster.registry import check_keys
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -193,7 +194,8 @@ class Served:
 class BlockServer(AuthenticatedTcpServer):
     """Serves ``pool``'s blocks to :class:`BlockClient` peers that know ``secret``.
 
-    Listens at once (``port=0``: a free port; see :attr:`address`); a thread per connection.
+    Listens at once (``port=0``: a free port; see :attr:`address`); a thread per authenticated
+    connection (handshakes share one: :mod:`tpusync.cluster._admission`).
     :meth:`close` stops it and releases every lease (the pool stays open: it is the caller's).
 
     Args:
@@ -201,9 +203,12 @@ class BlockServer(AuthenticatedTcpServer):
       secret: shared with the clients; at least 16 bytes.
       host, port: where to listen.
       lease_ttl_s: the longest lease granted (a client may ask for less).
-      handshake_timeout_s: a peer that does not authenticate within this is dropped.
+      handshake_timeout_s: the whole handshake (TLS included) must end within this, or the
+        peer is dropped.
       io_timeout_s: a connection idle (or stuck sending) this long is closed.
-      max_connections: connections beyond this are closed at once.
+      max_connections: authenticated connections at most (beyond: the client is told "busy").
+      max_handshakes: connections authenticating at most, kept apart from the authenticated
+        ones (beyond: the oldest unauthenticated one is dropped).
       clock: the lease table's clock (tests).
       before_lease: called with the keys a peer asks to lease, before the lease is taken (a
         store moves blocks up from its lower tiers into ``pool`` there); failures are logged
@@ -225,11 +230,12 @@ class BlockServer(AuthenticatedTcpServer):
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
         before_lease: Callable[[list[bytes]], None] | None = None,
+        max_handshakes: int = MAX_HANDSHAKES,
     ) -> None:
         if not isinstance(pool, HostPool):
             raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
         self._listen(host, port, secret, lease_ttl_s, handshake_timeout_s, io_timeout_s,
-                     max_connections, tls, insecure)  # fmt: skip
+                     max_connections, tls, insecure, max_handshakes=max_handshakes)  # fmt: skip
         self.pool = pool
         try:
             self.leases = LeaseTable(pool, clock=clock)
@@ -251,6 +257,7 @@ class BlockServer(AuthenticatedTcpServer):
         max_connections: int,
         tls: ssl.SSLContext | None,
         insecure: bool,
+        max_handshakes: int = MAX_HANDSHAKES,
     ) -> None:
         """Checks the server arguments and starts listening (what every block server shares;
         :meth:`_start` then starts accepting)."""
@@ -264,6 +271,7 @@ class BlockServer(AuthenticatedTcpServer):
             secret=secret,
             handshake_timeout_s=handshake_timeout_s,
             max_connections=max_connections,
+            max_handshakes=max_handshakes,
             tls=tls,
             insecure=insecure,
         )
@@ -272,6 +280,7 @@ class BlockServer(AuthenticatedTcpServer):
         self._io_timeout = float(io_timeout_s)
 
     _thread_name = "tpusync-block-server"
+    _label = "block server"
     _before_lease: Callable[[list[bytes]], None] | None = None
 
     def _serve_connection(self, conn: socket.socket) -> None:
@@ -517,6 +526,9 @@ class _Connection:
         return False
 
     def connect(self) -> None:
+        retry_if_shed(self._connect_once)
+
+    def _connect_once(self) -> None:
         try:
             sock = socket.create_connection(
                 self.remote, timeout=self._timeout, source_address=self.local
@@ -1168,6 +1180,10 @@ class BlockClient:
         straight to the sockets, striped over the connections; the server verifies each block
         against its checksum before it commits it, and commits nothing of a cut connection.
 
+        A connection that breaks once the server has accepted its part of the push (e.g. the
+        server dropped it for a damaged frame) makes that part's keys False (logged), not an
+        error: the connection is re-made on the next push.
+
         Raises InvalidArgumentError (another block layout),
         :class:`RemoteOperationUnsupportedError` (the server does not accept blocks), or
         PeerUnavailableError when no connection could carry the request."""
@@ -1180,6 +1196,7 @@ class BlockClient:
             )
         stored: dict[bytes, bool] = {}
         errors: list[BaseException] = []
+        carried = False  # some connection had its put accepted
         with self._lock:
             self._check_open()
             unique = list(dict.fromkeys(keys))
@@ -1202,13 +1219,14 @@ class BlockClient:
                         if len(stripe)
                     ]
                     for job in jobs:
-                        part, error = job.result()
+                        part, error, accepted = job.result()
                         stored.update(part)
+                        carried |= accepted
                         if error is not None:
                             errors.append(error)
                 finally:
                     source.unpin(pinned)
-        if errors and not any(stored.values()):
+        if errors and not carried and not any(stored.values()):
             raise PeerUnavailableError(f"push to {self.label} failed: {errors[0]}") from errors[0]
         for error in errors:
             log.warning("tpusync: push to %s: %s", self.label, error)
@@ -1221,10 +1239,12 @@ class BlockClient:
         slots: np.ndarray,
         checksums: np.ndarray,
         source: HostPool,
-    ) -> tuple[dict[bytes, bool], BaseException | None]:
-        """Pushes one stripe over ``conn``: the server's per-key answer, and the failure that
-        cut it short (then the keys not confirmed count as not stored)."""
+    ) -> tuple[dict[bytes, bool], BaseException | None, bool]:
+        """Pushes one stripe over ``conn``: the server's per-key answer, the failure that cut
+        it short (then the keys not confirmed count as not stored), and whether the server had
+        accepted the put."""
         fingerprint, size = self.fingerprint, self.payload_bytes
+        accepted = False
         try:
             self._ensure(conn)
             try:
@@ -1235,6 +1255,7 @@ class BlockClient:
                 rid, answer = conn.send_put(keys, checksums.tolist())
             accept = _bool_list(answer, "accept", len(keys))
             present = _bool_list(answer, "present", len(keys))
+            accepted = True
             assert conn.sock is not None
             source._ensure_populated(slots)  # pages the batch's views will read
             batch = FrameBatch(conn.sock, source)
@@ -1253,8 +1274,8 @@ class BlockClient:
             done = _bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
         except (OSError, EOFError, _StreamError, _ProtocolError, PeerUnavailableError) as exc:
             conn.drop()  # the stream's position is unknown
-            return {}, exc
-        return {k: p or d for k, p, d in zip(keys, present, done, strict=True)}, None
+            return {}, exc, accepted
+        return {k: p or d for k, p, d in zip(keys, present, done, strict=True)}, None, True
 
     def _check_pool(self, pool: Any, argument: str) -> None:
         if not isinstance(pool, HostPool):

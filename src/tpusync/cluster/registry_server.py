@@ -34,19 +34,19 @@ no secret on the wire)::
     client -> {"nonce": hex(nc), "mac": hex(HMAC(secret, b"client" + ns + nc))}
     server -> {"mac": hex(HMAC(secret, b"server" + ns + nc))}     (or an error, then close)
 
+Until it ends, a frame is at most 1 KiB and the whole handshake has one deadline; a server
+runs every handshake on one thread and keeps a budget of them apart from its authenticated
+connections (:mod:`tpusync.cluster._admission`). A server that sheds a connection for load
+closes it, or answers ``{"error": {"type": "Busy", ...}}``; the client then tries once more.
+
 The connection is not encrypted: run it on a trusted network (the MACs stop strangers from
 using or impersonating the registry, not eavesdroppers from reading which blocks exist).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
-import ipaddress
 import json
 import logging
-import secrets
 import socket
 import ssl
 import struct
@@ -54,6 +54,23 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# The handshake and the server base live in modules of their own; the names other modules (and
+# older code) import from here stay importable here.
+from tpusync.cluster._handshake import (
+    AuthenticationError,
+    _check_secret,
+    _error,
+    _ProtocolError,
+    _recv_json,
+    _send_frame,
+    _send_json,
+    check_transport,
+    client_handshake,
+    parse_address,
+    retry_if_shed,
+)
+from tpusync.cluster._handshake import is_loopback as is_loopback
+from tpusync.cluster._tcp_server import MAX_HANDSHAKES, AuthenticatedTcpServer
 from tpusync.cluster.registry import (
     MAX_KEY_BYTES,
     Holder,
@@ -77,21 +94,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "tpusync-registry"
-VERSION = 1
-MAX_FRAME = 16 * 1024 * 1024
-NONCE_BYTES = 32
-MIN_SECRET_BYTES = 16
 BATCH_KEYS = 4096  # keys per request: far below MAX_FRAME even for 32-byte keys
 
 
 class RegistryUnavailableError(TpuSyncError, ConnectionError):
     """The registry cannot be reached or did not answer (connection refused or lost, timeout,
     a server-side failure); the cause is chained."""
-
-
-class AuthenticationError(TpuSyncError, PermissionError):
-    """The other end of a registry connection does not know the shared secret."""
 
 
 class _UnknownMethodError(RegistryUnavailableError):
@@ -179,49 +187,6 @@ def _keys_from_hex(value: Any) -> list[bytes]:
     return check_keys(out)
 
 
-# -- framing -------------------------------------------------------------------------------------
-
-
-class _ProtocolError(Exception):
-    """The peer broke the wire format (the connection cannot continue)."""
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
-            raise EOFError("connection closed by peer")
-        got += r
-    return bytes(buf)
-
-
-def _recv_frame(sock: socket.socket) -> bytes:
-    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if length > MAX_FRAME:
-        raise _ProtocolError(f"a frame of {length} bytes exceeds the limit of {MAX_FRAME}")
-    return _recv_exact(sock, length)
-
-
-def _send_frame(sock: socket.socket, payload: bytes) -> None:
-    if len(payload) > MAX_FRAME:
-        raise _ProtocolError(f"a frame of {len(payload)} bytes exceeds the limit of {MAX_FRAME}")
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
-
-
-def _send_json(sock: socket.socket, obj: Any) -> None:
-    _send_frame(sock, json.dumps(obj, separators=(",", ":")).encode())
-
-
-def _recv_json(sock: socket.socket) -> Any:
-    try:
-        return json.loads(_recv_frame(sock))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _ProtocolError(f"a frame is not JSON: {exc}") from None
-
-
 def _holders_to_wire(found: Sequence[Sequence[Holder]]) -> dict[str, Any]:
     """A lookup's answer in the compact wire form (see the module's docstring)."""
     table: list[list[str]] = []
@@ -305,268 +270,26 @@ def _keys_from_wire(value: Any) -> list[bytes]:
     return list(struct.unpack(f"{size}s" * (len(raw) // size), raw))  # C speed: no slicing loop
 
 
-def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
-    return hmac.new(secret, role + nonce_s + nonce_c, hashlib.sha256).digest()
-
-
-def _hex_nonce(value: Any) -> bytes | None:
-    try:
-        raw = bytes.fromhex(value)
-    except (TypeError, ValueError):
-        return None
-    return raw if len(raw) == NONCE_BYTES else None
-
-
-def _check_secret(secret: bytes) -> bytes:
-    if type(secret) is not bytes or len(secret) < MIN_SECRET_BYTES:
-        raise InvalidArgumentError(
-            f"secret: expected bytes of at least {MIN_SECRET_BYTES} (e.g. "
-            f"secrets.token_bytes(32), shared by server and clients), got "
-            f"{type(secret).__name__}" + (f" of {len(secret)}" if isinstance(secret, bytes) else "")
-        )
-    return secret
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) as a (host, port) pair."""
-    if not isinstance(address, str) or ":" not in address:
-        raise InvalidArgumentError(f"address: expected 'host:port', got {address!r}")
-    host, _, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(f"address: expected 'host:port', got {address!r}")
-    return host, int(port)
-
-
 # -- server --------------------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) stays on this machine."""
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_transport(host: str, tls: ssl.SSLContext | None, insecure: bool, argument: str) -> None:
-    """Off loopback, traffic is encrypted unless the caller says otherwise: a checksum does not
-    stop a forged or altered block, and the handshake proves the peers but hides nothing."""
-    if tls is not None and not isinstance(tls, ssl.SSLContext):
-        raise InvalidArgumentError(f"tls: expected an ssl.SSLContext, got {type(tls).__name__}")
-    if tls is None and not insecure and not is_loopback(host):
-        raise InvalidArgumentError(
-            f"{argument}: {host!r} is not a loopback address, and traffic off loopback is "
-            "encrypted by default: pass tls=ssl.SSLContext(...) (server side: with its "
-            "certificate; client side: trusting it), or insecure=True to send it in the clear"
-        )
-
-
-def server_handshake(conn: socket.socket, secret: bytes) -> bool:
-    """The server's side of the mutual HMAC-SHA256 challenge-response (registry and data
-    plane): False, after telling the peer, when the peer does not prove ``secret``."""
-    nonce_s = secrets.token_bytes(NONCE_BYTES)
-    _send_json(conn, {"hello": PROTOCOL, "version": VERSION, "nonce": nonce_s.hex()})
-    answer = _recv_json(conn)
-    nonce_c = _hex_nonce(answer.get("nonce")) if isinstance(answer, dict) else None
-    mac = answer.get("mac") if isinstance(answer, dict) else None
-    try:
-        mac_bytes = bytes.fromhex(mac) if isinstance(mac, str) else b""
-    except ValueError:
-        mac_bytes = b""
-    if nonce_c is None or not hmac.compare_digest(
-        mac_bytes, _mac(secret, b"client", nonce_s, nonce_c)
-    ):
-        _send_json(conn, _error(None, "AuthenticationError", "authentication failed"))
-        return False
-    _send_json(conn, {"mac": _mac(secret, b"server", nonce_s, nonce_c).hex()})
-    return True
-
-
-def client_handshake(sock: socket.socket, secret: bytes, peer: str) -> None:
-    """The client's side: proves ``secret`` and checks that the server knows it too. ``peer``
-    names the server in errors ("the registry server at host:port"). Raises
-    AuthenticationError, or _ProtocolError / OSError / EOFError for a peer that is not a
-    tpusync server."""
-    hello = _recv_json(sock)
-    if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL:
-        raise _ProtocolError(f"not a tpusync server: {hello!r:.200}")
-    if hello.get("version") != VERSION:
-        raise _ProtocolError(f"wire version {hello.get('version')!r}, expected {VERSION}")
-    nonce_s = _hex_nonce(hello.get("nonce"))
-    if nonce_s is None:
-        raise _ProtocolError("the server's nonce is malformed")
-    nonce_c = secrets.token_bytes(NONCE_BYTES)
-    _send_json(
-        sock, {"nonce": nonce_c.hex(), "mac": _mac(secret, b"client", nonce_s, nonce_c).hex()}
-    )
-    try:
-        answer = _recv_json(sock)
-    except (EOFError, ConnectionError) as exc:
-        raise AuthenticationError(
-            f"{peer} closed the connection during authentication: does it use the same secret?"
-        ) from exc
-    if isinstance(answer, dict) and "error" in answer:
-        raise AuthenticationError(
-            f"{peer} rejected this client's secret: pass the secret the server was started with"
-        )
-    theirs = answer.get("mac") if isinstance(answer, dict) else None
-    try:
-        ok = isinstance(theirs, str) and hmac.compare_digest(
-            bytes.fromhex(theirs), _mac(secret, b"server", nonce_s, nonce_c)
-        )
-    except ValueError:
-        ok = False
-    if not ok:
-        raise AuthenticationError(
-            f"{peer} does not know the shared secret (an impostor, or a server started with "
-            "another secret)"
-        )
-
-
-class AuthenticatedTcpServer:
-    """A TCP listener that serves each connection on its own thread once the peer has passed
-    the mutual handshake (:func:`server_handshake`): the part the registry server and the block
-    server share. Subclasses implement :meth:`_serve_connection` and call :meth:`_start` at the
-    end of their ``__init__``.
-
-    Args:
-      host, port: where to listen (``port=0``: a free port; see :attr:`address`).
-      secret: shared with the clients; at least 16 bytes.
-      handshake_timeout_s: a peer that does not authenticate within this is dropped.
-      max_connections: connections beyond this are closed at once.
-      tls: a server-side ``ssl.SSLContext`` (with its certificate) to encrypt every connection;
-        required off loopback unless ``insecure=True``.
-    """
-
-    _thread_name = "tpusync-server"
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        secret: bytes,
-        handshake_timeout_s: float,
-        max_connections: int,
-        tls: ssl.SSLContext | None = None,
-        insecure: bool = False,
-    ) -> None:
-        check_transport(host, tls, insecure, "host")
-        self._tls = tls
-        self._secret = _check_secret(secret)
-        self._handshake_timeout = float(handshake_timeout_s)
-        self._max_connections = int(max_connections)
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._closed = False
-        self.rejected = 0  # peers that failed authentication
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=128)
-        bound = self._sock.getsockname()
-        self._host, self._port = bound[0], bound[1]
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name=f"{self._thread_name}:{self._port}", daemon=True
-        )
-
-    def _start(self) -> None:
-        self._acceptor.start()
-
-    @property
-    def address(self) -> str:
-        """Where clients connect: ``"host:port"``."""
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"{host}:{self._port}"
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue  # e.g. ECONNABORTED: keep serving
-            with self._lock:
-                if self._closed or len(self._conns) >= self._max_connections:
-                    conn.close()
-                    continue
-                thread = threading.Thread(
-                    target=self._serve, args=(conn,), name=f"{self._thread_name}-conn", daemon=True
-                )
-                self._conns[conn] = thread
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._handshake_timeout)
-            if self._tls is not None:
-                raw = conn
-                conn = self._tls.wrap_socket(raw, server_side=True)
-                with self._lock:  # close() shuts down what is tracked: the wrapped socket
-                    self._conns[conn] = self._conns.pop(raw)
-            if not server_handshake(conn, self._secret):
-                with self._lock:
-                    self.rejected += 1
-                return
-            self._serve_connection(conn)
-        except (OSError, EOFError, _ProtocolError):
-            pass  # the peer went away or broke the format: drop it
-        except Exception:  # never let one connection take anything else down
-            log.exception("%s: connection handler failed", type(self).__name__)
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
-
-    def _serve_connection(self, conn: socket.socket) -> None:
-        """Serves an authenticated connection until the peer leaves or the server closes."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Stops accepting, closes every connection and waits (briefly) for their threads."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            conns = list(self._conns.items())
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
-        self._sock.close()
-        for conn, _ in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        if self._acceptor.is_alive():
-            self._acceptor.join(timeout=5)
-        for _, thread in conns:
-            thread.join(timeout=5)
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class RegistryServer(AuthenticatedTcpServer):
     """Serves ``registry`` to :class:`RemoteRegistry` clients that know ``secret``.
 
     Starts listening at once (``port=0``: a free port; see :attr:`address`); a thread per
-    connection. :meth:`close` stops it (the registry itself is left open: it is the caller's).
+    authenticated connection (handshakes share one). :meth:`close` stops it (the registry
+    itself is left open: it is the caller's).
 
     Args:
       registry: any :class:`Registry` (its ``sweep()``, where it has one, is served too).
       host, port: where to listen.
       secret: shared with the clients; at least 16 bytes (``secrets.token_bytes(32)``).
-      handshake_timeout_s: a peer that does not authenticate within this is dropped.
-      max_connections: connections beyond this are closed at once.
+      handshake_timeout_s: the whole handshake must end within this, or the peer is dropped.
+      max_connections: authenticated connections at most (beyond: the client is told "busy").
+      max_handshakes: connections authenticating at most (beyond: the oldest is dropped).
     """
+
+    _label = "registry server"
 
     def __init__(
         self,
@@ -577,6 +300,7 @@ class RegistryServer(AuthenticatedTcpServer):
         secret: bytes,
         handshake_timeout_s: float = 10.0,
         max_connections: int = 256,
+        max_handshakes: int = MAX_HANDSHAKES,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
     ) -> None:
@@ -590,6 +314,7 @@ class RegistryServer(AuthenticatedTcpServer):
             secret=secret,
             handshake_timeout_s=handshake_timeout_s,
             max_connections=max_connections,
+            max_handshakes=max_handshakes,
             tls=tls,
             insecure=insecure,
         )
@@ -672,10 +397,6 @@ class RegistryServer(AuthenticatedTcpServer):
             return _error(rid, "ServerError", f"{type(exc).__name__}: {exc}")
 
 
-def _error(rid: int | None, kind: str, message: str) -> dict[str, Any]:
-    return {"id": rid, "error": {"type": kind, "message": message}}
-
-
 # -- client --------------------------------------------------------------------------------------
 
 
@@ -716,6 +437,9 @@ class RemoteRegistry:
             self._connect()
 
     def _connect(self) -> None:
+        retry_if_shed(self._connect_once)
+
+    def _connect_once(self) -> None:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
         except OSError as exc:
