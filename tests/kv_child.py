@@ -7,6 +7,7 @@ SPEC (JSON)::
 
     {"model": {ModelConfig fields}, "store": {"model_id": ..., "dram": {DramTier fields},
      "disk": {DiskTier fields} | null, "shared_fs": {SharedFsTier fields} | null},
+    (the tiers' directories are created unless the spec says ``"create": false``)
      "ops": [[op, {args}], ...], "exit": "close" | "abrupt", "jax_cache": dir | null}
 
 ``jax_cache`` is a persistent compilation cache directory: the children of one test session
@@ -201,8 +202,8 @@ def store_config(spec: dict[str, Any], model: ModelConfig | None = None) -> KVSt
         model_id=spec["model_id"],
         block_size=spec.get("block_size", MODEL["block_size"]),
         dram=DramTier(**spec["dram"]),
-        disk=DiskTier(**disk) if disk else None,
-        shared_fs=SharedFsTier(**shared) if shared else None,
+        disk=DiskTier(**{"create": True, **disk}) if disk else None,
+        shared_fs=SharedFsTier(**{"create": True, **shared}) if shared else None,
         extra_tiers=extra,
     )
 

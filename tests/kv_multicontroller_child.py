@@ -37,6 +37,7 @@ LAYERS = 2
 NUM_BLOCKS = 16
 KV_HEADS = 4  # sharded over the 4 "tp" devices of each process
 BLOCK_SIZE = 16  # tokens per block
+TOKEN_AXIS = 2  # pools are (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM): see pool_shape()
 HEAD_DIM = 32
 PREFIX_TOKENS = 3 * BLOCK_SIZE + 5  # three full blocks and a partial one (never saved)
 SAVED_BLOCKS = [5, 2, 9]  # process 0's device blocks for the prefix
@@ -216,7 +217,12 @@ def main() -> None:
     if pid == 0:  # the prefill side: write, save, serve, publish
         layout = PoolLayout.from_pools(MODEL_ID, pools)
         config = KVStoreConfig(
-            MODEL_ID, BLOCK_SIZE, DramTier(capacity_blocks=8), secret=secret, path=path
+            MODEL_ID,
+            BLOCK_SIZE,
+            DramTier(capacity_blocks=8),
+            secret=secret,
+            path=path,
+            token_axis=TOKEN_AXIS,
         )
         store = KVCacheStore(config, pools)
         server = BlockServer(store.dram, secret=secret)
@@ -255,6 +261,7 @@ def main() -> None:
                 secret=secret,
                 extra_tiers=(("cluster", cluster),),
                 path=path,
+                token_axis=TOKEN_AXIS,
             ),
             pools,
         )

@@ -692,6 +692,7 @@ def mounted(fstype: str, where: Path, options: str = "") -> Iterator[Path]:
     if result.returncode:
         pytest.skip(f"cannot mount a {fstype}: {result.stderr.strip()}")
     try:
+        os.chmod(where, 0o700)  # a fresh tmpfs is 1777: tiers refuse directories others may write
         yield where
     finally:
         if subprocess.run(["umount", str(where)], capture_output=True).returncode:

@@ -142,9 +142,9 @@ def make_config(
         model_id="test-model",
         block_size=BS,
         dram=DramTier(dram, name=name, populate=False),
-        disk=DiskTier(tmp_path / "disk", disk) if disk else None,
+        disk=DiskTier(tmp_path / "disk", disk, create=True) if disk else None,
         shared_fs=(
-            SharedFsTier(tmp_path / "shared", None if shared is True else int(shared))
+            SharedFsTier(tmp_path / "shared", None if shared is True else int(shared), create=True)
             if shared
             else None
         ),

@@ -63,8 +63,8 @@ def config(
         model_id="test-model",
         block_size=BS,
         dram=DramTier(dram, populate=False),
-        disk=DiskTier(tmp_path / "disk", disk) if disk else None,
-        shared_fs=SharedFsTier(tmp_path / "shared", shared),
+        disk=DiskTier(tmp_path / "disk", disk, create=True) if disk else None,
+        shared_fs=SharedFsTier(tmp_path / "shared", shared, create=True),
     )
 
 

@@ -467,7 +467,7 @@ def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
         (["--dram", "64MiB", "--host", "0.0.0.0"], "--tls-cert and --tls-key, or pass --insecure"),
         (["--dram", "64MiB", "--registry", "http://x"], "--registry: expected"),
         (["--dram", "64MiB", "--tls-cert", "c.pem"], "--tls-cert, --tls-key"),
-        (["--dram", "64MiB", "--disk", "/tmp", "--disk-size", "0"], "disk_bytes"),
+        (["--dram", "64MiB", "--disk", "/tmp", "--disk-size", "0"], "--disk-size: expected"),
     ],
 )
 def test_serve_refuses_bad_arguments_clearly(
@@ -477,5 +477,5 @@ def test_serve_refuses_bad_arguments_clearly(
 
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))
-    assert main([*args, "--secret-file", str(secret)]) == 1
+    assert main([*args, "--secret-file", str(secret)]) == 2  # argparse's code for bad usage
     assert message in capsys.readouterr().err

@@ -23,36 +23,71 @@ def _shm(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tpusync shm", description="Named host pools.")
     parser.add_argument("--dir", default="/dev/shm", help="where the pools live")
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="pools, owners, fingerprints, sizes, blocks used")
-    remove = sub.add_parser("remove", help="free a pool (refused while its owner lives)")
-    remove.add_argument("name")
+    sub.add_parser(
+        "list", help="pools, owners, fingerprints, sizes, blocks used; damaged and stale files"
+    )
+    remove = sub.add_parser(
+        "remove",
+        help="free a pool, its stale temporary files and its session manifests (refused while "
+        "its owner lives); without NAME, free every stale temporary file",
+    )
+    remove.add_argument("name", nargs="?")
     remove.add_argument("--force", action="store_true", help="remove even if its owner lives")
     args = parser.parse_args(argv)
     from tpusync.errors import TpuSyncError
-    from tpusync.tiers.shm_admin import list_pools, remove_pool
 
-    if args.action == "remove":
-        try:
-            path = remove_pool(args.name, force=args.force, shm_dir=args.dir)
-        except TpuSyncError as exc:
-            print(f"tpusync shm remove: {exc}", file=sys.stderr)
-            return 1
+    try:
+        return _shm_remove(args) if args.action == "remove" else _shm_list(args.dir)
+    except (TpuSyncError, OSError) as exc:
+        print(f"tpusync shm {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _shm_remove(args: argparse.Namespace) -> int:
+    from tpusync.tiers._pool_open import size_text
+    from tpusync.tiers.shm_admin import remove_pool, remove_stale
+
+    if args.name is None:
+        removed = remove_stale(args.dir)
+        if not removed.paths:
+            print(f"no stale tpusync files in {args.dir}")
+    else:
+        removed = remove_pool(args.name, force=args.force, shm_dir=args.dir)
+    for path in removed.paths:
         print(f"removed {path}")
-        return 0
-    pools = list_pools(args.dir)
+    if removed.freed_bytes:
+        print(f"freed {size_text(removed.freed_bytes)}")
+    if removed.links_left:
+        print(
+            f"warning: {removed.links_left} other hard link(s) of the pool keep its memory; "
+            "find them with `find / -samefile` and remove them",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _shm_list(shm_dir: str) -> int:
+    from tpusync.tiers._pool_open import size_text
+    from tpusync.tiers.shm_admin import list_pools
+
+    pools = list_pools(shm_dir)
     if not pools:
-        print(f"no tpusync pools in {args.dir}")
+        print(f"no tpusync pools in {shm_dir}")
         return 0
     print(f"{'name':<28}{'owner':<14}{'model':<16}{'fingerprint':<34}{'GiB':>8}{'used':>14}")
     for p in pools:
         owner = f"alive {p.owner_pid}" if p.owner_alive else "gone"
-        if p.error:
-            print(f"{p.name:<28}{owner:<14}unreadable: {p.error}")
+        if p.status in ("unsafe", "orphaned"):
+            owner = "-"
+        if p.status != "ok":
+            size = f" ({size_text(p.size_bytes)})" if p.size_bytes else ""
+            print(f"{p.name:<28}{owner:<14}{p.status}{size}: {p.error}")
             continue
         used = f"{p.used}/{p.slots}"
+        links = f"  ({p.links - 1} more hard link(s))" if p.links > 1 else ""
         print(
             f"{p.name:<28}{owner:<14}{p.model_id or '':<16}{p.fingerprint or '':<34}"
-            f"{p.size_bytes / 2**30:>8.2f}{used:>14}"
+            f"{p.size_bytes / 2**30:>8.2f}{used:>14}{links}"
         )
     return 0
 

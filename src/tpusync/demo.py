@@ -86,8 +86,8 @@ def _store_config(
         model_id=MODEL_ID,
         block_size=block_size,
         dram=DramTier(capacity_blocks=2 * blocks + 16, name=shm_name),
-        disk=DiskTier(disk, capacity_blocks=2 * blocks + 16) if disk else None,
-        shared_fs=SharedFsTier(shared) if shared else None,
+        disk=DiskTier(disk, capacity_blocks=2 * blocks + 16, create=True) if disk else None,
+        shared_fs=SharedFsTier(shared, create=True) if shared else None,
     )
 
 

@@ -9,6 +9,7 @@ __all__ = [
     "BlocksMissingError",
     "DtypeMismatchError",
     "InvalidArgumentError",
+    "JaxForkError",
     "NamespaceMismatchError",
     "NativePathUnavailableError",
     "NotAPoolError",
@@ -132,3 +133,8 @@ class UnsafeFileError(TpuSyncError, PermissionError):
 class TierIOError(TpuSyncError, OSError):
     """A tier's file could not be written or read (e.g. the filesystem is full); the message
     names the path and the cause (chained)."""
+
+
+class JaxForkError(TpuSyncError, RuntimeError):
+    """A device call in a process forked after JAX had started (JAX does not survive
+    ``fork()``); the message says how to start the child instead. Host-side calls work there."""

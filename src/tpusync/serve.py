@@ -9,6 +9,11 @@ The secret file holds the cluster's shared secret: hex text (``secrets.token_hex
 bytes, at least 16 bytes either way. Off loopback the node serves TLS only (``--tls-cert`` and
 ``--tls-key``), unless ``--insecure``. It runs until SIGTERM or SIGINT, then unregisters and
 exits 0. ``--ready-json`` prints one JSON line (its addresses) once it listens, for scripts.
+
+Before it listens it checks that this host can give what it is asked to lend: ``--dram`` against
+the memory available (and, with ``--name``, the room in ``--shm-dir``), ``--disk`` exists and is
+writable, ``--disk-size`` against its free room. A refused argument (a bad size, path or flag)
+exits 2 with a message naming the flag, and prints no ready line; other failures exit 1.
 """
 
 from __future__ import annotations
@@ -24,10 +29,32 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tpusync.errors import InvalidArgumentError, TpuSyncError
+from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+# StoreNode's arguments as this command's flags, for the messages of a refused argument
+_FLAGS = {
+    "dram_bytes": "--dram",
+    "disk_bytes": "--disk-size",
+    "disk_dir": "--disk",
+    "shm_dir": "--shm-dir",
+    "max_layouts": "--layouts",
+    "registry_port": "--registry-port",
+    "node_id": "--node-id",
+    "ttl_s": "--ttl",
+    "name": "--name",
+    "port": "--port",
+    "host": "--host",
+}
+_ARGUMENT = re.compile(r"^([a-z_]+):")
+_IDENTIFIER = re.compile(r"\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b")
+
+
+def flag_message(message: str) -> str:
+    """``message`` with StoreNode's argument names as this command's flags."""
+    message = _ARGUMENT.sub(lambda m: f"{_FLAGS.get(m.group(1), m.group(1))}:", message, count=1)
+    return _IDENTIFIER.sub(lambda m: _FLAGS[m.group(1)], message)
 
 
 def parse_size(text: str, argument: str = "--dram") -> int:
@@ -147,8 +174,11 @@ def main(argv: list[str]) -> int:
             tls=_server_tls(args),
             insecure=args.insecure,
         )
+    except (InvalidArgumentError, TierFullError) as exc:  # a flag this host cannot honour
+        print(f"tpusync serve: {flag_message(str(exc))}", file=sys.stderr)
+        return 2
     except (TpuSyncError, OSError, ssl.SSLError) as exc:
-        print(f"tpusync serve: {exc}", file=sys.stderr)
+        print(f"tpusync serve: {flag_message(str(exc))}", file=sys.stderr)
         return 1
     with node:
         ready = {"address": node.address, "registry": node.registry_address}

@@ -62,13 +62,15 @@ from tpusync.cluster.frames import frame_receiver, slot_addresses
 from tpusync.cluster.leases import LeaseTable
 from tpusync.cluster.registry import MemoryRegistry, NodeInfo, Registry, check_ttl
 from tpusync.cluster.registry_server import (
+    MAX_HANDSHAKES,
     AuthenticatedTcpServer,
     RegistryServer,
     _error,
     _send_json,
 )
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatError, TpuSyncError
-from tpusync.tiers._pool_file import HEADER_BYTES, decode_header
+from tpusync.tiers._room import check_room, check_writable_directory, held_bytes
+from tpusync.tiers._shm_files import read_pool_header
 from tpusync.tiers.disk_pool import DiskPool
 from tpusync.tiers.host_pool import DEFAULT_SHM_DIR, HostPool
 from tpusync.tiers.layout import PoolLayout
@@ -120,6 +122,35 @@ class _Lent:
                 self.lru.move_to_end(key)
 
 
+def _check_room_to_lend(
+    dram_bytes: int,
+    name: str | None,
+    shm_dir: str,
+    disk_dir: str | os.PathLike[str] | None,
+    disk_bytes: int,
+) -> None:
+    """Refuses what this host cannot lend (the pools are made later, at a client's first
+    hello): memory (and, for named pools, ``shm_dir``'s room), and a disk directory that is
+    missing, not writable or too small. A restarted node's own files count as room."""
+    if name is None:
+        check_room("dram_bytes", dram_bytes, fix="lend less DRAM")
+    else:
+        check_writable_directory("shm_dir", shm_dir)
+        held = held_bytes(sorted(Path(shm_dir).glob(f"tpusync-{name}-*.pool")))
+        check_room("dram_bytes", dram_bytes, held=held, fix="lend less DRAM")
+        check_room(
+            "dram_bytes",
+            dram_bytes,
+            directory=shm_dir,
+            held=held,
+            fix="lend less DRAM, or enlarge shm_dir (e.g. docker run --shm-size)",
+        )
+    if disk_dir is not None:
+        check_writable_directory("disk_dir", disk_dir)
+        held = held_bytes(sorted(Path(disk_dir).glob(f"{name or 'node'}-*")))
+        check_room("disk_bytes", disk_bytes, directory=disk_dir, held=held, fix="lend less disk")
+
+
 class StoreServer(BlockServer):
     """A block server that lends ``dram_bytes`` of DRAM to peers (see the module docstring).
 
@@ -131,7 +162,7 @@ class StoreServer(BlockServer):
     Args:
       dram_bytes: the DRAM to lend, all layouts together.
       secret, host, port, lease_ttl_s, handshake_timeout_s, io_timeout_s, max_connections,
-        tls, insecure: as for :class:`~tpusync.cluster.BlockServer`.
+        max_handshakes, tls, insecure: as for :class:`~tpusync.cluster.BlockServer`.
       max_layouts: how many block layouts (models) share the DRAM.
       name: keep the pools in ``shm_dir`` as ``tpusync-<name>-<fingerprint>.pool``: a restarted
         node re-attaches them with their blocks.
@@ -141,9 +172,16 @@ class StoreServer(BlockServer):
         the two, so the node holds their sum). A restarted node
         re-attaches the disk pools with their blocks.
       on_added, on_removed: told of the keys the node gained and lost (the registry link).
+
+    Raises :class:`~tpusync.errors.TierFullError` (naming ``dram_bytes`` or ``disk_bytes``)
+    when this host has less memory available (``MemAvailable``), room in ``shm_dir`` (named
+    pools) or room on the disk than asked for, and
+    :class:`~tpusync.errors.InvalidArgumentError` when ``disk_dir`` (or ``shm_dir``, with a
+    name) is missing or not writable; a restarted node's own files count as room.
     """
 
     _thread_name = "tpusync-store-node"
+    _label = "store node"
 
     def __init__(
         self,
@@ -159,6 +197,7 @@ class StoreServer(BlockServer):
         handshake_timeout_s: float = 10.0,
         io_timeout_s: float = 300.0,
         max_connections: int = 256,
+        max_handshakes: int = MAX_HANDSHAKES,
         clock: Callable[[], float] = time.monotonic,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
@@ -182,8 +221,9 @@ class StoreServer(BlockServer):
             raise InvalidArgumentError(
                 f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 81)"
             )
+        _check_room_to_lend(dram_bytes, name, shm_dir, disk_dir, disk_bytes)
         self._listen(host, port, secret, lease_ttl_s, handshake_timeout_s, io_timeout_s,
-                     max_connections, tls, insecure)  # fmt: skip
+                     max_connections, tls, insecure, max_handshakes=max_handshakes)  # fmt: skip
         self.dram_bytes = dram_bytes
         self.max_layouts = max_layouts
         self.layout_bytes = dram_bytes // max_layouts
@@ -212,9 +252,8 @@ class StoreServer(BlockServer):
         """Re-attaches the pools a previous run of this node left in ``shm_dir``."""
         for path in sorted(Path(self.shm_dir).glob(f"tpusync-{self.name}-*.pool")):
             try:
-                with open(path, "rb") as f:
-                    header = decode_header(f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size)
-                layout = PoolLayout.from_description(header.description)
+                header = read_pool_header(path)  # no wait on a FIFO, no link followed
+                layout = header.layout
             except (OSError, PoolFormatError, KeyError, TypeError, ValueError) as exc:
                 log.warning("store node: skipping %s: %s", path, exc)
                 continue
@@ -274,8 +313,8 @@ class StoreServer(BlockServer):
                 f"{self.disk_layout_bytes} B of disk this node lends per layout"
             )
         directory = self.disk_dir / f"{self.name or 'node'}-{layout.fingerprint.hex()[:16]}"
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
+        try:  # 0700: under a umask of 002 the group could write it, and DiskPool refuses that
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise InvalidArgumentError(f"disk_dir: cannot create {directory}: {exc}") from None
         return DiskPool(layout, slots, directory)
@@ -421,9 +460,13 @@ class StoreServer(BlockServer):
         try:
             _send_json(conn, {"id": rid, "result": {"accept": accept, "present": present}})
             verified = self._receive_put(conn, pool, rid, reservation, expected, ok)
+        except wire.FrameError as exc:  # the peer's misbehaviour, not ours: one line, a count
+            pool.abort(reservation)
+            self._misbehaved(conn, f"damaged put frame ({exc.reason})", str(exc))
+            return False  # the stream's position is lost: close; nothing in flight committed
         except BaseException:
             pool.abort(reservation)
-            raise  # the connection closes (OSError, EOFError, a frame error): nothing committed
+            raise  # the connection closes (OSError, EOFError): nothing committed
         picked = np.flatnonzero(ok & ~verified)  # not hashed as they landed: hashed now
         if len(picked):
             ok[picked] = pool.hash_slots(reservation.slots[picked]) == expected[picked]

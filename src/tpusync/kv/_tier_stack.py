@@ -8,11 +8,23 @@ into DRAM slots.
   end.
 * **Room.** A tier that needs ``n`` free slots evicts its oldest blocks that are neither pinned
   (a lookup handle, a prefetch or a restore holds them) nor kept by a session at the bottom.
-  DRAM demotes a victim to the next tier first unless that tier already holds it; a lower tier
-  drops its victims (every save is written through to all lower tiers in the background, so the
-  tiers below usually hold it already). A session's block is never dropped: in DRAM it may be
-  demoted, in the lowest tier that holds it it stays.
-* **Promotion.** A block found only in a lower tier is read back into DRAM and stays there.
+  DRAM demotes a victim to the next tier first unless a writable lower tier already holds it
+  (the next one that works: a full or failing tier is passed over); a lower tier drops its
+  victims (every save is written through to all lower tiers in the background, so the tiers
+  below usually hold it already). A victim that no lower tier could take is dropped all the
+  same (``evicted_unsaved``: a loss of cache, not an error of the save that needed the room).
+  A session's block is never dropped: in DRAM it may be demoted, in the lowest tier that holds
+  it it stays. A lower tier's room is what it can reach now (``usable_capacity``: a disk tier on
+  a filesystem smaller than its capacity is full, and evicts, at the slabs it could make).
+* **Promotion.** A block found only in a lower tier is read back into DRAM and stays there. A
+  block a tier fails to serve (corrupt, unreadable) is asked of the tiers below it.
+* **Streaming.** A save or load of more blocks than DRAM holds passes through DRAM in chunks
+  (see ``_streaming``): a saved chunk is written into the lower tiers before the next one needs
+  its room; a loaded chunk's pins stop holding it in DRAM (:meth:`TierStack.loosen`) once it is
+  on the device, while its copies below stay pinned.
+* **Failures.** Every lower tier is written independently: a full or failing tier is counted
+  (``writeback_failed``) and logged once per run of failures with its path (``_tier_faults``),
+  and the tiers beside it still get the blocks.
 * **Write-back.** Blocks saved to DRAM are queued for the lower tiers; the queue holds at most
   ``writeback_max_bytes`` of blocks not yet written (then a save waits, or the blocks are left to
   be demoted on eviction: the ``"wait"`` and ``"skip"`` policies). Write-back copies from DRAM,
@@ -36,6 +48,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError, TpuSyncError
+from tpusync.kv._tier_faults import TierFaults
 from tpusync.tiers.base import LowerTier
 from tpusync.tiers.host_pool import HostPool
 
@@ -47,12 +60,16 @@ POLICY_COUNTERS = (
     "promotions",
     "lower_tier_misses",
     "lower_tier_errors",
+    "lower_tier_fallbacks",  # blocks served by a lower tier after the one above failed them
+    "evicted_unsaved",  # blocks DRAM evicted that no lower tier could take (a loss of cache)
     "writeback_written",  # blocks written to lower tiers for write-back (on demotion too)
     "writeback_on_demote",  # of those, written by DRAM evicting blocks still queued
     "writeback_skipped",
     "writeback_waits",
     "writeback_failed",
     "writeback_lost",  # blocks DRAM dropped before write-back wrote them to a tier
+    "saves_streamed",  # saves of more blocks than DRAM holds, written down chunk by chunk
+    "save_unstored_blocks",  # blocks of streamed saves not stored: no lower tier took a chunk
 )
 _WRITEBACK_WAIT_S = 30.0  # how long making room waits for write-back to free busy slots
 
@@ -86,6 +103,9 @@ class TierStack:
             for t, ro in zip(self.tiers, self.read_only, strict=True)
         ]
         self._pins: collections.Counter[bytes] = collections.Counter()
+        # pins that no longer hold their block in DRAM (a streaming load copied it out already)
+        self._loose: collections.Counter[bytes] = collections.Counter()
+        self.faults = TierFaults(self.names, self.tiers)
         self._kept: collections.Counter[bytes] = collections.Counter()
         self._doomed: set[bytes] = set()  # purged while pinned: dropped at the last unpin
         # Told of keys DRAM gained and lost (the store's registry link); called without locks.
@@ -113,6 +133,11 @@ class TierStack:
                 target=self._writeback_loop, name="tpusync-kv-writeback", daemon=True
             )
             self._wb_thread.start()
+
+    @property
+    def can_write_down(self) -> bool:
+        """Whether a writable lower tier exists (blocks can leave DRAM without being lost)."""
+        return bool(self._writable_lower)
 
     # --- metadata --------------------------------------------------------------------------
 
@@ -157,6 +182,29 @@ class TierStack:
                     doomed.append(key)
         if doomed:
             self.delete_everywhere(doomed)
+
+    def loosen(self, keys: Sequence[bytes]) -> None:
+        """Lets one pin of each key stop holding it in DRAM (the lower tiers' copies stay
+        pinned): a streaming load calls this for blocks it has copied to the device, so that
+        DRAM may evict them for the next chunk. Undo with :meth:`tighten` before unpinning."""
+        with self.lock:
+            self._loose.update(keys)
+
+    def tighten(self, keys: Sequence[bytes]) -> None:
+        """Undoes :meth:`loosen`."""
+        loose = self._loose
+        with self.lock:
+            for key in keys:
+                count = loose.get(key, 0) - 1
+                if count > 0:
+                    loose[key] = count
+                else:
+                    loose.pop(key, None)
+
+    def _pinned_in(self, tier: int, key: bytes) -> bool:
+        """Whether pins hold ``key`` in ``tier`` (loosened pins do not hold it in DRAM)."""
+        pins = self._pins.get(key, 0)
+        return pins > 0 and (tier > 0 or pins > self._loose.get(key, 0))
 
     def keep(self, keys: Sequence[bytes]) -> None:
         """Marks keys as a session's: never dropped (see the module docstring)."""
@@ -242,23 +290,42 @@ class TierStack:
         free = getattr(store, "free", None)
         return int(free) if free is not None else store.capacity - store.used
 
+    def _capacity(self, tier: int) -> int:
+        """The slots ``tier`` can reach now (a disk tier's filesystem may hold fewer than its
+        capacity: see :attr:`DiskPool.usable_capacity`)."""
+        store = self.tiers[tier]
+        usable = getattr(store, "usable_capacity", None) if tier else None
+        return store.capacity if usable is None else int(usable)
+
+    def _too_big(self, tier: int, blocks: int) -> TierFullError:
+        store, capacity = self.tiers[tier], self._capacity(tier)
+        where = f"{self.names[tier]} tier" if tier == 0 else f"tier {self.faults.label(tier)}"
+        if capacity < store.capacity:
+            return TierFullError(
+                f"{where}: {blocks} blocks do not fit in the {capacity} of its "
+                f"{store.capacity} slots that its filesystem has room for; free space there, "
+                "or lower its capacity_blocks"
+            )
+        return TierFullError(
+            f"{where}: {blocks} blocks do not fit in its {capacity} slots; raise its "
+            "capacity_blocks"
+        )
+
     def _make_room(self, tier: int, blocks: int) -> None:
         """Evicts until ``blocks`` slots are free. Call with the tier's room lock held."""
         store = self.tiers[tier]
-        if blocks > store.capacity:
-            raise TierFullError(
-                f"{self.names[tier]} tier: {blocks} blocks do not fit in its "
-                f"{store.capacity} slots; raise its capacity_blocks"
-            )
+        if blocks > self._capacity(tier):
+            raise self._too_big(tier, blocks)
         bottom = tier > 0 or self._below is None  # nowhere to demote to: victims are dropped
         deadline = time.monotonic() + _WRITEBACK_WAIT_S
+        stuck: set[bytes] = set()  # victims no lower tier took that must not be dropped
         while (need := blocks - self._free(tier)) > 0:
             with self._wb_cond:
                 busy = set(self._wb_active) if tier == 0 else set()
             with self.lock:
                 victims, waiting = [], False
                 for key in self._lru[tier]:
-                    if self._pins.get(key, 0) > 0:
+                    if self._pinned_in(tier, key) or key in stuck:
                         continue
                     if self._kept.get(key, 0) > 0 and (bottom or tier > 0):
                         continue  # a session's block is only ever demoted out of DRAM
@@ -282,28 +349,43 @@ class TierStack:
                 break
             if not bottom:
                 self._demote(victims)
+            unsaved = 0
             with self.lock:
                 # a lookup may have pinned a victim meanwhile: it stays
-                victims = [k for k in victims if self._pins.get(k, 0) <= 0]
+                victims = [k for k in victims if not self._pinned_in(tier, k)]
                 if not bottom:
-                    below = set(present(self.tiers[self._below], victims))
-                    victims = [k for k in victims if k in below or not self._kept.get(k)]
+                    # A session's block, or a pinned one a streaming load let go of, is dropped
+                    # only where a lower tier holds it. When some cannot be, choose again
+                    # without them: never evict for a request that cannot be met.
+                    below = self._held_below(victims)
+                    kept = [
+                        k
+                        for k in victims
+                        if k not in below and (self._kept.get(k) or self._pins.get(k))
+                    ]
+                    if kept:
+                        stuck.update(kept)
+                        continue
+                    unsaved = sum(k not in below for k in victims)
                 dropped = store.delete(victims)
                 gone = absent(store, victims)
                 for key in gone:
                     self._lru[tier].pop(key, None)
             self.removed(tier, gone)
             self.bump("evictions", dropped)
+            if unsaved:
+                self.bump("evicted_unsaved", unsaved)
             store.stats.add(evictions=dropped)
             if not gone:
                 if time.monotonic() >= deadline:
                     break
                 self._wait_writeback_progress()
         if self._free(tier) < blocks:
+            untaken = f" ({len(stuck)} of them no lower tier could take)" if stuck else ""
             raise TierFullError(
                 f"{self.names[tier]} tier: {blocks} free blocks needed, {self._free(tier)} free "
-                f"of {store.capacity}; the rest are pinned by lookups or held by sessions — "
-                "release handles, drop sessions or raise capacity_blocks"
+                f"of {self._capacity(tier)}; the rest are pinned by lookups or held by "
+                f"sessions{untaken} — release handles, drop sessions or raise capacity_blocks"
             )
 
     def evict(self, tier: int, keys: Sequence[bytes]) -> int:
@@ -318,10 +400,8 @@ class TierStack:
                 victims = [k for k in present(store, keys) if self._pins.get(k, 0) <= 0]
             if not bottom:
                 self._demote(victims)
-                below = set(present(self.tiers[self._below], victims))
-            else:
-                below = set()
             with self.lock:
+                below = self._held_below(victims) if not bottom else set()
                 victims = [
                     k
                     for k in victims
@@ -336,98 +416,182 @@ class TierStack:
         store.stats.add(evictions=dropped)
         return dropped
 
-    def _demote(self, keys: list[bytes]) -> None:
-        """Writes DRAM blocks that the next tier lacks into it (before DRAM drops them), and
-        the ones write-back has not finished with into the other lower tiers too."""
-        assert self._below is not None
-        missing = absent(self.tiers[self._below], keys)
-        if missing:
-            self.bump("demotions", self._put_down(self._below, missing))
-        self._write_back_now(keys)
+    def _held_below(self, keys: Sequence[bytes]) -> set[bytes]:
+        """The keys some writable lower tier holds (one that cannot answer holds none)."""
+        held: set[bytes] = set()
+        todo = list(keys)
+        for tier in self._writable_lower:
+            if not todo:
+                break
+            found = self._contains(tier, todo)
+            held.update(k for k, hit in zip(todo, found, strict=True) if hit)
+            todo = [k for k, hit in zip(todo, found, strict=True) if not hit]
+        return held
 
-    def _write_back_now(self, keys: list[bytes]) -> None:
-        """Writes the keys still queued for write-back (or being written) into the writable
-        lower tiers below the next one: write-back reads DRAM, which is about to drop them.
-        Call with DRAM's room lock held (lower tiers' room locks come after it). A failing
-        tier is counted and logged, never raised: the eviction goes on."""
+    def _demote(self, keys: list[bytes]) -> None:
+        """Writes DRAM blocks that the lower tiers lack into the first writable lower tier that
+        takes them (the next one, or past it when it is full or failing), before DRAM drops
+        them; and the ones write-back has not finished with into the other lower tiers too.
+        A failing tier is counted and logged, never raised: the eviction goes on."""
+        todo, failed = keys, set()
+        for tier in self._writable_lower:
+            if not todo:
+                break
+            store = self.tiers[tier]
+            try:
+                missing = absent(store, todo)
+                if missing:
+                    written = self._put_down(tier, missing)
+                    self.bump("demotions", written)
+                    if written:
+                        self.faults.worked(tier)
+                    missing = absent(store, missing)  # kept from it: DRAM lost them meanwhile
+            except (TpuSyncError, OSError) as error:
+                failed.add(tier)
+                self.faults.failed(tier, f"demotion of {len(todo)} blocks out of DRAM", error)
+                continue
+            todo = missing
+        self._write_back_now(keys, skip=failed)
+
+    def _write_back_now(self, keys: list[bytes], *, skip: set[int]) -> None:
+        """Writes the keys still queued for write-back (or being written) into every writable
+        lower tier but the ``skip`` ones (those that just failed): write-back reads DRAM, which
+        is about to drop them. Call with DRAM's room lock held (lower tiers' room locks come
+        after it). A failing tier is counted and logged, never raised: the eviction goes on."""
         with self._wb_cond:
             pending = [k for k in keys if k in self._wb_queued or k in self._wb_active]
         if not pending:
             return
         for tier in self._writable_lower:
-            if tier == self._below:  # _demote wrote it
-                continue
-            try:
-                missing = absent(self.tiers[tier], pending)
-                written = self._put_down(tier, missing) if missing else 0
-            except (TpuSyncError, OSError) as error:
-                self.bump("writeback_failed", len(pending))
-                log.warning(
-                    "tpusync kv: write-back of %d evicted blocks to tier %s failed: %s",
-                    len(pending),
-                    self.names[tier],
-                    error,
-                )
-                continue
-            self.bump("writeback_written", written)
+            if tier not in skip:
+                self._write_back_to(tier, pending, on_demote=True)
+
+    def _write_back_to(self, tier: int, keys: list[bytes], *, on_demote: bool = False) -> None:
+        """Writes the DRAM blocks of ``keys`` that lower ``tier`` lacks into it. A failure is
+        counted (``writeback_failed``) and logged, never raised: the other tiers still get the
+        blocks. ``on_demote``: DRAM is evicting them (counted in ``writeback_on_demote``)."""
+        missing = keys
+        try:
+            missing = absent(self.tiers[tier], keys)
+            if not missing:
+                return
+            written = self._put_down(tier, missing)
+        except (TpuSyncError, OSError) as error:
+            self.bump("writeback_failed", len(missing))
+            what = f"write-back of {len(missing)} blocks{' DRAM is evicting' if on_demote else ''}"
+            self.faults.failed(tier, what, error)
+            return
+        if written:
+            self.faults.worked(tier)
+        self.bump("writeback_written", written)
+        if on_demote:
             self.bump("writeback_on_demote", written)
+        else:
+            self._count_lost(tier, missing)
+
+    def write_down(self, keys: list[bytes]) -> set[bytes]:
+        """Writes DRAM blocks into every writable lower tier now, each tier on its own (see
+        :meth:`_write_back_to`); returns the keys some writable lower tier holds afterwards. A
+        save larger than DRAM does this for each chunk before the next needs its room."""
+        for tier in self._writable_lower:
+            self._write_back_to(tier, keys)
+        return self._held_below(keys)
 
     def _put_down(self, tier: int, keys: list[bytes]) -> int:
         """Copies DRAM blocks into lower ``tier`` (making room there); returns blocks written.
         Blocks DRAM lost meanwhile are skipped."""
-        store = self.tiers[tier]
         keys = present(self.dram, keys)
         if not keys:
             return 0
         with self._room_locks[tier]:
             self._make_room(tier, len(keys))
             try:
-                written = store.put(keys, self.dram)
-            except BlocksMissingError as missing:  # evicted or found corrupt in DRAM meanwhile
-                keys = [k for k, ok in zip(keys, missing.loaded, strict=True) if ok]
-                written = store.put(keys, self.dram) if keys else 0
+                keys, written = self._put(tier, keys)
+            except TierFullError:
+                # It found less room than it said (e.g. its filesystem filled up meanwhile) and
+                # says so now: make that room, once.
+                self._make_room(tier, len(keys))
+                keys, written = self._put(tier, keys)
         self.touch(tier, keys)
         return written
+
+    def _put(self, tier: int, keys: list[bytes]) -> tuple[list[bytes], int]:
+        """``put`` of DRAM blocks into ``tier``, without the ones DRAM lost meanwhile; returns
+        the keys put and how many were written."""
+        store = self.tiers[tier]
+        try:
+            return keys, store.put(keys, self.dram)
+        except BlocksMissingError as missing:  # evicted or found corrupt in DRAM meanwhile
+            keys = [k for k, ok in zip(keys, missing.loaded, strict=True) if ok]
+            return keys, store.put(keys, self.dram) if keys else 0
 
     # --- promotion -------------------------------------------------------------------------
 
     def promote(self, keys: Sequence[bytes], *, local: bool = False) -> tuple[list[bool], int]:
         """Reads the keys DRAM lacks from the first lower tier holding them into DRAM; returns
-        which keys DRAM holds afterwards. Blocks failing their checksum are misses (the lower
-        tier counts and drops them), and how many blocks moved up. Pin the keys first, so that
-        making room cannot evict them. With ``local``, other nodes' (read-only) tiers are not
-        read."""
+        which keys DRAM holds afterwards, and how many blocks moved up. A block a tier fails to
+        serve (it fails its checksum, cannot be read: the tier counts and drops it) is asked of
+        the tiers below that one, and is a miss only when none serves it. Pin the keys first, so
+        that making room cannot evict them. With ``local``, other nodes' (read-only) tiers are
+        not read."""
         in_dram = self.dram._contains_checked(list(keys))  # the store's own keys
         if all(in_dram):
             return in_dram, 0
         where = self.locate(keys, prefix=False, local=local)
+        wanted = [(k, t) for k, t in zip(keys, where, strict=True) if t > 0]
         promoted = 0
-        wanted = [i for i, t in enumerate(where) if t > 0]
         if wanted:
             with self.room(0, len(wanted)):
-                for t in range(1, len(self.tiers)):
-                    subset = [keys[i] for i in wanted if where[i] == t]
-                    if not subset:
-                        continue
-                    try:
-                        self.tiers[t].get(subset, self.dram)
-                        loaded = subset
-                    except BlocksMissingError as missing:
-                        loaded = [k for k, ok in zip(subset, missing.loaded, strict=True) if ok]
-                        self.bump("lower_tier_misses", len(subset) - len(loaded))
-                    except (TpuSyncError, OSError) as error:  # e.g. a peer that is gone
-                        log.warning("tpusync kv: tier %s failed: %s", self.names[t], error)
-                        held = self.dram.contains(subset)  # whatever it committed first
-                        loaded = [k for k, ok in zip(subset, held, strict=True) if ok]
-                        self.bump("lower_tier_errors", 1)
-                        self.bump("lower_tier_misses", len(subset) - len(loaded))
-                    if not self.read_only[t]:
-                        self.touch(t, loaded)
-                    self.touch(0, loaded)
-                    self.dram_added(loaded)
-                    self.bump("promotions", len(loaded))
-                    promoted += len(loaded)
+                promoted = self._read_up(wanted, local=local)
         return self.dram.contains(keys), promoted
+
+    def _read_up(self, wanted: list[tuple[bytes, int]], *, local: bool) -> int:
+        """Reads each key into DRAM from its tier (key, first tier holding it), falling through
+        to the tiers below for the blocks a tier fails to serve; returns blocks read. Call with
+        DRAM's room for all of them held."""
+        promoted = 0
+        failed: list[bytes] = []  # not served by the tier asked: ask the ones below it
+        for t in range(1, len(self.tiers)):
+            if local and self.read_only[t]:
+                continue
+            subset = [k for k, first in wanted if first == t]
+            retried = 0
+            if failed:
+                held = self._contains(t, failed)
+                again = [k for k, hit in zip(failed, held, strict=True) if hit]
+                failed = [k for k, hit in zip(failed, held, strict=True) if not hit]
+                subset += again
+                retried = len(again)
+            if not subset:
+                continue
+            loaded = self._get_up(t, subset)
+            done = set(loaded)
+            failed += [k for k in subset if k not in done]
+            if retried:
+                self.bump("lower_tier_fallbacks", sum(k in done for k in subset[-retried:]))
+            if not self.read_only[t]:
+                self.touch(t, loaded)
+            self.touch(0, loaded)
+            self.dram_added(loaded)
+            self.bump("promotions", len(loaded))
+            promoted += len(loaded)
+        return promoted
+
+    def _get_up(self, tier: int, keys: list[bytes]) -> list[bytes]:
+        """Reads ``keys`` from lower ``tier`` into DRAM; returns the ones DRAM got (the others
+        are counted as misses of the tier)."""
+        try:
+            self.tiers[tier].get(keys, self.dram)
+            return keys
+        except BlocksMissingError as missing:
+            loaded = [k for k, ok in zip(keys, missing.loaded, strict=True) if ok]
+        except (TpuSyncError, OSError) as error:  # e.g. a peer that is gone
+            log.warning("tpusync kv: tier %s failed: %s", self.faults.label(tier), error)
+            held = self.dram.contains(keys)  # whatever it committed first
+            loaded = [k for k, ok in zip(keys, held, strict=True) if ok]
+            self.bump("lower_tier_errors", 1)
+        self.bump("lower_tier_misses", len(keys) - len(loaded))
+        return loaded
 
     # --- write-back ------------------------------------------------------------------------
 
@@ -471,14 +635,8 @@ class TierStack:
                 self._wb_busy += 1
                 self._wb_active.update(keys)
             try:
-                for tier in self._writable_lower:
-                    missing = absent(self.tiers[tier], keys)
-                    if missing:
-                        self.bump("writeback_written", self._put_down(tier, missing))
-                        self._count_lost(tier, missing)
-            except TpuSyncError as error:  # a full or failing tier: the blocks stay in DRAM
-                self.bump("writeback_failed", len(keys))
-                log.warning("tpusync kv: write-back of %d blocks failed: %s", len(keys), error)
+                for tier in self._writable_lower:  # each on its own: a failing one is skipped
+                    self._write_back_to(tier, keys)
             except Exception:  # never let the thread die silently; the blocks stay in DRAM
                 self.bump("writeback_failed", len(keys))
                 log.exception("tpusync kv: write-back failed")
@@ -516,6 +674,8 @@ class TierStack:
                 held.update(k for k, hit in zip(skipped, found, strict=True) if hit)
         if held:
             self.bump("writeback_lost", len(held))
+            if self.faults.failing(tier):  # its failures are reported already
+                return
             log.warning(
                 "tpusync kv: write-back lost %d blocks for tier %s: DRAM dropped them first",
                 len(held),

@@ -34,6 +34,16 @@ def _directory(value: object, argument: str) -> str:
     return os.fspath(value)
 
 
+def _flag(value: object, argument: str) -> None:
+    if value is not True and value is not False:
+        raise InvalidArgumentError(f"{argument}: expected True or False, got {value!r}")
+
+
+def _axis(value: object, argument: str) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"{argument}: expected an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class DramTier:
     """The DRAM tier (always present): anonymous memory, or named in ``shm_dir`` so that a
@@ -44,12 +54,17 @@ class DramTier:
       name: None for anonymous memory; a name to live in ``shm_dir``/tpusync-<name>.pool.
       shm_dir: where named pools live.
       populate: touch every page at creation (copies never pay page faults).
+      on_mismatch: a named pool in ``shm_dir`` that holds another model, block layout or
+        capacity, or is damaged: ``"error"`` refuses it (the store does not open, the file
+        stays); ``"recreate"`` deletes it and starts a cold pool (see
+        :class:`tpusync.tiers.HostPool`).
     """
 
     capacity_blocks: int
     name: str | None = None
     shm_dir: str = "/dev/shm"
     populate: bool = True
+    on_mismatch: str = "error"
 
     def __post_init__(self) -> None:
         _positive(self.capacity_blocks, "dram.capacity_blocks")
@@ -58,6 +73,10 @@ class DramTier:
                 f"dram.name: {self.name!r} must be letters, digits, '.', '_' or '-' "
                 "(at most 101, starting with a letter or digit)"
             )
+        if self.on_mismatch not in ("error", "recreate"):
+            raise InvalidArgumentError(
+                f"dram.on_mismatch: expected 'error' or 'recreate', got {self.on_mismatch!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -65,17 +84,22 @@ class DiskTier:
     """A local-SSD tier (:class:`tpusync.tiers.DiskPool`) in ``directory``.
 
     Args:
+      directory: where the pool's files live. It must exist (the store refuses a missing one:
+        an unmounted disk or a typo would otherwise fill another filesystem), unless ``create``.
       durability: ``"commit"`` (a block counts as stored once its data and record are synced)
         or ``"none"`` (faster; after power loss recent blocks may be missing, never wrong).
+      create: create ``directory`` (mode 0700, with its missing parents) when it is missing.
     """
 
     directory: str | os.PathLike[str]
     capacity_blocks: int
     durability: str = "commit"
     direct_io: bool | str = "auto"
+    create: bool = False
 
     def __post_init__(self) -> None:
         _directory(self.directory, "disk.directory")
+        _flag(self.create, "disk.create")
         _positive(self.capacity_blocks, "disk.capacity_blocks")
         _durability(self.durability, "disk.durability")
         if not (self.direct_io is True or self.direct_io is False or self.direct_io == "auto"):
@@ -89,15 +113,21 @@ class SharedFsTier:
     """A shared-filesystem tier (:class:`tpusync.tiers.SharedFsPool`) that other hosts read.
 
     Args:
+      directory: the shared directory. It must exist (the store refuses a missing one: a
+        filesystem that is not mounted must not silently become a local directory), unless
+        ``create``.
       capacity_blocks: None for no limit of ours (the filesystem's size is the limit).
+      create: create ``directory`` (mode 0700, with its missing parents) when it is missing.
     """
 
     directory: str | os.PathLike[str]
     capacity_blocks: int | None = None
     durability: str = "commit"
+    create: bool = False
 
     def __post_init__(self) -> None:
         _directory(self.directory, "shared_fs.directory")
+        _flag(self.create, "shared_fs.create")
         if self.capacity_blocks is not None:
             _positive(self.capacity_blocks, "shared_fs.capacity_blocks")
         _durability(self.durability, "shared_fs.durability")
@@ -110,7 +140,8 @@ class KVStoreConfig:
     Args:
       model_id, weight_version, salt, shard_rank, shard_count: the namespace (see
         :class:`~tpusync.kv.Namespace`); blocks are shared only within one namespace.
-      block_size: tokens per block; must match the device pool's block.
+      block_size: tokens per block; every device pool must hold this many on ``token_axis``
+        (the store refuses pools that disagree: their blocks would be keyed wrongly).
       dram, disk, shared_fs: the tiers, top down. DRAM is always first.
       secret: the deployment secret that keys every block hash. The default is a fixed
         development secret: fine for one trusted deployment, but give your own wherever tenants
@@ -122,6 +153,10 @@ class KVStoreConfig:
         True`` is only read (hits are promoted into DRAM), never written or evicted from. The
         store does not close them.
       block_axis: the block axis of every device pool (vLLM's ``(2, num_blocks, ...)``: 1).
+      token_axis: the axis of every device pool (counted in the pool's own shape) that holds a
+        block's tokens. None: the one after ``block_axis``, as in ``(num_blocks, block_size,
+        kv_heads, head_dim)``; give it for other layouts, e.g. 2 for
+        ``(num_blocks, kv_heads, block_size, head_dim)``.
       writeback_max_bytes: bytes saved to DRAM but not yet written to the lower tiers that may
         be queued; beyond it ``writeback_policy`` applies.
       writeback_policy: ``"wait"`` — a save waits until the queue has room (the device blocks
@@ -143,6 +178,7 @@ class KVStoreConfig:
     key_scheme: KeyScheme | None = None
     extra_tiers: tuple[tuple[str, Any], ...] = ()
     block_axis: int = 0
+    token_axis: int | None = None
     writeback_max_bytes: int = 256 << 20
     writeback_policy: str = "wait"
     path: str = "auto"
@@ -165,12 +201,14 @@ class KVStoreConfig:
             raise InvalidArgumentError(
                 f"shared_fs: expected a SharedFsTier or None, got {type(self.shared_fs).__name__}"
             )
-        if (
-            not isinstance(self.block_axis, numbers.Integral)
-            or isinstance(self.block_axis, bool)
-            or self.block_axis < 0
-        ):
-            raise InvalidArgumentError(f"block_axis: expected an int >= 0, got {self.block_axis!r}")
+        _axis(self.block_axis, "block_axis")
+        if self.token_axis is not None:
+            _axis(self.token_axis, "token_axis")
+            if self.token_axis == self.block_axis:
+                raise InvalidArgumentError(
+                    f"token_axis: {self.token_axis} is also the block_axis; give the axis that "
+                    "holds a block's tokens (None: the one after block_axis)"
+                )
         _positive(self.writeback_max_bytes, "writeback_max_bytes")
         if self.writeback_policy not in WRITEBACK_POLICIES:
             raise InvalidArgumentError(
@@ -203,3 +241,8 @@ class KVStoreConfig:
                 "key_scheme: expected an object with name, namespace_tag(), block_keys() and "
                 f"tail_key(), got {type(self.key_scheme).__name__}"
             )
+
+    @property
+    def pool_token_axis(self) -> int:
+        """The device pools' token axis: ``token_axis``, or the one after ``block_axis``."""
+        return self.block_axis + 1 if self.token_axis is None else self.token_axis

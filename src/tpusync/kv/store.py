@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tpusync import _core
+from tpusync._fork import check_same_process
 from tpusync.device_pool import DevicePool
 from tpusync.errors import (
     BlockIndexError,
@@ -48,6 +49,14 @@ from tpusync.errors import (
 )
 from tpusync.kv._registry_link import RegistryLink
 from tpusync.kv._sessions import SessionManifests, SessionRecord
+from tpusync.kv._store_checks import (
+    check_dram_room,
+    check_extra_tier_layouts,
+    check_tier_directories,
+    check_token_axis,
+    make_tier_directory,
+)
+from tpusync.kv._streaming import load_through_dram, reload_from_below, save_through_dram, streams
 from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
@@ -76,7 +85,8 @@ class LookupResult:
     """The longest cached prefix of a token list, with pins on its blocks (see the module
     docstring). ``cached_tokens`` is a multiple of the block size; ``tiers[i]`` names the tier
     block ``i`` was found in. On a full hit the caller still recomputes the last token (for its
-    logits): load every block, then prefill from ``min(cached_tokens, len(tokens) - 1)``."""
+    logits): load every block, then prefill from ``min(cached_tokens, len(tokens) - 1)``. A hit
+    may be longer than the DRAM tier holds: it then loads through DRAM chunk by chunk."""
 
     cached_tokens: int
     total_tokens: int
@@ -165,7 +175,14 @@ class KVCacheStore:
       config: the namespace, tiers and policies (:class:`~tpusync.kv.KVStoreConfig`).
       device_pools: the engine's KV arrays as :class:`~tpusync.DevicePool` (per-layer or
         stacked; K and V together or apart), every one indexed by block on
-        ``config.block_axis``. A block of the store spans the same block index of every pool.
+        ``config.block_axis`` and holding ``config.block_size`` tokens on
+        ``config.token_axis``. A block of the store spans the same block index of every pool.
+
+    Raises :class:`~tpusync.errors.InvalidArgumentError` (or a subclass) before opening
+    anything when the configuration contradicts the pools (another block size), an extra tier
+    was built for another block layout, or a tier directory is missing without ``create=True``;
+    :class:`~tpusync.errors.TierFullError` when an anonymous DRAM tier exceeds the memory
+    available.
 
     Every call has a blocking form and an ``_async`` form returning a future; see the module
     docstring for pins and ownership.
@@ -199,7 +216,11 @@ class KVCacheStore:
         self.config = config
         self.pools = list(device_pools)
         self.num_device_blocks = counts.pop()
+        check_token_axis(config, self.pools)
         self.layout = PoolLayout.from_pools(config.model_id, self.pools, block_axis=axis)
+        check_extra_tier_layouts(config.extra_tiers, self.layout)
+        check_tier_directories(config)
+        check_dram_room(config, self.layout)
         self.namespace = Namespace(
             config.model_id,
             self.layout.fingerprint,
@@ -211,6 +232,7 @@ class KVCacheStore:
         self.scheme: KeyScheme = config.key_scheme or Blake2bChainKeys(config.secret)
         self.block_size = config.block_size
         self._closed = False
+        self._opened_by = os.getpid()
         self._handles: dict[int, LookupResult] = {}
         self._session_saves: dict[str, SaveFuture] = {}
         self._registry_link: RegistryLink | None = None
@@ -231,11 +253,12 @@ class KVCacheStore:
                 name=config.dram.name,
                 shm_dir=config.dram.shm_dir,
                 populate=config.dram.populate,
+                on_mismatch=config.dram.on_mismatch,
             )
             opened.append(dram)
             lower: list[tuple[str, LowerTier]] = []
             if config.disk is not None:
-                os.makedirs(config.disk.directory, exist_ok=True)
+                make_tier_directory(config.disk, "disk")
                 disk = DiskPool(
                     self.layout,
                     config.disk.capacity_blocks,
@@ -246,7 +269,7 @@ class KVCacheStore:
                 opened.append(disk)
                 lower.append(("disk", disk))
             if config.shared_fs is not None:
-                os.makedirs(config.shared_fs.directory, exist_ok=True)
+                make_tier_directory(config.shared_fs, "shared_fs")
                 shared = SharedFsPool(
                     self.layout,
                     config.shared_fs.directory,
@@ -256,6 +279,11 @@ class KVCacheStore:
                 opened.append(shared)
                 lower.append(("shared_fs", shared))
             lower.extend(config.extra_tiers)
+            self._sessions = SessionManifests(  # UnsafeFileError/TierIOError: tiers closed
+                self._session_dir(),
+                owner=(config.model_id, self.layout.fingerprint.hex()),
+                block_size=self.block_size,
+            )
             self._stack = TierStack(
                 dram,
                 lower,
@@ -267,9 +295,6 @@ class KVCacheStore:
                 tier.close()
             raise
         self.dram = dram
-        self._sessions = SessionManifests(
-            self._session_dir(), owner=(config.model_id, self.layout.fingerprint.hex())
-        )
         for record in self._sessions.all():
             self._stack.keep(record.keys)
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tpusync-kv")
@@ -288,6 +313,7 @@ class KVCacheStore:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("this KVCacheStore is closed; create a new one")
+        check_same_process(self._opened_by, "this KVCacheStore")
 
     def _namespace(self, namespace: Namespace | None) -> Namespace:
         if namespace is None:
@@ -385,8 +411,8 @@ class KVCacheStore:
         agreed = self._shards_agree(toks, namespace, len(keys))
         stack = self._stack
         with stack.lock:
-            # Every loaded block passes through DRAM, pinned: a longer hit could never load.
-            where = stack.locate(keys, prefix=True)[: min(self.dram.capacity, agreed)]
+            # a hit longer than DRAM loads through it chunk by chunk (see _streaming)
+            where = stack.locate(keys, prefix=True)[:agreed]
             hit = keys[: len(where)]
             stack.pin(hit)
         result = LookupResult(
@@ -459,9 +485,11 @@ class KVCacheStore:
         """Loads the hit's blocks into ``device_block_ids`` (one per cached block, in order;
         fewer loads only the first ones) and consumes the handle.
 
-        Blocks found only in lower tiers are promoted into DRAM first. Returns how many tokens
-        were loaded: all cached ones, unless blocks were lost or failed their checksum (a miss,
-        counted; the blocks after the first miss are not loaded)."""
+        Blocks found only in lower tiers are promoted into DRAM first (a hit longer than DRAM
+        holds passes through it in chunks); a block that one tier fails to serve (its checksum
+        fails) is read from the next tier that has it. Returns how many tokens were loaded: all
+        cached ones, unless blocks were lost or failed their checksum in every tier holding them
+        (a miss, counted; the blocks after the first miss are not loaded)."""
         self._check_open()
         self._check_handle(result)
         ids = self._check_block_ids(device_block_ids, result.num_blocks, at_most=True)
@@ -498,6 +526,8 @@ class KVCacheStore:
         blocks promoted from lower tiers)."""
         if not keys:
             return 0, 0
+        if streams(self, len(keys), save=False):
+            return load_through_dram(self, keys, ids)
         stack = self._stack
         in_dram, promoted = stack.promote(keys)
         prefix = next((i for i, ok in enumerate(in_dram) if not ok), len(keys))
@@ -508,7 +538,9 @@ class KVCacheStore:
             self.dram._get_checked(keys[:prefix], self.pools, ids[:prefix], self.config.path)
             loaded = prefix
         except BlocksMissingError as missing:
-            loaded = next((i for i, ok in enumerate(missing.loaded) if not ok), prefix)
+            # DRAM dropped the blocks that failed their checksum: a lower tier may hold them
+            loaded, again = reload_from_below(self, keys[:prefix], ids[:prefix], missing.loaded)
+            promoted += again
         stack.touch(0, keys[:loaded])
         return loaded, promoted
 
@@ -518,7 +550,12 @@ class KVCacheStore:
         self, tokens: Any, device_block_ids: Any, *, namespace: Namespace | None = None
     ) -> SaveResult:
         """Saves the KV of every full block of ``tokens`` (``device_block_ids[i]`` holds block
-        ``i``; ids past the full blocks are ignored) and waits until it is durable in DRAM."""
+        ``i``; ids past the full blocks are ignored) and waits until it is durable in DRAM.
+
+        A save of more blocks than DRAM holds streams through it: chunk by chunk, each written
+        into the lower tiers before the next (it is then durable there, and DRAM keeps the last
+        chunk). Without a writable lower tier such a save raises ``TierFullError``; when no
+        lower tier takes a chunk, the save stops after it (``stored_blocks`` says how many)."""
         return self.save_async(tokens, device_block_ids, namespace=namespace).result()
 
     def save_async(
@@ -558,7 +595,7 @@ class KVCacheStore:
     def _run_save(self, keys: list[bytes], ids: np.ndarray, future: SaveFuture) -> None:
         start = time.perf_counter()
         stack = self._stack
-        admitted = 0
+        admitted = streamed = 0
         try:
             with stack.lock:
                 # another node's copy does not count: it may go away at any time
@@ -566,15 +603,17 @@ class KVCacheStore:
             fresh = [i for i, t in enumerate(where) if t < 0]
             for t in set(where) - {-1}:
                 stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
-            if stack.writeback_admit(len(fresh)):
-                admitted = len(fresh)
+            new_keys, new_ids = [keys[i] for i in fresh], ids[fresh]
+            if streams(self, len(new_keys), save=True):  # more than DRAM holds: chunk by chunk
+                streamed, rest = save_through_dram(self, new_keys, new_ids)
+                rest = len(new_keys) if rest is None else rest
+                new_keys, new_ids = new_keys[rest:], new_ids[rest:]
+            if stack.writeback_admit(len(new_keys)):
+                admitted = len(new_keys)
             stored = []
-            if fresh:
-                new_keys = [keys[i] for i in fresh]
-                with stack.room(0, len(fresh)):
-                    self.dram.put_from_device(
-                        new_keys, self.pools, ids[fresh], path=self.config.path
-                    )
+            if new_keys:
+                with stack.room(0, len(new_keys)):
+                    self.dram.put_from_device(new_keys, self.pools, new_ids, path=self.config.path)
                 stored = present(self.dram, new_keys)
                 stack.touch(0, stored)
                 stack.dram_added(stored)
@@ -587,12 +626,13 @@ class KVCacheStore:
         self._release_blocks(ids, future)
         if admitted:
             stack.writeback_enqueue(stored, admitted)
-        self._count(saves=1, saved_blocks=len(stored), save_skipped_blocks=len(keys) - len(fresh))
+        n_stored = streamed + len(stored)
+        self._count(saves=1, saved_blocks=n_stored, save_skipped_blocks=len(keys) - len(fresh))
         future.set_result(
             SaveResult(
-                stored_blocks=len(stored),
+                stored_blocks=n_stored,
                 skipped_blocks=len(keys) - len(fresh),
-                bytes=len(stored) * self.layout.payload_bytes,
+                bytes=n_stored * self.layout.payload_bytes,
                 seconds=time.perf_counter() - start,
             )
         )
@@ -610,8 +650,8 @@ class KVCacheStore:
 
     def _run_prefetch(self, keys: list[bytes]) -> int:
         stack = self._stack
-        with stack.lock:
-            hit = keys[: len(stack.locate(keys, prefix=True))]
+        with stack.lock:  # DRAM holds at most its capacity of them
+            hit = keys[: min(len(stack.locate(keys, prefix=True)), self.dram.capacity)]
             stack.pin(hit)
         try:
             in_dram, _ = stack.promote(hit)
@@ -661,7 +701,11 @@ class KVCacheStore:
         ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
         record = SessionRecord(session_id, toks.copy(), tuple(keys))
         self._stack.keep(keys)
-        old = self._sessions.put(record)
+        try:
+            old = self._sessions.put(record)  # TierFullError/TierIOError: nothing changed
+        except BaseException:
+            self._stack.unkeep(keys)
+            raise
         if old is not None:
             self._end_session(old, drop_tail=bool(old.keys) and old.keys[-1] not in keys)
         future = self._start_save(keys, ids)

@@ -7,6 +7,10 @@ layout fingerprint, length and checksum; ``get`` reserves DRAM slots, reads into
 from the medium, verifies every block's checksum over the bytes read, and commits only the good
 ones. A block that is absent or fails verification is a miss: ``get`` raises
 :class:`~tpusync.errors.BlocksMissingError` with a ``loaded`` mask after committing the rest.
+
+A tier may also answer ``free`` (blocks it can still take now) and ``usable_capacity`` (the
+slots it can reach now, when that is less than ``capacity``: a disk tier whose filesystem has no
+room for more slab files); the KV store's tier stack evicts by them.
 """
 
 from __future__ import annotations

@@ -48,6 +48,15 @@ geometry, or a garbage index, means a cold start with a log line (or :class:`Poo
 with ``on_mismatch="error"``). A slab file that is missing, truncated or not ours loses only its
 own blocks (logged), unless ``on_mismatch="error"``.
 
+Files are opened through :mod:`tpusync.tiers._files` (no symlink followed, no blocking open, an
+``fstat`` check): anything but a regular file of this uid that others cannot write at the
+index's or a slab's path is damage like a bad header (a cold start, or the slab's blocks
+dropped); with ``on_mismatch="error"``, and for a directory there, it is an
+:class:`~tpusync.errors.UnsafeFileError` naming the path. The directory itself must be this
+uid's and not writable by group or others. Files are created 0600; a failure to create or
+rewrite one while opening is a :class:`~tpusync.errors.TierFullError` or
+:class:`~tpusync.errors.TierIOError` naming it, with no temporary file left.
+
 Threads: I/O runs on a small thread pool (``io_threads``); ``pwritev``/``preadv`` release the
 GIL, so several blocks are in flight. Calls from several threads are safe: an internal lock
 guards the index, I/O runs outside it, and blocks being read are pinned (:meth:`delete` skips
@@ -63,7 +72,9 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -81,9 +92,14 @@ from tpusync.errors import (
     PoolBusyError,
     PoolFormatError,
     TierFullError,
+    TpuSyncError,
     TransferFailedError,
+    UnsafeFileError,
 )
+from tpusync._fork import check_same_process
 from tpusync.info import check_o_direct
+from tpusync.tiers._file_writes import file_error
+from tpusync.tiers._files import check_directory, open_file
 from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
 from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
 from tpusync.tiers.layout import PoolLayout
@@ -106,6 +122,7 @@ DEFAULT_IO_THREADS = 4
 DEFAULT_SLAB_BYTES = 1 << 30
 MAX_DEFAULT_SLABS = 64
 MAX_SLABS = 4096  # each existing slab keeps a file descriptor open
+MAX_SEQUENCE = 1 << 62  # commit sequence numbers (u8 on disk) never get near this
 
 # magic, version, header bytes, slot bytes, capacity, slab slots, pool id, fingerprint,
 # description length; then the description, then (at HEADER_BYTES - 4) a CRC32 of the rest
@@ -201,6 +218,7 @@ class DiskPool:
             )
         if not os.access(directory, os.W_OK | os.X_OK):
             raise InvalidArgumentError(f"directory: {directory} is not writable by this process")
+        check_directory(os.path.realpath(directory))  # this uid's, not writable by others
 
         self.layout = layout
         self.capacity = int(capacity)
@@ -216,6 +234,7 @@ class DiskPool:
         self.attach_seconds = 0.0
         self._lock = threading.Lock()
         self._closed = False
+        self._opened_by = os.getpid()
         self._lock_fd = -1
         self._index_fd = -1
         self._slab_fds: dict[int, int] = {}
@@ -224,6 +243,7 @@ class DiskPool:
         self._pins = np.zeros(self.capacity, dtype=np.int64)
         self._writing: set[bytes] = set()
         self._free: list[int] = []
+        self._no_room_at: int | None = None  # filesystem bytes free when a slab did not fit
         self._sequence = 0
         self._pool_id = b""
         self._records = np.zeros(self.capacity, dtype=RECORD_DTYPE)
@@ -248,7 +268,12 @@ class DiskPool:
 
     def _take_lock(self) -> None:
         path = self.directory / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = open_file(path, os.O_RDWR, create=True)  # UnsafeFileError: names the path
+        except UnsafeFileError:
+            raise
+        except OSError as exc:
+            raise file_error(exc, path, "opening the disk pool's lock file") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -260,17 +285,25 @@ class DiskPool:
                 f"directory: the disk pool in {self.directory} is owned by a live process "
                 f"(pid {pid}); use another directory, or stop that process first"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # the pid is informational (a full disk is fine)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
     def _open_index(self) -> None:
         start = time.perf_counter()
         try:
-            fd = os.open(self.index_path, os.O_RDWR)
+            fd = open_file(self.index_path, os.O_RDWR)
         except FileNotFoundError:
             self._cold_start(reason=None)
             return
+        except UnsafeFileError as exc:  # damage of another kind: treated as a damaged index
+            if self.on_mismatch == "error" or _is_directory(self.index_path):
+                raise
+            self._cold_start(reason=str(exc))
+            return
+        except OSError as exc:
+            raise file_error(exc, self.index_path, "opening the index") from exc
         try:
             self._attach(fd)
         except PoolFormatError as exc:
@@ -283,9 +316,11 @@ class DiskPool:
                 raise PoolFormatError(f"disk pool {self.directory}: {exc}") from None
             self._cold_start(reason=str(exc))
             return
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             self._index_fd = -1
+            if isinstance(exc, OSError) and not isinstance(exc, TpuSyncError):
+                raise file_error(exc, self.index_path, "reading the index") from exc
             raise
         self.attached = True
         self.attach_seconds = time.perf_counter() - start
@@ -335,6 +370,7 @@ class DiskPool:
             | (key_len < 1)
             | (key_len > MAX_KEY_BYTES)
             | (records["length"] != self.layout.payload_bytes)
+            | (records["sequence"] > MAX_SEQUENCE)  # a later commit's sequence must still fit
         )
         if invalid.any():
             log.warning(
@@ -378,8 +414,11 @@ class DiskPool:
                     changed = True
                 self._index[key] = slot
         if changed:
-            self._write_all_records()
-            self._sync_index()
+            try:
+                self._write_all_records()
+                self._sync_index()
+            except OSError as exc:
+                raise file_error(exc, self.index_path, "rewriting the index records") from exc
         used = np.zeros(self.capacity, dtype=bool)
         used[list(self._index.values())] = True
         free = []
@@ -397,27 +436,39 @@ class DiskPool:
             )
         for path in self.directory.iterdir():
             if _SLAB_NAME.match(path.name) or _TEMP_NAME.match(path.name):
-                path.unlink(missing_ok=True)
+                _remove_file(path)
         self._pool_id = os.urandom(16)
         header = _encode_index_header(self._pool_id, self.layout, self.capacity, self.slab_slots)
         size = HEADER_BYTES + self.capacity * RECORD_BYTES
         temp = self.directory / f".{INDEX_NAME}.tmp-{os.getpid()}"
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fd = _create_file(temp)
+        except OSError as exc:
+            if isinstance(exc, TpuSyncError):
+                raise
+            raise file_error(exc, self.index_path, "creating the index") from exc
         try:
             try:
                 os.posix_fallocate(fd, 0, size)  # zeros: every record FREE
             except OSError as exc:
-                raise self._io_error(exc, f"preallocating the index ({_mib(size)})") from None
-            os.pwrite(fd, header, 0)
-            if self.durability == "commit":
-                os.fsync(fd)
-            os.rename(temp, self.index_path)
+                what = f"preallocating the index ({_mib(size)})"
+                raise file_error(exc, self.index_path, what) from exc
+            try:
+                os.pwrite(fd, header, 0)
+                if self.durability == "commit":
+                    os.fsync(fd)
+                os.rename(temp, self.index_path)
+            except OSError as exc:
+                raise file_error(exc, self.index_path, "writing a new index") from exc
         except BaseException:
             os.close(fd)
             temp.unlink(missing_ok=True)
             raise
         self._index_fd = fd
-        self._sync_directory()
+        try:
+            self._sync_directory()
+        except OSError as exc:
+            raise file_error(exc, self.directory, "syncing the directory") from exc
         self._records = np.zeros(self.capacity, dtype=RECORD_DTYPE)
         self._free = []
 
@@ -426,17 +477,29 @@ class DiskPool:
         for path in self.directory.iterdir():
             match = _SLAB_NAME.match(path.name)
             if _TEMP_NAME.match(path.name) or (match and int(match.group(1)) >= self.n_slabs):
-                path.unlink(missing_ok=True)
+                _remove_file(path)
 
     def _open_slab(self, slab: int) -> str | None:
         """Opens slab ``slab`` if its file exists and is ours; else says what is wrong."""
         path = self._slab_path(slab)
         try:
-            with open(path, "rb") as f:
-                header = f.read(HEADER_BYTES)
-                size = os.fstat(f.fileno()).st_size
+            fd = open_file(path, os.O_RDONLY)
         except FileNotFoundError:
             return "missing"
+        except UnsafeFileError as exc:  # damage of another kind; "error" says so as it is
+            if self.on_mismatch == "error" or _is_directory(path):
+                raise
+            return f"unusable ({exc})"
+        except OSError as exc:
+            return f"unreadable ({exc.strerror or exc})"
+        try:
+            header = os.pread(fd, HEADER_BYTES, 0)
+            info = os.fstat(fd)
+        except OSError as exc:
+            return f"unreadable ({exc.strerror or exc})"
+        finally:
+            os.close(fd)
+        size = info.st_size
         expected = self._slab_header(slab)
         if size < len(expected) or header[: _SLAB_FIXED.size] != expected[: _SLAB_FIXED.size]:
             return "not a slab of this pool (bad header)"
@@ -444,35 +507,57 @@ class DiskPool:
             return "damaged (header checksum)"
         if size != self._slab_file_bytes(slab):
             return f"truncated ({size} bytes of {self._slab_file_bytes(slab)})"
-        self._slab_fds[slab] = self._open_slab_fd(path)
+        try:
+            fd = self._open_slab_fd(path)
+        except OSError as exc:
+            return f"unusable ({exc.strerror or exc})"
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            os.close(fd)
+            return "replaced while it was opened"
+        self._slab_fds[slab] = fd
         return None
 
     def _open_slab_fd(self, path: Path) -> int:
         flags = os.O_RDWR | (os.O_DIRECT if self.direct_io else 0)
-        return os.open(path, flags)
+        return open_file(path, flags)
 
     def _create_slab(self, slab: int) -> None:
         """Creates and preallocates slab ``slab`` (temporary name, then rename)."""
         path = self._slab_path(slab)
         size = self._slab_file_bytes(slab)
         temp = self.directory / f".{path.name}.tmp-{os.getpid()}"
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fd = _create_file(temp)
+        except OSError as exc:  # TierFullError is no OSError: it passes as it is
+            if isinstance(exc, TpuSyncError):
+                raise
+            raise self._io_error(exc, f"creating slab file {path}") from exc
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 raise self._io_error(exc, f"preallocating slab {slab} ({_mib(size)})") from None
-            os.pwrite(fd, self._slab_header(slab), 0)
-            if self.durability == "commit":
-                os.fsync(fd)
-            os.rename(temp, path)
+            try:
+                os.pwrite(fd, self._slab_header(slab), 0)
+                if self.durability == "commit":
+                    os.fsync(fd)
+                os.rename(temp, path)
+            except OSError as exc:
+                raise self._io_error(exc, f"writing slab file {path}") from exc
         except BaseException:
             os.close(fd)
             temp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        self._sync_directory()
-        self._slab_fds[slab] = self._open_slab_fd(path)
+        try:
+            self._sync_directory()
+            slab_fd = self._open_slab_fd(path)
+        except OSError as exc:
+            if isinstance(exc, TpuSyncError):
+                raise
+            raise self._io_error(exc, f"opening slab file {path}") from exc
+        self._slab_fds[slab] = slab_fd
         lo, hi = self._slab_range(slab)
         self._free.extend(range(lo, hi))
         self._free.sort(reverse=True)  # lowest slots first: fill slabs in order
@@ -564,9 +649,19 @@ class DiskPool:
 
     @property
     def free(self) -> int:
-        """Blocks that can still be stored."""
+        """Blocks that can still be stored now: free slots of the slab files made so far, plus
+        the slots of those not made yet that fit on the filesystem (see :attr:`usable_capacity`)."""
         with self._lock:
-            return self.capacity - len(self._index) - len(self._writing)
+            return self.capacity - len(self._index) - len(self._writing) - self._unreachable()
+
+    @property
+    def usable_capacity(self) -> int:
+        """The slots this pool can reach now: :attr:`capacity` less the slots of slab files not
+        made yet that the filesystem has no room for (until space is freed there). A pool on a
+        filesystem smaller than its capacity is full at this many blocks, and its owner evicts
+        to reuse them (the KV store does)."""
+        with self._lock:
+            return self.capacity - self._unreachable()
 
     def keys(self) -> list[bytes]:
         """Stored keys, oldest commit first."""
@@ -575,6 +670,7 @@ class DiskPool:
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = _check_keys(keys)
+        check_same_process(self._opened_by, f"the disk pool in {self.directory}")
         with self._lock:
             return [k in self._index for k in keys]
 
@@ -640,15 +736,21 @@ class DiskPool:
                 if k not in self._index and k not in self._writing
             ]
             keys = [candidates[i] for i in picked]
-            available = self.capacity - len(self._index) - len(self._writing)
+            unreachable = self._unreachable()
+            available = self.capacity - len(self._index) - len(self._writing) - unreachable
             if len(keys) > available:
                 raise TierFullError(
                     f"keys: {len(keys)} new blocks but {available} free slots of "
-                    f"{self.capacity}; delete or evict blocks first"
+                    f"{self.capacity}{self._room_note(unreachable)}; delete or evict blocks first"
                 )
             while len(self._free) < len(keys):
                 missing = min(set(range(self.n_slabs)) - set(self._slab_fds))
-                self._create_slab(missing)
+                try:
+                    self._create_slab(missing)
+                except TierFullError:  # no room for it: count its slots out until space frees
+                    self._no_room_at = self._filesystem_room()
+                    raise
+                self._no_room_at = None
             slots = [self._free.pop() for _ in keys]
             for key, slot in zip(keys, slots, strict=True):
                 record = self._records[slot]
@@ -729,6 +831,45 @@ class DiskPool:
         if self._index_fd >= 0:
             with contextlib.suppress(OSError):  # a WRITING record left behind is freed on open
                 self._write_records(slots)
+
+    # --- room on the filesystem -------------------------------------------------------------------
+
+    def _filesystem_room(self) -> int:
+        """Bytes the filesystem of the pool's directory can still give (0 if it cannot say;
+        unbounded for one that reports no size, e.g. ramfs)."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize if st.f_blocks else sys.maxsize
+
+    def _unreachable(self) -> int:
+        """Slots of the slab files not made yet that the filesystem has no room for: none until
+        a slab failed for want of space; then all of them while the filesystem has no more room
+        than then, and afterwards the slabs from the first that does not fit (slabs are made
+        lowest first). Call with ``_lock`` held."""
+        if self._no_room_at is None:
+            return 0
+        missing = [slab for slab in range(self.n_slabs) if slab not in self._slab_fds]
+        room = self._filesystem_room()
+        if room <= self._no_room_at:
+            room = 0
+        for n, slab in enumerate(missing):
+            size = self._slab_file_bytes(slab)
+            if size > room:
+                return sum(hi - lo for lo, hi in map(self._slab_range, missing[n:]))
+            room -= size
+        return 0
+
+    def _room_note(self, unreachable: int) -> str:
+        """Why ``unreachable`` slots cannot be had, for an error message ('' when none)."""
+        if not unreachable:
+            return ""
+        return (
+            f" ({unreachable} of them are in slab files the filesystem of {self.directory} has "
+            f"no room for: {_mib(self._filesystem_room())} free, slabs of "
+            f"{_mib(self._slab_file_bytes(0))})"
+        )
 
     # --- get --------------------------------------------------------------------------------------
 
@@ -933,6 +1074,7 @@ class DiskPool:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError(f"the disk pool in {self.directory} is closed")
+        check_same_process(self._opened_by, f"the disk pool in {self.directory}")
 
     def _check_peer(self, pool: Any, name: str) -> None:
         if not isinstance(pool, HostPool):
@@ -1091,11 +1233,40 @@ def _decode_index_header(
     try:
         description = json.loads(data[_INDEX_FIXED.size : _INDEX_FIXED.size + n])
         layout = PoolLayout.from_description(description)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, ArithmeticError, RecursionError) as exc:
         raise PoolFormatError(f"corrupt index header (layout description: {exc})") from None
     if layout.fingerprint != fp or layout.slot_bytes != slot_bytes:
         raise PoolFormatError("corrupt index header (fingerprint does not match the layout)")
     return pool_id, fp, int(capacity), int(slab_slots), int(slot_bytes), description
+
+
+def _is_directory(path: Path) -> bool:
+    """Whether ``path`` itself (not what a symlink there points to) is a directory."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _remove_file(path: Path) -> None:
+    """Unlinks a file of the pool's (whatever sits there: a FIFO, a symlink); a directory
+    where one belongs is an :class:`UnsafeFileError` naming it (tpusync removes no trees)."""
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:
+        raise UnsafeFileError(
+            f"{path}: expected a regular file, found a directory; remove it or choose another "
+            "directory for the disk pool"
+        ) from None
+    except OSError as exc:
+        raise file_error(exc, path, "removing a stale file") from exc
+
+
+def _create_file(temp: Path) -> int:
+    """Creates ``temp`` afresh (0600, ``O_EXCL``: whatever a crash left there is removed
+    first) and returns its descriptor; the open's ``OSError``\\s pass through."""
+    _remove_file(temp)
+    return open_file(temp, os.O_RDWR | os.O_EXCL, create=True)
 
 
 def _choose_direct_io(directory: Path, wanted: bool | str) -> tuple[bool, str]:

@@ -26,8 +26,8 @@ sees such files as foreign misses rather than corrupt ones.
 
 Publish protocol (what makes a partial block invisible on every host):
 
-1. The writer creates ``.<key hex>.tmp-<host>-<pid>-<random>`` with ``O_EXCL`` in the block's own
-   directory (unique per host, process and call; readers never open a dot name).
+1. The writer creates ``.<key hex>.tmp-<host>-<pid>-<random>`` with ``O_EXCL`` (mode 0600) in
+   the block's own directory (unique per host, process and call; readers never open a dot name).
 2. It writes header and payload with one ``pwritev`` straight from the DRAM slot (no copy), then,
    when ``durability="commit"``, ``fsync``s the file.
 3. ``close``, then ``rename`` to ``<key hex>.blk``: atomic on POSIX filesystems (and on NFS,
@@ -49,6 +49,14 @@ checksum mismatch) is a miss, counted in ``stats.checksum_failures``, and is unl
 name has meanwhile been republished by a writer (the inode is compared first; the remaining window
 can only cost a miss, never serve a wrong byte). A file of another format version or checksum scheme
 is a miss left in place (a newer host may be using it). I/O errors while reading are misses too.
+
+Trust: files are opened through :mod:`tpusync.tiers._files` (no symlink followed, no blocking
+open of a FIFO, an ``fstat`` check): anything but a regular file of this uid that others cannot
+write at a block's path is a corrupt miss like the above (removed, unless it is a directory).
+The directory given, the layout's directory and its fan-out directories must belong to this uid
+and not be writable by group or others (hosts that share the tier run as one uid): anything
+else is an :class:`~tpusync.errors.UnsafeFileError` saying how to fix it. Directories are
+created 0700.
 
 Crashed writers leave ``.tmp-`` files that nothing reads; :meth:`SharedFsPool.sweep` removes the
 ones older than a given age (choose it well above the longest write plus any clock skew between
@@ -82,13 +90,17 @@ from typing import Any
 import numpy as np
 
 from tpusync import _core
+from tpusync._fork import check_same_process
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
     TierFullError,
     TpuSyncError,
     TransferFailedError,
+    UnsafeFileError,
 )
+from tpusync.tiers._file_writes import write_file_atomically
+from tpusync.tiers._files import DIRECTORY_MODE, check_directory, open_file
 from tpusync.tiers._pool_file import CHECKSUM_SCHEME, MAX_KEY_BYTES
 from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
 from tpusync.tiers.layout import PoolLayout
@@ -269,6 +281,7 @@ class SharedFsPool:
             raise InvalidArgumentError(
                 f"directory: {path} {what}; create it (or mount the shared filesystem) first"
             )
+        _check_shared_directory(os.path.realpath(path), "directory")
         self.layout = layout
         self.directory = path
         self.durability = durability
@@ -280,6 +293,7 @@ class SharedFsPool:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._closed = False
+        self._opened_by = os.getpid()
         self._prepare_root()
 
     # --- the LowerTier interface -------------------------------------------------------------
@@ -362,9 +376,10 @@ class SharedFsPool:
             self._sync_dirs({os.path.dirname(p) for p in written})
         self.stats.add(puts=len(written), bytes_in=len(written) * self.layout.payload_bytes)
         if failed:
-            raise _io_error(failed[0], f"writing {len(failed)} of {len(jobs)} blocks") from (
-                failed[0]
-            )
+            first = failed[0]
+            if isinstance(first, TpuSyncError):  # names its file; the OSError is its cause
+                raise first
+            raise _io_error(first, f"writing {len(failed)} of {len(jobs)} blocks") from first
         return len(written)
 
     def get(self, keys: Sequence[bytes], target: HostPool) -> None:
@@ -490,7 +505,7 @@ class SharedFsPool:
         cutoff = time.time() - older_than_s
         roots = [self._root]
         if all_layouts:
-            roots = [e.path for e in os.scandir(self.directory) if e.is_dir()]
+            roots = [e.path for e in os.scandir(self.directory) if e.is_dir(follow_symlinks=False)]
         removed = 0
         for root in roots:
             for folder in [root, *self._fanout_dirs(root)]:
@@ -581,7 +596,12 @@ class SharedFsPool:
             written_ns=time.time_ns(),
             writer=f"{_HOST}:{pid}",
         )
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fd = open_file(temp, os.O_WRONLY | os.O_EXCL, create=True)  # 0600
+        except UnsafeFileError:
+            raise
+        except OSError as exc:
+            raise _io_error(exc, f"creating {temp}") from exc
         try:
             try:
                 _pwritev_all(fd, [header, payload])
@@ -590,8 +610,10 @@ class SharedFsPool:
             finally:
                 os.close(fd)  # NFS reports write-back errors here: before the rename
             os.rename(temp, final)
-        except BaseException:
+        except BaseException as exc:
             _unlink_quietly(temp)
+            if isinstance(exc, OSError):
+                raise _io_error(exc, f"writing {final}") from exc
             raise
         return final
 
@@ -600,9 +622,11 @@ class SharedFsPool:
         key, memory = job
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_file(path, os.O_RDONLY)
         except FileNotFoundError:
             return _Read(_ABSENT)
+        except UnsafeFileError as exc:  # a FIFO, a symlink, another uid's: never data
+            return _Read(_CORRUPT, reason=str(exc), inode=_lstat_inode(path))
         except OSError as exc:
             log.warning("tpusync: %s: cannot open: %s", path, exc.strerror)
             return _Read(_ERROR, reason=str(exc))
@@ -642,46 +666,50 @@ class SharedFsPool:
             path = self._path(key)
             log.warning("tpusync: %s: corrupt block file (%s); removing it", path, read.reason)
             with contextlib.suppress(OSError):  # gone, or not ours to remove: a miss either way
-                st = os.stat(path)
-                if (st.st_dev, st.st_ino) == read.inode:
+                if _lstat_inode(path) == read.inode:  # a directory stays (unlink refuses it)
                     os.unlink(path)
 
     def _prepare_root(self) -> None:
         """Creates this layout's directory and its description file, where writable (a read-only
         mount is fine for readers: ``put`` then fails with a clear error)."""
         try:
-            os.makedirs(self._root, exist_ok=True)
+            os.mkdir(self._root, DIRECTORY_MODE)
+        except FileExistsError:
+            pass
         except OSError as exc:
             log.info("tpusync: cannot create %s (%s); read-only use", self._root, exc.strerror)
             return
+        _check_shared_directory(self._root, "directory")
         description = os.path.join(self._root, "layout.json")
-        if os.path.exists(description):
+        if os.path.lexists(description):
             return
         text = json.dumps(
             {"fingerprint": self.layout.fingerprint.hex(), "layout": self.layout.describe()},
             sort_keys=True,
             indent=1,
         )
-        temp = f"{self._root}/.layout.json{TEMP_MARK}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}"
         try:
-            with open(temp, "x") as f:
-                f.write(text + "\n")
-            os.rename(temp, description)
-        except OSError as exc:
-            _unlink_quietly(temp)
-            log.info("tpusync: cannot write %s: %s", description, exc.strerror)
+            write_file_atomically(
+                description,
+                (text + "\n").encode(),
+                what="writing the layout description",
+                sync=self.durability == "commit",
+            )
+        except (TpuSyncError, OSError) as exc:  # informational only: readers never need it
+            log.info("tpusync: %s", exc)
 
     def _ensure_dir(self, folder: str) -> None:
         if folder in self._known_dirs:
             return
         try:
-            os.mkdir(folder)
+            os.mkdir(folder, DIRECTORY_MODE)
             if self.durability == "commit":
                 self._sync_dirs({os.path.dirname(folder)})
         except FileExistsError:
             pass
-        except FileNotFoundError:
-            os.makedirs(folder, exist_ok=True)  # the layout directory was removed meanwhile
+        except FileNotFoundError:  # the layout directory was removed meanwhile
+            os.makedirs(folder, DIRECTORY_MODE, exist_ok=True)
+        _check_shared_directory(folder, "directory")  # blocks are written into it
         self._known_dirs.add(folder)
 
     def _sync_dirs(self, folders: set[str]) -> None:
@@ -711,6 +739,7 @@ class SharedFsPool:
     def _check_open(self) -> None:
         if self._closed:
             raise TpuSyncError(f"{self!r} is closed; open a new SharedFsPool")
+        check_same_process(self._opened_by, repr(self))
 
     def _check_pool(self, pool: Any, argument: str) -> None:
         if not isinstance(pool, HostPool):
@@ -848,6 +877,28 @@ def _vectored(
     finally:
         for view in made:
             view.release()
+
+
+def _check_shared_directory(path: str, argument: str) -> None:
+    """Raises :class:`UnsafeFileError` unless ``path`` is a directory of this uid that others
+    cannot write. Hosts that share the tier must run as the same uid."""
+    try:
+        check_directory(path)
+    except UnsafeFileError as exc:
+        raise UnsafeFileError(
+            f"{argument}: {exc}. A shared-filesystem tier's directories must belong to the uid "
+            "every host runs tpusync as, writable by it alone (e.g. mkdir -m 0700 on the "
+            "shared filesystem, as that user)"
+        ) from None
+
+
+def _lstat_inode(path: str) -> tuple[int, int] | None:
+    """(device, inode) of ``path`` itself (a symlink is not followed), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _unlink_quietly(path: str) -> None:

@@ -1,0 +1,158 @@
+"""Checks a KVCacheStore makes before it opens anything: that its configuration agrees with the
+device pools it is given, that every extra tier holds blocks of the store's own layout, that the
+tier directories exist (or may be created), and that an anonymous DRAM tier fits in memory.
+
+Each of these mistakes was accepted once and gave wrong output or filled the wrong filesystem
+later: a ``block_size`` other than the pools' keys blocks wrongly (a later load gives wrong
+logits); a tier of another layout never serves a hit (or is fed blocks it cannot hold); a
+missing disk directory (an unmounted disk, a typo) silently became a directory on ``/``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tpusync.device_pool import DevicePool
+from tpusync.errors import (
+    DtypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    UnsafeFileError,
+)
+from tpusync.kv.config import DiskTier, KVStoreConfig, SharedFsTier
+from tpusync.tiers._files import make_directory
+from tpusync.tiers._room import check_room
+from tpusync.tiers.layout import PoolLayout
+
+__all__ = [
+    "check_dram_room",
+    "check_extra_tier_layouts",
+    "check_tier_directories",
+    "check_token_axis",
+    "make_tier_directory",
+]
+
+_VLLM_CPU_HINT = "e.g. token_axis=2 for vLLM's CPU layout [num_blocks, kv_heads, block_size, ...]"
+
+
+def check_token_axis(config: KVStoreConfig, pools: Sequence[DevicePool]) -> None:
+    """Raises :class:`ShapeMismatchError` unless every pool holds ``config.block_size`` tokens
+    on its token axis (``config.pool_token_axis``)."""
+    axis = config.pool_token_axis
+    named = f"token_axis={axis}" + (
+        " (the default: block_axis + 1)" if config.token_axis is None else ""
+    )
+    for i, pool in enumerate(pools):
+        shape = tuple(pool.shape)
+        if axis >= len(shape):
+            raise ShapeMismatchError(
+                f"token_axis: {named} is out of range for device_pools[{i}] of shape {shape}; "
+                f"set token_axis to the pools' axis that holds a block's {config.block_size} "
+                "tokens"
+            )
+        if shape[axis] != config.block_size:
+            raise ShapeMismatchError(
+                f"block_size: {config.block_size} tokens per block, but device_pools[{i}] of "
+                f"shape {shape} holds {shape[axis]} on {named}; set block_size={shape[axis]} "
+                "if that is the engine's block size, or set token_axis to the pools' axis of a "
+                f"block's tokens ({_VLLM_CPU_HINT})"
+            )
+
+
+def _layout_difference(tier: PoolLayout, own: PoolLayout) -> tuple[type[Exception], str] | None:
+    """How ``tier`` differs from ``own`` (the error class and a phrase), or None if the same."""
+    if tier.fingerprint == own.fingerprint:
+        return None
+    if tier.model_id != own.model_id:
+        return InvalidArgumentError, f"model_id {tier.model_id!r}, this store's {own.model_id!r}"
+    if len(tier.arrays) != len(own.arrays):
+        return ShapeMismatchError, (
+            f"{len(tier.arrays)} arrays per block, this store's pools {len(own.arrays)}"
+        )
+    for i, (theirs, ours) in enumerate(zip(tier.arrays, own.arrays, strict=True)):
+        for name, error in (
+            ("dtype", DtypeMismatchError),
+            ("shard_block_shape", ShapeMismatchError),
+            ("block_axis", ShapeMismatchError),
+            ("n_shards", ShapeMismatchError),
+            ("name", InvalidArgumentError),
+        ):
+            if getattr(theirs, name) != getattr(ours, name):
+                return error, (
+                    f"arrays[{i}].{name} {getattr(theirs, name)!r}, this store's pools "
+                    f"{getattr(ours, name)!r}"
+                )
+    return InvalidArgumentError, (
+        f"layout fingerprint {tier.fingerprint.hex()}, this store's {own.fingerprint.hex()}"
+    )
+
+
+def check_extra_tier_layouts(extra_tiers: Sequence[tuple[str, Any]], own: PoolLayout) -> None:
+    """Raises (an :class:`InvalidArgumentError`) unless every extra tier holds blocks of the
+    store's own layout ``own`` (same model id, arrays, dtypes and shapes)."""
+    for i, (name, tier) in enumerate(extra_tiers):
+        layout = getattr(tier, "layout", None)
+        if not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"extra_tiers[{i}] ({name!r}): its layout is a {type(layout).__name__}, not a "
+                "tpusync.tiers.PoolLayout; build the tier with the store's layout"
+            )
+        difference = _layout_difference(layout, own)
+        if difference is not None:
+            error, what = difference
+            raise error(
+                f"extra_tiers[{i}] ({name!r}): the tier was built for another block layout "
+                f"({what}); build it with the layout of this store's pools: "
+                "PoolLayout.from_pools(model_id, pools, block_axis=...) with the config's "
+                "model_id and block_axis, or store.layout"
+            )
+
+
+def check_dram_room(config: KVStoreConfig, layout: PoolLayout) -> None:
+    """Raises :class:`~tpusync.errors.TierFullError` when an anonymous DRAM tier is larger than
+    the memory this host has available (prefaulting it would wake the OOM killer). A named
+    pool's room is checked where it is made (its shm directory's filesystem)."""
+    if config.dram.name is not None:
+        return
+    capacity = config.dram.capacity_blocks
+    check_room(
+        "dram.capacity_blocks",
+        capacity * layout.slot_bytes,
+        fix=f"lower dram.capacity_blocks ({capacity} blocks of {layout.slot_bytes} B)",
+    )
+
+
+def _tiers(config: KVStoreConfig) -> list[tuple[DiskTier | SharedFsTier, str]]:
+    named = [(config.disk, "disk"), (config.shared_fs, "shared_fs")]
+    return [(tier, argument) for tier, argument in named if tier is not None]
+
+
+def check_tier_directories(config: KVStoreConfig) -> None:
+    """Raises :class:`InvalidArgumentError` for a tier directory that is missing and not to be
+    created (``create=False``)."""
+    for tier, argument in _tiers(config):
+        path = os.fspath(tier.directory)
+        if not tier.create and not os.path.lexists(path):
+            kind = type(tier).__name__
+            raise InvalidArgumentError(
+                f"{argument}.directory: {path} does not exist; create it (or mount its "
+                f"filesystem) first, or pass {kind}(..., create=True) to have the store create "
+                "it"
+            )
+
+
+def make_tier_directory(tier: DiskTier | SharedFsTier, argument: str) -> None:
+    """Creates the tier's directory (0700) if it is missing and ``tier.create`` asks for it."""
+    path = os.fspath(tier.directory)
+    if not tier.create or os.path.lexists(path):
+        return
+    try:
+        make_directory(path)
+    except UnsafeFileError:  # something unsafe appeared there meanwhile: its own message
+        raise
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"{argument}.directory: cannot create {path}: {exc.strerror or exc}"
+        ) from None
