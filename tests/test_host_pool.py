@@ -450,7 +450,7 @@ def test_mismatch_recreate_starts_cold_and_says_so(
     store(pool, model, [b"a", b"b"], [0, 1], path)
     pool.close()
     caplog.set_level(logging.INFO, logger="tpusync.tiers")
-    bigger = open_pool(model.layout, 7, name=name)  # on_mismatch="recreate" is the default
+    bigger = open_pool(model.layout, 7, name=name, on_mismatch="recreate")
     assert not bigger.attached
     assert (len(bigger), bigger.free) == (0, 7)
     assert bigger.path.stat().st_size == bigger.geometry.file_bytes

@@ -1,6 +1,6 @@
 """Writes the golden pool files in tests/data (run once per format version, then commit).
 
-    python tests/data/make_golden.py
+    python tests/data/make_golden.py [hostpool] [diskpool] [sharedfs]   (default: all three)
 
 Each file holds blocks whose bytes are a function of their key (``golden_block``), so a test can
 check every byte a later build reads back. A format change must bump the format version and add
@@ -20,6 +20,7 @@ import numpy as np
 
 import tpusync
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
+from tpusync.tiers._pool_file import FORMAT_VERSION as HOST_POOL_VERSION
 
 HERE = Path(__file__).parent
 BLOCK_SHAPE = (8, 16)  # float32: 512 bytes per array per block
@@ -80,13 +81,19 @@ def write_shared_fs(target: Path) -> None:
         shared.put(KEYS, source)
 
 
-def main() -> None:
-    write_host_pool(HERE / "hostpool-v1.pool")
-    write_disk_pool(HERE / "diskpool-v1")
-    write_shared_fs(HERE / "sharedfs-v1")
+def main(formats: list[str]) -> None:
+    """Writes the golden files of this build's version of each of ``formats`` (the older
+    versions' files stay)."""
+    writers = {
+        "hostpool": lambda: write_host_pool(HERE / f"hostpool-v{HOST_POOL_VERSION}.pool"),
+        "diskpool": lambda: write_disk_pool(HERE / "diskpool-v1"),
+        "sharedfs": lambda: write_shared_fs(HERE / "sharedfs-v1"),
+    }
+    for name in formats or list(writers):
+        writers[name]()
     print("wrote", *sorted(p.name for p in HERE.glob("*-v*")), file=sys.stderr)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    main()
+    main(sys.argv[1:])

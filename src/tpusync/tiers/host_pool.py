@@ -15,11 +15,9 @@ dropped), never data.
 from __future__ import annotations
 
 import _thread
-import fcntl
 import logging
 import numbers
 import os
-import re
 import threading
 import time
 import weakref
@@ -31,39 +29,33 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync import _core, _huge_pages, _native_path, _pjrt_path
+from tpusync import _core, _fork, _huge_pages, _native_path, _pjrt_path
 from tpusync._progress import Progress
 from tpusync.device_pool import DevicePool, start_donation, wait_for_readers
 from tpusync.errors import (
     BlockIndexError,
     BlocksMissingError,
     InvalidArgumentError,
-    PoolBusyError,
-    PoolFormatError,
     TierFullError,
 )
 from tpusync.tiers._pool_file import (
     COMMITTED,
     FREE,
-    HEADER_BYTES,
     MAX_KEY_BYTES,
     RECORD_DTYPE,
     WRITING,
     PoolGeometry,
-    decode_header,
-    encode_header,
-    read_owner_pid,
+    scan_records,
     slot_checksums,
 )
+from tpusync.tiers._pool_open import ON_MISMATCH, open_named_pool, write_header
+from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["HostPool", "Pinned", "Reservation"]
 
 log = logging.getLogger("tpusync.tiers")
-
-DEFAULT_SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
 
 @dataclass(frozen=True)
@@ -94,10 +86,6 @@ class Pinned:
     all_present: bool = False
 
 
-def pool_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> Path:
-    return Path(shm_dir) / f"tpusync-{name}.pool"
-
-
 class HostPool:
     """The DRAM tier: ``capacity`` slots of ``layout.slot_bytes`` each.
 
@@ -107,8 +95,12 @@ class HostPool:
       name: None for anonymous memory (gone with the process); a name to live in
         ``shm_dir`` and survive restarts.
       shm_dir: where named pools live (default /dev/shm).
-      on_mismatch: what to do with an existing named pool of another layout, size or format
-        whose owner is gone: ``"recreate"`` (log and start cold) or ``"error"``.
+      on_mismatch: what to do with an existing named pool of another model, block layout or
+        size, or one that is damaged or of another format, whose owner is gone: ``"error"``
+        (refuse with :class:`~tpusync.errors.PoolFormatError`, naming what differs, and leave
+        it as it is) or ``"recreate"`` (log a warning, delete it and start a cold pool in its
+        place). A path that is no safe regular file (a FIFO, a directory, a link, another
+        user's file) is always refused (:class:`~tpusync.errors.UnsafeFileError`).
       populate: touch every page at creation so copies never pay page faults.
     """
 
@@ -119,7 +111,7 @@ class HostPool:
         *,
         name: str | None = None,
         shm_dir: str = DEFAULT_SHM_DIR,
-        on_mismatch: str = "recreate",
+        on_mismatch: str = "error",
         populate: bool = True,
     ) -> None:
         if not isinstance(layout, PoolLayout):
@@ -131,11 +123,11 @@ class HostPool:
                 f"capacity: expected a positive number of slots, got {capacity!r}"
             )
         capacity = int(capacity)
-        if on_mismatch not in ("recreate", "error"):
+        if on_mismatch not in ON_MISMATCH:
             raise InvalidArgumentError(
-                f"on_mismatch: expected 'recreate' or 'error', got {on_mismatch!r}"
+                f"on_mismatch: expected 'error' or 'recreate', got {on_mismatch!r}"
             )
-        if name is not None and not _NAME.match(name):
+        if name is not None and (not isinstance(name, str) or not POOL_NAME.match(name)):
             raise InvalidArgumentError(
                 f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 101)"
             )
@@ -156,10 +148,10 @@ class HostPool:
             self._mapping = _core.Mapping(self.geometry.file_bytes, populate=False, huge_pages=True)
             if populate:
                 _prefault(self._mapping, "prefaulting host pool")
-            self._write_owner_pid()
+            write_header(self._mapping, self.geometry)
         else:
             self.path = pool_path(name, shm_dir)
-            self._open_named(populate, on_mismatch)
+            self._open_named(name, populate, on_mismatch)
         # Every view of the pool is built on this base array, which holds a buffer export of
         # the mapping: while any view lives, the mapping refuses to unmap (no dangling views).
         self._base: np.ndarray | None = np.frombuffer(self._mapping, dtype=np.uint8)
@@ -171,7 +163,14 @@ class HostPool:
         self._writing: set[bytes] = set()
         self._retired: set[int] = set()  # dropped while pinned: freed by the last unpin
         self._sequence = 0
-        self._free = self._scan_records()
+        try:
+            self._free = self._scan_records()
+        except BaseException:  # (never expected) no mapping nor lock outlives a failed open
+            self._base = self._records = None  # type: ignore[assignment]
+            self._mapping.close()
+            if self._fd >= 0:
+                os.close(self._fd)
+            raise
         self._last_pools: tuple[tuple[weakref.ref[Any], ...], int] | None = None
         # Slots whose pages are mapped: all of a pool created with populate=True; none of a
         # re-attached one (its pages exist in /dev/shm but this process has not mapped them;
@@ -209,124 +208,33 @@ class HostPool:
 
     # --- opening ---------------------------------------------------------------------------
 
-    def _open_named(self, populate: bool, on_mismatch: str) -> None:
+    def _open_named(self, name: str, populate: bool, on_mismatch: str) -> None:
         assert self.path is not None
         start = time.perf_counter()
-        try:
-            fd = os.open(self.path, os.O_RDWR)
-        except FileNotFoundError:
-            self._create_named(populate)
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _owner_pid(fd)
-            os.close(fd)
-            raise PoolBusyError(
-                f"name: the pool {self.path} is owned by a live process (pid {pid}); use another "
-                "name, or stop that process first"
-            ) from None
-        stat = os.fstat(fd)
-        try:
-            same_file = os.stat(self.path).st_ino == stat.st_ino
-        except FileNotFoundError:
-            same_file = False
-        if not same_file:  # recreated by another process between our open and our lock
-            os.close(fd)
-            self._open_named(populate, on_mismatch)
-            return
-        size = stat.st_size
-        try:
-            with open(fd, "rb", closefd=False) as f:
-                header = decode_header(f.read(4096), size)
-            if header.fingerprint != self.layout.fingerprint or header.n_slots != self.capacity:
-                raise PoolFormatError(
-                    f"it holds another layout or size ({header.n_slots} slots of "
-                    f"{header.description.get('model_id')!r})"
-                )
-        except PoolFormatError as exc:
-            if on_mismatch == "error":
-                os.close(fd)
-                raise PoolFormatError(f"{self.path}: {exc}") from None
-            log.warning("tpusync: %s: %s; starting a cold pool in its place", self.path, exc)
-            os.unlink(self.path)
-            os.close(fd)
-            self._create_named(populate)
-            return
-        self._fd = fd
-        self._mapping = _map_file(fd, self.geometry.file_bytes)
-        self._write_owner_pid()
-        self.attached = True
-        self.attach_seconds = time.perf_counter() - start
-
-    def _create_named(self, populate: bool) -> None:
-        assert self.path is not None
-        need = self.geometry.file_bytes
-        directory = self.path.parent
-        try:
-            st = os.statvfs(directory)
-        except OSError as exc:
-            raise InvalidArgumentError(f"shm_dir: cannot use {directory}: {exc.strerror}") from None
-        free = st.f_bavail * st.f_frsize
-        if free < need:
-            raise TierFullError(
-                f"capacity: the pool needs {_size(need)} but {directory} has {_size(free)} free "
-                f"of {_size(st.f_blocks * st.f_frsize)}; lower the capacity or enlarge it "
-                "(e.g. docker run --shm-size)"
-            )
-        temp = directory / f".{self.path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                os.posix_fallocate(fd, 0, need)  # reserve now: a full tmpfs fails here, not later
-            except OSError as exc:
-                raise TierFullError(
-                    f"capacity: cannot reserve {_size(need)} in {directory}: {exc.strerror}"
-                ) from None
-            self._mapping = _map_file(fd, need)
-            if populate:
-                _prefault(self._mapping, f"prefaulting {self.path}")
-            header = encode_header(self.geometry, os.getpid())
-            memoryview(self._mapping)[: len(header)] = header
-            # Visible under its name only when fully set up; link() never replaces a pool that
-            # another process published meanwhile (rename() would).
-            os.link(temp, self.path)
-            temp.unlink()
-        except FileExistsError:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-            raise PoolBusyError(
-                f"name: another process created the pool {self.path} at the same time; "
-                "open it again"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-            raise
-        self._fd = fd
-
-    def _write_owner_pid(self) -> None:
-        header = encode_header(self.geometry, os.getpid())
-        memoryview(self._mapping)[: len(header)] = header
+        opened = open_named_pool(
+            self.path,
+            name,
+            self.geometry,
+            populate=_prefault if populate else None,
+            on_mismatch=on_mismatch,
+        )
+        self._fd, self._mapping, self.attached = opened.fd, opened.mapping, opened.attached
+        if self.attached:
+            write_header(self._mapping, self.geometry)  # this process owns it now
+            self.attach_seconds = time.perf_counter() - start
 
     def _scan_records(self) -> list[int]:
-        """Builds the index from the records: O(slots), no data is read."""
+        """Builds the index from the records: O(slots), no data is read. Torn and damaged
+        records are freed (their blocks are lost, never served)."""
         records = self._records
-        torn = np.flatnonzero(records["state"] == WRITING)
-        if len(torn):
-            records["state"][torn] = FREE
-            self.stats.add(torn_discarded=len(torn))
-            log.info("tpusync: %s: dropped %d blocks torn by a crash", self.path, len(torn))
-        committed = np.flatnonzero(records["state"] == COMMITTED)
-        if len(committed):
-            sequences = records["sequence"][committed]
-            self._sequence = int(sequences.max())
-            order = committed[np.argsort(sequences, kind="stable")]
-            lengths = records["key_len"]
-            raw = records["key"]
-            for slot in order.tolist():
-                self._index[bytes(raw[slot])[: int(lengths[slot])]] = slot
+        scan = scan_records(records, self.layout.payload_bytes)
+        for slots, why in ((scan.torn, "torn by a crash"), (scan.damaged, "with damaged records")):
+            if len(slots):
+                records["state"][slots] = FREE
+                self.stats.add(torn_discarded=len(slots))
+                log.info("tpusync: %s: dropped %d blocks %s", self.path, len(slots), why)
+        self._index.update(scan.index)
+        self._sequence = scan.sequence
         used = set(self._index.values())
         return [s for s in range(self.capacity - 1, -1, -1) if s not in used]
 
@@ -752,6 +660,7 @@ class HostPool:
         """Moves device blocks ``block_ids`` to or from ``slots`` (one transfer per array) and
         returns the blocks' checksums over the bytes moved: computed in the copy pass on the
         native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
+        _fork.check_device_use("pools")  # before the pools' locks: see tpusync._fork
         self._ensure_populated(slots)
         kept = self._kept_for(pools) if path != "jax" else None
         if kept is not None:  # DevicePools only
@@ -1000,6 +909,7 @@ class HostPool:
     ) -> np.ndarray:
         """Checks the device pools against the layout and the block ids against the pools;
         returns the block ids as int64."""
+        _fork.check_device_use("pools")
         if isinstance(pools, DevicePool | jax.Array) or len(pools) != len(self.layout.arrays):
             count = 1 if isinstance(pools, DevicePool | jax.Array) else len(pools)
             raise InvalidArgumentError(
@@ -1041,13 +951,6 @@ def _prefault(mapping: _core.Mapping, label: str) -> None:
 def num_blocks(pool: DevicePool | jax.Array, block_axis: int) -> int:
     array = pool._array if isinstance(pool, DevicePool) else pool
     return int(array.shape[block_axis])
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -1152,26 +1055,3 @@ def _pools_locked(moves: list[Any]) -> Any:
     from tpusync.transfer import _pools_locked as lock_pools
 
     return lock_pools(moves)
-
-
-def _map_file(lock_fd: int, size: int) -> _core.Mapping:
-    """Maps the pool file that ``lock_fd`` holds the owner's flock on, through a second open
-    of it: a mapping keeps its open file alive, and so would the lock on it (flock belongs to
-    the open file, not the descriptor), e.g. while the kernel collapses the pages into huge
-    ones after close() unmapped them. The lock must go with the descriptor."""
-    try:
-        map_fd = os.open(f"/proc/self/fd/{lock_fd}", os.O_RDWR)  # the same file, a new open
-    except OSError:  # no /proc: map the locked open itself
-        return _core.Mapping(size, populate=False, huge_pages=True, fd=lock_fd)
-    try:
-        return _core.Mapping(size, populate=False, huge_pages=True, fd=map_fd)
-    finally:
-        os.close(map_fd)
-
-
-def _owner_pid(fd: int) -> int | None:
-    try:
-        with open(fd, "rb", closefd=False) as f:
-            return read_owner_pid(f.read(HEADER_BYTES))
-    except OSError:
-        return None

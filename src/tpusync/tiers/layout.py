@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,11 +24,21 @@ import numpy as np
 from tpusync._layout import resolve_device
 from tpusync._plan import c_strides
 from tpusync.device_pool import DevicePool
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, PoolFormatError
 
 __all__ = ["ArrayLayout", "PoolLayout"]
 
 SLOT_ALIGNMENT = 4096  # slots start on page boundaries: O_DIRECT and DMA both want that
+
+# Bounds on a described layout (far above any real model's), so that a damaged or hostile
+# description can neither make numbers that overflow the formats nor ask for huge tables.
+_MAX_ARRAYS = 1 << 16
+_MAX_DIMS = 32
+_MAX_DIM = 1 << 32
+_MAX_SHARDS = 1 << 20
+_MAX_BLOCK_BYTES = 1 << 44
+_MAX_TEXT = 1024
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 @dataclass(frozen=True)
@@ -189,18 +200,11 @@ class PoolLayout:
         }
 
     @classmethod
-    def from_description(cls, description: dict[str, Any]) -> PoolLayout:
-        arrays = tuple(
-            ArrayLayout(
-                name=str(a["name"]),
-                dtype=str(a["dtype"]),
-                shard_block_shape=tuple(int(n) for n in a["shard_block_shape"]),
-                block_axis=int(a["block_axis"]),
-                n_shards=int(a["n_shards"]),
-            )
-            for a in description["arrays"]
-        )
-        return cls(str(description["model_id"]), arrays)
+    def from_description(cls, description: Any) -> PoolLayout:
+        """The layout :meth:`describe` described. ``description`` may come from a damaged file
+        or another process: anything but a well-formed description of a layout this build
+        can hold raises :class:`~tpusync.errors.PoolFormatError` saying what is wrong."""
+        return _layout_from_description(cls, description)
 
     @cached_property
     def fingerprint(self) -> bytes:
@@ -231,3 +235,96 @@ class PoolLayout:
             offset=offset + self.offsets[array_index],
             strides=strides,
         )
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of a described value (which may be huge, or an int too long to print)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _described_int(value: Any, what: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value < high:
+        raise PoolFormatError(
+            f"layout description: {what} is {_short(value)}, not an int in [{low}, {high})"
+        )
+    return value
+
+
+def _described_text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise PoolFormatError(
+            f"layout description: {what} is {_short(value)}, not a string of at most {_MAX_TEXT}"
+        )
+    return value
+
+
+def _described_dtype(value: Any, what: str) -> str:
+    """A plain numpy dtype named as ``dtype.name`` names it (no objects, no structures)."""
+    if not isinstance(value, str) or not _DTYPE_NAME.fullmatch(value):
+        raise PoolFormatError(f"layout description: {what} is {_short(value)}, not a dtype name")
+    try:
+        dtype = np.dtype(value)
+    except Exception:  # numpy raises TypeError or ValueError (or worse) for unknown names
+        raise PoolFormatError(
+            f"layout description: {what} {value!r} is not a known dtype"
+        ) from None
+    if dtype.name != value or dtype.hasobject or dtype.fields is not None or dtype.itemsize < 1:
+        raise PoolFormatError(f"layout description: {what} {value!r} is not a plain dtype")
+    return value
+
+
+def _described_array(value: Any, where: str) -> ArrayLayout:
+    expected = {"name", "dtype", "shard_block_shape", "block_axis", "n_shards"}
+    if not isinstance(value, dict) or not expected <= value.keys():
+        raise PoolFormatError(
+            f"layout description: {where} is not an object with the fields {sorted(expected)}"
+        )
+    shape = value["shard_block_shape"]
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+        raise PoolFormatError(
+            f"layout description: {where}.shard_block_shape is not a list of at most "
+            f"{_MAX_DIMS} sizes"
+        )
+    dims = tuple(_described_int(n, f"{where}.shard_block_shape", 1, _MAX_DIM) for n in shape)
+    array = ArrayLayout(
+        name=_described_text(value["name"], f"{where}.name"),
+        dtype=_described_dtype(value["dtype"], f"{where}.dtype"),
+        shard_block_shape=dims,
+        block_axis=_described_int(value["block_axis"], f"{where}.block_axis", 0, len(dims) + 1),
+        n_shards=_described_int(value["n_shards"], f"{where}.n_shards", 1, _MAX_SHARDS),
+    )
+    if math.prod(dims) * array.n_shards * array.np_dtype.itemsize >= _MAX_BLOCK_BYTES:
+        raise PoolFormatError(f"layout description: {where} describes blocks too large to hold")
+    return array
+
+
+def _layout_from_description(cls: type[PoolLayout], description: Any) -> PoolLayout:
+    if not isinstance(description, dict):
+        raise PoolFormatError(
+            f"layout description: expected an object, got {type(description).__name__}"
+        )
+    version = description.get("format", PoolLayout.FORMAT_VERSION)
+    if version != PoolLayout.FORMAT_VERSION or isinstance(version, bool):
+        raise PoolFormatError(
+            f"layout description: format {_short(version)}; this build reads "
+            f"{PoolLayout.FORMAT_VERSION}"
+        )
+    if "model_id" not in description or "arrays" not in description:
+        raise PoolFormatError("layout description: 'model_id' or 'arrays' is missing")
+    model_id = _described_text(description["model_id"], "model_id")
+    arrays = description["arrays"]
+    if not isinstance(arrays, list) or not 1 <= len(arrays) <= _MAX_ARRAYS:
+        raise PoolFormatError(
+            f"layout description: 'arrays' is not a list of 1 to {_MAX_ARRAYS} arrays"
+        )
+    parsed = tuple(_described_array(a, f"arrays[{i}]") for i, a in enumerate(arrays))
+    if sum(a.block_bytes for a in parsed) >= _MAX_BLOCK_BYTES:
+        raise PoolFormatError("layout description: its blocks are too large to hold")
+    try:
+        return cls(model_id, parsed)
+    except InvalidArgumentError as exc:  # e.g. two arrays of one name
+        raise PoolFormatError(f"layout description: {exc}") from None
