@@ -22,6 +22,7 @@ Pins and ownership (the contract, written once):
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -60,6 +61,7 @@ from tpusync.kv._streaming import load_through_dram, reload_from_below, save_thr
 from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
+from tpusync.tiers._files import check_directory
 from tpusync.tiers.base import LowerTier
 from tpusync.tiers.disk_pool import DiskPool
 from tpusync.tiers.host_pool import HostPool, pool_path
@@ -245,6 +247,9 @@ class KVCacheStore:
              "load_misses", "saves", "saved_blocks", "save_skipped_blocks", "prefetched_blocks"],
             0,
         )  # fmt: skip
+        sessions = self._session_dir()
+        if sessions is not None and os.path.lexists(sessions):
+            check_directory(sessions)  # before any tier is opened: a refusal changes nothing
         opened: list[Any] = []
         try:
             dram = HostPool(
@@ -280,7 +285,7 @@ class KVCacheStore:
                 lower.append(("shared_fs", shared))
             lower.extend(config.extra_tiers)
             self._sessions = SessionManifests(  # UnsafeFileError/TierIOError: tiers closed
-                self._session_dir(),
+                sessions,
                 owner=(config.model_id, self.layout.fingerprint.hex()),
                 block_size=self.block_size,
             )
@@ -291,6 +296,8 @@ class KVCacheStore:
                 writeback_policy=config.writeback_policy,
             )
         except BaseException:
+            if opened and opened[0].path is not None and not opened[0].attached:
+                _unlink_own_pool(opened[0])  # a refused store leaves no new pool behind
             for tier in reversed(opened):
                 tier.close()
             raise
@@ -1027,3 +1034,12 @@ def _check_session_id(session_id: Any) -> str:
             f"session_id: expected a string of 1 to 256 characters, got {session_id!r}"
         )
     return session_id
+
+
+def _unlink_own_pool(pool: HostPool) -> None:
+    """Removes the file of a named pool this process has just created (and still locks), if
+    its name still refers to it."""
+    assert pool.path is not None
+    with contextlib.suppress(OSError):
+        if os.stat(pool.path).st_ino == os.fstat(pool._fd).st_ino:
+            os.unlink(pool.path)
