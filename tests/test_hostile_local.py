@@ -220,7 +220,8 @@ def test_tier_files_another_uid_planted_are_never_read_as_ours(
         copy.write_bytes(bytes(data))
         copy.chmod(0o644)
         planted[victim] = copy
-    opened = [disk_dir, index.parent, *{block.parent, *block.parent.parents} - set(shared_dir.parents)]
+    block_dirs = {block.parent, *block.parent.parents} - set(shared_dir.parents)
+    opened = [disk_dir, index.parent, *block_dirs]
     for directory in opened:
         directory.chmod(0o777)
     as_attacker(

@@ -22,9 +22,11 @@ from tpusync.errors import (
     UnsafeFileError,
 )
 from tpusync.kv.config import DiskTier, KVStoreConfig, SharedFsTier
+from tpusync.kv.keys import DEFAULT_SECRET
 from tpusync.tiers._files import make_directory
 from tpusync.tiers._room import check_room
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.mac import MacKey, mac_key_from_secret
 
 __all__ = [
     "check_dram_room",
@@ -156,3 +158,17 @@ def make_tier_directory(tier: DiskTier | SharedFsTier, argument: str) -> None:
         raise InvalidArgumentError(
             f"{argument}.directory: cannot create {path}: {exc.strerror or exc}"
         ) from None
+
+
+def shared_fs_mac_key(config: KVStoreConfig) -> MacKey | None:
+    """The shared-FS tier's MAC key when ``shared_fs.mac`` is on; refuses the public default
+    secret, which would let anyone make tags that verify."""
+    tier = config.shared_fs
+    if tier is None or not tier.mac:
+        return None
+    if config.secret == DEFAULT_SECRET:
+        raise InvalidArgumentError(
+            "shared_fs.mac: needs the deployment's own KVStoreConfig.secret; the default "
+            "development secret is public, so anyone could forge blocks that verify"
+        )
+    return mac_key_from_secret(config.secret, argument="secret")

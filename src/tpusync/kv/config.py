@@ -118,16 +118,23 @@ class SharedFsTier:
         ``create``.
       capacity_blocks: None for no limit of ours (the filesystem's size is the limit).
       create: create ``directory`` (mode 0700, with its missing parents) when it is missing.
+      mac: authenticate every block file with a Poly1305 MAC keyed from ``KVStoreConfig.secret``
+        (which must then be the deployment's own): a block forged by anyone who can write the
+        directory but lacks the secret is a miss. For filesystems whose writers are not all
+        this deployment (object stores through FUSE, exports others mount). See the README's
+        security section for what it costs.
     """
 
     directory: str | os.PathLike[str]
     capacity_blocks: int | None = None
     durability: str = "commit"
     create: bool = False
+    mac: bool = False
 
     def __post_init__(self) -> None:
         _directory(self.directory, "shared_fs.directory")
         _flag(self.create, "shared_fs.create")
+        _flag(self.mac, "shared_fs.mac")
         if self.capacity_blocks is not None:
             _positive(self.capacity_blocks, "shared_fs.capacity_blocks")
         _durability(self.durability, "shared_fs.durability")

@@ -56,6 +56,7 @@ from tpusync.kv._store_checks import (
     check_tier_directories,
     check_token_axis,
     make_tier_directory,
+    shared_fs_mac_key,
 )
 from tpusync.kv._streaming import load_through_dram, reload_from_below, save_through_dram, streams
 from tpusync.kv._tier_stack import TierStack, present
@@ -223,6 +224,7 @@ class KVCacheStore:
         check_extra_tier_layouts(config.extra_tiers, self.layout)
         check_tier_directories(config)
         check_dram_room(config, self.layout)
+        shared_fs_mac_key(config)  # refuses mac=True with the public default secret
         self.namespace = Namespace(
             config.model_id,
             self.layout.fingerprint,
@@ -280,6 +282,7 @@ class KVCacheStore:
                     config.shared_fs.directory,
                     capacity=config.shared_fs.capacity_blocks,
                     durability=config.shared_fs.durability,
+                    mac_key=shared_fs_mac_key(config),
                 )
                 opened.append(shared)
                 lower.append(("shared_fs", shared))

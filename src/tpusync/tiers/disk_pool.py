@@ -86,6 +86,7 @@ from typing import Any
 
 import numpy as np
 
+from tpusync._fork import check_same_process
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -96,7 +97,6 @@ from tpusync.errors import (
     TransferFailedError,
     UnsafeFileError,
 )
-from tpusync._fork import check_same_process
 from tpusync.info import check_o_direct
 from tpusync.tiers._file_writes import file_error
 from tpusync.tiers._files import check_directory, open_file

@@ -17,7 +17,9 @@ Block file format, version 1 (little-endian)::
              checksum scheme u16 | reserved u32 | key (32 bytes, zero padded) |
              layout fingerprint (16 bytes) | payload length u64 | payload checksum u64 |
              written at (ns since the epoch) u64 | writer ("host:pid", 64 bytes, informational) |
-             header checksum u64 (XXH64 of the 160 bytes before it) | zeros up to 4096
+             header checksum u64 (XXH64 of the 160 bytes before it) |
+             MAC section, only when written with a MAC key: "MAC1" | nonce (16 bytes) |
+             Poly1305 tag (16 bytes), see :mod:`tpusync.tiers.mac` | zeros up to 4096
 
 The payload starts on a page boundary of the file. The payload checksum is the DRAM tier's block
 checksum (:meth:`HostPool.hash_slots`); the checksum scheme field names it (it is the DRAM pool's
@@ -104,6 +106,7 @@ from tpusync.tiers._files import DIRECTORY_MODE, check_directory, open_file
 from tpusync.tiers._pool_file import CHECKSUM_SCHEME, MAX_KEY_BYTES
 from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.mac import MAC_BYTES, MacKey
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["SharedFsPool"]
@@ -238,6 +241,10 @@ class SharedFsPool:
         ``"none"`` skips fsync (see the module docstring for what each guarantees).
       io_threads: threads that read and write files concurrently (shared filesystems are
         latency-bound: several requests in flight multiply throughput). 1 runs on the caller.
+      mac_key: authenticate every block file with a keyed MAC (:mod:`tpusync.tiers.mac`):
+        files are written with a tag, and a file whose tag does not verify (forged, damaged,
+        or written without this key) is a corrupt miss. For filesystems where writers outside
+        this deployment can reach the files (see the README's security section).
     """
 
     def __init__(
@@ -248,6 +255,7 @@ class SharedFsPool:
         capacity: int | None = None,
         durability: str = "commit",
         io_threads: int = 8,
+        mac_key: MacKey | None = None,
     ) -> None:
         if not isinstance(layout, PoolLayout):
             raise InvalidArgumentError(
@@ -275,6 +283,11 @@ class SharedFsPool:
             raise InvalidArgumentError(
                 f"io_threads: expected a positive number of threads, got {io_threads!r}"
             )
+        if mac_key is not None and not isinstance(mac_key, MacKey):
+            raise InvalidArgumentError(
+                "mac_key: expected None or a tpusync.tiers.mac.MacKey "
+                f"(mac_key_from_secret(secret)), got {type(mac_key).__name__}"
+            )
         path = os.path.abspath(os.fspath(directory))
         if not os.path.isdir(path):
             what = "is not a directory" if os.path.exists(path) else "does not exist"
@@ -286,6 +299,8 @@ class SharedFsPool:
         self.directory = path
         self.durability = durability
         self.io_threads = int(io_threads)
+        self.mac = mac_key is not None
+        self._mac_key = mac_key
         self.stats = TierStats(f"sharedfs:{path}")
         self._capacity = None if capacity is None else int(capacity)
         self._root = os.path.join(path, layout.fingerprint.hex())
@@ -596,6 +611,9 @@ class SharedFsPool:
             written_ns=time.time_ns(),
             writer=f"{_HOST}:{pid}",
         )
+        if self._mac_key is not None:
+            section = self._mac_key.seal(header[:HEADER_USED], payload)
+            header = header[:HEADER_USED] + section + header[HEADER_USED + len(section) :]
         try:
             fd = open_file(temp, os.O_WRONLY | os.O_EXCL, create=True)  # 0600
         except UnsafeFileError:
@@ -651,6 +669,11 @@ class SharedFsPool:
                 raise _Corrupt(f"payload of {parsed.payload_bytes} bytes")
             if got != want or st.st_size != want:
                 raise _Corrupt(f"{st.st_size} bytes where a block file has {want}")
+            if self._mac_key is not None:
+                section = bytes(header[HEADER_USED : HEADER_USED + MAC_BYTES])
+                failure = self._mac_key.verify(bytes(header[:HEADER_USED]), section, memory)
+                if failure is not None:
+                    raise _Corrupt(failure)
         except _Foreign as exc:
             log.info("tpusync: %s: %s; not read", path, exc)
             return _Read(_FOREIGN, reason=str(exc))

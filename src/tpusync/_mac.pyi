@@ -1,0 +1,6 @@
+"""Type stub of the native MAC module (src/tpusync/_mac.pyx)."""
+
+import numpy as np
+
+def poly1305(key: bytes, data: object) -> bytes: ...
+def poly1305_regions(keys: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray: ...
