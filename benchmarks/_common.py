@@ -30,9 +30,9 @@ def timed(fn: Callable[[], Any]) -> float:
 def settle(timeout_s: float = 300.0) -> None:
     """Waits until the CPU device pools made so far are backed by huge pages (tpusync collapses
     them on a background thread after creation), so that no timing runs beside it."""
-    from tpusync import _huge_pages
+    from tpusync.memory import huge_pages
 
-    if not _huge_pages.wait_until_idle(timeout_s):
+    if not huge_pages.wait_until_idle(timeout_s):
         print(f"note: huge-page collapsing still running after {timeout_s:g} s", flush=True)
 
 

@@ -120,11 +120,8 @@ def bench_block_size(
 
     def d2h_direct(path: str) -> None:
         # every block its own CopyRawToHost, not gathered on the device first
-        os.environ["TPUSYNC_PJRT_STAGE_BELOW"] = "0"
-        try:
+        with tpusync.options.overridden(pjrt_stage_below=0):
             d2h(path)
-        finally:
-            del os.environ["TPUSYNC_PJRT_STAGE_BELOW"]
 
     # bytes: each path's device->host result equals the source blocks, and host->device puts
     # them back where they came from; a direction a path cannot run is left out, with why

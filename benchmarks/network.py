@@ -224,9 +224,9 @@ def child_block_server(config: dict[str, Any]) -> None:
 
     secret = bytes.fromhex(config["secret"])
     if config.get("autotuned_send_buffer"):  # the ablation in network_tuning.py
-        from tpusync.cluster import dataplane
+        from tpusync.cluster.dataplane import _connection, server
 
-        dataplane.tune_for_peer = lambda sock: None
+        server.tune_for_peer = _connection.tune_for_peer = lambda sock: None
     pool = filled_pool(config["blocks"], config["block_bytes"])
     servers = []
     try:

@@ -66,7 +66,7 @@ def _engine(tokens: int, shm_name: str, disk: Path | None, shm_dir: str = SHM_DI
         model_id="bench-prefix-cache",
         block_size=config.block_size,
         dram=DramTier(2 * blocks + 16, name=shm_name, shm_dir=shm_dir),
-        disk=DiskTier(disk, 2 * blocks + 16, create=True) if disk else None,
+        tiers=(DiskTier(disk, 2 * blocks + 16, create=True),) if disk else (),
     )
     return ToyEngine(config, store)
 

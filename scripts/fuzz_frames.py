@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from tpusync import _core
-from tpusync.cluster import wire
+from tpusync.cluster.dataplane import wire
 
 FINGERPRINT = bytes(range(16))
 RID = 5

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fuzzes the data plane's block-frame header decoder (tpusync.cluster.wire.decode_header).
+"""Fuzzes the data plane's block-frame header decoder
+(tpusync.cluster.dataplane.wire.decode_header).
 
 Usage: python scripts/fuzz_wire.py [ITERATIONS (default 1000000)] [SEED]
 
@@ -20,7 +21,7 @@ import sys
 import time
 
 from tpusync import _core
-from tpusync.cluster import wire
+from tpusync.cluster.dataplane import wire
 
 MAX_PAYLOAD = 1 << 24
 

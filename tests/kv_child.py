@@ -159,52 +159,31 @@ def logits_hex(logits: Any) -> str:
 
 def store_config(spec: dict[str, Any], model: ModelConfig | None = None) -> KVStoreConfig:
     """The store of ``spec``; ``"remote": {"address", "secret_hex"}`` adds another process's
-    DRAM tier, read through a RemotePool, and ``"node"`` (same keys) a store node's DRAM as a
-    writable tier (both need ``model`` for the block layout)."""
-    disk = spec.get("disk")
-    shared = spec.get("shared_fs")
-    extra: tuple[tuple[str, Any], ...] = ()
+    DRAM tier, read through a RemotePool, ``"cluster": {"registry", "secret_hex"}`` the blocks
+    other nodes list in a registry, and ``"node"`` (as ``"remote"``) a store node's DRAM as a
+    writable tier. The store opens them all with its own layout (``model`` is not needed)."""
+    from tpusync.cluster import PeerTier, RegistryTier, RemoteRegistry, StoreNodeTier
+
+    tiers: list[Any] = []
+    if spec.get("disk"):
+        tiers.append(DiskTier(**{"create": True, **spec["disk"]}))
+    if spec.get("shared_fs"):
+        tiers.append(SharedFsTier(**{"create": True, **spec["shared_fs"]}))
     if spec.get("remote"):
-        from tpusync.cluster import BlockClient, RemotePool
-        from tpusync.testing.model import init_kv_pools
-        from tpusync.tiers import PoolLayout
-
-        assert model is not None
-        layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
-        client = BlockClient(
-            spec["remote"]["address"], secret=bytes.fromhex(spec["remote"]["secret_hex"])
-        )
-        extra = (("remote", RemotePool(client, layout)),)
+        secret = bytes.fromhex(spec["remote"]["secret_hex"])
+        tiers.append(PeerTier(spec["remote"]["address"], secret=secret, name="remote"))
     if spec.get("cluster"):  # only the registry's address: holders found through it
-        from tpusync.cluster import RegistryPool, RemoteRegistry
-        from tpusync.testing.model import init_kv_pools
-        from tpusync.tiers import PoolLayout
-
-        assert model is not None
         secret = bytes.fromhex(spec["cluster"]["secret_hex"])
-        layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
         registry = RemoteRegistry(spec["cluster"]["registry"], secret=secret)
-        extra = (("cluster", RegistryPool(registry, layout, secret=secret, exclude="decode")),)
+        tiers.append(RegistryTier(registry, exclude="decode", secret=secret, name="cluster"))
     if spec.get("node"):  # a store node's DRAM, written through and read back
-        from tpusync.cluster import StoreNodePool
-        from tpusync.testing.model import init_kv_pools
-        from tpusync.tiers import PoolLayout
-
-        assert model is not None
-        layout = PoolLayout.from_pools(spec["model_id"], init_kv_pools(model))
-        node = StoreNodePool(
-            spec["node"]["address"],
-            layout=layout,
-            secret=bytes.fromhex(spec["node"]["secret_hex"]),
-        )
-        extra = (("node", node),)
+        secret = bytes.fromhex(spec["node"]["secret_hex"])
+        tiers.append(StoreNodeTier(spec["node"]["address"], secret=secret, name="node"))
     return KVStoreConfig(
         model_id=spec["model_id"],
         block_size=spec.get("block_size", MODEL["block_size"]),
         dram=DramTier(**spec["dram"]),
-        disk=DiskTier(**{"create": True, **disk}) if disk else None,
-        shared_fs=SharedFsTier(**{"create": True, **shared}) if shared else None,
-        extra_tiers=extra,
+        tiers=tuple(tiers),
     )
 
 

@@ -128,7 +128,7 @@ def digest(array: Any) -> str:
 
 def count_engine_calls() -> dict[str, int]:
     """Counts the batches each transfer engine runs in this process (to show which one did)."""
-    from tpusync import _jax_path, _native_path
+    from tpusync.engines import native, pure_jax
 
     calls = {"native": 0, "jax": 0}
 
@@ -141,10 +141,10 @@ def count_engine_calls() -> dict[str, int]:
 
         setattr(module, name, wrapper)
 
-    counted(_native_path, "run", "native")
-    counted(_native_path, "run_hashed", "native")
-    counted(_native_path, "run_hashed_plan", "native")
-    counted(_jax_path, "run", "jax")
+    counted(native, "run", "native")
+    counted(native, "run_hashed", "native")
+    counted(native, "run_hashed_plan", "native")
+    counted(pure_jax, "run", "jax")
     return calls
 
 
@@ -172,8 +172,8 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import tpusync
-    from tpusync.cluster import BlockServer, JaxRegistry, NodeInfo, RegistryPool
-    from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+    from tpusync.cluster import BlockServer, JaxRegistry, NodeInfo, RegistryPool, serving
+    from tpusync.kv import DramTier, ExistingTier, KVCacheStore, KVStoreConfig
     from tpusync.tiers import PoolLayout
 
     client = global_state.client
@@ -226,7 +226,9 @@ def main() -> None:
         )
         store = KVCacheStore(config, pools)
         server = BlockServer(store.dram, secret=secret)
-        store.publish_to(registry, NodeInfo("replica-0", addresses=(server.address,)), ttl_s=5.0)
+        serving.publish_to(
+            store, registry, NodeInfo("replica-0", addresses=(server.address,)), ttl_s=5.0
+        )
         moves = []
         for i, pool in enumerate(pools):
             kv = prefix_kv(seed, i)  # host side of a sharded pool: [shard][blocks...]
@@ -259,7 +261,7 @@ def main() -> None:
                 BLOCK_SIZE,
                 DramTier(capacity_blocks=8),
                 secret=secret,
-                extra_tiers=(("cluster", cluster),),
+                tiers=(ExistingTier("cluster", cluster),),
                 path=path,
                 token_axis=TOKEN_AXIS,
             ),

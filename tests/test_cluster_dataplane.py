@@ -26,10 +26,9 @@ from tpusync.cluster import (
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
     RemotePool,
-    wire,
 )
-from tpusync.cluster.dataplane import Served
-from tpusync.cluster.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
+from tpusync.cluster.dataplane import Served, wire
+from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 

@@ -49,8 +49,9 @@ from tpusync.cluster import (
     RegistryPool,
     RegistryServer,
     RemotePool,
+    serving,
 )
-from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+from tpusync.kv import DramTier, ExistingTier, KVCacheStore, KVStoreConfig
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
 CHILD = Path(__file__).with_name("cluster_fault_child.py")
@@ -301,7 +302,9 @@ class StoreOverChild:
                 timeout_s=CLIENT_TIMEOUT_S,
             )
             stack.callback(lower.close)
-        config = KVStoreConfig(model, BLOCK, DramTier(N_BLOCKS + 8), extra_tiers=((tier, lower),))
+        config = KVStoreConfig(
+            model, BLOCK, DramTier(N_BLOCKS + 8), tiers=(ExistingTier(tier, lower),)
+        )
         self.store = stack.enter_context(KVCacheStore(config, self.pools))
         assert self.store.layout == layout
         self.tokens = tokens_for(N_BLOCKS)
@@ -696,7 +699,13 @@ def test_redis_restarted_empty_owners_register_again(
             for _ in range(2)
         ]
         return KVCacheStore(
-            KVStoreConfig("faults-redis", BLOCK, DramTier(num), extra_tiers=extra), pools
+            KVStoreConfig(
+                "faults-redis",
+                BLOCK,
+                DramTier(num),
+                tiers=tuple(ExistingTier(n, t) for n, t in extra),
+            ),
+            pools,
         )
 
     p1, p2, p4, p5, never = (tokens_for(4, salt=10 + i) for i in range(5))
@@ -720,8 +729,10 @@ def test_redis_restarted_empty_owners_register_again(
         a.save(p1, [0, 1, 2, 3])
         a.save(p2, [4, 5, 6, 7])
         c.save(p5, [0, 1, 2, 3])
-        a.publish_to(reg_a, NodeInfo("node-a", addresses=(server.address,)), ttl_s=REDIS_TTL_S)
-        c.publish_to(reg_c, NodeInfo("node-c"), ttl_s=REDIS_TTL_S)
+        serving.publish_to(
+            a, reg_a, NodeInfo("node-a", addresses=(server.address,)), ttl_s=REDIS_TTL_S
+        )
+        serving.publish_to(c, reg_c, NodeInfo("node-c"), ttl_s=REDIS_TTL_S)
         all_keys = [k for p in (p1, p2, p4, p5, never) for k in keys_of(p)]
 
         def owners() -> dict[bytes, str | None]:

@@ -36,7 +36,7 @@ from tpusync.cluster import (
     RegistryUnavailableError,
     RemoteRegistry,
 )
-from tpusync.cluster.frames import LOCAL_SEND_BUFFER_BYTES
+from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 

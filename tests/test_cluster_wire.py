@@ -1,6 +1,6 @@
-"""The data plane's block frame header (tpusync.cluster.wire): round trips, a golden header of
-version 1, every single-byte corruption refused, arbitrary bytes never raising anything but
-FrameError, and the fuzz script."""
+"""The data plane's block frame header (tpusync.cluster.dataplane.wire): round trips, a golden
+header of version 1, every single-byte corruption refused, arbitrary bytes never raising
+anything but FrameError, and the fuzz script."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _core
-from tpusync.cluster import wire
-from tpusync.cluster.wire import FrameError, decode_header, encode_header
+from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.wire import FrameError, decode_header, encode_header
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 ROOT = Path(__file__).resolve().parents[1]

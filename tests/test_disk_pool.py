@@ -40,8 +40,8 @@ from tpusync.errors import (
 )
 from tpusync.info import check_o_direct
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, LowerTier, PoolLayout
-from tpusync.tiers import disk_pool as disk_pool_module
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, WRITING
+from tpusync.tiers.disk import pool as disk_pool_module
 
 PAGE = 4096
 ROWS, COLS = 16, 512  # one array's part of a block: 16 x 512 bf16 = 16 KiB; slot = 32 KiB

@@ -341,7 +341,7 @@ def test_device_calls_in_forked_child_raise_a_clear_error(rng: np.random.Generat
         assert "spawn" in message, message
 
     def child() -> None:
-        assert tpusync._fork.jax_forked_from == parent
+        assert tpusync.memory.fork_guard.jax_forked_from == parent
         out = np.zeros((8, 64), np.uint8)
         refused(lambda: transfer(device, out), "src")
         refused(lambda: transfer(out, pool), "dst")
@@ -358,7 +358,7 @@ def test_device_calls_in_forked_child_raise_a_clear_error(rng: np.random.Generat
 
     try:
         in_forked_child(child)
-        assert tpusync._fork.jax_forked_from is None  # the parent's JAX is fine
+        assert tpusync.memory.fork_guard.jax_forked_from is None  # the parent's JAX is fine
         host.put_from_device([key_for(1)], [pool], [3])
         assert host.contains([key_for(1)]) == [True]
     finally:
@@ -369,7 +369,7 @@ _BEFORE_AND_AFTER_JAX = r"""
 import os, sys
 import numpy as np
 import tpusync
-from tpusync import _fork
+from tpusync.memory import fork_guard
 
 def child(check):
     pid = os.fork()
@@ -385,13 +385,13 @@ def fresh_jax_in_child():  # JAX never started in the parent: the child may star
     import jax
     out = np.zeros(16, np.uint8)
     tpusync.transfer(jax.device_put(np.arange(1, 17, dtype=np.uint8)), out).result(60)
-    return _fork.jax_forked_from is None and out.tolist() == list(range(1, 17))
+    return fork_guard.jax_forked_from is None and out.tolist() == list(range(1, 17))
 
 assert child(fresh_jax_in_child) == 0, "refused or failed in a child forked before JAX started"
 import jax
 jax.devices()
 parent = os.getpid()
-assert child(lambda: _fork.jax_forked_from == parent) == 0, "not refused after JAX started"
+assert child(lambda: fork_guard.jax_forked_from == parent) == 0, "not refused after JAX started"
 print("ok")
 """
 

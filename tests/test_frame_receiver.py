@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _core
-from tpusync.cluster import wire
+from tpusync.cluster.dataplane import wire
 
 FINGERPRINT = bytes(range(16))
 RID = 77

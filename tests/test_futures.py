@@ -31,7 +31,7 @@ from tpusync.errors import (
 )
 
 TIMEOUT = 30.0
-_transfer_module = importlib.import_module("tpusync.transfer")
+_transfer_module = importlib.import_module("tpusync.transfer.api")
 
 
 def put(x: np.ndarray, target: Any = None) -> jax.Array:
@@ -323,7 +323,9 @@ def test_array_donated_between_submit_and_run(arrays, rng, pool, host, path, wha
 
 
 def test_failure_while_moving_bytes_is_a_transfer_failed_error(monkeypatch, pool, host, path):
-    engine = importlib.import_module(f"tpusync._{path}_path")
+    engine = importlib.import_module(
+        {"native": "tpusync.engines.native", "jax": "tpusync.engines.pure_jax"}[path]
+    )
 
     def boom(moves: Any) -> int:
         raise RuntimeError("boom: the engine failed")

@@ -33,7 +33,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpusync import DevicePool, _core, _native_path
+from tpusync import DevicePool, _core
+from tpusync.engines import native
 from tpusync.errors import (
     BlockIndexError,
     BlocksHeldError,
@@ -146,7 +147,7 @@ class Model:
         lengths = np.array([len(p) for p in pieces], dtype=np.uint64)
         starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
         table = np.stack([data.ctypes.data + starts, np.zeros_like(starts), lengths], axis=1)
-        digests = _native_path.engine().hash(np.ascontiguousarray(table, dtype=np.uint64))
+        digests = native.engine().hash(np.ascontiguousarray(table, dtype=np.uint64))
         return int(_core.xxh64(np.asarray(digests, dtype="<u8").tobytes()))
 
 

@@ -178,7 +178,7 @@ def test_a_tier_directory_another_uid_created_is_refused(scratch: Path) -> None:
     as_attacker(f"mkdir -m 0777 {disk} {shared}")
     for create in (False, True):
         config = KVStoreConfig(
-            "hostile", block_size=16, dram=DramTier(4), disk=DiskTier(disk, 8, create=create)
+            "hostile", block_size=16, dram=DramTier(4), tiers=(DiskTier(disk, 8, create=create),)
         )
         with pytest.raises(UnsafeFileError, match=f"{disk}: owned by uid {ATTACKER}"):
             store_over(config)
@@ -186,7 +186,7 @@ def test_a_tier_directory_another_uid_created_is_refused(scratch: Path) -> None:
             "hostile",
             block_size=16,
             dram=DramTier(4),
-            shared_fs=SharedFsTier(shared, create=create),
+            tiers=(SharedFsTier(shared, create=create),),
         )
         with pytest.raises(UnsafeFileError, match=f"{shared}: owned by uid {ATTACKER}"):
             store_over(config)

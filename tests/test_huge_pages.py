@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import tpusync
-from tpusync import _core, _huge_pages
+from tpusync import _core, options
+from tpusync.memory import huge_pages
 
 HUGE = 2 << 20
 
@@ -78,20 +79,21 @@ def test_collapse_of_a_range_without_a_whole_huge_page_does_nothing():
 
 @pytest.mark.skipif(not COLLAPSES, reason="needs Linux >= 6.1 with THP not 'never'")
 def test_cpu_device_pool_is_collapsed_in_the_background_with_its_bytes_intact(arrays, rng):
-    before = _huge_pages.collapsed_bytes
+    before = huge_pages.collapsed_bytes
     host = arrays.random(rng, (512, 16384), np.uint16)  # 16 MiB
     pool = tpusync.DevicePool(jax.device_put(host))
-    assert _huge_pages.wait_until_idle(timeout_s=20)
-    assert _huge_pages.collapsed_bytes - before >= 7 * HUGE  # 16 MiB: at least 7 of 8 pages
+    assert huge_pages.wait_until_idle(timeout_s=20)
+    assert huge_pages.collapsed_bytes - before >= 7 * HUGE  # 16 MiB: at least 7 of 8 pages
     np.testing.assert_array_equal(np.asarray(pool.array), host)
 
 
-def test_huge_pages_can_be_turned_off(monkeypatch, arrays, rng):
-    monkeypatch.setenv("TPUSYNC_HUGE_PAGES", "0")
-    assert not _huge_pages.enabled()
-    queued = _huge_pages._queue.qsize()
-    tpusync.DevicePool(jax.device_put(arrays.random(rng, (1024, 4096), np.float32)))
-    assert _huge_pages._queue.qsize() == queued
+def test_huge_pages_can_be_turned_off(arrays, rng):
+    with options.overridden(huge_pages=False):
+        assert not huge_pages.enabled()
+        queued = huge_pages._queue.qsize()
+        tpusync.DevicePool(jax.device_put(arrays.random(rng, (1024, 4096), np.float32)))
+        assert huge_pages._queue.qsize() == queued
+    assert huge_pages.enabled()
 
 
 def _shmem_collapses() -> bool:
@@ -151,12 +153,12 @@ def test_named_host_pool_gets_huge_pages_that_a_restart_maps(arrays, rng, shm_na
     pool = HostPool(layout, 16, name=name)
     pool.put_from_device(keys, [source], np.arange(16))
     path = str(pool.path)
-    assert _huge_pages.wait_until_idle(timeout_s=20)
+    assert huge_pages.wait_until_idle(timeout_s=20)
     assert _pmd_mapped_kib(path) >= 4 * HUGE // 1024  # the 16 MiB slots: most of them huge
     pool.close()
     again = HostPool(layout, 16, name=name)  # a restart re-attaches the same file
     assert again.attached and again.wait_mapped(timeout=20)
-    assert _huge_pages.wait_until_idle(timeout_s=20)
+    assert huge_pages.wait_until_idle(timeout_s=20)
     assert _pmd_mapped_kib(path) >= 4 * HUGE // 1024
     target = tpusync.DevicePool(jax.device_put(np.zeros_like(host)))
     again.get_to_device(keys[::-1], [target], np.arange(16))
@@ -177,4 +179,4 @@ def test_a_closed_named_pool_reopens_at_once_while_its_pages_are_collapsed(shm_n
         pool = HostPool(layout, 128, name=name, populate=False)
         assert pool.attached
         pool.close()
-    assert _huge_pages.wait_until_idle(timeout_s=30)
+    assert huge_pages.wait_until_idle(timeout_s=30)

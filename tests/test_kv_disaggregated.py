@@ -17,7 +17,7 @@ import kv_child
 import numpy as np
 import pytest
 
-from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer
+from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer, serving
 from tpusync.testing.engine import ToyEngine
 from tpusync.testing.model import ModelConfig, init_params
 
@@ -101,7 +101,7 @@ def test_a_decode_process_with_the_wrong_secret_gets_nothing(
 
 def test_extra_tiers_are_checked() -> None:
     from tpusync.errors import InvalidArgumentError
-    from tpusync.kv import DramTier, KVStoreConfig
+    from tpusync.kv import DramTier, ExistingTier, KVStoreConfig
 
     for bad, match in [
         ((("remote", object()),), r"extra_tiers\[0\]: expected a \(name, LowerTier\)"),
@@ -110,6 +110,11 @@ def test_extra_tiers_are_checked() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=match):
             KVStoreConfig("m", 16, DramTier(4), extra_tiers=bad)
+    # the spelling that replaces extra_tiers: tier specs (or ExistingTier for a tier one opened)
+    with pytest.raises(InvalidArgumentError, match=r"tiers\[0\]: expected a tier spec"):
+        KVStoreConfig("m", 16, DramTier(4), tiers=(object(),))
+    with pytest.raises(InvalidArgumentError, match=r"ExistingTier: expected a name and a Lower"):
+        ExistingTier("remote", object())
 
 
 def test_decode_process_given_only_the_registry_address(
@@ -132,8 +137,8 @@ def test_decode_process_given_only_the_registry_address(
             RegistryServer(registry, secret=secret) as registry_server,
             BlockServer(prefill.store.dram, secret=secret) as blocks,
         ):
-            prefill.store.publish_to(
-                registry, NodeInfo("prefill", addresses=(blocks.address,)), ttl_s=5.0
+            serving.publish_to(
+                prefill.store, registry, NodeInfo("prefill", addresses=(blocks.address,)), ttl_s=5.0
             )
             cold = prefill.generate(prompt, 3, use_cache=False, save=True, boundary=79)
             prefill.wait_saves()
@@ -191,8 +196,8 @@ def test_tensor_parallel_shards_agree_through_the_registry(rng: np.random.Genera
         ]
         config = KVStoreConfig("toy-tp", 16, DramTier(32), shard_rank=rank, shard_count=2)
         store = KVCacheStore(config, pools)
-        store.publish_to(
-            registry, NodeInfo(f"tp-{rank}", group="tp", shard_rank=rank, shard_count=2)
+        serving.publish_to(
+            store, registry, NodeInfo(f"tp-{rank}", group="tp", shard_rank=rank, shard_count=2)
         )
         stores.append(store)
     try:

@@ -59,9 +59,9 @@ from tpusync.kv import (
     SharedFsTier,
 )
 from tpusync.kv.keys import check_tokens
-from tpusync.tiers.disk_pool import HEADER_BYTES as DISK_HEADER_BYTES
+from tpusync.tiers.disk.pool import HEADER_BYTES as DISK_HEADER_BYTES
 from tpusync.tiers.host_pool import pool_path
-from tpusync.tiers.shared_fs_pool import HEADER_BYTES as SHARED_HEADER_BYTES
+from tpusync.tiers.shared_fs.pool import HEADER_BYTES as SHARED_HEADER_BYTES
 
 NB, BS, HEADS, DIM, N_POOLS = 64, 16, 2, 8, 4  # device pools: (NB, BS, HEADS, DIM) each
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -138,16 +138,17 @@ def make_config(
     **kwargs: Any,
 ) -> KVStoreConfig:
     assert tmp_path is not None or (disk is None and not shared)
+    tiers: list[Any] = []
+    if disk:
+        tiers.append(DiskTier(tmp_path / "disk", disk, create=True))
+    if shared:
+        capacity = None if shared is True else int(shared)
+        tiers.append(SharedFsTier(tmp_path / "shared", capacity, create=True))
     return KVStoreConfig(
         model_id="test-model",
         block_size=BS,
         dram=DramTier(dram, name=name, populate=False),
-        disk=DiskTier(tmp_path / "disk", disk, create=True) if disk else None,
-        shared_fs=(
-            SharedFsTier(tmp_path / "shared", None if shared is True else int(shared), create=True)
-            if shared
-            else None
-        ),
+        tiers=(*tiers, *kwargs.pop("tiers", ())),
         **kwargs,
     )
 
@@ -1383,6 +1384,12 @@ def test_bad_config(tmp_path):
         (lambda: KVStoreConfig("m", 16, dram, disk=dram), "disk"),
         (lambda: KVStoreConfig("m", 16, dram, disk=str(tmp_path)), "disk"),
         (lambda: KVStoreConfig("m", 16, dram, shared_fs=DiskTier(tmp_path, 4)), "shared_fs"),
+        (lambda: KVStoreConfig("m", 16, dram, tiers=(dram,)), r"tiers\[0\]"),
+        (lambda: KVStoreConfig("m", 16, dram, tiers=DiskTier(tmp_path, 4)), "tiers"),
+        (
+            lambda: KVStoreConfig("m", 16, dram, tiers=(DiskTier(tmp_path, 4, name="dram"),)),
+            r"tiers\[0\]",
+        ),
         (lambda: KVStoreConfig("m", 16, dram, writeback_policy="x"), "writeback_policy"),
         (lambda: KVStoreConfig("m", 16, dram, writeback_max_bytes=0), "writeback_max_bytes"),
         (lambda: KVStoreConfig("m", 16, dram, path="y"), "path"),
@@ -1542,7 +1549,7 @@ def test_serve_lists_dram_and_disk_and_serves_disk_blocks_to_peers(
     """A store serving peers (``serve``) lists every block DRAM or disk holds; a peer's pull
     of a block only on disk moves it up first. After a restart the node lists at once what
     /dev/shm and disk still hold; a block that leaves both tiers is withdrawn."""
-    from tpusync.cluster import MemoryRegistry, RegistryPool
+    from tpusync.cluster import MemoryRegistry, RegistryTier, serving
 
     secret = b"k" * 32
     registry = MemoryRegistry()
@@ -1555,23 +1562,23 @@ def test_serve_lists_dram_and_disk_and_serves_disk_blocks_to_peers(
     expected = kv.blocks([1, 2, 3])
     assert owner.flush(TIMEOUT)
     owner.evict(first, tier="dram")  # now only on disk
-    server = owner.serve(registry, "owner", secret=secret, ttl_s=30)
+    server = serving.serve(owner, registry, "owner", secret=secret, ttl_s=30)
     assert owner.flush(TIMEOUT)
     listed = lambda tokens: [bool(h) for h in registry.holders(keys_of(owner, tokens))]  # noqa: E731
     assert listed(first) == [True] * 3 and listed(second) == [True] * 2
     assert [n.addresses for n in registry.nodes()] == [(server.address,)]
 
     peer_kv = Kv(arrays, rng)
-    cluster = RegistryPool(registry, owner.layout, secret=secret, exclude="peer")
+    cluster = RegistryTier(registry, secret=secret, exclude="peer")
+    peer = stores(make_config(tiers=(cluster,)), peer_kv.pools)
     try:
-        peer = stores(make_config(extra_tiers=(("cluster", cluster),)), peer_kv.pools)
         hit = peer.lookup(first)
         assert hit.tiers == ("cluster",) * 3
         before = peer_kv.snapshot()
         assert peer.load(hit, [10, 11, 12]).loaded_blocks == 3
         peer_kv.check([10, 11, 12], expected, before)
     finally:
-        cluster.close()
+        peer.close()  # and with it the cluster tier
     assert hits(owner, first) == (3, ("dram",) * 3)  # moved up to serve the peer
 
     # evicted from DRAM while on disk: still listed; dropped from disk too: withdrawn
@@ -1584,6 +1591,6 @@ def test_serve_lists_dram_and_disk_and_serves_disk_blocks_to_peers(
     owner.close()
     assert registry.nodes() == []  # unregistered
     again = stores(make_config(tmp_path, 16, disk=32, name=name), kv.pools)
-    again.serve(registry, "owner", secret=secret, ttl_s=30)
+    serving.serve(again, registry, "owner", secret=secret, ttl_s=30)
     assert listed(first) == [True] * 3  # published at start: disk blocks included
     assert again.dram.contains(keys_of(again, first)) == [False] * 3

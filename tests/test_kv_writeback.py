@@ -63,8 +63,10 @@ def config(
         model_id="test-model",
         block_size=BS,
         dram=DramTier(dram, populate=False),
-        disk=DiskTier(tmp_path / "disk", disk, create=True) if disk else None,
-        shared_fs=SharedFsTier(tmp_path / "shared", shared, create=True),
+        tiers=(
+            *([DiskTier(tmp_path / "disk", disk, create=True)] if disk else []),
+            SharedFsTier(tmp_path / "shared", shared, create=True),
+        ),
     )
 
 

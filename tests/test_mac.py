@@ -177,7 +177,7 @@ def test_store_refuses_a_mac_keyed_by_the_public_default_secret(tmp_path: Path) 
 
     pools = [DevicePool(jnp.ones((8, 16, 2, 4), jnp.float32))]
     config = KVStoreConfig(
-        "mac", block_size=16, dram=DramTier(8), shared_fs=SharedFsTier(tmp_path, mac=True)
+        "mac", block_size=16, dram=DramTier(8), tiers=(SharedFsTier(tmp_path, mac=True),)
     )
     with pytest.raises(InvalidArgumentError, match=r"shared_fs\.mac.*secret"):
         KVCacheStore(config, pools)
@@ -187,7 +187,7 @@ def test_store_refuses_a_mac_keyed_by_the_public_default_secret(tmp_path: Path) 
         "mac",
         block_size=16,
         dram=DramTier(8),
-        shared_fs=SharedFsTier(tmp_path, mac=True),
+        tiers=(SharedFsTier(tmp_path, mac=True),),
         secret=SECRET,
     )
     with KVCacheStore(config, pools) as store:

@@ -3,14 +3,15 @@
 No GPU or TPU here, so ``tests/pjrt_stand_in.c`` (built with gcc for this module) plays the
 plugin: views, raw aliases, DMA registration and copies that complete on a thread of its own,
 through the same PJRT C API calls tpusync makes on real hardware. It is bound to the CPU devices
-(``_pjrt_path.bind``), so real JAX arrays travel through tpusync's PJRT engine: segment tables,
-views, event callbacks, host-side checksums, error and leak handling. The ABI itself is proven
-against real plugin tables (test_pjrt_plugins.py) and on a GPU (benchmarks/gpu_transfer.py).
+(``engines.pjrt.engine.bind``), so real JAX arrays travel through tpusync's PJRT engine: segment
+tables, views, event callbacks, host-side checksums, error and leak handling. The ABI itself is
+proven against real plugin tables (test_pjrt_plugins.py) and on a GPU (benchmarks/gpu_transfer.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -30,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 from test_host_pool import keys_for, load, make_model, store
 
 import tpusync
-from tpusync import _core, _pjrt_path
-from tpusync._paths import device_path
+from tpusync import _core, options
+from tpusync.engines.devices import device_path
+from tpusync.engines.pjrt import engine as pjrt
 from tpusync.errors import NativePathUnavailableError, TpuSyncError
 from tpusync.tiers import HostPool
 
@@ -69,7 +71,7 @@ class StandIn:
 
     def bind(self, *, writes: bool = True, auto: bool = True) -> None:
         self.lib.stand_in_set_writes(int(writes))
-        _pjrt_path.bind("cpu", self.api, self.client, "stand-in PJRT plugin", auto=auto)
+        pjrt.bind("cpu", self.api, self.client, "stand-in PJRT plugin", auto=auto)
 
     def reset(self) -> None:
         self.lib.stand_in_corrupt(0)
@@ -95,15 +97,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> StandIn:
 
 
 @pytest.fixture(params=["staged", "direct"])
-def stand_in(
-    built: StandIn, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[StandIn]:
+def stand_in(built: StandIn, request: pytest.FixtureRequest) -> Iterator[StandIn]:
     """The stand-in bound to the CPU devices for one test; unbound (and checked for leaks)
     afterwards. Each test runs twice: with small reads gathered on the device first (the
     default) and with every row its own plugin copy."""
     built.mode = request.param
-    if request.param == "direct":
-        monkeypatch.setenv("TPUSYNC_PJRT_STAGE_BELOW", "0")
+    staging = 0 if request.param == "direct" else options.current().pjrt_stage_below
+    restore = options.set_current(dataclasses.replace(options.current(), pjrt_stage_below=staging))
     built.reset()
     built.bind()
     for device in jax.devices():  # each device's self-test runs before the test's copies
@@ -113,7 +113,8 @@ def stand_in(
         built.assert_nothing_live()
     finally:
         built.reset()
-        _pjrt_path.unbind("cpu")
+        pjrt.unbind("cpu")
+        options.set_current(restore)
 
 
 def put(x: np.ndarray, target: Any = None) -> jax.Array:
@@ -340,7 +341,7 @@ def read_then_write(arrays: Any, rng: Any, *, read_path: str, refusal: str | Non
         tpusync.transfer(incoming, pool, path="native")
 
 
-def test_unproven_platforms_keep_auto_on_jax(stand_in, arrays, rng, monkeypatch):
+def test_unproven_platforms_keep_auto_on_jax(stand_in, arrays, rng):
     stand_in.bind(auto=False)
     path = device_path(jax.devices()[0])
     assert (path.engine, path.native) == ("pjrt", False)
@@ -352,11 +353,10 @@ def test_unproven_platforms_keep_auto_on_jax(stand_in, arrays, rng, monkeypatch)
     assert f.path == "jax" and f.result(TIMEOUT) == host.nbytes
     f = tpusync.transfer(pool, host, path="native")  # asked for explicitly: it runs
     assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
-    monkeypatch.setenv("TPUSYNC_PJRT", "1")
-    stand_in.bind(auto=False)  # paths are found again
-    assert device_path(jax.devices()[0]).native
-    f = tpusync.transfer(pool, host)
-    assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
+    with options.overridden(pjrt=True):  # paths are found again for the new options
+        assert device_path(jax.devices()[0]).native
+        f = tpusync.transfer(pool, host)
+        assert f.path == "native" and f.result(TIMEOUT) == host.nbytes
 
 
 def test_device_to_device_runs_in_jax(stand_in, arrays, rng):
@@ -464,9 +464,9 @@ def test_reads_of_mixed_pieces_and_dtypes(stand_in, arrays, rng):
 
 
 def test_large_reads_are_gathered_in_chunks(stand_in, arrays, rng, monkeypatch):
-    from tpusync import _pjrt_staging
+    from tpusync.engines.pjrt import staging
 
-    monkeypatch.setattr(_pjrt_staging, "CHUNK_BYTES", 8 << 10)  # 8 blocks of 1 KiB a gather
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 8 << 10)  # 8 blocks of 1 KiB a gather
     source = arrays.random(rng, (64, 512), BF16)
     pool = tpusync.DevicePool(put(source))
     host = np.zeros_like(source)

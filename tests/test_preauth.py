@@ -51,8 +51,8 @@ from tpusync.cluster import (
     RemoteRegistry,
     StoreNodePool,
     StoreServer,
-    wire,
 )
+from tpusync.cluster.dataplane import wire
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 

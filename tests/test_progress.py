@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from tpusync import _progress
-from tpusync._progress import Progress
+from tpusync.memory import progress as progress_module
+from tpusync.memory.progress import Progress
 
 
 def test_terminal_progress_redraws_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,7 +17,7 @@ def test_terminal_progress_redraws_one_line(monkeypatch: pytest.MonkeyPatch) -> 
             return True
 
     screen = Terminal()
-    monkeypatch.setattr(_progress.sys, "stderr", screen)
+    monkeypatch.setattr(progress_module.sys, "stderr", screen)
     with Progress("prefaulting", 4 << 30) as progress:
         for _ in range(4):
             progress.advance(1 << 30)

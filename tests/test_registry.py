@@ -39,7 +39,7 @@ from tpusync.cluster import (
     longest_prefix,
 )
 from tpusync.cluster.registry import PrefixRegistry, prefix_of
-from tpusync.cluster.registry_server import _holders_from_wire, _holders_to_wire
+from tpusync.cluster.registry._wire import _holders_from_wire, _holders_to_wire
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 SECRET = b"s" * 32
@@ -687,7 +687,7 @@ def test_redis_reloads_scripts_after_restart(tmp_path: Path) -> None:
     script again (NOSCRIPT) and answer, single calls and multi-batch pipelines alike."""
     import redis
 
-    from tpusync.cluster.registry_redis import _LOOKUP_SHA
+    from tpusync.cluster.registry.redis import _LOOKUP_SHA
 
     port = free_port()
     proc = start_redis(port)
@@ -1115,8 +1115,8 @@ def test_compact_wire_form_round_trips(found: list[list[Holder]]) -> None:
 def test_remote_reconnects_once_and_times_out(server: RegistryServer) -> None:
     client = RemoteRegistry(server.address, secret=SECRET, timeout_s=5)
     client.register(NodeInfo("n"), 30)
-    assert client._sock is not None
-    client._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under the client
+    assert client._conn.sock is not None
+    client._conn.sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under the client
     assert client.heartbeat("n", 30) is True  # reconnected
     client.close()
     with pytest.raises(RegistryUnavailableError, match="closed"):

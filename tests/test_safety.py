@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import tpusync
-from tpusync import _native_path, device_pool
-from tpusync.device_pool import DevicePool
+from tpusync.engines import native
+from tpusync.memory import device_pool
+from tpusync.memory.device_pool import DevicePool
 
 ROUNDS = 12
 ROWS, COLS = 256, 64 * 1024  # 64 MiB of float32
@@ -59,7 +60,7 @@ def test_write_race_detects_a_missing_wait(monkeypatch: pytest.MonkeyPatch) -> N
         for pool in pools:  # waits for the writer of each array, not for its readers
             pool._array.block_until_ready()
 
-    monkeypatch.setattr(_native_path, "wait_for_readers", only_wait_for_the_arrays)
+    monkeypatch.setattr(native, "wait_for_readers", only_wait_for_the_arrays)
     assert _write_race_corruptions(ROUNDS) > 0
 
 
@@ -70,7 +71,7 @@ _donating_overwrite = jax.jit(lambda x: x * 0.0 + 7.0, donate_argnums=0)
 def _read_race_corruptions(rounds: int, monkeypatch: pytest.MonkeyPatch, pin: bool) -> int:
     data = np.random.default_rng(7).standard_normal((ROWS, COLS), dtype=np.float32)
     host = tpusync.HostBuffer((ROWS, COLS), np.float32)
-    original_pin = _native_path._pin_buffer
+    original_pin = native._pin_buffer
     pinned = threading.Event()
 
     def pin_and_signal(buffer: jax.Array) -> object:
@@ -79,7 +80,7 @@ def _read_race_corruptions(rounds: int, monkeypatch: pytest.MonkeyPatch, pin: bo
         pinned.set()
         return capsule
 
-    monkeypatch.setattr(_native_path, "_pin_buffer", pin_and_signal)
+    monkeypatch.setattr(native, "_pin_buffer", pin_and_signal)
     corrupted = 0
     for _ in range(rounds):
         source = jax.device_put(data, may_alias=False)

@@ -41,7 +41,7 @@ from tpusync.errors import (
     TransferFailedError,
 )
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout, SharedFsPool
-from tpusync.tiers import shared_fs_pool as sfs
+from tpusync.tiers.shared_fs import _format as sfs
 
 TIMEOUT = 60.0
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -707,7 +707,7 @@ def test_absent_source_keys_write_nothing(open_tier, dram):
     source = dram(layout, 2)
     fill(source, [b"a"])
     tier = open_tier(layout)
-    with pytest.raises(BlocksMissingError, match="not in source") as info:
+    with pytest.raises(BlocksMissingError, match="not in the source pool") as info:
         tier.put([b"a", b"b", b"a"], source)
     assert info.value.loaded == [True, False, True]
     assert block_files(tier.directory) == []

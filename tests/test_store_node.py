@@ -28,9 +28,9 @@ from tpusync.cluster import (
     RemoteRegistry,
     StoreNode,
     StoreNodePool,
-    wire,
 )
-from tpusync.cluster.registry_server import _send_frame
+from tpusync.cluster._handshake import _send_frame
+from tpusync.cluster.dataplane import wire
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 
@@ -420,15 +420,13 @@ def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.G
             prefill.wait_saves()
             assert prefill.store is not None and prefill.store.flush(timeout=10)
         finally:
-            prefill.close()
-            config.extra_tiers[0][1].close()  # the store leaves the caller's tiers open
+            prefill.close()  # and the node tier its store opened
         config = kv_child.store_config(spec, cfg)
         decode = ToyEngine(cfg, config, params=params)
         try:
             warm = decode.generate(prompt, 3, save=False)
         finally:
             decode.close()
-            config.extra_tiers[0][1].close()
         with RemoteRegistry(ready["registry"], secret=secret) as registry:
             assert [n.addresses for n in registry.nodes()] == [(ready["address"],)]
     finally:

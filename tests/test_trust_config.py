@@ -34,7 +34,14 @@ from tpusync.errors import (
     ShapeMismatchError,
     TierFullError,
 )
-from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, SharedFsTier
+from tpusync.kv import (
+    DiskTier,
+    DramTier,
+    ExistingTier,
+    KVCacheStore,
+    KVStoreConfig,
+    SharedFsTier,
+)
 from tpusync.testing.model import ModelConfig
 from tpusync.tiers import ArrayLayout, DiskPool, PoolLayout
 from tpusync.tiers.host_pool import pool_path
@@ -99,7 +106,7 @@ def test_block_size_that_contradicts_the_pools_is_refused(
         "toy",
         2 * CFG.block_size,
         DramTier(8, name=name),
-        disk=DiskTier(disk, 8, create=True),
+        tiers=(DiskTier(disk, 8, create=True),),
     )
     with pytest.raises(ShapeMismatchError) as info:
         KVCacheStore(config, pools)
@@ -198,16 +205,16 @@ def test_extra_tier_of_another_layout_is_refused(
         ]
         for tier, error, what in cases:
             config = KVStoreConfig(
-                "toy", CFG.block_size, DramTier(8, name=name), extra_tiers=(("t", tier),)
+                "toy", CFG.block_size, DramTier(8, name=name), tiers=(ExistingTier("t", tier),)
             )
-            with pytest.raises(
-                error, match=r"^extra_tiers\[0\] \('t'\): the tier was built"
-            ) as info:
+            with pytest.raises(error, match=r"^tiers\[0\] \('t'\): the tier was built") as info:
                 KVCacheStore(config, pools)
             assert what in str(info.value) and "store.layout" in str(info.value)
             assert not pool_path(name).exists(), "a refused store made its DRAM pool"
         # The store's own layout is taken, and the node tier works through it.
-        config = KVStoreConfig("toy", CFG.block_size, DramTier(8), extra_tiers=(("node", same),))
+        config = KVStoreConfig(
+            "toy", CFG.block_size, DramTier(8), tiers=(ExistingTier("node", same),)
+        )
         with KVCacheStore(config, pools) as store:
             assert store.save(tokens(rng, 2 * CFG.block_size), [0, 1]).stored_blocks == 2
             assert store.flush(TIMEOUT)
@@ -226,11 +233,11 @@ def test_missing_tier_directory_is_refused_unless_create(
     pools = model_pools(arrays, rng)
     missing = tmp_path / "mnt" / "nvme" / "kv"
     for tiers, argument, kind in [
-        ({"disk": DiskTier(missing, 8)}, "disk.directory", "DiskTier"),
-        ({"shared_fs": SharedFsTier(missing)}, "shared_fs.directory", "SharedFsTier"),
+        (DiskTier(missing, 8), "disk.directory", "DiskTier"),
+        (SharedFsTier(missing), "shared_fs.directory", "SharedFsTier"),
     ]:
         name = shm_names()
-        config = KVStoreConfig("toy", CFG.block_size, DramTier(8, name=name), **tiers)
+        config = KVStoreConfig("toy", CFG.block_size, DramTier(8, name=name), tiers=(tiers,))
         with pytest.raises(
             InvalidArgumentError, match=rf"^{argument}: {re.escape(str(missing))} does not exist"
         ) as info:
@@ -249,8 +256,7 @@ def test_missing_tier_directory_is_refused_unless_create(
         "toy",
         CFG.block_size,
         DramTier(8),
-        disk=DiskTier(missing, 8, create=True),
-        shared_fs=SharedFsTier(shared, create=True),
+        tiers=(DiskTier(missing, 8, create=True), SharedFsTier(shared, create=True)),
     )
     with KVCacheStore(config, pools) as store:
         for made in (missing, shared):
@@ -260,7 +266,7 @@ def test_missing_tier_directory_is_refused_unless_create(
         assert [t.used for t in store._stack.tiers[1:]] == [2, 2]
     existing = tmp_path / "existing"
     existing.mkdir(mode=0o700)
-    config = KVStoreConfig("toy", CFG.block_size, DramTier(8), disk=DiskTier(existing, 8))
+    config = KVStoreConfig("toy", CFG.block_size, DramTier(8), tiers=(DiskTier(existing, 8),))
     with KVCacheStore(config, pools) as store:  # an existing directory needs no create
         assert store._stack.tiers[1].used == 0
 

@@ -52,8 +52,8 @@ from tpusync.errors import (
 )
 from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, _sessions
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers import disk_pool as disk_module
-from tpusync.tiers import shared_fs_pool as sfs_module
+from tpusync.tiers.disk import _format as disk_module
+from tpusync.tiers.shared_fs import _format as sfs_module
 
 OTHER_UID = 4242
 TIMEOUT = 60.0
@@ -459,7 +459,7 @@ def test_new_files_are_0600_and_directories_0700(tmp_path, rng, opened, shm_name
         model_id="trust",
         block_size=BS,
         dram=DramTier(16, name=shm_names(), shm_dir=str(shm), populate=False),
-        disk=DiskTier(disk, 16, durability="none"),
+        tiers=(DiskTier(disk, 16, durability="none"),),
     )
     store = open_store(config, device_pools(rng), opened)
     store.offload_session("s", tokens_of(rng, 3 * BS + 1), [0, 1, 2, 3])
@@ -485,7 +485,7 @@ def test_odd_session_manifest_is_dropped(tmp_path, rng, opened, kind, caplog):
     disk = tmp_path / "disk"
     disk.mkdir(mode=0o700)
     config = KVStoreConfig(model_id="trust", block_size=BS, dram=DramTier(16, populate=False),
-                           disk=DiskTier(disk, 16))  # fmt: skip
+                           tiers=(DiskTier(disk, 16),))  # fmt: skip
     pools = device_pools(rng)
     store = open_store(config, pools, opened)
     store.offload_session("s", tokens_of(rng, 2 * BS), [0, 1])
@@ -548,7 +548,7 @@ def test_offload_session_on_a_full_tmpfs_names_the_manifest(rng, mounts, opened,
             model_id="trust",
             block_size=BS,
             dram=DramTier(16, populate=False),
-            disk=DiskTier(mnt, 8, durability="none", direct_io=False),
+            tiers=(DiskTier(mnt, 8, durability="none", direct_io=False),),
         )
     store = open_store(config, device_pools(rng), opened)
     first = tokens_of(rng, 2 * BS + 1)

@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpusync
-from tpusync import _huge_pages
 from tpusync.errors import InvalidArgumentError, PoolFormatError, UnsafeFileError
 from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+from tpusync.memory import huge_pages as _huge_pages
 from tpusync.tiers import HostPool, PoolLayout
 from tpusync.tiers._pool_file import (
     COMMITTED,

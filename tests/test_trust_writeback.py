@@ -31,9 +31,17 @@ import pytest
 
 from tpusync import DevicePool
 from tpusync.errors import TierFullError
-from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, SharedFsTier
+from tpusync.kv import (
+    DiskTier,
+    DramTier,
+    ExistingTier,
+    KVCacheStore,
+    KVStoreConfig,
+    SharedFsTier,
+)
 from tpusync.kv.keys import check_tokens
-from tpusync.tiers.disk_pool import HEADER_BYTES, DiskPool
+from tpusync.tiers import DiskPool
+from tpusync.tiers.disk.pool import HEADER_BYTES
 from tpusync.tiers.layout import PoolLayout
 
 NB, BS, HEADS, DIM, N_POOLS = 64, 16, 2, 8, 2  # device pools: (NB, BS, HEADS, DIM) each
@@ -102,9 +110,11 @@ def config(
         model_id="test-model",
         block_size=BS,
         dram=DramTier(dram, populate=False),
-        disk=DiskTier(make_dir(disk[0]), disk[1]) if disk else None,
-        shared_fs=SharedFsTier(make_dir(shared)) if shared else None,
-        extra_tiers=extra,
+        tiers=(
+            *([DiskTier(make_dir(disk[0]), disk[1])] if disk else []),
+            *([SharedFsTier(make_dir(shared))] if shared else []),
+            *(ExistingTier(name, tier) for name, tier in extra),
+        ),
     )
 
 

@@ -76,6 +76,11 @@ int tps_sum64_pieces(size_t count, const void *const src[], void *const dst[], c
 /* For tests: 1 forces the portable (table) CRC-32C code instead of the CPU's instructions, 2
  * the CRC instruction without the AVX-512 carry-less multiplication paths, 0 the fastest. */
 void tps_checksum_force_portable(int on);
+/* Where that choice is kept. Every module that links this file has its own; one of them hands
+ * its flag to the others (tps_checksum_share_path_flag, before any checksum runs) so that one
+ * choice holds in the whole process. */
+int *tps_checksum_path_flag(void);
+void tps_checksum_share_path_flag(int *flag);
 
 #ifdef __cplusplus
 }

@@ -1,83 +1,92 @@
-"""Type stub of the native core (src/tpusync/_core.pyx)."""
+"""Type stub of the native core (src/tpusync/_core.pyx): its memory and slot checks, and the
+names it re-exports from the extensions of tpusync._native."""
 
-import os
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from tpusync.errors import TpuSyncError
+from tpusync._native.checksum import _crc32c_shift as _crc32c_shift
+from tpusync._native.checksum import _force_portable_checksum as _force_portable_checksum
+from tpusync._native.checksum import blake2b as blake2b
+from tpusync._native.checksum import blake2b_chain as blake2b_chain
+from tpusync._native.checksum import crc32c as crc32c
+from tpusync._native.checksum import sum64 as sum64
+from tpusync._native.checksum import sum64_regions as sum64_regions
+from tpusync._native.checksum import xxh64 as xxh64
+from tpusync._native.checksum import xxh64_gathered as xxh64_gathered
+from tpusync._native.checksum import xxh64_rows as xxh64_rows
+from tpusync._native.copy import BlockRows as BlockRows
+from tpusync._native.copy import CopyEngine as CopyEngine
+from tpusync._native.copy import block_segments as block_segments
+from tpusync._native.copy import table_bounds as table_bounds
+from tpusync._native.net import FRAME_HEADER_BYTES as FRAME_HEADER_BYTES
+from tpusync._native.net import FRAMES_DONE as FRAMES_DONE
+from tpusync._native.net import FRAMES_HEADER as FRAMES_HEADER
+from tpusync._native.net import FRAMES_SILENT as FRAMES_SILENT
+from tpusync._native.net import FRAMES_TIMEOUT as FRAMES_TIMEOUT
+from tpusync._native.net import FrameReceiver as FrameReceiver
+from tpusync._native.net import PieceHasher as PieceHasher
+from tpusync._native.net import _set_rcvlowat_max as _set_rcvlowat_max
+from tpusync._native.net import _set_recv_step as _set_recv_step
+from tpusync._native.net import block_frame_headers as block_frame_headers
+from tpusync._native.net import recv_exact as recv_exact
+from tpusync._native.net import send_all as send_all
+from tpusync._native.pjrt import PJRT_EXTENSION_TYPE_RAW_BUFFER as PJRT_EXTENSION_TYPE_RAW_BUFFER
+from tpusync._native.pjrt import PjrtApi as PjrtApi
+from tpusync._native.pjrt import PjrtError as PjrtError
+from tpusync._native.pjrt import _slot_offsets as _slot_offsets
+from tpusync._native.pjrt import _struct_sizes as _struct_sizes
+from tpusync._native.pjrt import pjrt_minimum_version as pjrt_minimum_version
+
+__all__ = [
+    "FRAMES_DONE",
+    "FRAMES_HEADER",
+    "FRAMES_SILENT",
+    "FRAMES_TIMEOUT",
+    "FRAME_HEADER_BYTES",
+    "PAGE_SIZE",
+    "PJRT_EXTENSION_TYPE_RAW_BUFFER",
+    "BlockRows",
+    "CopyEngine",
+    "FrameReceiver",
+    "Mapping",
+    "PieceHasher",
+    "PjrtApi",
+    "PjrtError",
+    "_crc32c_shift",
+    "_force_portable_checksum",
+    "_set_rcvlowat_max",
+    "_set_recv_step",
+    "_slot_offsets",
+    "_struct_sizes",
+    "blake2b",
+    "blake2b_chain",
+    "block_frame_headers",
+    "block_ids_status",
+    "block_segments",
+    "collapse_huge_pages",
+    "crc32c",
+    "pin_slots",
+    "pjrt_minimum_version",
+    "recv_exact",
+    "send_all",
+    "sum64",
+    "sum64_regions",
+    "table_bounds",
+    "unpin_slots",
+    "xxh64",
+    "xxh64_gathered",
+    "xxh64_rows",
+]
 
 PAGE_SIZE: int
 
-class CopyEngine:
-    threads: int
-    min_parallel_bytes: int
-    def __init__(self, threads: int, min_parallel_bytes: int = ...) -> None: ...
-    def copy(self, segments: np.ndarray) -> int: ...
-    def copy_hashed(self, segments: np.ndarray) -> np.ndarray: ...
-    def hash(self, segments: np.ndarray) -> np.ndarray: ...
-
-def block_segments(
-    src_outer: np.ndarray,
-    src_block_stride: int,
-    dst_outer: np.ndarray,
-    dst_block_stride: int,
-    src_blocks: np.ndarray,
-    dst_blocks: np.ndarray,
-    nbytes: int,
-    merge: bool = ...,
-) -> np.ndarray: ...
-
-class BlockRows:
-    n_rows: int
-    n_pairs: int
-    def __init__(
-        self,
-        pair_of_row: np.ndarray,
-        src_rel: np.ndarray,
-        src_step: np.ndarray,
-        dst_rel: np.ndarray,
-        dst_step: np.ndarray,
-        nbytes: np.ndarray,
-        n_pairs: int,
-    ) -> None: ...
-    def rows(
-        self, pair_bases: np.ndarray, src_blocks: np.ndarray, dst_blocks: np.ndarray
-    ) -> np.ndarray: ...
-
-def table_bounds(table: np.ndarray) -> tuple[int, int, int, int]: ...
-def xxh64(data: Any, seed: int = ...) -> int: ...
-def xxh64_rows(rows: np.ndarray, seed: int = ...) -> np.ndarray: ...
-def blake2b(data: Any, key: bytes = ..., person: bytes = ..., digest_size: int = ...) -> bytes: ...
-def blake2b_chain(
-    start: bytes, data: Any, step: int, key: bytes = ..., person: bytes = ..., tag: bytes = ...
-) -> list[bytes]: ...
-def xxh64_gathered(
-    digests: np.ndarray, rows: np.ndarray, n_blocks: int, seed: int = ...
-) -> np.ndarray: ...
-def sum64(data: Any) -> int: ...
+def collapse_huge_pages(address: int, length: int) -> int: ...
 def pin_slots(
     index: dict[bytes, int], keys: list[bytes], pins: np.ndarray, checksums: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, bool]: ...
 def unpin_slots(pins: np.ndarray, slots: np.ndarray) -> None: ...
 def block_ids_status(ids: np.ndarray, limit: int) -> int: ...
-def recv_exact(fd: int, buffer: Any, timeout_s: float, hasher: PieceHasher | None = ...) -> int: ...
-def _set_recv_step(nbytes: int) -> int: ...
-def send_all(fd: int, buffers: list[Any], timeout_s: float) -> int: ...
-
-class PieceHasher:
-    digests: np.ndarray
-    position: int
-    complete: bool
-    def __init__(self, offsets: np.ndarray, lengths: np.ndarray) -> None: ...
-    def feed(self, data: Any) -> None: ...
-
-def sum64_regions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray: ...
-def crc32c(data: Any, crc: int = ...) -> int: ...
-def _crc32c_shift(crc: int, nbytes: int) -> int: ...
-def _force_portable_checksum(on: int) -> None: ...
-def collapse_huge_pages(address: int, length: int) -> int: ...
 
 class Mapping:
     size: int
@@ -94,61 +103,3 @@ class Mapping:
     def closed(self) -> bool: ...
     def close(self) -> None: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
-
-# PJRT C API binding (src/tpusync/_pjrt_api.pxi)
-
-PJRT_EXTENSION_TYPE_RAW_BUFFER: int
-
-class PjrtError(TpuSyncError, RuntimeError):
-    code: int
-    code_name: str
-    plugin_message: str | None
-    def __init__(self, message: str, code: int = ..., plugin_message: str | None = ...) -> None: ...
-
-def pjrt_minimum_version() -> tuple[int, int]: ...
-def _slot_offsets() -> dict[str, int]: ...
-def _struct_sizes() -> dict[str, int]: ...
-
-class PjrtApi:
-    source: str
-    @staticmethod
-    def from_capsule(capsule: Any) -> PjrtApi: ...
-    @staticmethod
-    def from_library(
-        path: str | bytes | os.PathLike[str], *, already_loaded: bool = ...
-    ) -> PjrtApi: ...
-    @staticmethod
-    def from_address(address: int) -> PjrtApi: ...
-    @property
-    def address(self) -> int: ...
-    @property
-    def version(self) -> tuple[int, int]: ...
-    @property
-    def struct_size(self) -> int: ...
-    @property
-    def num_slots(self) -> int: ...
-    @property
-    def library_path(self) -> str | None: ...
-    def extension_types(self) -> list[int]: ...
-    def find_extension(self, type_id: int) -> tuple[int, int] | None: ...
-    def has_slot(self, name: str) -> bool: ...
-    def plugin_attributes(self) -> dict[str, str | int | float | bool | list[int] | None]: ...
-    def initialize(self) -> bool: ...
-    def platform_name(self, client_address: int) -> str: ...
-    def platform_version(self, client_address: int) -> str: ...
-    def try_create_client(self) -> int: ...
-    def destroy_client(self, client_address: int) -> None: ...
-    def lookup_device(self, client_address: int, device_id: int) -> int: ...
-    def create_view(
-        self, client_address: int, device_address: int, buffer_address: int, nbytes: int
-    ) -> int: ...
-    def destroy_buffer(self, buffer_address: int) -> None: ...
-    @property
-    def can_read_raw(self) -> bool: ...
-    @property
-    def can_write_raw(self) -> bool: ...
-    def create_raw_alias(self, buffer_address: int) -> int: ...
-    def destroy_raw_buffer(self, raw_address: int) -> None: ...
-    def dma_map(self, client_address: int, address: int, size: int) -> None: ...
-    def dma_unmap(self, client_address: int, address: int) -> None: ...
-    def copy_rows(self, targets: np.ndarray, rows: np.ndarray) -> int: ...

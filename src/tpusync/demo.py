@@ -77,17 +77,20 @@ def _store_config(
     disk: Path | None,
     shared: Path | None,
     block_size: int,
-    extra_tiers: tuple[tuple[str, Any], ...] = (),
+    extra_tiers: tuple[Any, ...] = (),
 ) -> Any:
     from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
 
+    tiers: list[Any] = []
+    if disk:
+        tiers.append(DiskTier(disk, capacity_blocks=2 * blocks + 16, create=True))
+    if shared:
+        tiers.append(SharedFsTier(shared, create=True))
     return KVStoreConfig(
-        extra_tiers=extra_tiers,
         model_id=MODEL_ID,
         block_size=block_size,
         dram=DramTier(capacity_blocks=2 * blocks + 16, name=shm_name),
-        disk=DiskTier(disk, capacity_blocks=2 * blocks + 16, create=True) if disk else None,
-        shared_fs=SharedFsTier(shared, create=True) if shared else None,
+        tiers=(*tiers, *extra_tiers),
     )
 
 
@@ -127,7 +130,7 @@ def run(
     _setup_jax(cache_dir)
     import secrets
 
-    from tpusync.cluster import BlockServer, NodeInfo, RemoteRegistry, StoreNodePool
+    from tpusync.cluster import BlockServer, NodeInfo, RemoteRegistry, StoreNodePool, serving
     from tpusync.testing.engine import ToyEngine
     from tpusync.testing.model import init_kv_pools
     from tpusync.testing.processes import start_store_node, stop_process
@@ -189,7 +192,7 @@ def run(
         print("disaggregated: a decode process given only the registry address ...")
         registry = RemoteRegistry(node["registry"], secret=secret)
         with BlockServer(engine.store.dram, secret=secret) as server:
-            engine.store.publish_to(registry, NodeInfo("demo-prefill", (server.address,)))
+            serving.publish_to(engine.store, registry, NodeInfo("demo-prefill", (server.address,)))
             engine.store.flush()
             decode = _run_child(
                 tokens,
@@ -308,19 +311,15 @@ def _child(spec: dict[str, Any]) -> None:
     tokens, new_tokens = spec["tokens"], spec["new_tokens"]
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
-    extra: tuple[tuple[str, Any], ...] = ()
+    extra: tuple[Any, ...] = ()
     closers: list[Any] = []
     if spec.get("registry"):
-        from tpusync.cluster import RegistryPool, RemoteRegistry
-        from tpusync.testing.model import init_kv_pools
-        from tpusync.tiers import PoolLayout
+        from tpusync.cluster import RegistryTier, RemoteRegistry
 
         secret = bytes.fromhex(spec["secret"])
         registry = RemoteRegistry(spec["registry"], secret=secret)
-        layout = PoolLayout.from_pools(MODEL_ID, init_kv_pools(config))
-        cluster = RegistryPool(registry, layout, secret=secret, exclude="demo-decode")
-        extra = (("cluster", cluster),)
-        closers = [cluster, registry]
+        extra = (RegistryTier(registry, secret=secret, exclude="demo-decode"),)
+        closers = [registry]  # the store closes the tier it opened
     store_config = _store_config(blocks, spec["shm_name"], None, None, config.block_size, extra)
     engine = ToyEngine(config, store_config)
     engine.warmup(tokens, new_tokens, cold=False)

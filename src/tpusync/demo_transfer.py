@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from tpusync.device_pool import DevicePool
-from tpusync.host_buffer import HostBuffer
 from tpusync.info import info
+from tpusync.memory import DevicePool, HostBuffer
 from tpusync.transfer import Transfer, transfer_batch
 
 

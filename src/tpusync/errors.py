@@ -4,18 +4,23 @@ from __future__ import annotations
 
 __all__ = [
     "ArrayDeletedError",
+    "AuthenticationError",
     "BlockIndexError",
     "BlocksHeldError",
     "BlocksMissingError",
     "DtypeMismatchError",
+    "FrameError",
     "InvalidArgumentError",
     "JaxForkError",
     "NamespaceMismatchError",
     "NativePathUnavailableError",
     "NotAPoolError",
+    "PeerUnavailableError",
     "PoolBusyError",
     "PoolFormatError",
     "ReadOnlyDestinationError",
+    "RegistryUnavailableError",
+    "RemoteOperationUnsupportedError",
     "SessionNotFoundError",
     "ShapeMismatchError",
     "StaleHandleError",
@@ -138,3 +143,35 @@ class TierIOError(TpuSyncError, OSError):
 class JaxForkError(TpuSyncError, RuntimeError):
     """A device call in a process forked after JAX had started (JAX does not survive
     ``fork()``); the message says how to start the child instead. Host-side calls work there."""
+
+
+# -- across hosts (tpusync.cluster re-exports these where they were defined before) -------------
+
+
+class AuthenticationError(TpuSyncError, PermissionError):
+    """The other end of a registry connection does not know the shared secret."""
+
+
+class FrameError(TpuSyncError, ValueError):
+    """Bytes that are not a valid block frame header of a version this build reads; the message
+    names the field, ``reason`` is a short tag for counting (``"length"``, ``"magic"``,
+    ``"version"``, ``"crc"``, ``"type"``, ``"reserved"``, ``"payload"``, ``"key"``,
+    ``"checksum"``)."""
+
+    def __init__(self, message: str, reason: str = "format") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class PeerUnavailableError(TpuSyncError, ConnectionError):
+    """A block server cannot be reached, failed the handshake or did not answer; the cause is
+    chained."""
+
+
+class RegistryUnavailableError(TpuSyncError, ConnectionError):
+    """The registry cannot be reached or did not answer (connection refused or lost, timeout,
+    a server-side failure); the cause is chained."""
+
+
+class RemoteOperationUnsupportedError(TpuSyncError, NotImplementedError):
+    """The remote tier does not offer this operation (yet): it is read-only."""

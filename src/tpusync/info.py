@@ -9,6 +9,14 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import jax
+import jaxlib
+
+from tpusync import __version__, options
+from tpusync.engines.native import copy_threads
+from tpusync.memory import fork_guard
+from tpusync.transfer.select import device_choice
+
 __all__ = ["DeviceInfo", "HostInfo", "Info", "info"]
 
 
@@ -33,7 +41,7 @@ class HostInfo:
     o_direct_reason: str
     transparent_huge_pages: str | None
     shmem_huge_pages: str | None  # 'deny' keeps /dev/shm pools on small pages
-    huge_pages_for_cpu_pools: bool  # TPUSYNC_HUGE_PAGES: CPU DevicePools, /dev/shm pools collapsed
+    huge_pages_for_cpu_pools: bool  # Options.huge_pages: CPU DevicePools, /dev/shm pools collapsed
     copy_threads: int
     cpu_count: int
 
@@ -123,9 +131,6 @@ def _thp(which: str = "enabled") -> str | None:
 
 
 def host_info(directory: str | None = None) -> HostInfo:
-    from tpusync import _huge_pages
-    from tpusync._native_path import copy_threads
-
     total, free = _statvfs("/dev/shm")
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     directory = directory or tempfile.gettempdir()
@@ -140,7 +145,7 @@ def host_info(directory: str | None = None) -> HostInfo:
         o_direct_reason=reason,
         transparent_huge_pages=_thp(),
         shmem_huge_pages=_thp("shmem_enabled"),
-        huge_pages_for_cpu_pools=_huge_pages.enabled(),
+        huge_pages_for_cpu_pools=options.current().huge_pages,
         copy_threads=copy_threads(),
         cpu_count=len(os.sched_getaffinity(0)),
     )
@@ -153,16 +158,10 @@ def info(directory: str | None = None) -> Info:
       directory: where to check O_DIRECT (e.g. the disk tier's directory); default: the
         temporary directory.
     """
-    import jax
-    import jaxlib
-
-    from tpusync import __version__, _fork
-    from tpusync._paths import device_path
-
-    _fork.check_device_use("tpusync.info")  # it lists JAX's devices
+    fork_guard.check_device_use("tpusync.info")  # it lists JAX's devices
     devices = []
     for device in jax.devices():
-        path = device_path(device) if device.process_index == jax.process_index() else None
+        path = device_choice(device) if device.process_index == jax.process_index() else None
         devices.append(
             DeviceInfo(
                 id=device.id,

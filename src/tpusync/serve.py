@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        from tpusync.cluster.registry_server import is_loopback
+        from tpusync.cluster.registry.server import is_loopback
 
         if not is_loopback(args.host) and not args.insecure and not args.tls_cert:
             raise InvalidArgumentError(

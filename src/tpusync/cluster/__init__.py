@@ -1,47 +1,51 @@
-"""Across hosts: the registry of who holds which block, leases, the TCP data plane, store nodes.
+"""Across hosts: the registry of who holds which block, leases, the TCP data plane, store nodes,
+and serving a KV store to peers.
 
-Registry backends: :class:`MemoryRegistry` (embedded; serve it to other processes with
-:class:`RegistryServer`, reach it with :class:`RemoteRegistry`), :class:`RedisRegistry` (Redis or
-Valkey; needs ``tpusync[cluster]``) and :class:`JaxRegistry` (the coordination service of a
-``jax.distributed`` job).
-
-Data plane: :class:`BlockServer` serves a HostPool's blocks, :class:`BlockClient` pulls them into
-another HostPool (straight into its slots, verified, under a :class:`LeaseTable` lease),
-:class:`RemotePool` is the read side of a lower tier over a client; :mod:`tpusync.cluster.wire`
-is the block frame.
-
-Store nodes (`tpusync serve`): :class:`StoreNode` lends a process's DRAM to peers through a
-:class:`StoreServer`; :class:`StoreNodePool` is that DRAM as a writable lower tier of a store.
+Layers of this package (each imports only those before it): the shared connection machinery
+(``_handshake``, ``_admission``, ``_tcp_server``, ``_rpc``); :mod:`tpusync.cluster.registry`
+(the :class:`Registry` protocol and its backends: :class:`MemoryRegistry`, served by
+:class:`RegistryServer` and reached through :class:`RemoteRegistry`; :class:`RedisRegistry`,
+needs ``tpusync[cluster]``; :class:`JaxRegistry`, the coordination service of a
+``jax.distributed`` job); :mod:`tpusync.cluster.dataplane` (:class:`BlockServer` serves a
+HostPool's blocks, :class:`BlockClient` pulls them into another HostPool under a
+:class:`LeaseTable` lease, :class:`RemotePool` is the read side of a lower tier over a client;
+``dataplane.wire`` is the block frame); :class:`RegistryPool` (a lower tier over the registry
+and the data plane); :mod:`tpusync.cluster.store_node` (`tpusync serve`: :class:`StoreNode`
+lends a process's DRAM to peers through a :class:`StoreServer`; :class:`StoreNodePool` is that
+DRAM as a writable lower tier of a store); :mod:`tpusync.cluster.serving` (a KV store served to
+peers and listed in a registry).
 """
 
 from tpusync.cluster.dataplane import (
     BlockClient,
     BlockServer,
-    PeerUnavailableError,
+    Lease,
+    LeaseTable,
     PullResult,
-    RemoteOperationUnsupportedError,
     RemotePool,
 )
-from tpusync.cluster.leases import Lease, LeaseTable
 from tpusync.cluster.registry import (
     Holder,
+    JaxRegistry,
     MemoryRegistry,
     NodeInfo,
+    RedisRegistry,
     Registry,
+    RegistryServer,
+    RemoteRegistry,
     longest_common_prefix,
     longest_prefix,
 )
-from tpusync.cluster.registry_jax import JaxRegistry
 from tpusync.cluster.registry_pool import RegistryPool
-from tpusync.cluster.registry_redis import RedisRegistry
-from tpusync.cluster.registry_server import (
-    AuthenticationError,
-    RegistryServer,
-    RegistryUnavailableError,
-    RemoteRegistry,
-)
 from tpusync.cluster.store_node import StoreNode, StoreNodePool, StoreServer
-from tpusync.cluster.wire import FrameError
+from tpusync.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier  # uses the above
+from tpusync.errors import (
+    AuthenticationError,
+    FrameError,
+    PeerUnavailableError,
+    RegistryUnavailableError,
+    RemoteOperationUnsupportedError,
+)
 
 __all__ = [
     "AuthenticationError",
@@ -54,18 +58,21 @@ __all__ = [
     "LeaseTable",
     "MemoryRegistry",
     "NodeInfo",
+    "PeerTier",
     "PeerUnavailableError",
     "PullResult",
     "RedisRegistry",
     "Registry",
     "RegistryPool",
     "RegistryServer",
+    "RegistryTier",
     "RegistryUnavailableError",
     "RemoteOperationUnsupportedError",
     "RemotePool",
     "RemoteRegistry",
     "StoreNode",
     "StoreNodePool",
+    "StoreNodeTier",
     "StoreServer",
     "longest_common_prefix",
     "longest_prefix",

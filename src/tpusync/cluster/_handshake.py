@@ -1,6 +1,6 @@
 """The frames and the handshake every tpusync TCP connection starts with (registry server, block
 server, store node, and their clients): 4-byte big-endian length + UTF-8 JSON frames, and the
-mutual HMAC-SHA256 challenge-response (see :mod:`tpusync.cluster.registry_server`), with the
+mutual HMAC-SHA256 challenge-response (see :mod:`tpusync.cluster.registry.server`), with the
 transport checks (TLS off loopback) and address parsing they share.
 
 The server's side is split in two (:func:`server_greeting`, :func:`server_reply`) so that a
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpusync.cluster._admission import HANDSHAKE_FRAME_BYTES
-from tpusync.errors import InvalidArgumentError, TpuSyncError
+from tpusync.errors import AuthenticationError, InvalidArgumentError
 
 __all__ = ["AuthenticationError", "check_transport", "client_handshake", "parse_address"]
 
@@ -36,10 +36,6 @@ NONCE_BYTES = 32
 MIN_SECRET_BYTES = 16
 BUSY = "Busy"  # the error type of a refusal for load: the client may try again
 REFUSED_AUTH = "authentication failed"
-
-
-class AuthenticationError(TpuSyncError, PermissionError):
-    """The other end of a registry connection does not know the shared secret."""
 
 
 class _ProtocolError(Exception):

@@ -9,7 +9,10 @@ import logging
 import socket
 import ssl
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from tpusync.cluster._admission import HandshakeLoop, RefusalLog, peer_label
 from tpusync.cluster._handshake import (
@@ -25,7 +28,7 @@ from tpusync.cluster._handshake import (
 )
 from tpusync.errors import InvalidArgumentError
 
-__all__ = ["AuthenticatedTcpServer"]
+__all__ = ["AuthenticatedTcpServer", "BlockServerOptions", "ServerOptions", "options_of"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,90 @@ def _check_count(value: Any, argument: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """What every tpusync server listens with, checked when made (the one place these
+    arguments are spelled out; the servers take them as keywords or as ``options=``).
+
+    Args:
+      secret: shared with the clients; at least 16 bytes (``secrets.token_bytes(32)``).
+      host, port: where to listen (``port=0``: a free port).
+      handshake_timeout_s: the whole handshake (TLS included) must end within this, or the peer
+        is dropped.
+      max_connections: authenticated connections at most; a client authenticating beyond
+        this is told the server is busy.
+      max_handshakes: connections authenticating at most (kept apart from the authenticated
+        ones: hostile peers that never authenticate cannot lock clients out).
+      tls: a server-side ``ssl.SSLContext`` (with its certificate) to encrypt every connection;
+        required off loopback unless ``insecure=True``.
+    """
+
+    secret: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    handshake_timeout_s: float = 10.0
+    max_connections: int = 256
+    max_handshakes: int = MAX_HANDSHAKES
+    tls: ssl.SSLContext | None = None
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        check_transport(self.host, self.tls, self.insecure, "host")
+        _check_secret(self.secret)
+        timeout = self.handshake_timeout_s
+        if (
+            not isinstance(timeout, int | float)
+            or isinstance(timeout, bool)
+            or not 0 < timeout <= 3600
+        ):
+            raise InvalidArgumentError(
+                f"handshake_timeout_s: expected (0, 3600] s, got {timeout!r}"
+            )
+        _check_count(self.max_connections, "max_connections")
+        _check_count(self.max_handshakes, "max_handshakes")
+
+
+@dataclass(frozen=True)
+class BlockServerOptions(ServerOptions):
+    """:class:`ServerOptions` and what every block server adds.
+
+    Args:
+      lease_ttl_s: the longest lease granted (a client may ask for less).
+      io_timeout_s: a connection idle (or stuck sending) this long is closed.
+      clock: the lease table's clock (tests).
+    """
+
+    lease_ttl_s: float = 10.0
+    io_timeout_s: float = 300.0
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ttl = self.lease_ttl_s
+        if not isinstance(ttl, int | float) or not 0 < ttl <= 3600:
+            raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {ttl!r}")
+
+
+OptionsT = TypeVar("OptionsT", bound=ServerOptions)
+
+
+def options_of(
+    kind: type[OptionsT], options: OptionsT | None, keywords: dict[str, Any]
+) -> OptionsT:
+    """A server's options: ``options`` as given, or made of the ``keywords`` (not both)."""
+    if options is None:
+        return kind(**keywords)
+    if keywords:
+        raise InvalidArgumentError(
+            f"options: give options or {', '.join(sorted(keywords))}, not both"
+        )
+    if not isinstance(options, kind):
+        raise InvalidArgumentError(
+            f"options: expected a {kind.__name__}, got {type(options).__name__}"
+        )
+    return options
+
+
 class AuthenticatedTcpServer:
     """A TCP listener that serves each connection on its own thread once the peer has passed
     the mutual handshake: the part the registry server, the block server and the store node
@@ -52,48 +139,19 @@ class AuthenticatedTcpServer:
     connection drops the oldest unauthenticated one). Refused peers are logged (address and
     reason, at most one line per reason every few seconds) and counted (:meth:`refusals`).
 
-    Args:
-      host, port: where to listen (``port=0``: a free port; see :attr:`address`).
-      secret: shared with the clients; at least 16 bytes.
-      handshake_timeout_s: the whole handshake (TLS included) must end within this, or the peer
-        is dropped.
-      max_connections: authenticated connections at most; a client authenticating beyond
-        this is told the server is busy.
-      max_handshakes: connections authenticating at most (kept apart from the authenticated
-        ones: hostile peers that never authenticate cannot lock clients out).
-      tls: a server-side ``ssl.SSLContext`` (with its certificate) to encrypt every connection;
-        required off loopback unless ``insecure=True``.
+    ``options``: see :class:`ServerOptions`.
     """
 
     _thread_name = "tpusync-server"
     _label = "server"
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        secret: bytes,
-        handshake_timeout_s: float,
-        max_connections: int,
-        max_handshakes: int = MAX_HANDSHAKES,
-        tls: ssl.SSLContext | None = None,
-        insecure: bool = False,
-    ) -> None:
-        check_transport(host, tls, insecure, "host")
-        self._tls = tls
-        self._secret = _check_secret(secret)
-        if (
-            not isinstance(handshake_timeout_s, int | float)
-            or isinstance(handshake_timeout_s, bool)
-            or not 0 < handshake_timeout_s <= 3600
-        ):
-            raise InvalidArgumentError(
-                f"handshake_timeout_s: expected (0, 3600] s, got {handshake_timeout_s!r}"
-            )
-        self._handshake_timeout = float(handshake_timeout_s)
-        self._max_connections = _check_count(max_connections, "max_connections")
-        self._max_handshakes = _check_count(max_handshakes, "max_handshakes")
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self._tls = options.tls
+        self._secret = options.secret
+        self._handshake_timeout = float(options.handshake_timeout_s)
+        self._max_connections = options.max_connections
+        self._max_handshakes = options.max_handshakes
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._closed = False
@@ -102,8 +160,11 @@ class AuthenticatedTcpServer:
             logging.getLogger(type(self).__module__), lambda: f"{self._label} {self.address}"
         )
         self._handshakes: HandshakeLoop | None = None
+        host = options.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        self._sock = socket.create_server(
+            (host, options.port), family=family, backlog=LISTEN_BACKLOG
+        )
         bound = self._sock.getsockname()
         self._host, self._port = bound[0], bound[1]
 

@@ -17,9 +17,14 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from tpusync.cluster.dataplane import BlockClient, RemoteOperationUnsupportedError, RemotePool
-from tpusync.cluster.registry import Registry, check_keys
-from tpusync.errors import BlocksMissingError, InvalidArgumentError, TpuSyncError
+from tpusync.cluster.dataplane import BlockClient, RemotePool
+from tpusync.cluster.registry.base import Registry, check_keys
+from tpusync.errors import (
+    BlocksMissingError,
+    InvalidArgumentError,
+    RemoteOperationUnsupportedError,
+    TpuSyncError,
+)
 from tpusync.tiers.host_pool import HostPool
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats

@@ -135,7 +135,10 @@ uint64_t tps_xxh64(const void *data, size_t n, uint64_t seed) {
 
 static uint32_t crc_table[8][256];
 static int crc_table_ready;
-static int force_portable;
+/* The forced code path (tps_checksum_force_portable). Each extension module links its own copy
+ * of this file; they all read the checksum module's flag (tps_checksum_share_path_flag). */
+static int own_path_flag;
+static int *force_portable = &own_path_flag;
 
 static void build_crc_table(void) {
   for (uint32_t i = 0; i < 256; i++) {
@@ -194,7 +197,7 @@ __attribute__((target("sse4.2"))) static void lanes_hw(uint32_t lanes[3], const 
 static int have_sse42(void) {
   static int cached = -1;
   if (cached < 0) cached = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-  return cached && force_portable != 1;
+  return cached && *force_portable != 1;
 }
 #else
 static int have_sse42(void) { return 0; }
@@ -488,7 +491,7 @@ static int have_clmul512(void) {
   if (cached < 0)
     cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq") &&
              __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2");
-  return cached && force_portable == 0;
+  return cached && *force_portable == 0;
 }
 #define CLM_MIN_BLOCKS 16 /* 3 KiB: about where setting up and finishing pay off (measured) */
 #endif
@@ -534,7 +537,9 @@ static uint32_t feed_byte(uint32_t c, uint8_t b) {
   return crc_byte_portable(c, b);
 }
 
-void tps_checksum_force_portable(int on) { force_portable = on; }
+void tps_checksum_force_portable(int on) { *force_portable = on; }
+int *tps_checksum_path_flag(void) { return force_portable; }
+void tps_checksum_share_path_flag(int *flag) { force_portable = flag; }
 
 uint32_t tps_crc32c(uint32_t crc, const void *data, size_t n) {
   const uint8_t *p = data;

@@ -16,11 +16,13 @@ from tpusync.kv.store import (
     SaveResult,
     SessionRestore,
 )
+from tpusync.kv.tier_specs import ExistingTier
 
 __all__ = [
     "Blake2bChainKeys",
     "DiskTier",
     "DramTier",
+    "ExistingTier",
     "KVCacheStore",
     "KVStoreConfig",
     "KeyScheme",

@@ -1,6 +1,7 @@
 """Checks a KVCacheStore makes before it opens anything: that its configuration agrees with the
-device pools it is given, that every extra tier holds blocks of the store's own layout, that the
-tier directories exist (or may be created), and that an anonymous DRAM tier fits in memory.
+device pools it is given, that every tier the caller opened holds blocks of the store's own
+layout, that every tier spec passes its own check (directories that exist or may be created, a
+MAC key that is not public), and that an anonymous DRAM tier fits in memory.
 
 Each of these mistakes was accepted once and gave wrong output or filled the wrong filesystem
 later: a ``block_size`` other than the pools' keys blocks wrongly (a later load gives wrong
@@ -10,30 +11,21 @@ missing disk directory (an unmounted disk, a typo) silently became a directory o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from tpusync.device_pool import DevicePool
-from tpusync.errors import (
-    DtypeMismatchError,
-    InvalidArgumentError,
-    ShapeMismatchError,
-    UnsafeFileError,
-)
-from tpusync.kv.config import DiskTier, KVStoreConfig, SharedFsTier
-from tpusync.kv.keys import DEFAULT_SECRET
-from tpusync.tiers._files import make_directory
+from tpusync.errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+from tpusync.kv.config import KVStoreConfig
+from tpusync.kv.tier_specs import ExistingTier
+from tpusync.memory.device_pool import DevicePool
 from tpusync.tiers._room import check_room
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.mac import MacKey, mac_key_from_secret
 
 __all__ = [
     "check_dram_room",
     "check_extra_tier_layouts",
-    "check_tier_directories",
+    "check_tiers",
     "check_token_axis",
-    "make_tier_directory",
 ]
 
 _VLLM_CPU_HINT = "e.g. token_axis=2 for vLLM's CPU layout [num_blocks, kv_heads, block_size, ...]"
@@ -91,21 +83,25 @@ def _layout_difference(tier: PoolLayout, own: PoolLayout) -> tuple[type[Exceptio
     )
 
 
-def check_extra_tier_layouts(extra_tiers: Sequence[tuple[str, Any]], own: PoolLayout) -> None:
-    """Raises (an :class:`InvalidArgumentError`) unless every extra tier holds blocks of the
-    store's own layout ``own`` (same model id, arrays, dtypes and shapes)."""
-    for i, (name, tier) in enumerate(extra_tiers):
+def check_extra_tier_layouts(tiers: Sequence[Any], own: PoolLayout) -> None:
+    """Raises (an :class:`InvalidArgumentError`) unless every tier the caller opened (the
+    deprecated ``extra_tiers``) holds blocks of the store's own layout ``own`` (same model id,
+    arrays, dtypes and shapes)."""
+    for i, spec in enumerate(tiers):
+        if not isinstance(spec, ExistingTier):
+            continue
+        name, tier = spec.name, spec.tier
         layout = getattr(tier, "layout", None)
         if not isinstance(layout, PoolLayout):
             raise InvalidArgumentError(
-                f"extra_tiers[{i}] ({name!r}): its layout is a {type(layout).__name__}, not a "
+                f"tiers[{i}] ({name!r}): its layout is a {type(layout).__name__}, not a "
                 "tpusync.tiers.PoolLayout; build the tier with the store's layout"
             )
         difference = _layout_difference(layout, own)
         if difference is not None:
             error, what = difference
             raise error(
-                f"extra_tiers[{i}] ({name!r}): the tier was built for another block layout "
+                f"tiers[{i}] ({name!r}): the tier was built for another block layout "
                 f"({what}); build it with the layout of this store's pools: "
                 "PoolLayout.from_pools(model_id, pools, block_axis=...) with the config's "
                 "model_id and block_axis, or store.layout"
@@ -126,49 +122,9 @@ def check_dram_room(config: KVStoreConfig, layout: PoolLayout) -> None:
     )
 
 
-def _tiers(config: KVStoreConfig) -> list[tuple[DiskTier | SharedFsTier, str]]:
-    named = [(config.disk, "disk"), (config.shared_fs, "shared_fs")]
-    return [(tier, argument) for tier, argument in named if tier is not None]
-
-
-def check_tier_directories(config: KVStoreConfig) -> None:
-    """Raises :class:`InvalidArgumentError` for a tier directory that is missing and not to be
-    created (``create=False``)."""
-    for tier, argument in _tiers(config):
-        path = os.fspath(tier.directory)
-        if not tier.create and not os.path.lexists(path):
-            kind = type(tier).__name__
-            raise InvalidArgumentError(
-                f"{argument}.directory: {path} does not exist; create it (or mount its "
-                f"filesystem) first, or pass {kind}(..., create=True) to have the store create "
-                "it"
-            )
-
-
-def make_tier_directory(tier: DiskTier | SharedFsTier, argument: str) -> None:
-    """Creates the tier's directory (0700) if it is missing and ``tier.create`` asks for it."""
-    path = os.fspath(tier.directory)
-    if not tier.create or os.path.lexists(path):
-        return
-    try:
-        make_directory(path)
-    except UnsafeFileError:  # something unsafe appeared there meanwhile: its own message
-        raise
-    except OSError as exc:
-        raise InvalidArgumentError(
-            f"{argument}.directory: cannot create {path}: {exc.strerror or exc}"
-        ) from None
-
-
-def shared_fs_mac_key(config: KVStoreConfig) -> MacKey | None:
-    """The shared-FS tier's MAC key when ``shared_fs.mac`` is on; refuses the public default
-    secret, which would let anyone make tags that verify."""
-    tier = config.shared_fs
-    if tier is None or not tier.mac:
-        return None
-    if config.secret == DEFAULT_SECRET:
-        raise InvalidArgumentError(
-            "shared_fs.mac: needs the deployment's own KVStoreConfig.secret; the default "
-            "development secret is public, so anyone could forge blocks that verify"
-        )
-    return mac_key_from_secret(config.secret, argument="secret")
+def check_tiers(config: KVStoreConfig) -> None:
+    """Has every lower tier spec check itself (a missing directory not to be created, a MAC
+    with the public default secret, ...) before any tier is opened."""
+    context = config.tier_context
+    for spec in config.tiers:
+        spec.check(context)

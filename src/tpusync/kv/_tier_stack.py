@@ -42,15 +42,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.kv._tier_faults import TierFaults
-from tpusync.tiers.base import LowerTier
+from tpusync.tiers.base import LowerTier, tier_free, tier_usable_capacity
 from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.spec import OpenedTier
 
 log = logging.getLogger("tpusync.kv")
 
@@ -80,21 +80,20 @@ class TierStack:
     def __init__(
         self,
         dram: HostPool,
-        lower: Sequence[tuple[str, LowerTier]],
+        lower: Sequence[tuple[str, OpenedTier]],
         *,
         writeback_max_bytes: int,
         writeback_policy: str,
     ) -> None:
         self.dram = dram
         self.names = ["dram", *(name for name, _ in lower)]
-        self.tiers: list[HostPool | LowerTier] = [dram, *(tier for _, tier in lower)]
+        self.tiers: list[HostPool | LowerTier] = [dram, *(opened.tier for _, opened in lower)]
         self.block_bytes = dram.layout.payload_bytes
         self.lock = threading.RLock()
         self._room_locks = [threading.Lock() for _ in self.tiers]
         # Read-only tiers (e.g. another host's DRAM through a RemotePool) are searched and
         # promoted from, never written, demoted to or evicted from.
-        self.read_only = [bool(getattr(t, "read_only", False)) for t in self.tiers]
-        self.read_only[0] = False
+        self.read_only = [False, *(opened.read_only for _, opened in lower)]
         writable = [t for t in range(1, len(self.tiers)) if not self.read_only[t]]
         self._below: int | None = writable[0] if writable else None  # where DRAM demotes to
         self._writable_lower = writable
@@ -282,20 +281,13 @@ class TierStack:
             yield
 
     def _free(self, tier: int) -> int:
-        store = self.tiers[tier]
-        if tier == 0:
-            return self.dram.free
-        if store.capacity >= sys.maxsize:
-            return sys.maxsize
-        free = getattr(store, "free", None)
-        return int(free) if free is not None else store.capacity - store.used
+        return self.dram.free if tier == 0 else tier_free(self.tiers[tier])
 
     def _capacity(self, tier: int) -> int:
         """The slots ``tier`` can reach now (a disk tier's filesystem may hold fewer than its
         capacity: see :attr:`DiskPool.usable_capacity`)."""
         store = self.tiers[tier]
-        usable = getattr(store, "usable_capacity", None) if tier else None
-        return store.capacity if usable is None else int(usable)
+        return tier_usable_capacity(store) if tier else store.capacity
 
     def _too_big(self, tier: int, blocks: int) -> TierFullError:
         store, capacity = self.tiers[tier], self._capacity(tier)

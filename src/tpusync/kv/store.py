@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tpusync import _core
-from tpusync._fork import check_same_process
-from tpusync.device_pool import DevicePool
 from tpusync.errors import (
     BlockIndexError,
     BlocksMissingError,
@@ -48,26 +47,25 @@ from tpusync.errors import (
     StaleHandleError,
     TpuSyncError,
 )
-from tpusync.kv._registry_link import RegistryLink
+from tpusync.kv._peer_link import PeerLink
 from tpusync.kv._sessions import SessionManifests, SessionRecord
 from tpusync.kv._store_checks import (
     check_dram_room,
     check_extra_tier_layouts,
-    check_tier_directories,
+    check_tiers,
     check_token_axis,
-    make_tier_directory,
-    shared_fs_mac_key,
 )
 from tpusync.kv._streaming import load_through_dram, reload_from_below, save_through_dram, streams
 from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
+from tpusync.kv.tier_specs import DiskTier
+from tpusync.memory.device_pool import DevicePool
+from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._files import check_directory
-from tpusync.tiers.base import LowerTier
-from tpusync.tiers.disk_pool import DiskPool
 from tpusync.tiers.host_pool import HostPool, pool_path
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.shared_fs_pool import SharedFsPool
+from tpusync.tiers.spec import OpenedTier
 
 __all__ = [
     "KVCacheStore",
@@ -221,10 +219,9 @@ class KVCacheStore:
         self.num_device_blocks = counts.pop()
         check_token_axis(config, self.pools)
         self.layout = PoolLayout.from_pools(config.model_id, self.pools, block_axis=axis)
-        check_extra_tier_layouts(config.extra_tiers, self.layout)
-        check_tier_directories(config)
+        check_extra_tier_layouts(config.tiers, self.layout)
+        check_tiers(config)  # e.g. a missing directory, a MAC with the public default secret
         check_dram_room(config, self.layout)
-        shared_fs_mac_key(config)  # refuses mac=True with the public default secret
         self.namespace = Namespace(
             config.model_id,
             self.layout.fingerprint,
@@ -239,7 +236,7 @@ class KVCacheStore:
         self._opened_by = os.getpid()
         self._handles: dict[int, LookupResult] = {}
         self._session_saves: dict[str, SaveFuture] = {}
-        self._registry_link: RegistryLink | None = None
+        self._registry_link: PeerLink | None = None  # see attach_peer_link
         self._server: Any = None  # the BlockServer of serve()
         self._saving: set[SaveFuture] = set()  # saves not yet durable (flush waits for them)
         self._handles_lock = threading.Lock()
@@ -263,30 +260,14 @@ class KVCacheStore:
                 on_mismatch=config.dram.on_mismatch,
             )
             opened.append(dram)
-            lower: list[tuple[str, LowerTier]] = []
-            if config.disk is not None:
-                make_tier_directory(config.disk, "disk")
-                disk = DiskPool(
-                    self.layout,
-                    config.disk.capacity_blocks,
-                    config.disk.directory,
-                    durability=config.disk.durability,
-                    direct_io=config.disk.direct_io,
-                )
-                opened.append(disk)
-                lower.append(("disk", disk))
-            if config.shared_fs is not None:
-                make_tier_directory(config.shared_fs, "shared_fs")
-                shared = SharedFsPool(
-                    self.layout,
-                    config.shared_fs.directory,
-                    capacity=config.shared_fs.capacity_blocks,
-                    durability=config.shared_fs.durability,
-                    mac_key=shared_fs_mac_key(config),
-                )
-                opened.append(shared)
-                lower.append(("shared_fs", shared))
-            lower.extend(config.extra_tiers)
+            lower: list[tuple[str, OpenedTier]] = []
+            context = config.tier_context
+            for spec in config.tiers:  # each spec opens its own tier: no branch per kind here
+                tier = spec.open(self.layout, context)
+                if tier.owned:
+                    opened.append(tier.tier)
+                lower.append((spec.name, tier))
+            self._not_owned = {id(tier.tier) for _, tier in lower if not tier.owned}
             self._sessions = SessionManifests(  # UnsafeFileError/TierIOError: tiers closed
                 sessions,
                 owner=(config.model_id, self.layout.fingerprint.hex()),
@@ -314,8 +295,9 @@ class KVCacheStore:
         if config.dram.name is not None:
             path = pool_path(config.dram.name, config.dram.shm_dir)
             return path.with_name(path.name.removesuffix(".pool") + ".sessions")
-        if config.disk is not None:
-            return Path(config.disk.directory) / "sessions"
+        disk = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
+        if disk is not None:
+            return Path(disk.directory) / "sessions"
         return None
 
     # --- validation ------------------------------------------------------------------------
@@ -438,7 +420,8 @@ class KVCacheStore:
         return result
 
     def _shards_agree(self, tokens: np.ndarray, namespace: Namespace | None, n: int) -> int:
-        """With tensor parallelism (``shard_count > 1``) and a registry (:meth:`publish_to`),
+        """With tensor parallelism (``shard_count > 1``) and a peer link (a registry, see
+        :mod:`tpusync.cluster.serving`),
         how many leading blocks every other shard holds too (per the registry): a block counts
         only where all shards have it, since each shard stores only its own part. Without a
         registry, the local tiers alone decide."""
@@ -446,8 +429,6 @@ class KVCacheStore:
         link = self._registry_link
         if ns.shard_count <= 1 or link is None:
             return n
-        from tpusync.cluster.registry import longest_common_prefix
-
         others = [
             self.scheme.block_keys(
                 dataclasses.replace(ns, shard_rank=rank), tokens, self.block_size
@@ -456,7 +437,7 @@ class KVCacheStore:
             if rank != ns.shard_rank
         ]
         try:
-            return longest_common_prefix(link.registry, others)  # type: ignore[arg-type]
+            return link.common_prefix(others)
         except (TpuSyncError, OSError) as error:  # no answer: no agreement, a miss
             log.warning("tpusync kv: registry lookup for the other shards failed: %s", error)
             return 0
@@ -790,112 +771,83 @@ class KVCacheStore:
     # --- the cluster ------------------------------------------------------------------------
 
     def publish_to(self, registry: Any, node: Any, *, ttl_s: float = 10.0) -> None:
-        """Tells ``registry`` (a :class:`tpusync.cluster.Registry`) which blocks this store's
-        DRAM tier holds, as ``node`` (a :class:`tpusync.cluster.NodeInfo` whose ``addresses``
-        are where a :class:`tpusync.cluster.BlockServer` serves :attr:`dram`): everything it
-        holds now, then every block a save or promotion adds and every block DRAM drops, under
-        a node lease renewed every ``ttl_s / 3``. :meth:`close` unregisters the node."""
-        from tpusync.cluster.registry import NodeInfo, Registry, check_ttl
-
-        self._check_open()
-        if not isinstance(registry, Registry):
-            raise InvalidArgumentError(
-                f"registry: expected a tpusync.cluster Registry, got {type(registry).__name__}"
-            )
-        if not isinstance(node, NodeInfo):
-            raise InvalidArgumentError(f"node: expected a NodeInfo, got {type(node).__name__}")
-        if self._registry_link is not None:
-            raise InvalidArgumentError("registry: this store already publishes to a registry")
-        link = RegistryLink(registry, node, check_ttl(ttl_s), self.dram.keys)
-        self._registry_link = link
-        self._stack.on_dram_added = link.added
-        self._stack.on_dram_removed = link.removed
-
-    def serve(
-        self,
-        registry: Any,
-        node_id: str,
-        *,
-        secret: bytes,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        group: str = "",
-        ttl_s: float = 10.0,
-        lease_ttl_s: float = 10.0,
-        tls: Any = None,
-        insecure: bool = False,
-    ) -> Any:
-        """Serves this store's blocks to peers and lists them in ``registry``: a
-        :class:`tpusync.cluster.BlockServer` over :attr:`dram` that first moves what a peer
-        asks for up from the local disk tier, and a node ``node_id`` (with this store's shard
-        rank and count, in ``group``) publishing every block DRAM *or disk* holds -- so a
-        restarted node lists at once what its /dev/shm and disk tiers still hold. Returns the
-        server (its :attr:`~tpusync.cluster.BlockServer.address` is the node's);
-        :meth:`close` stops it and unregisters the node. ``secret``, ``tls``, ``insecure``,
-        ``lease_ttl_s``: as for the BlockServer; ``ttl_s``: the node's registry lease."""
-        from tpusync.cluster import BlockServer
-        from tpusync.cluster.registry import NodeInfo, Registry, check_ttl
-
-        self._check_open()
-        if not isinstance(registry, Registry):
-            raise InvalidArgumentError(
-                f"registry: expected a tpusync.cluster Registry, got {type(registry).__name__}"
-            )
-        if self._registry_link is not None:
-            raise InvalidArgumentError("registry: this store already publishes to a registry")
-        ttl_s = check_ttl(ttl_s)
-        server = BlockServer(
-            self.dram,
-            secret=secret,
-            host=host,
-            port=port,
-            lease_ttl_s=lease_ttl_s,
-            tls=tls,
-            insecure=insecure,
-            before_lease=self._promote_for_peers,
+        """Deprecated: use ``tpusync.cluster.serving.publish_to(store, registry, node)``."""
+        warnings.warn(
+            "KVCacheStore.publish_to() is deprecated; use "
+            "tpusync.cluster.serving.publish_to(store, registry, node, ttl_s=...)",
+            DeprecationWarning,
+            stacklevel=2,
         )
-        try:
-            node = NodeInfo(
-                node_id,
-                (server.address,),
-                group,
-                self.config.shard_rank,
-                self.config.shard_count,
-            )
-            disk = self._stack.names.index("disk") if "disk" in self._stack.names else None
-            link = RegistryLink(registry, node, ttl_s, self._served_keys)
-        except BaseException:
-            server.close()
-            raise
+        # The one import of the cluster layer from kv, kept lazy so that kv imports no cluster:
+        # the deprecated spelling of tpusync.cluster.serving.publish_to (removed next release).
+        from tpusync.cluster import serving
+
+        serving.publish_to(self, registry, node, ttl_s=ttl_s)
+
+    def serve(self, registry: Any, node_id: str, **options: Any) -> Any:
+        """Deprecated: use ``tpusync.cluster.serving.serve(store, registry, node_id, ...)``."""
+        warnings.warn(
+            "KVCacheStore.serve() is deprecated; use "
+            "tpusync.cluster.serving.serve(store, registry, node_id, secret=..., ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        # The one import of the cluster layer from kv, kept lazy so that kv imports no cluster:
+        # the deprecated spelling of tpusync.cluster.serving.serve (removed next release).
+        from tpusync.cluster import serving
+
+        return serving.serve(self, registry, node_id, **options)
+
+    # --- peers: what tpusync.cluster.serving attaches -----------------------------------------
+
+    def check_peer_link_free(self) -> None:
+        """Raises InvalidArgumentError when the store is closed or already has a peer link
+        (:meth:`attach_peer_link`): what a caller checks before it starts a server."""
+        self._check_open()
+        if self._registry_link is not None:
+            raise InvalidArgumentError("registry: this store already publishes to a registry")
+
+    def attach_peer_link(
+        self, link: PeerLink, *, server: Any = None, include_disk: bool = False
+    ) -> None:
+        """Tells ``link`` of every block DRAM adds and drops (with ``include_disk``, a block
+        leaves the link only when neither DRAM nor the disk tier holds it), asks it whether
+        the other shards hold a block (tensor parallelism), and closes ``server`` (anything
+        with ``close()``: the peers' server) and then ``link`` at :meth:`close`. One link per
+        store. :mod:`tpusync.cluster.serving` is the caller."""
+        self.check_peer_link_free()
         self._registry_link, self._server = link, server
         stack = self._stack
         stack.on_dram_added = link.added
+        disk = stack.names.index("disk") if include_disk and "disk" in stack.names else None
+        if disk is None:
+            stack.on_dram_removed = link.removed
+            return
 
         def dram_removed(keys: list[bytes]) -> None:  # still served from disk: still listed
-            if disk is not None:
-                keys = [
-                    k
-                    for k, held in zip(keys, stack.tiers[disk].contains(keys), strict=True)
-                    if not held
-                ]
-            link.removed(keys)
+            held = stack.tiers[disk].contains(keys)
+            link.removed([k for k, h in zip(keys, held, strict=True) if not h])
 
         def lower_removed(tier: int, keys: list[bytes]) -> None:
             if tier == disk:
-                link.removed(
-                    [k for k, held in zip(keys, self.dram.contains(keys), strict=True) if not held]
-                )
+                held = self.dram.contains(keys)
+                link.removed([k for k, h in zip(keys, held, strict=True) if not h])
 
         stack.on_dram_removed = dram_removed
         stack.on_lower_removed = lower_removed
-        return server
 
-    def _served_keys(self) -> list[bytes]:
-        """What :meth:`serve` publishes: every key DRAM or the disk tier holds."""
+    def peer_keys(self, *, include_disk: bool = False) -> list[bytes]:
+        """Every key DRAM holds (with ``include_disk``: or the disk tier): what a peer link
+        publishes at its start and after a lapse."""
         keys = dict.fromkeys(self.dram.keys())
-        if "disk" in self._stack.names:
+        if include_disk and "disk" in self._stack.names:
             keys.update(dict.fromkeys(self._stack.tiers[self._stack.names.index("disk")].keys()))
         return list(keys)
+
+    def promote_for_peers(self, keys: list[bytes]) -> None:
+        """Moves the keys a peer is about to lease up into DRAM from local lower tiers (never
+        from other nodes': a peer asking this node must not make it ask the cluster)."""
+        self._promote_for_peers(keys)
 
     def _promote_for_peers(self, keys: list[bytes]) -> None:
         """Moves the keys a peer is about to lease up into DRAM from local lower tiers (never
@@ -1012,9 +964,8 @@ class KVCacheStore:
             for handle in self._handles.values():
                 handle._state = "closed"
             self._handles.clear()
-        extra = {id(tier) for _, tier in self.config.extra_tiers}  # the caller's to close
         for tier in reversed(self._stack.tiers):
-            if id(tier) not in extra:
+            if id(tier) not in self._not_owned:  # the caller's to close
                 tier.close()
 
     def __enter__(self) -> KVCacheStore:

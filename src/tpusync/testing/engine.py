@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpusync.device_pool import DevicePool, wait_for_readers
 from tpusync.errors import SessionNotFoundError, TierFullError
 from tpusync.kv import KVCacheStore, KVStoreConfig, LoadResult
+from tpusync.memory.device_pool import DevicePool, wait_for_readers
 from tpusync.testing import model as M
 
 __all__ = ["Request", "ToyEngine"]

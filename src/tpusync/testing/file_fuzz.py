@@ -38,13 +38,13 @@ import numpy as np
 from tpusync import _core
 from tpusync.errors import BlocksMissingError, PoolFormatError
 from tpusync.kv import _sessions
-from tpusync.tiers import disk_pool as disk_module
-from tpusync.tiers import shared_fs_pool as sfs_module
 from tpusync.tiers._pool_file import RECORD_DTYPE
-from tpusync.tiers.disk_pool import DiskPool
+from tpusync.tiers.disk import DiskPool
+from tpusync.tiers.disk import _format as disk_module
 from tpusync.tiers.host_pool import HostPool
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
-from tpusync.tiers.shared_fs_pool import SharedFsPool
+from tpusync.tiers.shared_fs import SharedFsPool
+from tpusync.tiers.shared_fs import _format as sfs_module
 
 __all__ = ["FuzzFailure", "fuzz_disk_pool", "fuzz_manifests", "fuzz_shared_fs"]
 

@@ -1,22 +1,29 @@
-"""Memory tiers below device memory: host DRAM (optionally in /dev/shm), and (to come) local disk
-and shared filesystems. Every tier holds blocks in the same slot format (:class:`PoolLayout`)."""
+"""Memory tiers below device memory: host DRAM (optionally in /dev/shm), local disk and shared
+filesystems. Every tier holds blocks in the same slot format (:class:`PoolLayout`); the block
+transaction lives once in :class:`BlockTier` (``tiers/base.py``), each medium in its own
+subpackage (``disk/``, ``shared_fs/``)."""
 
-from tpusync.tiers.base import LowerTier
-from tpusync.tiers.disk_pool import DiskPool
+from tpusync.tiers.base import BlockTier, LowerTier
+from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.host_pool import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
-from tpusync.tiers.shared_fs_pool import SharedFsPool
+from tpusync.tiers.shared_fs import SharedFsPool
+from tpusync.tiers.spec import OpenedTier, TierContext, TierSpec
 from tpusync.tiers.stats import TierStats, all_tier_stats
 
 __all__ = [
     "ArrayLayout",
+    "BlockTier",
     "DiskPool",
     "HostPool",
     "LowerTier",
+    "OpenedTier",
     "Pinned",
     "PoolLayout",
     "Reservation",
     "SharedFsPool",
+    "TierContext",
+    "TierSpec",
     "TierStats",
     "all_tier_stats",
 ]

@@ -29,15 +29,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync import _core, _fork, _huge_pages, _native_path, _pjrt_path
-from tpusync._progress import Progress
-from tpusync.device_pool import DevicePool, start_donation, wait_for_readers
+from tpusync import _core
+from tpusync.engines import native
+from tpusync.engines.pjrt import engine as pjrt
 from tpusync.errors import (
     BlockIndexError,
     BlocksMissingError,
     InvalidArgumentError,
     TierFullError,
 )
+from tpusync.memory import dma, fork_guard, huge_pages
+from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_readers
+from tpusync.memory.progress import Progress
 from tpusync.tiers._pool_file import (
     COMMITTED,
     FREE,
@@ -52,6 +55,10 @@ from tpusync.tiers._pool_open import ON_MISMATCH, open_named_pool, write_header
 from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
+from tpusync.transfer import Transfer, transfer_batch
+from tpusync.transfer.api import pools_locked as _pools_locked
+from tpusync.transfer.plan import plan_move
+from tpusync.transfer.select import choose_engine
 
 __all__ = ["HostPool", "Pinned", "Reservation"]
 
@@ -189,12 +196,12 @@ class HostPool:
         self._kept: _KeptPools | None = None  # for the last list of pools moved with
         if self.path is not None:
             # /dev/shm's tmpfs allocates small pages (unless mounted with huge=): collapse them
-            # in the background, as for device pools (see _huge_pages), once the records are
+            # in the background, as for device pools (see memory.huge_pages), once the records are
             # read (the worker would slow their page faults). Once collapsed, the file's huge
             # pages are what a restarted process re-attaches to.
-            _huge_pages.collapse_range_later(self._mapping.address, self._mapping.size)
+            huge_pages.collapse_range_later(self._mapping.address, self._mapping.size)
         # registered for DMA with a PJRT device runtime on first use there (pinned copies)
-        _pjrt_path.offer_for_dma(self._mapping)
+        dma.offer_for_dma(self._mapping)
 
     def wait_mapped(self, timeout: float | None = None) -> bool:
         """Waits until every slot's pages are mapped in this process (a re-attached pool maps
@@ -567,7 +574,7 @@ class HostPool:
         table = np.stack(
             [starts.ravel(), np.zeros(starts.size, np.int64), np.tile(lengths, len(slots))], 1
         ).astype(np.uint64)
-        digests = _native_path.engine().hash(table).reshape(len(slots), len(offsets))
+        digests = native.engine().hash(table).reshape(len(slots), len(offsets))
         return slot_checksums(digests)
 
     # --- get ----------------------------------------------------------------------------------
@@ -660,7 +667,7 @@ class HostPool:
         """Moves device blocks ``block_ids`` to or from ``slots`` (one transfer per array) and
         returns the blocks' checksums over the bytes moved: computed in the copy pass on the
         native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
-        _fork.check_device_use("pools")  # before the pools' locks: see tpusync._fork
+        fork_guard.check_device_use("pools")  # before the pools' locks: see memory.fork_guard
         self._ensure_populated(slots)
         kept = self._kept_for(pools) if path != "jax" else None
         if kept is not None:  # DevicePools only
@@ -674,19 +681,17 @@ class HostPool:
                         for pool, array in zip(pools, self.layout.arrays, strict=True):
                             pool._check_writable(block_ids, array.block_axis, "block_ids")
                     src, dst = (slots, block_ids) if to_device else (block_ids, slots)
-                    return _native_path.run_hashed_plan(plan, src, dst, donated=to_device)
-        from tpusync.transfer import Transfer, _choose_engine, _plan_move, transfer_batch
-
+                    return native.run_hashed_plan(plan, src, dst, donated=to_device)
         items = []
         for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
             if to_device:
                 items.append(Transfer(view, pool, slots, block_ids, array.block_axis))
             else:
                 items.append(Transfer(pool, view, block_ids, slots, array.block_axis))
-        moves = [_plan_move(item) for item in items]
-        if _choose_engine(moves, path) == "native":
+        moves = [plan_move(item) for item in items]
+        if choose_engine(moves, path).name == "native":
             with _pools_locked(moves):
-                digests = _native_path.run_hashed(moves)
+                digests = native.run_hashed(moves)
             return slot_checksums(_slot_major(digests))
         if to_device:
             checksums = self._hash_slots(slots)  # pinned: what is hashed is what moves
@@ -746,14 +751,14 @@ class HostPool:
         with kept.locks:
             for to_device in (True, False):
                 if _native_ready(pools, write=to_device):
-                    _native_path.engine()
+                    native.engine()
                     self._kept_plan(kept, pools, to_device)
             wait_for_readers(kept.unique)
         self.wait_mapped()
         devices = {d for pool in pools for d in pool._devices}
         for device in devices:  # host memory registered for the devices' DMA, where offered
-            if _native_path.pjrt_device_of(device):
-                _pjrt_path.prepare_dma(device, self._mapping)
+            if native.pjrt_device_of(device):
+                pjrt.prepare_dma(device, self._mapping)
 
     def _kept_for(self, pools: Sequence[Any]) -> _KeptPools | None:
         """What is kept for moves with ``pools`` (the same list as last time, usually); None
@@ -768,7 +773,7 @@ class HostPool:
 
     def _kept_plan(
         self, kept: _KeptPools, pools: Sequence[DevicePool], to_device: bool
-    ) -> _native_path.BlockPlan:
+    ) -> native.BlockPlan:
         """The validated moves between ``pools`` (those ``kept`` is for) and the slot views,
         planned for the native engine: validation (endpoints, shapes, dtypes, shards) and
         planning run once per list of DevicePools and direction, since a DevicePool's shape,
@@ -776,8 +781,6 @@ class HostPool:
         locked and native-ready."""
         plan = kept.plans.get(to_device)
         if plan is None:
-            from tpusync.transfer import Transfer, _plan_move
-
             # No blocks: validation must not depend on (or race with) which blocks a save
             # holds right now; the call's own blocks are checked by the caller.
             none = np.zeros(0, dtype=np.int64)
@@ -787,8 +790,8 @@ class HostPool:
                     item = Transfer(view, pool, none, none, array.block_axis)
                 else:
                     item = Transfer(pool, view, none, none, array.block_axis)
-                moves.append(_plan_move(item))
-            plan = kept.plans[to_device] = _native_path.BlockPlan(moves)
+                moves.append(plan_move(item))
+            plan = kept.plans[to_device] = native.BlockPlan(moves)
         return plan
 
     # --- delete, close ----------------------------------------------------------------------
@@ -909,7 +912,7 @@ class HostPool:
     ) -> np.ndarray:
         """Checks the device pools against the layout and the block ids against the pools;
         returns the block ids as int64."""
-        _fork.check_device_use("pools")
+        fork_guard.check_device_use("pools")
         if isinstance(pools, DevicePool | jax.Array) or len(pools) != len(self.layout.arrays):
             count = 1 if isinstance(pools, DevicePool | jax.Array) else len(pools)
             raise InvalidArgumentError(
@@ -979,7 +982,7 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
 def _native_ready(pools: Sequence[DevicePool], write: bool) -> bool:
     """Whether the native engine can read (or write) every pool's current array (its layout
     may change between calls, unlike its shape); called with the pools locked."""
-    return all(pool._native_unavailable(write) is None for pool in pools)
+    return all(native.pool_unavailable_reason(pool, write) is None for pool in pools)
 
 
 def _slot_major(digests: list[np.ndarray]) -> np.ndarray:
@@ -1004,7 +1007,7 @@ def _copy_slots(
     table = np.stack(
         [src_starts.ravel(), dst_starts.ravel(), np.tile(lengths, len(source_slots))], axis=1
     ).astype(np.uint64)
-    digests = _native_path.engine().copy_hashed(table)
+    digests = native.engine().copy_hashed(table)
     return slot_checksums(digests.reshape(len(source_slots), len(offsets)))
 
 
@@ -1043,15 +1046,10 @@ class _KeptPools:
         self.locks = _PoolLocks(pools)
         # each pool once, in order (the donated identity step runs once a pool)
         self.unique: list[DevicePool] = list({id(p): p for p in pools}.values())
-        self.plans: dict[bool, _native_path.BlockPlan] = {}
+        self.plans: dict[bool, native.BlockPlan] = {}
 
     def matches(self, pools: Sequence[Any]) -> bool:
         # by id (the pools it holds cannot die): ~1 us, where comparing each pool costs ~10
         # right after a model step
         return tuple(map(id, pools)) == self._ids
 
-
-def _pools_locked(moves: list[Any]) -> Any:
-    from tpusync.transfer import _pools_locked as lock_pools
-
-    return lock_pools(moves)

@@ -21,10 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync._layout import resolve_device
-from tpusync._plan import c_strides
-from tpusync.device_pool import DevicePool
+from tpusync.engines.segments import c_strides
 from tpusync.errors import InvalidArgumentError, PoolFormatError
+from tpusync.memory.device_pool import DevicePool
+from tpusync.transfer.endpoints import resolve_device
 
 __all__ = ["ArrayLayout", "PoolLayout"]
 

@@ -1,0 +1,208 @@
+"""The client side of every tpusync control connection (the registry's and the data plane's):
+connect, the mutual handshake, then JSON requests, one answer each matched by its id.
+
+One loop for both clients: :meth:`RpcConnection.call` reconnects once when the server had
+closed the connection (e.g. an idle one it timed out) and maps every failure to the client's
+own error (``unavailable``); an answer the server refused with ``InvalidArgumentError`` is
+raised as that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import ssl
+from typing import Any
+
+from tpusync.cluster._handshake import (
+    _ProtocolError,
+    _recv_json,
+    _send_frame,
+    client_handshake,
+    retry_if_shed,
+)
+from tpusync.errors import AuthenticationError, InvalidArgumentError
+
+__all__ = ["RpcConnection"]
+
+
+class RpcConnection:
+    """One authenticated connection to a tpusync server that carries JSON requests.
+
+    Args:
+      remote: the server's (host, port); ``local``: the (host, port) to bind first, or None.
+      peer: the server in error messages (``"the registry server at host:port"``).
+      secret, timeout, tls: the handshake's secret, every socket operation's timeout, and
+        the client-side TLS context (or None).
+      unavailable: the error raised when the server cannot be reached or failed a request;
+        ``lost``: its subclass for a connection the server closed (one reconnect is worth it);
+        ``unknown_method``: its subclass for a method the server does not know (None:
+        ``unavailable``).
+      refusal_prefix: put before the server's message in an InvalidArgumentError.
+      probe: check that an open socket is still open before each call (a non-blocking peek).
+    """
+
+    def __init__(
+        self,
+        remote: tuple[str, int],
+        *,
+        peer: str,
+        secret: bytes,
+        timeout: float,
+        unavailable: type[Exception],
+        lost: type[Exception],
+        tls: ssl.SSLContext | None = None,
+        local: tuple[str, int] | None = None,
+        unknown_method: type[Exception] | None = None,
+        refusal_prefix: str = "",
+        probe: bool = False,
+    ) -> None:
+        self.remote, self.local, self.peer = remote, local, peer
+        self._secret, self._timeout, self._tls = secret, timeout, tls
+        self._unavailable, self._lost = unavailable, lost
+        self._unknown_method = unknown_method or unavailable
+        self._refusal_prefix = refusal_prefix
+        self._probe = probe
+        self.sock: socket.socket | None = None
+        self._next_id = 0
+
+    # --- the connection ---------------------------------------------------------------------
+
+    def next_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def ensure(self) -> None:
+        """Connects (or re-connects a socket the server closed meanwhile)."""
+        if self.sock is not None and self._probe and not self._alive(self.sock):
+            self.drop()
+        if self.sock is None:
+            self.connect()
+
+    @staticmethod
+    def _alive(sock: socket.socket) -> bool:
+        """False when the server closed the socket (or left bytes nobody asked for)."""
+        if isinstance(sock, ssl.SSLSocket):
+            return True  # no peeking through TLS: a closed one fails on use and is retried
+        try:
+            sock.setblocking(False)
+            try:
+                sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return True  # nothing pending: idle and open
+            finally:
+                sock.setblocking(True)
+        except OSError:
+            pass
+        return False
+
+    def connect(self) -> None:
+        """Connects and authenticates (once more when the server shed the first try)."""
+        retry_if_shed(self._connect_once)
+
+    def _connect_once(self) -> None:
+        try:
+            sock = socket.create_connection(
+                self.remote, timeout=self._timeout, source_address=self.local
+            )
+        except OSError as exc:
+            raise self._unavailable(f"cannot connect to {self.peer}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
+            self._tune(sock)
+            client_handshake(sock, self._secret, self.peer)
+            self.sock = sock
+            self._greet()
+        except (AuthenticationError, InvalidArgumentError):  # e.g. a layout the server refused
+            self.drop(sock)
+            raise
+        except (OSError, EOFError, _ProtocolError) as exc:
+            self.drop(sock)
+            if isinstance(exc, self._unavailable):
+                raise
+            raise self._unavailable(f"{self.peer} failed the handshake: {exc}") from exc
+
+    def _tune(self, sock: socket.socket) -> None:
+        """Sets up a new socket before the handshake (a hook)."""
+
+    def _greet(self) -> None:
+        """The first requests after the handshake (a hook: the data plane's hello)."""
+
+    def drop(self, sock: socket.socket | None = None) -> None:
+        sock = sock or self.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self.sock = None
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def call(self, method: str, params: dict[str, Any]) -> Any:
+        """One request and its result, on a fresh connection once more when the server had
+        closed this one (a retried request must be safe to repeat: every control request is)."""
+        self.ensure()
+        try:
+            return self.call_once(method, params)
+        except self._lost:
+            self.ensure()
+            return self.call_once(method, params)
+
+    def call_once(self, method: str, params: dict[str, Any]) -> Any:
+        """One JSON request and its result on the open connection. Raises ``lost`` (the
+        server closed it), ``unavailable`` (dropped: it timed out, broke the protocol or the
+        server failed the request) or InvalidArgumentError (the server refused the
+        arguments)."""
+        sock = self.sock
+        if sock is None:
+            raise self._unavailable(f"not connected to {self.peer}")
+        rid = self.next_id()
+        try:
+            sock.settimeout(self._timeout)
+            self.send_request(rid, method, params)
+            response = _recv_json(sock)
+        except TimeoutError as exc:
+            self.drop()
+            raise self._unavailable(
+                f"{self.peer} did not answer {method} within {self._timeout:g} s"
+            ) from exc
+        except (OSError, EOFError) as exc:
+            self.drop()
+            lost = isinstance(exc, EOFError | ConnectionError)
+            raise (self._lost if lost else self._unavailable)(
+                f"lost the connection to {self.peer} during {method}: {exc!r}"
+            ) from exc
+        except _ProtocolError as exc:
+            self.drop()
+            raise self._unavailable(f"{self.peer} broke the protocol: {exc}") from exc
+        if not isinstance(response, dict) or response.get("id") != rid:
+            self.drop()
+        return self.result(response, rid, method)
+
+    def send_request(self, rid: int, method: str, params: dict[str, Any]) -> None:
+        """Sends request ``rid`` (its answer, or the frames that follow it, are the caller's)."""
+        assert self.sock is not None
+        body = {"id": rid, "method": method, "params": params}
+        _send_frame(self.sock, json.dumps(body, separators=(",", ":")).encode())
+
+    def result(
+        self, response: Any, rid: int, method: str, failure: type[Exception] | None = None
+    ) -> Any:
+        """The result of the answer to request ``rid``: InvalidArgumentError when the server
+        refused the arguments, ``failure`` (default ``unavailable``) when it answered out of
+        turn or failed."""
+        failure = failure or self._unavailable
+        if not isinstance(response, dict) or response.get("id") != rid:
+            raise failure(f"{self.peer} answered out of turn: {response!r:.200}")
+        error = response.get("error")
+        if error is not None:
+            kind = error.get("type") if isinstance(error, dict) else None
+            message = error.get("message") if isinstance(error, dict) else str(error)
+            if kind == "InvalidArgumentError":
+                raise InvalidArgumentError(f"{self._refusal_prefix}{message}")
+            if kind == "ProtocolError" and str(message).startswith("unknown method"):
+                raise self._unknown_method(f"{self.peer} does not serve {method}: {message}")
+            raise failure(f"{self.peer} failed {method}: {message}")
+        return response.get("result")

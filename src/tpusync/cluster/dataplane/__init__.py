@@ -1,0 +1,66 @@
+"""The TCP data plane: :class:`BlockServer` serves a HostPool's blocks to peers,
+:class:`BlockClient` pulls them straight into a local HostPool's slots, :class:`RemotePool` is
+the read side of the :class:`~tpusync.tiers.LowerTier` interface over a client.
+
+Connection: TCP, then the registry's mutual HMAC-SHA256 handshake (same frames, same shared
+secret rules: see :mod:`tpusync.cluster.registry.server`); nothing but the handshake is answered
+before it succeeds. Then control requests are the registry's frames (4-byte big-endian length +
+JSON object, ``{"id", "method", "params"}`` -> ``{"id", "result"}`` or ``{"id", "error"}``)::
+
+    hello    {"protocol": "tpusync-blocks", "version": 1, "layout": {...} (optional)}
+             -> {"protocol", "version", "server_id", "fingerprint" (hex), "payload_bytes",
+                 "capacity", "lease_ttl_s", "writable" (accepts put)}
+    acquire  {"keys": [hex, ...], "ttl_s": s}   -> {"lease", "present", "checksums", "ttl_s"}
+    renew    {"lease": id, "ttl_s": s}          -> bool
+    release  {"lease": id}                       -> bool (held the whole time)
+    contains {"keys": [hex, ...]}                -> [bool, ...]
+    stat     {}                                  -> {"capacity", "used"}
+    get      {"lease": id, "keys": [hex, ...]}   -> binary frames, not JSON (see
+             :mod:`tpusync.cluster.dataplane.wire`): per key in order a BLOCK frame (header +
+             payload) or a MISSING frame, then END; or an ERROR frame, which ends the response.
+
+A pull (:meth:`BlockClient.pull`): reserve slots in the target for the keys it lacks, acquire a
+lease on them (the server pins the present ones and hands out their recorded checksums), stripe
+``get`` requests over the client's connections (one thread each), receive every payload with
+``recv_into`` straight into its reserved slot, verify every block (header checksum = lease
+checksum = checksum of the received bytes, fingerprint = the target's), release the lease, and
+commit the verified blocks only if the release answered True (the lease never expired: see
+:mod:`tpusync.cluster.dataplane.leases` for the timing rule); everything else is aborted. A
+connection that breaks, times out or breaks the format loses the blocks not yet complete on it
+(their slots are aborted; the connection is re-made on the next pull).
+
+The server pins the slots of every ``get`` while it sends them (on top of the lease's pins) and
+sends each payload from a view of its slot (``sendmsg``, no copy).
+
+With ``tls=ssl.SSLContext`` every connection is encrypted (required off loopback unless
+``insecure=True``: the MACs stop strangers, not eavesdroppers). Store nodes add ``put``,
+``delete`` and ``keys`` and bind each connection to the layout its hello names
+(:mod:`tpusync.cluster.store_node`); a plain server answers ``hello`` with its own layout.
+"""
+
+from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.client import BlockClient, PullResult
+from tpusync.cluster.dataplane.leases import Lease, LeaseTable
+from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
+from tpusync.cluster.dataplane.remote_pool import RemotePool
+from tpusync.cluster.dataplane.server import BlockServer, Served
+from tpusync.errors import (
+    FrameError,
+    PeerUnavailableError,
+    RemoteOperationUnsupportedError,
+)
+
+__all__ = [
+    "MAX_KEYS_PER_REQUEST",
+    "BlockClient",
+    "BlockServer",
+    "FrameError",
+    "Lease",
+    "LeaseTable",
+    "PeerUnavailableError",
+    "PullResult",
+    "RemoteOperationUnsupportedError",
+    "RemotePool",
+    "Served",
+    "wire",
+]

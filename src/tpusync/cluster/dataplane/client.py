@@ -1,0 +1,677 @@
+"""The data plane's client: :class:`BlockClient` pulls blocks from a
+:class:`~tpusync.cluster.BlockServer` straight into a local HostPool's slots, and pushes them to
+a store node (the protocol: :mod:`tpusync.cluster.dataplane`)."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tpusync import _core
+from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
+from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane._connection import Connection, Deadline
+from tpusync.cluster.dataplane.frames import FrameBatch, frame_receiver, slot_addresses
+from tpusync.cluster.dataplane.protocol import (
+    DEADLINE_FRACTION,
+    MAX_ERROR_BYTES,
+    MAX_KEYS_PER_REQUEST,
+    StreamError,
+    parse_path,
+)
+from tpusync.cluster.registry.base import check_keys
+from tpusync.errors import (
+    InvalidArgumentError,
+    PeerUnavailableError,
+    RemoteOperationUnsupportedError,
+)
+from tpusync.tiers._pool_file import slot_checksums
+from tpusync.tiers.host_pool import HostPool, Reservation
+from tpusync.tiers.layout import PoolLayout
+
+__all__ = ["BlockClient", "PullResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PullResult:
+    """What a pull did: ``loaded[i]`` for ``keys[i]``; ``corrupt`` blocks failed verification;
+    ``error`` is the first transport or protocol failure (None when there was none);
+    ``released`` is False when the lease lapsed (then nothing was committed)."""
+
+    loaded: list[bool]
+    corrupt: int = 0
+    error: BaseException | None = None
+    released: bool = True
+    bytes_received: int = field(default=0)
+
+
+class _Stripe:
+    """One connection's share of a pull: its blocks' keys, reserved slots and recorded
+    checksums, and what arrived (``ok``: verified, ``complete``: received whole, both over the
+    whole reservation)."""
+
+    def __init__(
+        self, reservation: Reservation, indices: np.ndarray, expected: np.ndarray, target: HostPool
+    ) -> None:
+        self.indices = indices
+        self.keys = [reservation.keys[i] for i in indices.tolist()]
+        self.slots = np.asarray(reservation.slots, dtype=np.int64)[indices]
+        self.expected = np.ascontiguousarray(np.asarray(expected, dtype=np.uint64)[indices])
+        self.target = target
+        self.size = target.layout.payload_bytes
+        self.limit = max(self.size, MAX_ERROR_BYTES)
+        n = len(reservation.keys)
+        self.ok = np.zeros(n, dtype=bool)
+        self.complete = np.zeros(n, dtype=bool)
+        self.nbytes = 0
+
+    def receiver(self, conn: Connection, rid: int, addresses: np.ndarray) -> _core.FrameReceiver:
+        assert conn.sock is not None
+        return frame_receiver(
+            conn.sock, rid, self.keys, self.target.layout, self.expected, addresses
+        )
+
+    def take_results(self, receiver: _core.FrameReceiver) -> None:
+        """Adds what ``receiver`` received (its blocks verified or failed) to the stripe's."""
+        results = receiver.results
+        self.complete[self.indices[results != 0]] = True
+        self.ok[self.indices[results == 1]] = True
+        self.nbytes += receiver.bytes_received
+
+    def receive_block(
+        self, conn: Connection, j: int, header: wire.FrameHeader, deadline: Deadline
+    ) -> None:
+        """Receives block ``j``'s payload into its slot, hashed piece by piece as it lands
+        (while its bytes are still in cache), and judges it."""
+        layout = self.target.layout
+        i, expected = int(self.indices[j]), int(self.expected[j])
+        hasher = _core.PieceHasher(*layout.piece_table)
+        with self.target.slot_memory(int(self.slots[j])) as memory, memory[: self.size] as payload:
+            conn.recv_into(payload, deadline, hasher)
+        self.nbytes += self.size
+        self.complete[i] = True
+        self.ok[i] = (
+            header.fingerprint == layout.fingerprint
+            and header.checksum == expected
+            and hasher.complete
+            and int(slot_checksums(hasher.digests[None, :])[0]) == expected
+        )
+
+
+class BlockClient:
+    """Pulls blocks from one :class:`BlockServer` into local HostPools.
+
+    Give ``address`` (``"host:port"``) or ``addresses`` (paths to the same server: each
+    ``"host:port"`` or ``"local>host:port"``, where the local address is bound before
+    connecting, e.g. ``"10.0.1.5>10.0.1.9:7000"`` to use one NIC per path); ``connections``
+    (default: one per address) sockets are opened, path ``i % len(addresses)`` each, and a pull's
+    keys are striped over them, one thread per connection.
+
+    Connects and authenticates at once. ``timeout_s`` bounds every socket operation;
+    ``lease_ttl_s`` is asked of the server (which may grant less); a pull stops receiving after
+    DEADLINE_FRACTION of the granted TTL (the timing rule of
+    :mod:`tpusync.cluster.dataplane.leases`).
+    One pull or push at a time per client (calls are serialized).
+
+    ``layout`` names the block layout this client moves; a server of several layouts (a store
+    node, :mod:`tpusync.cluster.store_node`) serves that one, and a plain BlockServer ignores it
+    (pulls compare fingerprints). :meth:`push` needs a server that accepts blocks (a store node).
+
+    Raises:
+      AuthenticationError: the server and this client do not share ``secret``.
+      PeerUnavailableError: the server cannot be reached or is not a block server.
+      InvalidArgumentError: the addresses lead to different servers.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        addresses: Sequence[str] | None = None,
+        connections: int | None = None,
+        secret: bytes,
+        timeout_s: float = 10.0,
+        lease_ttl_s: float | None = None,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
+        layout: PoolLayout | None = None,
+    ) -> None:
+        if (address is None) == (addresses is None):
+            raise InvalidArgumentError("address, addresses: give exactly one of them")
+        paths_text = [address] if address is not None else list(addresses or [])
+        if not paths_text:
+            raise InvalidArgumentError("addresses: expected at least one address")
+        paths = [parse_path(p) for p in paths_text]
+        for _, remote in paths:
+            check_transport(remote[0], tls, insecure, "addresses")
+        count = len(paths) if connections is None else connections
+        if type(count) is not int or not 1 <= count <= 64:
+            raise InvalidArgumentError(f"connections: expected 1 to 64, got {connections!r}")
+        self._secret = _check_secret(secret)
+        if not isinstance(timeout_s, int | float) or not timeout_s > 0:
+            raise InvalidArgumentError(f"timeout_s: expected seconds > 0, got {timeout_s!r}")
+        if lease_ttl_s is not None and (
+            not isinstance(lease_ttl_s, int | float) or not 0 < lease_ttl_s <= 3600
+        ):
+            raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {lease_ttl_s!r}")
+        if layout is not None and not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout or None, got {type(layout).__name__}"
+            )
+        self._timeout = float(timeout_s)
+        self._ttl = lease_ttl_s
+        self._lock = threading.Lock()
+        described = None if layout is None else layout.describe()
+        self._conns = [
+            Connection(
+                *paths[i % len(paths)],
+                paths_text[i % len(paths)],
+                secret,
+                self._timeout,
+                tls,
+                described,
+                self._check_same_server,
+            )
+            for i in range(count)
+        ]
+        self.label = paths_text[0]
+        self._executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="tpusync-pull")
+        # Lease renewals during a pull go over a connection of their own: the others stream.
+        self._control = Connection(
+            *paths[0], paths_text[0], secret, self._timeout, tls, described,
+            self._check_same_server,
+        )  # fmt: skip
+        self._closed = False
+        self.server_id: str | None = None
+        try:
+            for conn in self._conns:
+                conn.connect()
+        except BaseException:
+            self.close()
+            raise
+        hello = self._conns[0].hello
+        self.fingerprint = bytes.fromhex(str(hello.get("fingerprint", "")))
+        self.payload_bytes = int(hello.get("payload_bytes", 0))
+        self.server_capacity = int(hello.get("capacity", 0))
+        self.writable = hello.get("writable") is True
+
+    def _check_same_server(self, conn: Connection) -> None:
+        server_id = conn.hello.get("server_id")
+        if self.server_id is None:
+            self.server_id = server_id
+        elif server_id != self.server_id:
+            raise InvalidArgumentError(
+                f"addresses: {conn.label} leads to another block server than {self.label}; "
+                "every path of a client must reach the same server"
+            )
+
+    def _ensure(self, conn: Connection) -> None:
+        conn.ensure()  # a new connection's hello is checked by _check_same_server
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def _request(self, conn: Connection, method: str, params: dict[str, Any]) -> Any:
+        """One control request on ``conn``, retried once on a fresh connection when the server
+        had closed the old one. (A retried ``acquire`` may leave a lease to expire; a retried
+        ``release`` answers False, and the pull is discarded: both safe.)"""
+        return conn.call(method, params)
+
+    def _call(self, method: str, params: dict[str, Any]) -> Any:
+        with self._lock:
+            self._check_open()
+            return self._request(self._conns[0], method, params)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = check_keys(keys)
+        out: list[bool] = []
+        for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+            batch = keys[i : i + MAX_KEYS_PER_REQUEST]
+            result = self._call("contains", {"keys": [k.hex() for k in batch]})
+            if not isinstance(result, list) or len(result) != len(batch):
+                raise PeerUnavailableError(f"malformed contains answer: {result!r:.200}")
+            out.extend(bool(x) for x in result)
+        return out
+
+    def stat(self) -> dict[str, int]:
+        result = self._call("stat", {})
+        if not isinstance(result, dict):
+            raise PeerUnavailableError(f"malformed stat answer: {result!r:.200}")
+        return {"capacity": int(result.get("capacity", 0)), "used": int(result.get("used", 0))}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this BlockClient is closed")
+
+    # --- pull -------------------------------------------------------------------------------
+
+    def pull(self, keys: Sequence[bytes], target: HostPool) -> list[bool]:
+        """Copies the server's blocks under ``keys`` into ``target``; returns for each key
+        whether ``target`` now holds it (keys it already held count as True).
+
+        A key is False when the server lacks it, its block failed verification, the lease
+        lapsed (see the module docstring), or the connection carrying it broke before the block
+        was complete. Raises InvalidArgumentError (another block layout),
+        :class:`~tpusync.errors.TierFullError` (too few free slots in ``target``; nothing is
+        moved), AuthenticationError, or PeerUnavailableError when no lease could be taken.
+        """
+        return self.pull_result(keys, target).loaded
+
+    def pull_result(self, keys: Sequence[bytes], target: HostPool) -> PullResult:
+        """:meth:`pull`, with the counts and the first failure (see :class:`PullResult`)."""
+        keys = check_keys(keys)
+        self._check_pool(target, "target")
+        total = PullResult(loaded=[])
+        loaded: dict[bytes, bool] = {}
+        with self._lock:
+            self._check_open()
+            unique = list(dict.fromkeys(keys))
+            for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
+                part = self._pull_batch(unique[i : i + MAX_KEYS_PER_REQUEST], target, loaded)
+                total.corrupt += part.corrupt
+                total.bytes_received += part.bytes_received
+                total.released = total.released and part.released
+                total.error = total.error or part.error
+        total.loaded = [loaded.get(k, False) for k in keys]
+        return total
+
+    def _pull_batch(
+        self, keys: list[bytes], target: HostPool, loaded: dict[bytes, bool]
+    ) -> PullResult:
+        result = PullResult(loaded=[])
+        reservation = target.reserve(keys)  # TierFullError: nothing taken
+        reserved = set(reservation.keys)
+        others = [k for k in keys if k not in reserved]
+        if others:
+            loaded.update(zip(others, target.contains(others), strict=True))
+        if not reservation.keys:
+            return result
+        n = len(reservation.keys)
+        good = np.zeros(n, dtype=bool)
+        jobs: list[Future[Any]] = []
+        try:
+            lease_conn = self._conns[0]
+            start = time.monotonic()
+            params: dict[str, Any] = {"keys": [k.hex() for k in reservation.keys]}
+            if self._ttl is not None:
+                params["ttl_s"] = self._ttl
+            lease = self._request(lease_conn, "acquire", params)
+            lease_id, present, expected, ttl = _check_lease(lease, n)
+            deadline = Deadline(start + ttl * DEADLINE_FRACTION)
+            wanted = np.flatnonzero(present)
+            stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
+            jobs += [
+                self._executor.submit(
+                    self._receive_stripe,
+                    conn,
+                    lease_id,
+                    reservation,
+                    stripe,
+                    expected,
+                    target,
+                    deadline,
+                )
+                for conn, stripe in zip(self._conns, stripes, strict=True)
+                if len(stripe)
+            ]
+            self._keep_lease(jobs, lease_id, ttl, deadline)
+            wait(jobs)  # every stripe has stopped writing into the slots
+            for job in jobs:
+                ok, corrupt, nbytes, error = job.result()
+                good |= ok
+                result.corrupt += corrupt
+                result.bytes_received += nbytes
+                result.error = result.error or error
+            try:
+                released = self._request(lease_conn, "release", {"lease": lease_id}) is True
+            except (PeerUnavailableError, InvalidArgumentError) as exc:
+                released = False
+                result.error = result.error or exc
+            result.released = released
+            if not released:
+                if good.any():
+                    log.warning(
+                        "tpusync: pull from %s: the lease lapsed before its release; "
+                        "discarding %d received blocks",
+                        self.label,
+                        int(good.sum()),
+                    )
+                good[:] = False
+        except BaseException:
+            wait(jobs)  # no stripe writes into a slot once it is aborted
+            target.abort(reservation)
+            raise
+        if (~good).any():
+            target.abort(reservation.subset(~good))
+        if good.any():
+            target.commit(reservation.subset(good), expected[good])
+        loaded.update(zip(reservation.keys, good.tolist(), strict=True))
+        if result.error is not None:
+            log.warning("tpusync: pull from %s: %s", self.label, result.error)
+        return result
+
+    def _keep_lease(
+        self, jobs: list[Future[Any]], lease_id: int, ttl: float, deadline: Deadline
+    ) -> None:
+        """Renews the lease every third of its TTL until the stripes are done, moving their
+        deadline on after each renewal the server grants (the timing rule holds per renewal:
+        the deadline stays DEADLINE_FRACTION of a TTL after the renewal was asked). Stops
+        renewing at the first refusal or failure; the stripes then stop at the deadline."""
+        while True:
+            _, pending = wait(jobs, timeout=ttl / 3)
+            if not pending:
+                return
+            asked = time.monotonic()
+            try:
+                granted = self._request(self._control, "renew", {"lease": lease_id, "ttl_s": ttl})
+            except (PeerUnavailableError, InvalidArgumentError) as exc:
+                log.warning("tpusync: pull from %s: renewing the lease failed: %s", self.label, exc)
+                return
+            if granted is not True:
+                log.warning(
+                    "tpusync: pull from %s: the server refused to renew the lease", self.label
+                )
+                return
+            deadline.at = asked + ttl * DEADLINE_FRACTION
+
+    def _receive_stripe(
+        self,
+        conn: Connection,
+        lease_id: int,
+        reservation: Reservation,
+        indices: np.ndarray,
+        expected: np.ndarray,
+        target: HostPool,
+        deadline: Deadline,
+    ) -> tuple[np.ndarray, int, int, BaseException | None]:
+        """Receives the blocks ``indices`` of the reservation over ``conn``; returns the mask
+        of verified blocks (over the whole reservation), the corrupt count, the bytes received
+        and the failure that ended the stream early (if any)."""
+        stripe = _Stripe(reservation, indices, expected, target)
+        error: BaseException | None = None
+        try:
+            self._ensure(conn)
+            if isinstance(conn.sock, ssl.SSLSocket):  # TLS decrypts in Python's ssl
+                self._receive_frames_in_python(conn, lease_id, stripe, deadline)
+            else:
+                self._receive_frames_natively(conn, lease_id, stripe, deadline)
+        except (OSError, EOFError, wire.FrameError, StreamError, _ProtocolError) as exc:
+            error = exc
+            conn.drop()  # the stream's position is unknown
+        except PeerUnavailableError as exc:
+            error = exc
+        corrupt = int((stripe.complete & ~stripe.ok).sum())
+        if corrupt:
+            log.warning(
+                "tpusync: pull from %s: %d blocks failed verification; dropped", conn.label, corrupt
+            )
+        return stripe.ok, corrupt, stripe.nbytes, error
+
+    def _receive_frames_natively(
+        self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
+    ) -> None:
+        """The stripe's frames through one :class:`_core.FrameReceiver` (the GIL released across
+        blocks); the frames it does not expect are handled here, one at a time."""
+        with slot_addresses(stripe.target, stripe.slots) as addresses:
+            rid = conn.send_get(lease_id, stripe.keys)
+            receiver = stripe.receiver(conn, rid, addresses)
+            try:
+                try:
+                    status = conn.receive_frames(receiver, deadline)
+                except (EOFError, ConnectionError):
+                    if receiver.bytes_read:
+                        raise
+                    # Closed before the first byte (an idle connection the server had just
+                    # timed out): nothing was written anywhere; ask once more, freshly connected.
+                    conn.drop()
+                    self._ensure(conn)
+                    rid = conn.send_get(lease_id, stripe.keys)
+                    receiver = stripe.receiver(conn, rid, addresses)
+                    status = conn.receive_frames(receiver, deadline)
+                while status == _core.FRAMES_HEADER:  # a frame the receiver did not expect
+                    j = receiver.index
+                    header = wire.decode_header(receiver.header, max_payload=stripe.limit)
+                    if self._frame_has_block(header, rid, conn, stripe.keys[j], stripe.size):
+                        stripe.receive_block(conn, j, header, deadline)
+                    receiver.resume(j + 1)
+                    status = conn.receive_frames(receiver, deadline)
+                self._check_end(wire.decode_header(receiver.header, max_payload=stripe.limit),
+                                rid, conn)  # fmt: skip
+            finally:
+                stripe.take_results(receiver)
+                del receiver  # before the pool's memory may go
+
+    def _receive_frames_in_python(
+        self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
+    ) -> None:
+        """The stripe's frames one at a time through :meth:`Connection.recv_into`."""
+        header_buf = bytearray(wire.HEADER_SIZE)
+        header_view = memoryview(header_buf)
+        rid = conn.send_get(lease_id, stripe.keys)
+        try:
+            conn.recv_into(header_view, deadline)
+        except (EOFError, ConnectionError):
+            # Closed before the first frame (an idle connection the server had just timed
+            # out): nothing was written anywhere; ask once more on a fresh connection.
+            conn.drop()
+            self._ensure(conn)
+            rid = conn.send_get(lease_id, stripe.keys)
+            conn.recv_into(header_view, deadline)
+        for j, key in enumerate(stripe.keys):
+            if j:
+                conn.recv_into(header_view, deadline)
+            header = wire.decode_header(header_buf, max_payload=stripe.limit)
+            if self._frame_has_block(header, rid, conn, key, stripe.size):
+                stripe.receive_block(conn, j, header, deadline)
+        conn.recv_into(header_view, deadline)
+        self._check_end(wire.decode_header(header_buf, max_payload=stripe.limit), rid, conn)
+
+    def _frame_has_block(
+        self, header: wire.FrameHeader, rid: int, conn: Connection, key: bytes, size: int
+    ) -> bool:
+        """Whether the frame of block ``key`` carries its payload (BLOCK) or not (MISSING);
+        raises StreamError for anything else."""
+        self._check_frame(header, rid, conn)
+        if header.frame_type == wire.END:
+            raise StreamError("the response ended early")
+        if header.key != key:
+            raise StreamError(f"a frame for {header.key.hex()}, expected {key.hex()}")
+        if header.frame_type == wire.MISSING:
+            return False
+        if header.payload_length != size:
+            raise StreamError(f"a block of {header.payload_length} B, expected {size}")
+        return True
+
+    def _check_end(self, header: wire.FrameHeader, rid: int, conn: Connection) -> None:
+        self._check_frame(header, rid, conn)
+        if header.frame_type != wire.END:
+            raise StreamError(f"a {header.type_name} frame after the last block")
+
+    # --- push -------------------------------------------------------------------------------
+
+    def push(self, keys: Sequence[bytes], source: HostPool) -> list[bool]:
+        """Copies ``source``'s blocks under ``keys`` to the server (a store node); returns for
+        each key whether the server holds it now (keys it already held count as True; keys
+        ``source`` lacks are False). Payloads go from ``source``'s slots (pinned meanwhile)
+        straight to the sockets, striped over the connections; the server verifies each block
+        against its checksum before it commits it, and commits nothing of a cut connection.
+
+        A connection that breaks once the server has accepted its part of the push (e.g. the
+        server dropped it for a damaged frame) makes that part's keys False (logged), not an
+        error: the connection is re-made on the next push.
+
+        Raises InvalidArgumentError (another block layout),
+        :class:`RemoteOperationUnsupportedError` (the server does not accept blocks), or
+        PeerUnavailableError when no connection could carry the request."""
+        keys = check_keys(keys)
+        self._check_pool(source, "source")
+        if not self.writable:
+            raise RemoteOperationUnsupportedError(
+                f"push: the block server at {self.label} does not accept blocks; push to a "
+                "store node (tpusync serve)"
+            )
+        stored: dict[bytes, bool] = {}
+        errors: list[BaseException] = []
+        carried = False  # some connection had its put accepted
+        with self._lock:
+            self._check_open()
+            unique = list(dict.fromkeys(keys))
+            for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
+                batch = unique[i : i + MAX_KEYS_PER_REQUEST]
+                pinned = source.pin(batch)  # no slot is reused while its bytes are sent
+                try:
+                    wanted = np.flatnonzero(pinned.present)
+                    stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
+                    jobs = [
+                        self._executor.submit(
+                            self._push_stripe,
+                            conn,
+                            [batch[j] for j in stripe.tolist()],
+                            pinned.slots[stripe],
+                            pinned.checksums[stripe],
+                            source,
+                        )
+                        for conn, stripe in zip(self._conns, stripes, strict=True)
+                        if len(stripe)
+                    ]
+                    for job in jobs:
+                        part, error, accepted = job.result()
+                        stored.update(part)
+                        carried |= accepted
+                        if error is not None:
+                            errors.append(error)
+                finally:
+                    source.unpin(pinned)
+        if errors and not carried and not any(stored.values()):
+            raise PeerUnavailableError(f"push to {self.label} failed: {errors[0]}") from errors[0]
+        for error in errors:
+            log.warning("tpusync: push to %s: %s", self.label, error)
+        return [stored.get(k, False) for k in keys]
+
+    def _push_stripe(
+        self,
+        conn: Connection,
+        keys: list[bytes],
+        slots: np.ndarray,
+        checksums: np.ndarray,
+        source: HostPool,
+    ) -> tuple[dict[bytes, bool], BaseException | None, bool]:
+        """Pushes one stripe over ``conn``: the server's per-key answer, the failure that cut
+        it short (then the keys not confirmed count as not stored), and whether the server had
+        accepted the put."""
+        fingerprint, size = self.fingerprint, self.payload_bytes
+        accepted = False
+        try:
+            self._ensure(conn)
+            try:
+                rid, answer = conn.send_put(keys, checksums.tolist())
+            except (EOFError, ConnectionError):
+                conn.drop()  # an idle connection the server had just closed: ask once more
+                self._ensure(conn)
+                rid, answer = conn.send_put(keys, checksums.tolist())
+            accept = _bool_list(answer, "accept", len(keys))
+            present = _bool_list(answer, "present", len(keys))
+            accepted = True
+            assert conn.sock is not None
+            source._ensure_populated(slots)  # pages the batch's views will read
+            batch = FrameBatch(conn.sock, source)
+            try:
+                for key, slot, checksum, take in zip(
+                    keys, slots.tolist(), checksums.tolist(), accept, strict=True
+                ):
+                    if take:
+                        batch.add(
+                            wire.encode_header(wire.BLOCK, rid, key, fingerprint, size, checksum),
+                            slot,
+                        )
+                batch.flush()
+            finally:
+                batch.release()
+            done = _bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
+        except (OSError, EOFError, StreamError, _ProtocolError, PeerUnavailableError) as exc:
+            conn.drop()  # the stream's position is unknown
+            return {}, exc, accepted
+        return {k: p or d for k, p, d in zip(keys, present, done, strict=True)}, None, True
+
+    def _check_pool(self, pool: Any, argument: str) -> None:
+        if not isinstance(pool, HostPool):
+            raise InvalidArgumentError(
+                f"{argument}: expected a HostPool, got {type(pool).__name__}"
+            )
+        if pool.layout.fingerprint != self.fingerprint:
+            raise InvalidArgumentError(
+                f"{argument}: the HostPool holds another block layout (model "
+                f"{pool.layout.model_id!r}, {pool.layout.payload_bytes} B blocks) than the "
+                f"server at {self.label} ({self.payload_bytes} B blocks)"
+            )
+
+    def _check_frame(self, header: wire.FrameHeader, rid: int, conn: Connection) -> None:
+        if header.request_id != rid:
+            raise StreamError(f"a frame for request {header.request_id}, expected {rid}")
+        if header.frame_type == wire.ERROR:
+            if header.payload_length > MAX_ERROR_BYTES:
+                raise StreamError(f"an error message of {header.payload_length} B")
+            message = bytearray(header.payload_length)
+            conn.recv_into(memoryview(message), time.monotonic() + self._timeout)
+            raise StreamError(
+                f"the server failed the request: {message.decode('utf-8', 'replace')}"
+            )
+
+    def close(self) -> None:
+        """Closes every connection (a pull in progress fails)."""
+        self._closed = True
+        for conn in [*self._conns, self._control]:
+            conn.drop()
+        self._executor.shutdown(wait=False)
+
+    def __enter__(self) -> BlockClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _bool_list(answer: Any, field_name: str, n: int) -> list[bool]:
+    """``answer[field_name]``: a list of ``n`` booleans (a StreamError when malformed)."""
+    value = answer.get(field_name) if isinstance(answer, dict) else None
+    if not isinstance(value, list) or len(value) != n or not all(type(v) is bool for v in value):
+        raise StreamError(f"malformed put answer: {answer!r:.200}")
+    return value
+
+
+def _check_lease(lease: Any, n: int) -> tuple[int, np.ndarray, np.ndarray, float]:
+    """The fields of an acquire answer, checked (PeerUnavailableError when malformed)."""
+    try:
+        lease_id = lease["lease"]
+        present = lease["present"]
+        checksums = lease["checksums"]
+        ttl = lease["ttl_s"]
+        if (
+            type(lease_id) is not int
+            or not isinstance(present, list)
+            or not isinstance(checksums, list)
+            or len(present) != n
+            or len(checksums) != n
+            or not all(type(p) is bool for p in present)
+            or not all(type(c) is int and 0 <= c < 2**64 for c in checksums)
+            or not isinstance(ttl, int | float)
+            or not ttl > 0
+        ):
+            raise TypeError
+    except (KeyError, TypeError):
+        raise PeerUnavailableError(f"malformed acquire answer: {lease!r:.200}") from None
+    return (
+        lease_id,
+        np.array(present, dtype=bool),
+        np.array(checksums, dtype=np.uint64),
+        float(ttl),
+    )

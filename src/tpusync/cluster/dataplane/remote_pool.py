@@ -1,0 +1,99 @@
+"""The remote tier: :class:`RemotePool`, the read side of the
+:class:`~tpusync.tiers.LowerTier` interface over a :class:`~tpusync.cluster.BlockClient`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tpusync.cluster.dataplane.client import BlockClient
+from tpusync.errors import BlocksMissingError, InvalidArgumentError, RemoteOperationUnsupportedError
+from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.stats import TierStats
+
+__all__ = ["RemotePool"]
+
+
+class RemotePool:
+    """The read side of the :class:`~tpusync.tiers.LowerTier` interface over a
+    :class:`BlockClient`: ``get`` pulls blocks into a HostPool; ``contains``, ``capacity`` and
+    ``used`` ask the server.
+
+    The tier is read-only for now: ``put``, ``delete`` and ``keys`` raise
+    :class:`RemoteOperationUnsupportedError` (blocks reach a peer by its own saves; the
+    registry says who holds what). ``close`` closes the client only when ``owns_client``.
+    """
+
+    read_only = True  # a store reads through it and never writes, demotes to or evicts from it
+
+    def __init__(self, client: BlockClient, layout: PoolLayout, *, owns_client: bool = True):
+        if not isinstance(client, BlockClient):
+            raise InvalidArgumentError(
+                f"client: expected a BlockClient, got {type(client).__name__}"
+            )
+        if not isinstance(layout, PoolLayout) or layout.fingerprint != client.fingerprint:
+            raise InvalidArgumentError(
+                f"layout: the server at {client.label} serves another block layout than this one"
+            )
+        self.client = client
+        self.layout = layout
+        self.stats = TierStats(f"remote:{client.label}")
+        self._owns = owns_client
+
+    @property
+    def capacity(self) -> int:
+        return self.client.stat()["capacity"]
+
+    @property
+    def used(self) -> int:
+        return self.client.stat()["used"]
+
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Loads the blocks under ``keys`` into ``target`` (see :meth:`BlockClient.pull`);
+        raises BlocksMissingError with a ``loaded`` mask when any was not loaded."""
+        result = self.client.pull_result(keys, target)
+        hits = sum(result.loaded)
+        self.stats.add(
+            hits=hits,
+            misses=len(result.loaded) - hits,
+            bytes_out=result.bytes_received,
+            checksum_failures=result.corrupt,
+        )
+        if hits < len(result.loaded):
+            error = BlocksMissingError(
+                f"keys: {len(result.loaded) - hits} of {len(result.loaded)} blocks not served by "
+                f"{self.client.label} ({result.corrupt} failed verification"
+                + ("" if result.released else ", the lease lapsed")
+                + ")",
+                loaded=result.loaded,
+                corrupt=result.corrupt,
+            )
+            if result.error is not None:
+                raise error from result.error
+            raise error
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.client.contains(keys)
+
+    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+        raise RemoteOperationUnsupportedError(
+            "put: a RemotePool is read-only; the peer stores blocks from its own saves"
+        )
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        raise RemoteOperationUnsupportedError("delete: a RemotePool is read-only")
+
+    def keys(self) -> list[bytes]:
+        raise RemoteOperationUnsupportedError(
+            "keys: a RemotePool does not list its peer's keys; ask the registry"
+        )
+
+    def close(self) -> None:
+        if self._owns:
+            self.client.close()
+
+    def __enter__(self) -> RemotePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

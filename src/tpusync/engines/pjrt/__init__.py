@@ -1,0 +1,1 @@
+"""The native engine's backend on PJRT plugin devices (GPU, TPU): probe, copies, staging."""

@@ -1,0 +1,168 @@
+"""Plans a batch: each requested pair validated into a Move with explicit block lists.
+
+Pure validation and index arithmetic: nothing moves, and a rejected pair changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpusync.engines.base import DeviceSide, HostSide, Move
+from tpusync.errors import BlockIndexError, InvalidArgumentError, ShapeMismatchError
+from tpusync.transfer.endpoints import check_pair, resolve
+
+__all__ = [
+    "BlockList",
+    "Transfer",
+    "adopt_pool_sources",
+    "block_indices",
+    "check_distinct_destinations",
+    "is_identity",
+    "pair_block_lists",
+    "plan_move",
+]
+
+BlockList = Sequence[int] | np.ndarray | range | None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One (src, dst) pair of a :func:`transfer_batch`, with the same meaning as
+    :func:`transfer`'s arguments."""
+
+    src: Any
+    dst: Any
+    src_blocks: BlockList = None
+    dst_blocks: BlockList = None
+    block_axis: int = 0
+
+
+def block_indices(blocks: BlockList, num_blocks: int, argument: str) -> np.ndarray | None:
+    """Validates a block list; returns it as int64, or None for "all blocks"."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, range):
+        array = np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
+    else:
+        try:
+            array = np.asarray(blocks)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"{argument}: expected a sequence of block indices, got {type(blocks).__name__}"
+            ) from exc
+        if array.size == 0:
+            array = array.astype(np.int64)
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise InvalidArgumentError(
+                f"{argument}: block indices must be integers, got dtype {array.dtype}"
+            )
+        if array.ndim != 1:
+            raise InvalidArgumentError(
+                f"{argument}: expected a flat list of block indices, got shape {array.shape}"
+            )
+        array = array.astype(np.int64, copy=False)
+    if array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= num_blocks:
+            bad = low if low < 0 else high
+            raise BlockIndexError(
+                f"{argument}: block index {bad} is out of range for {num_blocks} blocks "
+                f"(valid: 0..{num_blocks - 1})"
+            )
+    return array
+
+
+def pair_block_lists(
+    src_blocks: BlockList, dst_blocks: BlockList, src_count: int, dst_count: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validates both lists and returns them explicitly, equal in length."""
+    src = block_indices(src_blocks, src_count, "src_blocks")
+    dst = block_indices(dst_blocks, dst_count, "dst_blocks")
+    if src is None:
+        src = np.arange(src_count, dtype=np.int64)
+    if dst is None:
+        dst = np.arange(dst_count, dtype=np.int64)
+    if len(src) != len(dst):
+        what = "blocks" if src_blocks is None and dst_blocks is None else "block lists"
+        raise InvalidArgumentError(
+            f"dst_blocks: {len(dst)} destination {what} for {len(src)} source {what}; "
+            "src_blocks[i] goes to dst_blocks[i], so both need the same length"
+        )
+    if len(dst) > 1:
+        counts = np.bincount(dst)  # indices are in range and non-negative by now
+        if counts.max() > 1:
+            raise BlockIndexError(
+                f"dst_blocks: destination block {int(np.argmax(counts > 1))} appears more "
+                "than once; each destination block may be written once per transfer"
+            )
+    return src, dst
+
+
+def is_identity(src: np.ndarray, dst: np.ndarray, src_count: int, dst_count: int) -> bool:
+    """True when the transfer moves every block to the same index (a whole-array copy)."""
+    n = len(src)
+    return (
+        n == src_count == dst_count
+        and bool(np.array_equal(src, np.arange(n)))
+        and bool(np.array_equal(dst, src))
+    )
+
+
+def plan_move(item: Transfer) -> Move:
+    """Validates one pair and plans it as a Move (block lists explicit); changes nothing."""
+    if not isinstance(item.block_axis, int) or isinstance(item.block_axis, bool):
+        raise InvalidArgumentError(
+            f"block_axis: expected an int, got {type(item.block_axis).__name__}"
+        )
+    src = resolve(item.src, "src", destination=False)
+    dst = resolve(item.dst, "dst", destination=True)
+    if (
+        isinstance(src, HostSide)
+        and isinstance(dst, HostSide)
+        and src.views[0].ndim != dst.views[0].ndim
+    ):
+        raise ShapeMismatchError(
+            f"dst: rank {dst.views[0].ndim} differs from src's rank {src.views[0].ndim}"
+        )
+    check_pair(src, dst, item.block_axis)
+    src_count = src.shard_shape[item.block_axis]
+    dst_count = dst.shard_shape[item.block_axis]
+    src_idx, dst_idx = pair_block_lists(item.src_blocks, item.dst_blocks, src_count, dst_count)
+    if isinstance(dst, DeviceSide) and dst.pool is not None:
+        dst.pool._check_writable(dst_idx, item.block_axis, "dst_blocks")
+    whole = is_identity(src_idx, dst_idx, src_count, dst_count)
+    return Move(src, dst, src_idx, dst_idx, item.block_axis, whole)
+
+
+def check_distinct_destinations(moves: Sequence[Move]) -> None:
+    """Refuses a batch that writes one DevicePool in two pairs."""
+    seen: dict[int, int] = {}
+    for i, move in enumerate(moves):
+        target = move.dst.pool if isinstance(move.dst, DeviceSide) else None
+        if target is None:
+            continue
+        key = id(target)
+        if key in seen:
+            # Two writes into one pool in one batch would each see the other's half-done state
+            # on the pure-JAX path; ask for one pair per pool instead.
+            raise InvalidArgumentError(
+                f"transfers[{i}]: writes into the same DevicePool as transfers[{seen[key]}]; "
+                "merge them into one pair (concatenate the block lists)"
+            )
+        seen[key] = i
+
+
+def adopt_pool_sources(moves: Sequence[Move]) -> None:
+    """A source given as ``pool.array`` of a pool this batch writes is read through the pool:
+    the raw write's donated identity step replaces that array, and the read must follow it."""
+    pools = {id(p): p for move in moves for p in move.pools()}
+    for move in moves:
+        src = move.src
+        if isinstance(src, DeviceSide) and src.pool is None:
+            for pool in pools.values():
+                if pool._array is src.array:
+                    src.pool, src.given = pool, None
