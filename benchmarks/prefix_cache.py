@@ -138,7 +138,7 @@ def measure(tokens: int, repeats: int, cache_dir: str, shm_dir: str = SHM_DIR) -
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        from tpusync.tiers.host_pool import pool_path
+        from tpusync.tiers.dram import pool_path
 
         path = pool_path(shm_name, shm_dir)
         path.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ import numpy as np
 import tpusync
 from tpusync import _core
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.host_pool import pool_path
+from tpusync.tiers.dram import pool_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import MemcpyLimit, fio_gbps, median, print_table, settle, timed, write_json

@@ -47,7 +47,7 @@ from tpusync.errors import (
 )
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, all_tier_stats
 from tpusync.tiers._pool_file import WRITING
-from tpusync.tiers.host_pool import pool_path
+from tpusync.tiers.dram import pool_path
 
 TIMEOUT = 60.0
 NB = 8  # blocks of every device pool

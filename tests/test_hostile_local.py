@@ -25,7 +25,7 @@ import pytest
 from tpusync.errors import UnsafeFileError
 from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, SharedFsTier
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.host_pool import pool_path
+from tpusync.tiers.dram import pool_path
 
 ATTACKER = 65534
 SHM = Path("/dev/shm")

@@ -122,7 +122,7 @@ def _pmd_mapped_kib(path: str) -> int:
 def test_a_huge_pages_mapping_starts_on_a_huge_page_boundary(rng, shm_names):
     anonymous = _core.Mapping(5 * HUGE + 4096, huge_pages=True)
     assert anonymous.address % HUGE == 0 and anonymous.size == 5 * HUGE + 4096
-    from tpusync.tiers.host_pool import pool_path
+    from tpusync.tiers.dram import pool_path
 
     path = pool_path(shm_names())
     with open(path, "wb") as f:

@@ -68,6 +68,20 @@ def test_cli_demo_small_run_reports_equal_bits() -> None:
     assert result.stdout.count("equal") >= 4  # four table rows, every one equal
 
 
+def test_cli_demo_prefix_caching_end_to_end() -> None:
+    """The README's first command: every warm scenario (DRAM, disk, shared FS, store node,
+    disaggregated decode, agent session, restart) serves output equal to the cold one, and the
+    demo leaves nothing in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
+    result = _run("demo", "--tokens", "512", "--new-tokens", "4", timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all outputs equal" in result.stdout
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.endswith(" equal") and not line.startswith("all")]
+    assert len(rows) == 7 and "DIFFERENT" not in result.stdout, result.stdout
+    assert set(os.listdir("/dev/shm")) <= before
+
+
 def test_cli_usage_errors() -> None:
     result = _run("nonsense")
     assert result.returncode == 2 and "usage: tpusync" in result.stdout

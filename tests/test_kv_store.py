@@ -60,7 +60,7 @@ from tpusync.kv import (
 )
 from tpusync.kv.keys import check_tokens
 from tpusync.tiers.disk.pool import HEADER_BYTES as DISK_HEADER_BYTES
-from tpusync.tiers.host_pool import pool_path
+from tpusync.tiers.dram import pool_path
 from tpusync.tiers.shared_fs.pool import HEADER_BYTES as SHARED_HEADER_BYTES
 
 NB, BS, HEADS, DIM, N_POOLS = 64, 16, 2, 8, 4  # device pools: (NB, BS, HEADS, DIM) each

@@ -39,10 +39,11 @@ def test_a_large_host_pool_reports_its_prefault(
 ) -> None:
     """HostPool prefaulting above PROGRESS_MIN_BYTES reports progress (lowered here so that
     the test maps 64 MiB, not a GiB); below it, it stays silent."""
-    from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, host_pool
+    from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
+    from tpusync.tiers.dram import _prefault
 
     layout = PoolLayout("progress", (ArrayLayout("k", "uint8", (1 << 20,), 0, 1),))
-    monkeypatch.setattr(host_pool, "PROGRESS_MIN_BYTES", 32 << 20)
+    monkeypatch.setattr(_prefault, "PROGRESS_MIN_BYTES", 32 << 20)
     with caplog.at_level(logging.INFO, logger="tpusync"):
         HostPool(layout, 16).close()  # 16 MiB: silent
         assert not caplog.records

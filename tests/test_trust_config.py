@@ -44,7 +44,7 @@ from tpusync.kv import (
 )
 from tpusync.testing.model import ModelConfig
 from tpusync.tiers import ArrayLayout, DiskPool, PoolLayout
-from tpusync.tiers.host_pool import pool_path
+from tpusync.tiers.dram import pool_path
 
 MiB = 1 << 20
 # The test model's KV pools, made small: 8 arrays of (32 blocks, 16 tokens, 2 heads, 32).

@@ -44,7 +44,7 @@ from tpusync.tiers._pool_file import (
     decode_header,
     encode_header,
 )
-from tpusync.tiers.host_pool import pool_path
+from tpusync.tiers.dram import pool_path
 from tpusync.tiers.shm_admin import list_pools, remove_pool
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))

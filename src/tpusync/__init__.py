@@ -11,9 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0.dev0"  # first: info imports it
-
 from tpusync import errors, options
+from tpusync._version import __version__
 
 # The one read of the TPUSYNC_* environment variables (documented in tpusync.options).
 options.set_current(options.from_environment())

@@ -6,14 +6,18 @@ import argparse
 import json
 import sys
 
+from tpusync.demo import main as demo_main
+from tpusync.errors import TpuSyncError
+from tpusync.info import info
+from tpusync.serve import main as serve_main
+from tpusync.tiers.shm_admin import list_pools, remove_pool, remove_stale, size_text
+
 
 def _info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tpusync info", description="Paths and host limits.")
     parser.add_argument("--dir", help="directory to check O_DIRECT in (default: temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
-    from tpusync.info import info
-
     report = info(args.dir)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report)
     return 0
@@ -34,8 +38,6 @@ def _shm(argv: list[str]) -> int:
     remove.add_argument("name", nargs="?")
     remove.add_argument("--force", action="store_true", help="remove even if its owner lives")
     args = parser.parse_args(argv)
-    from tpusync.errors import TpuSyncError
-
     try:
         return _shm_remove(args) if args.action == "remove" else _shm_list(args.dir)
     except (TpuSyncError, OSError) as exc:
@@ -44,9 +46,6 @@ def _shm(argv: list[str]) -> int:
 
 
 def _shm_remove(args: argparse.Namespace) -> int:
-    from tpusync.tiers._pool_open import size_text
-    from tpusync.tiers.shm_admin import remove_pool, remove_stale
-
     if args.name is None:
         removed = remove_stale(args.dir)
         if not removed.paths:
@@ -67,9 +66,6 @@ def _shm_remove(args: argparse.Namespace) -> int:
 
 
 def _shm_list(shm_dir: str) -> int:
-    from tpusync.tiers._pool_open import size_text
-    from tpusync.tiers.shm_admin import list_pools
-
     pools = list_pools(shm_dir)
     if not pools:
         print(f"no tpusync pools in {shm_dir}")
@@ -106,14 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
-        from tpusync.demo import main as demo_main
-
         return demo_main(argv[1:])
     if argv[0] == "shm":
         return _shm(argv[1:])
     if argv[0] == "serve":
-        from tpusync.serve import main as serve_main
-
         return serve_main(argv[1:])
     return _info(argv[1:])
 

@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+
+from tpusync.cluster import (
+    BlockServer,
+    NodeInfo,
+    RegistryTier,
+    RemoteRegistry,
+    StoreNodeTier,
+    serving,
+)
+from tpusync.demo_transfer import _memcpy_gbps as measure
+from tpusync.demo_transfer import main as transfer_main
+from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
+from tpusync.testing import model as M
+from tpusync.testing.engine import ToyEngine
+from tpusync.testing.model import init_kv_pools
+from tpusync.testing.processes import start_store_node, stop_process
+from tpusync.tiers import PoolLayout
+from tpusync.tiers.dram import pool_path
 
 MODEL_ID = "tpusync-demo-model"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpusync" / "jax"
@@ -49,8 +69,6 @@ class Row:
 
 
 def _setup_jax(cache_dir: str | None) -> None:
-    import jax
-
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -58,8 +76,6 @@ def _setup_jax(cache_dir: str | None) -> None:
 
 
 def _model_config(tokens: int, new_tokens: int) -> Any:
-    from tpusync.testing import model as M
-
     # 8 KV heads of 32: a block is 16 tokens x 16 KiB per (layer, K/V) array, 128 KiB in all.
     base = M.ModelConfig(n_kv_heads=8, head_dim=32)
     per_seq = M.blocks_needed(base, tokens + 2 * new_tokens + base.block_size)
@@ -79,8 +95,6 @@ def _store_config(
     block_size: int,
     extra_tiers: tuple[Any, ...] = (),
 ) -> Any:
-    from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
-
     tiers: list[Any] = []
     if disk:
         tiers.append(DiskTier(disk, capacity_blocks=2 * blocks + 16, create=True))
@@ -119,8 +133,6 @@ def _load_row(scenario: str, request: Any, cold: Any) -> Row:
 
 
 def _memcpy_gbps(nbytes: int) -> float:
-    from tpusync.demo_transfer import _memcpy_gbps as measure
-
     return measure(nbytes, 5)
 
 
@@ -128,14 +140,6 @@ def run(
     tokens: int, new_tokens: int, cache_dir: str | None, plot: str | None, seed: int = 0
 ) -> bool:
     _setup_jax(cache_dir)
-    import secrets
-
-    from tpusync.cluster import BlockServer, NodeInfo, RemoteRegistry, StoreNodePool, serving
-    from tpusync.testing.engine import ToyEngine
-    from tpusync.testing.model import init_kv_pools
-    from tpusync.testing.processes import start_store_node, stop_process
-    from tpusync.tiers import PoolLayout
-
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
     work = Path(tempfile.mkdtemp(prefix="tpusync-demo-"))
@@ -148,14 +152,14 @@ def run(
         layout = PoolLayout.from_pools(MODEL_ID, init_kv_pools(config))
         print("starting a store node (`tpusync serve`, hosting the registry) ...")
         node_process, node = start_store_node(work, secret, 2 * blocks * layout.slot_bytes)
-        node_tier = StoreNodePool(node["address"], layout=layout, secret=secret)
+        node_tier = StoreNodeTier(node["address"], secret=secret)  # each store opens its own
         store_config = _store_config(
             blocks,
             shm_name,
             work / "disk",
             work / "shared",
             config.block_size,
-            (("node", node_tier),),
+            (node_tier,),
         )
         engine = ToyEngine(config, store_config)
         kv_mib = blocks * engine.block_bytes() / 2**20
@@ -225,7 +229,6 @@ def run(
         )
         stats = engine.store.stats()
         engine.close()  # the named pool stays in /dev/shm for the next process
-        node_tier.close()
         registry.close()
 
         print("restart: a new process attaches to the /dev/shm pool ...")
@@ -243,8 +246,6 @@ def run(
         if node_process is not None:
             stop_process(node_process)
         shutil.rmtree(work, ignore_errors=True)
-        from tpusync.tiers.host_pool import pool_path
-
         path = pool_path(shm_name)
         path.unlink(missing_ok=True)
         shutil.rmtree(path.with_name(path.name.removesuffix(".pool") + ".sessions"), True)
@@ -306,16 +307,12 @@ def _child(spec: dict[str, Any]) -> None:
     """The restarted server (attaches to the named pool) or the decode process (finds the
     prefix through the registry): warms up, serves the prompt."""
     _setup_jax(spec["cache_dir"])
-    from tpusync.testing.engine import ToyEngine
-
     tokens, new_tokens = spec["tokens"], spec["new_tokens"]
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
     extra: tuple[Any, ...] = ()
     closers: list[Any] = []
     if spec.get("registry"):
-        from tpusync.cluster import RegistryTier, RemoteRegistry
-
         secret = bytes.fromhex(spec["secret"])
         registry = RemoteRegistry(spec["registry"], secret=secret)
         extra = (RegistryTier(registry, secret=secret, exclude="demo-decode"),)
@@ -381,10 +378,10 @@ def _print_stats(stats: dict[str, Any]) -> None:
 
 def _plot(rows: list[Row], path: str, tokens: int) -> None:
     try:
-        import matplotlib
+        import matplotlib  # optional heavy dependency (tpusync[demo]): only for --plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional heavy dependency
     except ImportError:
         print("--plot needs matplotlib: pip install 'tpusync[demo]' (or matplotlib)")
         return
@@ -422,8 +419,6 @@ def main(argv: list[str] | None = None) -> int:
         _child(json.loads(args.child))
         return 0
     if args.transfer:
-        from tpusync.demo_transfer import main as transfer_main
-
         return transfer_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

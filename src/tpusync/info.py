@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import resource
 import tempfile
@@ -12,9 +11,11 @@ from typing import Any
 import jax
 import jaxlib
 
-from tpusync import __version__, options
+from tpusync import options
+from tpusync._version import __version__
 from tpusync.engines.native import copy_threads
 from tpusync.memory import fork_guard
+from tpusync.tiers.direct_io import check_o_direct
 from tpusync.transfer.select import device_choice
 
 __all__ = ["DeviceInfo", "HostInfo", "Info", "info"]
@@ -96,28 +97,6 @@ def _statvfs(path: str) -> tuple[int | None, int | None]:
     except OSError:
         return None, None
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-
-
-def check_o_direct(directory: str) -> tuple[bool, str]:
-    """Whether files in ``directory`` can be opened with O_DIRECT, and why not."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False, "this OS has no O_DIRECT"
-    try:
-        fd, name = tempfile.mkstemp(dir=directory, prefix=".tpusync-odirect-")
-    except OSError as exc:
-        return False, f"cannot create a file there: {exc.strerror}"
-    os.close(fd)
-    try:
-        fd = os.open(name, os.O_RDWR | flag)
-    except OSError as exc:
-        reason = "the filesystem refuses it" if exc.errno == errno.EINVAL else exc.strerror
-        return False, str(reason)
-    else:
-        os.close(fd)
-        return True, "supported"
-    finally:
-        os.unlink(name)
 
 
 def _thp(which: str = "enabled") -> str | None:

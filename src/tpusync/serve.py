@@ -29,6 +29,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tpusync.cluster import RedisRegistry, RemoteRegistry, StoreNode
+from tpusync.cluster.registry.server import is_loopback
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -94,12 +96,8 @@ def _registry(args: argparse.Namespace, secret: bytes) -> Any:
     if url is None:
         return None
     if url.startswith(("redis://", "rediss://", "unix://")):
-        from tpusync.cluster import RedisRegistry
-
         return RedisRegistry(url)
     if url.startswith("tcp://"):
-        from tpusync.cluster import RemoteRegistry
-
         tls = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
         return RemoteRegistry(
             url.removeprefix("tcp://"), secret=secret, tls=tls, insecure=args.insecure
@@ -143,14 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="tpusync serve: %(message)s")
-    from tpusync.cluster import StoreNode
-
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        from tpusync.cluster.registry.server import is_loopback
-
         if not is_loopback(args.host) and not args.insecure and not args.tls_cert:
             raise InvalidArgumentError(
                 f"--host: {args.host} is not a loopback address: serve TLS with --tls-cert and "

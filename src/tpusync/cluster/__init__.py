@@ -38,7 +38,7 @@ from tpusync.cluster.registry import (
 )
 from tpusync.cluster.registry_pool import RegistryPool
 from tpusync.cluster.store_node import StoreNode, StoreNodePool, StoreServer
-from tpusync.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier  # uses the above
+from tpusync.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier
 from tpusync.errors import (
     AuthenticationError,
     FrameError,

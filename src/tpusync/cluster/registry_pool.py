@@ -25,7 +25,7 @@ from tpusync.errors import (
     RemoteOperationUnsupportedError,
     TpuSyncError,
 )
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 

@@ -23,15 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpusync.cluster import (
-    BlockClient,
-    RedisRegistry,
-    Registry,
-    RegistryPool,
-    RemotePool,
-    RemoteRegistry,
-    StoreNodePool,
-)
+from tpusync.cluster.dataplane import BlockClient, RemotePool
+from tpusync.cluster.registry import RedisRegistry, Registry, RemoteRegistry
+from tpusync.cluster.registry_pool import RegistryPool
+from tpusync.cluster.store_node import StoreNodePool
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv.config_dict import register_tier_section
 from tpusync.kv.tier_specs import check_tier_name

@@ -29,9 +29,14 @@ from pathlib import Path
 import numpy as np
 
 from tpusync.errors import UnsafeFileError
-from tpusync.tiers._file_writes import TEMP_MARK, file_error, write_file_atomically
-from tpusync.tiers._files import make_directory, open_file
-from tpusync.tiers._pool_file import MAX_KEY_BYTES
+from tpusync.tiers.blocks import MAX_KEY_BYTES
+from tpusync.tiers.files import (
+    TEMP_MARK,
+    file_error,
+    make_directory,
+    open_file,
+    write_file_atomically,
+)
 
 log = logging.getLogger("tpusync.kv")
 

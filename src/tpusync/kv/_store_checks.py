@@ -18,8 +18,8 @@ from tpusync.errors import DtypeMismatchError, InvalidArgumentError, ShapeMismat
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.tier_specs import ExistingTier
 from tpusync.memory.device_pool import DevicePool
-from tpusync.tiers._room import check_room
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.room import check_room
 
 __all__ = [
     "check_dram_room",

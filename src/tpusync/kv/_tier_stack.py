@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.kv._tier_faults import TierFaults
 from tpusync.tiers.base import LowerTier, tier_free, tier_usable_capacity
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.spec import OpenedTier
 
 log = logging.getLogger("tpusync.kv")

@@ -24,15 +24,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,12 +40,12 @@ from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
     NamespaceMismatchError,
-    SessionNotFoundError,
     StaleHandleError,
     TpuSyncError,
 )
 from tpusync.kv._peer_link import PeerLink
-from tpusync.kv._sessions import SessionManifests, SessionRecord
+from tpusync.kv._session_calls import SessionCalls
+from tpusync.kv._sessions import SessionManifests
 from tpusync.kv._store_checks import (
     check_dram_room,
     check_extra_tier_layouts,
@@ -59,11 +56,17 @@ from tpusync.kv._streaming import load_through_dram, reload_from_below, save_thr
 from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
-from tpusync.kv.tier_specs import DiskTier
+from tpusync.kv.results import (
+    LoadResult,
+    LookupResult,
+    SaveFuture,
+    SaveResult,
+    SessionRestore,
+)
 from tpusync.memory.device_pool import DevicePool
 from tpusync.memory.fork_guard import check_same_process
-from tpusync.tiers._files import check_directory
-from tpusync.tiers.host_pool import HostPool, pool_path
+from tpusync.tiers.dram import HostPool
+from tpusync.tiers.files import check_directory
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.spec import OpenedTier
 
@@ -78,98 +81,9 @@ __all__ = [
 
 log = logging.getLogger("tpusync.kv")
 T = TypeVar("T")
-_handle_ids = itertools.count(1)
 
 
-@dataclass(eq=False)
-class LookupResult:
-    """The longest cached prefix of a token list, with pins on its blocks (see the module
-    docstring). ``cached_tokens`` is a multiple of the block size; ``tiers[i]`` names the tier
-    block ``i`` was found in. On a full hit the caller still recomputes the last token (for its
-    logits): load every block, then prefill from ``min(cached_tokens, len(tokens) - 1)``. A hit
-    may be longer than the DRAM tier holds: it then loads through DRAM chunk by chunk."""
-
-    cached_tokens: int
-    total_tokens: int
-    keys: tuple[bytes, ...]
-    tiers: tuple[str, ...]
-    _store: KVCacheStore | None = field(repr=False)
-    _id: int = field(default_factory=lambda: next(_handle_ids), repr=False)
-    _state: str = field(default="open", repr=False)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.keys)
-
-    @property
-    def open(self) -> bool:
-        """True until loaded or released."""
-        return self._state == "open"
-
-    def __enter__(self) -> LookupResult:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._state == "open" and self._store is not None:
-            self._store.release(self)
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """What a load put into the device blocks: the first ``loaded_blocks`` blocks
-    (``loaded_tokens`` tokens) are valid; recompute from ``loaded_tokens`` on."""
-
-    loaded_tokens: int
-    loaded_blocks: int
-    requested_blocks: int
-    bytes: int
-    seconds: float
-    promoted_blocks: int
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """A finished save: ``stored_blocks`` were copied into DRAM, ``skipped_blocks`` were
-    already cached (not copied again)."""
-
-    stored_blocks: int
-    skipped_blocks: int
-    bytes: int
-    seconds: float
-
-
-class SaveFuture(concurrent.futures.Future):  # type: ignore[type-arg]
-    """The future of a save: its result is the :class:`SaveResult` once the blocks are durable
-    in DRAM; :attr:`released` completes (with None) as soon as the device blocks are no longer
-    read, even when the save fails."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.released: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def __await__(self) -> Any:
-        import asyncio
-
-        return asyncio.wrap_future(self).__await__()
-
-
-@dataclass(frozen=True)
-class SessionRestore:
-    """A restored session: its ``tokens``, of which the first ``loaded_tokens`` have their KV
-    in the device blocks (all of them unless a block was lost or corrupt: recompute the rest)."""
-
-    session_id: str
-    tokens: np.ndarray
-    loaded_tokens: int
-    bytes: int
-    seconds: float
-
-
-class KVCacheStore:
+class KVCacheStore(SessionCalls):
     """Prefix cache of KV blocks over a device pool and the tiers below it.
 
     Args:
@@ -289,16 +203,6 @@ class KVCacheStore:
         for record in self._sessions.all():
             self._stack.keep(record.keys)
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tpusync-kv")
-
-    def _session_dir(self) -> Path | None:
-        config = self.config
-        if config.dram.name is not None:
-            path = pool_path(config.dram.name, config.dram.shm_dir)
-            return path.with_name(path.name.removesuffix(".pool") + ".sessions")
-        disk = next((t for t in config.tiers if isinstance(t, DiskTier)), None)
-        if disk is not None:
-            return Path(disk.directory) / "sessions"
-        return None
 
     # --- validation ------------------------------------------------------------------------
 
@@ -652,122 +556,6 @@ class KVCacheStore:
         self._count(prefetched_blocks=n)
         return n
 
-    # --- sessions --------------------------------------------------------------------------
-
-    def offload_session(
-        self,
-        session_id: str,
-        tokens: Any,
-        device_block_ids: Any,
-        *,
-        namespace: Namespace | None = None,
-    ) -> SaveResult:
-        """Offloads a paused session (see :meth:`offload_session_async`) and waits until it is
-        durable in DRAM; the device blocks are free when this returns."""
-        return self.offload_session_async(
-            session_id, tokens, device_block_ids, namespace=namespace
-        ).result()
-
-    def offload_session_async(
-        self,
-        session_id: str,
-        tokens: Any,
-        device_block_ids: Any,
-        *,
-        namespace: Namespace | None = None,
-    ) -> SaveFuture:
-        """Moves a paused session's KV — every token, the partial last block too — out of device
-        memory into the store and keeps it from being dropped until :meth:`restore_session` or
-        :meth:`drop_session`. Offloading an id again replaces the old session. Returns the
-        save's future (free the device blocks after ``released``)."""
-        self._check_open()
-        session_id = _check_session_id(session_id)
-        ns = self._namespace(namespace)
-        toks, keys = self._keys(tokens, namespace)
-        n_full = len(keys)
-        if len(toks) > n_full * self.block_size:
-            parent = keys[-1] if keys else None
-            tail = toks[n_full * self.block_size :]
-            keys = [*keys, self.scheme.tail_key(ns, parent, session_id, tail)]
-        ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
-        record = SessionRecord(session_id, toks.copy(), tuple(keys))
-        self._stack.keep(keys)
-        try:
-            old = self._sessions.put(record)  # TierFullError/TierIOError: nothing changed
-        except BaseException:
-            self._stack.unkeep(keys)
-            raise
-        if old is not None:
-            self._end_session(old, drop_tail=bool(old.keys) and old.keys[-1] not in keys)
-        future = self._start_save(keys, ids)
-        with self._handles_lock:
-            self._session_saves[session_id] = future
-        return future
-
-    def restore_session(
-        self, session_id: str, device_block_ids: Any, *, timeout: float | None = None
-    ) -> SessionRestore:
-        """Loads an offloaded session's KV into ``device_block_ids`` (one per block of its
-        tokens, the partial last block included) and ends the session; its full blocks stay
-        cached as ordinary prefix blocks."""
-        self._check_open()
-        session_id = _check_session_id(session_id)
-        record = self._sessions.get(session_id)
-        if record is None:
-            raise SessionNotFoundError(
-                f"session_id: no offloaded session {session_id!r} (never offloaded, already "
-                "restored, or dropped)"
-            )
-        ids = self._check_block_ids(device_block_ids, len(record.keys), at_most=False)
-        self._check_writable(ids)
-        with self._handles_lock:
-            saving = self._session_saves.pop(session_id, None)
-        if saving is not None:
-            saving.result(timeout)  # the offload's own save must land first
-        keys = list(record.keys)
-        start = time.perf_counter()
-        self._stack.pin(keys)
-        try:
-            loaded, _ = self._load_keys(keys, ids)
-        finally:
-            self._stack.unpin(keys)
-        seconds = time.perf_counter() - start
-        if self._sessions.pop(session_id) is not None:
-            self._end_session(record, drop_tail=True)
-        tokens = record.tokens
-        loaded_tokens = min(loaded * self.block_size, len(tokens))
-        return SessionRestore(
-            session_id, tokens, loaded_tokens, loaded * self.layout.payload_bytes, seconds
-        )
-
-    def restore_session_async(
-        self, session_id: str, device_block_ids: Any
-    ) -> concurrent.futures.Future[SessionRestore]:
-        return self._submit(self.restore_session, session_id, device_block_ids)
-
-    def drop_session(self, session_id: str) -> None:
-        """Forgets an offloaded session; its full blocks stay cached as ordinary blocks."""
-        self._check_open()
-        session_id = _check_session_id(session_id)
-        record = self._sessions.pop(session_id)
-        if record is None:
-            raise SessionNotFoundError(f"session_id: no offloaded session {session_id!r}")
-        with self._handles_lock:
-            saving = self._session_saves.pop(session_id, None)
-        if saving is not None:
-            concurrent.futures.wait([saving])
-        self._end_session(record, drop_tail=True)
-
-    def sessions(self) -> list[str]:
-        """Ids of the offloaded sessions (including those found after a restart)."""
-        return [r.session_id for r in self._sessions.all()]
-
-    def _end_session(self, record: SessionRecord, *, drop_tail: bool) -> None:
-        self._stack.unkeep(list(record.keys))
-        n_full = len(record.tokens) // self.block_size
-        if drop_tail and len(record.keys) > n_full:  # the tail block serves nobody else
-            self._stack.delete_everywhere([record.keys[-1]])
-
     # --- the cluster ------------------------------------------------------------------------
 
     def publish_to(self, registry: Any, node: Any, *, ttl_s: float = 10.0) -> None:
@@ -980,14 +768,6 @@ class KVCacheStore:
             f"KVCacheStore(model_id={self.config.model_id!r}, block_size={self.block_size}, "
             f"tiers=[{tiers}], dram {self.dram.used}/{self.dram.capacity} blocks)"
         )
-
-
-def _check_session_id(session_id: Any) -> str:
-    if not isinstance(session_id, str) or not 1 <= len(session_id) <= 256:
-        raise InvalidArgumentError(
-            f"session_id: expected a string of 1 to 256 characters, got {session_id!r}"
-        )
-    return session_id
 
 
 def _unlink_own_pool(pool: HostPool) -> None:

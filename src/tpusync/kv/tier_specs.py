@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
-from tpusync.tiers._files import make_directory
 from tpusync.tiers.base import LowerTier, tier_read_only
 from tpusync.tiers.disk import DiskPool
+from tpusync.tiers.files import make_directory
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.mac import MacKey, mac_key_from_secret
 from tpusync.tiers.shared_fs import SharedFsPool

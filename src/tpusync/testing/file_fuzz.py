@@ -41,7 +41,7 @@ from tpusync.kv import _sessions
 from tpusync.tiers._pool_file import RECORD_DTYPE
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.disk import _format as disk_module
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.shared_fs import SharedFsPool
 from tpusync.tiers.shared_fs import _format as sfs_module

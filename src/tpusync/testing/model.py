@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -488,9 +490,6 @@ def generate_greedy(
 
 
 def _main() -> None:  # pragma: no cover - manual timing: python -m tpusync.testing.model [N]
-    import sys
-    import time
-
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     config = ModelConfig(max_blocks_per_seq=max(512, blocks_needed(ModelConfig(), n)))
     config = dataclasses.replace(

@@ -5,7 +5,7 @@ subpackage (``disk/``, ``shared_fs/``)."""
 
 from tpusync.tiers.base import BlockTier, LowerTier
 from tpusync.tiers.disk import DiskPool
-from tpusync.tiers.host_pool import HostPool, Pinned, Reservation
+from tpusync.tiers.dram import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.shared_fs import SharedFsPool
 from tpusync.tiers.spec import OpenedTier, TierContext, TierSpec

@@ -27,17 +27,14 @@ from typing import Any
 import numpy as np
 
 from tpusync.errors import PoolFormatError
+from tpusync.tiers.blocks import CHECKSUM_SCHEME, MAX_KEY_BYTES, slot_checksums  # noqa: F401 (home)
 from tpusync.tiers.layout import PoolLayout
 
 MAGIC = b"TPUSYNCP"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1: no header checksum
-# How block checksums are computed (piece checksum and how pieces combine); every tier stores
-# blocks with checksums of this scheme, and a change needs a new number.
-CHECKSUM_SCHEME = 1
 HEADER_BYTES = 4096
 PAGE = 4096
-MAX_KEY_BYTES = 32
 
 FREE, WRITING, COMMITTED = 0, 1, 2
 
@@ -231,14 +228,3 @@ def scan_records(records: np.ndarray, payload_bytes: int) -> RecordScan:
                 damaged.append(np.array([replaced]))
             index[key] = slot
     return RecordScan(index, torn, np.sort(np.concatenate(damaged)).astype(np.int64), sequence)
-
-
-def slot_checksums(piece_digests: np.ndarray) -> np.ndarray:
-    """A block's checksum from its pieces' checksums (``_core.sum64`` of each contiguous piece,
-    see include/tpusync/checksum.h): XXH64 of those, in slot order.
-
-    ``piece_digests`` has shape (blocks, pieces per slot)."""
-    from tpusync import _core
-
-    rows = np.ascontiguousarray(piece_digests, dtype="<u8")  # the bytes hashed, per row
-    return _core.xxh64_rows(rows)

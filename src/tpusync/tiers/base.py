@@ -34,7 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
-from tpusync.tiers.host_pool import HostPool, Pinned, Reservation, _check_keys
+from tpusync.tiers._keys import check_keys
+from tpusync.tiers.dram import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 
@@ -186,7 +187,7 @@ class BlockTier(ABC):
         return self._put(keys, source, overwrite=False)
 
     def _put(self, keys: Sequence[bytes], source: HostPool, *, overwrite: bool) -> int:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         self._check_open()
         self._check_peer(source, "source")
         candidates = self._new_keys(list(dict.fromkeys(keys)), overwrite)
@@ -250,7 +251,7 @@ class BlockTier(ABC):
         ``target`` has too few free slots, and :class:`~tpusync.errors.BlocksMissingError`
         (with a ``loaded`` mask and ``corrupt`` count) when any key is absent, fails
         verification (counted, and removed) or cannot be read."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         self._check_open()
         self._check_peer(target, "target")
         loads: dict[bytes, Load] = {}

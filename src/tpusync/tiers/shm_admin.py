@@ -24,6 +24,7 @@ from tpusync.tiers._pool_file import (
     read_owner_pid,
     scan_records,
 )
+from tpusync.tiers._pool_open import size_text
 from tpusync.tiers._shm_files import (
     DEFAULT_SHM_DIR,
     POOL_NAME,
@@ -31,11 +32,20 @@ from tpusync.tiers._shm_files import (
     check_sessions_dir,
     find_temp_files,
     pool_path,
+    read_pool_header,
     remove_sessions_dir,
     remove_stale_temp_files,
 )
 
-__all__ = ["Removed", "ShmPoolInfo", "list_pools", "remove_pool", "remove_stale"]
+__all__ = [
+    "Removed",
+    "ShmPoolInfo",
+    "list_pools",
+    "read_pool_header",
+    "remove_pool",
+    "remove_stale",
+    "size_text",
+]
 
 _POOL_FILE = re.compile(r"^tpusync-(?P<name>.+)\.pool$")
 _SESSIONS = re.compile(r"^tpusync-(?P<name>.+)\.sessions$")

@@ -33,8 +33,8 @@ from tpusync.errors import (
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
 )
-from tpusync.tiers._pool_file import slot_checksums
-from tpusync.tiers.host_pool import HostPool, Reservation
+from tpusync.tiers.blocks import slot_checksums
+from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 
 __all__ = ["BlockClient", "PullResult"]

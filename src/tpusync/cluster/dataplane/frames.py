@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from tpusync import _core
-from tpusync.tiers._pool_file import CHECKSUM_SCHEME
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.blocks import CHECKSUM_SCHEME
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
 
 __all__ = [

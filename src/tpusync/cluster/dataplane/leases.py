@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpusync.errors import InvalidArgumentError, TierFullError
-from tpusync.tiers.host_pool import HostPool, Pinned
+from tpusync.tiers.dram import HostPool, Pinned
 
 __all__ = ["Lease", "LeaseTable"]
 

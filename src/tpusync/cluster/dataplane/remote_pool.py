@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tpusync.cluster.dataplane.client import BlockClient
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, RemoteOperationUnsupportedError
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 

@@ -24,7 +24,7 @@ from tpusync.cluster.dataplane.protocol import (
     ttl_param,
 )
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
 
 __all__ = ["BlockServer", "Served"]
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from tpusync import _core
 from tpusync.errors import FrameError, InvalidArgumentError
-from tpusync.tiers._pool_file import CHECKSUM_SCHEME
+from tpusync.tiers.blocks import CHECKSUM_SCHEME
 
 __all__ = [
     "BLOCK",

@@ -93,6 +93,8 @@ class JaxRegistry:
                 f"prefix: expected a key directory such as 'tpusync', got {prefix!r}"
             )
         if client is None:
+            # Looked up only here, so a jax that moves them breaks only a registry made
+            # without a client: private jax internals
             from jax._src.distributed import global_state
 
             client = global_state.client

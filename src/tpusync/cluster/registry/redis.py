@@ -193,7 +193,7 @@ class RedisRegistry:
         if not isinstance(prefix, str) or not prefix:
             raise InvalidArgumentError(f"prefix: expected a non-empty string, got {prefix!r}")
         try:
-            import redis  # optional dependency (tpusync[cluster]): imported when used
+            import redis  # optional heavy dependency (tpusync[cluster]): imported when used
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise InvalidArgumentError(
                 "RedisRegistry needs the redis package: pip install 'tpusync[cluster]'"

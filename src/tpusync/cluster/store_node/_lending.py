@@ -19,9 +19,9 @@ from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane.leases import LeaseTable
 from tpusync.cluster.dataplane.server import Served
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers._room import check_room, check_writable_directory, held_bytes
 from tpusync.tiers.disk import DiskPool
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
+from tpusync.tiers.room import check_room, check_writable_directory, held_bytes
 
 __all__ = ["Lent", "check_room_to_lend", "checksums_param", "recv_exactly", "recv_header"]
 

@@ -18,7 +18,7 @@ from tpusync.cluster.registry.memory import MemoryRegistry
 from tpusync.cluster.registry.server import RegistryServer
 from tpusync.cluster.store_node.server import StoreServer
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers.host_pool import DEFAULT_SHM_DIR
+from tpusync.tiers.dram import DEFAULT_SHM_DIR
 
 __all__ = ["StoreNode"]
 

@@ -11,7 +11,7 @@ from tpusync.cluster.dataplane.client import BlockClient
 from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
 from tpusync.cluster.dataplane.remote_pool import RemotePool
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
-from tpusync.tiers.host_pool import HostPool
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 

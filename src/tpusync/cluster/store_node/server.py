@@ -35,10 +35,10 @@ from tpusync.cluster.store_node._lending import (
     recv_header,
 )
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatError, TpuSyncError
-from tpusync.tiers._shm_files import read_pool_header
 from tpusync.tiers.disk import DiskPool
-from tpusync.tiers.host_pool import DEFAULT_SHM_DIR, HostPool
+from tpusync.tiers.dram import DEFAULT_SHM_DIR, HostPool
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.shm_admin import read_pool_header
 
 __all__ = ["StoreServer"]
 

@@ -80,11 +80,12 @@ from typing import Any
 import numpy as np
 
 from tpusync.errors import InvalidArgumentError, TierFullError
-from tpusync.info import check_o_direct
 from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._files import check_directory
+from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
 from tpusync.tiers.base import BlockTier, Load, LoadStatus
+from tpusync.tiers.direct_io import check_o_direct
 from tpusync.tiers.disk._format import (
     DEFAULT_IO_THREADS,
     HEADER_BYTES,
@@ -95,7 +96,7 @@ from tpusync.tiers.disk._format import (
     _mib,
 )
 from tpusync.tiers.disk._opening import DiskFiles
-from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
+from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 
@@ -267,7 +268,7 @@ class DiskPool(DiskFiles, BlockTier):
             return list(self._index)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         check_same_process(self._opened_by, f"the disk pool in {self.directory}")
         with self._lock:
             return [k in self._index for k in keys]
@@ -537,7 +538,7 @@ class DiskPool(DiskFiles, BlockTier):
     def delete(self, keys: Sequence[bytes]) -> int:
         """Drops the blocks under ``keys``; blocks being read (pinned) and absent keys are
         skipped. Returns how many were dropped. (Not synced: see the module docstring.)"""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         self._check_open()
         dropped = []
         with self._lock:

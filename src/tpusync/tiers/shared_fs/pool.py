@@ -97,9 +97,10 @@ from tpusync.errors import (
 from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._file_writes import write_file_atomically
 from tpusync.tiers._files import DIRECTORY_MODE, check_directory, open_file
+from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import MAX_KEY_BYTES
 from tpusync.tiers.base import BlockTier, Load, LoadStatus, readable
-from tpusync.tiers.host_pool import HostPool, Reservation, _check_keys
+from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.mac import MAC_BYTES, MacKey
 from tpusync.tiers.shared_fs._format import (
@@ -297,13 +298,13 @@ class SharedFsPool(BlockTier):
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether a published file exists for each key (its content is checked by ``get``)."""
         self._check_open()
-        return self._exist_all(_check_keys(keys))
+        return self._exist_all(check_keys(keys))
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Unlinks the files of ``keys`` (readers that already opened one still read it whole);
         absent keys are skipped. Returns how many were removed."""
         self._check_open()
-        keys = list(dict.fromkeys(_check_keys(keys)))
+        keys = list(dict.fromkeys(check_keys(keys)))
         removed = 0
         for key in keys:
             try:
@@ -398,7 +399,7 @@ class SharedFsPool(BlockTier):
 
     def path_of(self, key: bytes) -> str:
         """The path a block's file has (whether or not it exists)."""
-        return self._path(_check_keys([key])[0])
+        return self._path(check_keys([key])[0])
 
     def _path(self, key: bytes) -> str:
         return f"{self._root}/{key[:1].hex()}/{key.hex()}{SUFFIX}"

@@ -1,0 +1,9 @@
+"""The DRAM tier: :class:`HostPool` (page-aligned slots in anonymous memory or in /dev/shm, a
+records index that survives the process), the handles of its slot interface
+(:class:`Reservation`, :class:`Pinned`) and where named pools live (:func:`pool_path`)."""
+
+from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, pool_path
+from tpusync.tiers.dram.pool import HostPool
+from tpusync.tiers.dram.slots import Pinned, Reservation
+
+__all__ = ["DEFAULT_SHM_DIR", "HostPool", "Pinned", "Reservation", "pool_path"]

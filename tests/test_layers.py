@@ -1,0 +1,281 @@
+"""The layer contract (issue 19), read from the source with ``ast``: no module imports another
+package's ``_private`` module or name; no function-local import except an optional heavy
+dependency marked as one (or a documented exemption); no import cycle among tpusync modules at
+module level. The layer order itself is checked by import-linter (``lint-imports``, configured in
+``pyproject.toml``); the last test runs it where it is installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PACKAGE = SRC / "tpusync"
+
+# A function-local import is allowed only with the marker of its kind in a comment on its line
+# (or on the line above), and only of these optional or heavy dependencies.
+LAZY_ALLOWED = {
+    "matplotlib": "optional heavy dependency",  # tpusync[demo]: only `tpusync demo --plot`
+    "redis": "optional heavy dependency",  # tpusync[cluster]: only RedisRegistry
+    "torch": "optional heavy dependency",  # PyTorch tensors and engine connectors
+    # jax's private modules, looked up where used, so a jax that moves them breaks one call
+    "jax._src": "private jax internals",
+}
+# The documented exemption: KVCacheStore.serve / .publish_to, deprecated for one release,
+# reach tpusync.cluster.serving lazily because kv imports no cluster.
+LAZY_EXEMPT = {"tpusync.kv": {"tpusync.cluster", "tpusync.cluster.serving"}}
+# Modules allowed to import private names of other packages: the deprecation shims (their
+# docstring starts with "Deprecated": they re-export what the old path had, for one release),
+# and the fuzzer of the private file formats (it damages their bytes as tests do).
+PRIVATE_EXEMPT = {"tpusync.testing.file_fuzz"}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module (or module.name) of a tpusync source file."""
+
+    importer: str  # the importing module, dotted
+    target: str  # the module, or module.name, imported
+    line: int
+    local: bool  # inside a function
+    runs: bool  # executed at import time (not under ``if TYPE_CHECKING:``)
+    comments: str  # the comments on its lines and the line above
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _modules() -> dict[str, Path]:
+    """Every tpusync module: the Python sources and the native extensions (``.pyx``)."""
+    return {**{_module_name(p): p for p in sorted(PACKAGE.rglob("*.pyx"))}, **_sources()}
+
+
+def _is_shim(path: Path) -> bool:
+    return (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Deprecated")
+
+
+def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk(node: ast.AST, local: bool, runs: bool) -> Iterator[tuple[ast.stmt, bool, bool]]:
+    """Yield (import node, local, runs) for every import below ``node``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child, local, runs
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield from _walk(child, True, runs)
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), local, False)
+            for stmt in child.orelse:
+                yield from _walk(ast.Module(body=[stmt], type_ignores=[]), local, runs)
+        else:
+            yield from _walk(child, local, runs)
+
+
+def _imports(name: str, path: Path) -> list[Import]:
+    text = path.read_text()
+    lines = text.splitlines()
+    found = []
+    for node, local, runs in _walk(ast.parse(text), False, True):
+        around = lines[max(node.lineno - 2, 0) : node.end_lineno]
+        comments = " ".join(line.partition("#")[2] for line in around)
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:  # the module, and each name (the name may be a submodule)
+            module = _absolute(node, name, _is_package(path))
+            targets = [module] + [f"{module}.{a.name}" for a in node.names if a.name != "*"]
+        found += [Import(name, t, node.lineno, local, runs, comments) for t in targets]
+    return found
+
+
+def _all_imports() -> list[Import]:
+    return [i for name, path in _sources().items() for i in _imports(name, path)]
+
+
+def _owner(dotted: list[str], i: int, modules: dict[str, Path]) -> str:
+    """The package that owns the private component ``dotted[i]``: the package it sits in."""
+    parent = ".".join(dotted[:i])
+    path = modules.get(parent)
+    if path is not None and not _is_package(path):  # a name in a module: the module's package
+        parent = ".".join(dotted[: i - 1])
+    return parent
+
+
+def private_violations() -> list[str]:
+    """Imports of a ``_private`` module or name from outside the package that owns it."""
+    modules = _modules()
+    exempt = PRIVATE_EXEMPT | {name for name, path in _sources().items() if _is_shim(path)}
+    bad = []
+    for imp in _all_imports():
+        dotted = imp.target.split(".")
+        if dotted[0] != "tpusync" or imp.importer in exempt:
+            continue
+        for i, part in enumerate(dotted[1:], start=1):
+            if part.startswith("_") and not part.startswith("__"):
+                owner = _owner(dotted, i, modules)
+                if imp.importer != owner and not imp.importer.startswith(owner + "."):
+                    bad.append(f"{imp.importer}:{imp.line} imports {imp.target}")
+    return sorted(set(bad))
+
+
+def lazy_violations() -> list[str]:
+    """Function-local imports that are neither a marked optional dependency nor exempt."""
+    bad = []
+    for imp in _all_imports():
+        if not imp.local or not imp.runs:
+            continue
+        marker = next(
+            (m for root, m in LAZY_ALLOWED.items() if f"{imp.target}.".startswith(f"{root}.")),
+            None,
+        )
+        if marker is not None and marker in imp.comments:
+            continue
+        if imp.target in LAZY_EXEMPT.get(imp.importer.rpartition(".")[0], ()):
+            continue
+        bad.append(f"{imp.importer}:{imp.line} imports {imp.target} inside a function")
+    return sorted(set(bad))
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module-level import edges between tpusync modules, as import-linter counts them:
+    ``from a import b`` imports the module ``a.b`` where there is one, else ``a``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    by_line: dict[tuple[str, int], list[str]] = {}
+    for imp in _all_imports():
+        if not imp.local and imp.runs and imp.target.startswith("tpusync"):
+            by_line.setdefault((imp.importer, imp.line), []).append(imp.target)
+    for (importer, _), (module, *names) in by_line.items():
+        found = {n if n in modules else module for n in names} if names else {module}
+        graph[importer].update(t for t in found if t in modules and t != importer)
+    return graph
+
+
+def cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
+    """The reader finds a function-local import, its marker, a relative import and a
+    TYPE_CHECKING-only import (so the empty answers below are not vacuous)."""
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import _pool_file\n"
+        "if TYPE_CHECKING:\n"
+        "    from tpusync.kv import store\n"
+        "def f():\n"
+        "    import redis  # optional heavy dependency\n"
+        "    from tpusync.cluster import serving\n"
+    )
+    got = {i.target: i for i in _imports("tpusync.tiers.probe", path)}
+    assert got["tpusync.tiers._pool_file"].local is False
+    assert got["tpusync.kv.store"].runs is False
+    assert got["redis"].local and "optional heavy dependency" in got["redis"].comments
+    assert got["tpusync.cluster.serving"].local
+    modules = _modules()
+    assert _owner(["tpusync", "tiers", "_room"], 2, modules) == "tpusync.tiers"
+    assert _owner(["tpusync", "tiers", "base", "_x"], 3, modules) == "tpusync.tiers"
+    assert "tpusync._core" in modules and "tpusync._native.copy" in modules
+
+
+def test_no_module_imports_another_packages_private_names() -> None:
+    assert private_violations() == []
+
+
+def test_function_local_imports_are_marked_optional_heavy_dependencies() -> None:
+    assert lazy_violations() == []
+
+
+def test_no_import_cycle_at_module_level() -> None:
+    assert cycles() == []
+
+
+def test_lint_imports_keeps_the_layer_contract() -> None:
+    """``lint-imports`` (import-linter, the contract in pyproject.toml) passes on the source."""
+    beside = Path(sys.executable).parent / "lint-imports"
+    exe = str(beside) if beside.exists() else shutil.which("lint-imports")
+    if exe is None:
+        pytest.skip("import-linter is not installed (pip install -e .[dev])")
+    env = {"PYTHONPATH": str(SRC), "PATH": str(beside.parent), "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run(
+        [exe, "--no-cache"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+if __name__ == "__main__":  # a report of everything the checks find
+    print("\n".join(private_violations() + lazy_violations()))
+    print("\n".join(" -> ".join(c) for c in cycles()))
