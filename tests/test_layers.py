@@ -262,7 +262,7 @@ def test_lint_imports_keeps_the_layer_contract() -> None:
     beside = Path(sys.executable).parent / "lint-imports"
     exe = str(beside) if beside.exists() else shutil.which("lint-imports")
     if exe is None:
-        pytest.skip("import-linter is not installed (pip install -e .[dev])")
+        pytest.fail("import-linter is not installed: pip install '.[test]' (scripts/test.sh does)")
     env = {"PYTHONPATH": str(SRC), "PATH": str(beside.parent), "PYTHONIOENCODING": "utf-8"}
     done = subprocess.run(
         [exe, "--no-cache"],
