@@ -9,7 +9,6 @@ serve` children (stopped by pid, with timeouts).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -17,7 +16,7 @@ import secrets
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from mounts import tmpfs
 
 from tpusync import DevicePool
 from tpusync.cluster import MemoryRegistry, RegistryPool, StoreNode, StoreNodePool
@@ -71,23 +71,6 @@ def mem_available() -> int:
     with open("/proc/meminfo") as f:
         kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
     return kib << 10
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs mounted at ``where`` (mode 0700) with ``options``; unmounted on exit."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", f"mode=0700,{options}", "tmpfs", str(where)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {result.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
 
 
 # --- 1. a block size that contradicts the pools ------------------------------------------------

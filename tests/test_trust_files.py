@@ -40,6 +40,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mounts import mount_tmpfs, unmount
 
 from tpusync import DevicePool
 from tpusync.errors import (
@@ -161,7 +162,7 @@ def mounts(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     """mounts(name, size) mounts a fresh tmpfs (mode 0700) at tmp_path/name; mounts(path,
     read_only=True) bind-mounts ``path`` read-only onto itself. All are unmounted at the end."""
     if os.geteuid() != 0:
-        pytest.skip("mounting needs root")
+        pytest.fail("these tests mount filesystems and need root (CI runs as root)")
     made: list[Path] = []
 
     def mount(target: str | Path, size: str = "1m", *, read_only: bool = False) -> Path:
@@ -174,19 +175,16 @@ def mounts(tmp_path: Path) -> Iterator[Callable[..., Path]]:
         else:
             where = tmp_path / str(target)
             where.mkdir()
-            result = _run(
-                "mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)
-            )
-            if not result.returncode:
-                made.append(where)
+            mount_tmpfs(where, f"size={size}")
+            made.append(where)
+            return where
         if result.returncode:
-            pytest.skip(f"cannot mount at {where}: {result.stderr.strip()}")
+            pytest.fail(f"cannot bind-mount {where} read-only: {result.stderr.strip()}")
         return where
 
     yield mount
     for where in reversed(made):
-        if _run("umount", str(where)).returncode:
-            _run("umount", "-l", str(where))
+        unmount(where)
 
 
 def fill_up(directory: Path, rng: np.random.Generator) -> Path:

@@ -15,12 +15,10 @@ devices. Blocks are read back bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from mounts import tmpfs
 
 from tpusync import DevicePool
 from tpusync.errors import TierFullError
@@ -74,24 +73,6 @@ class Kv:
 
     def layout(self) -> PoolLayout:
         return PoolLayout.from_pools("test-model", self.pools, block_axis=0)
-
-
-@contextlib.contextmanager
-def tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A real tmpfs of ``size`` at ``where`` (mode 0700: tiers refuse directories that others
-    may write), unmounted at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {result.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def make_dir(path: Path) -> Path:
@@ -185,7 +166,7 @@ def test_a_disk_tier_that_cannot_grow_does_not_stop_the_shared_fs_tier(
     caplog.set_level(logging.WARNING, logger="tpusync.kv")
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
-    with tmpfs(tmp_path / "disk", "2m") as disk_dir:
+    with tmpfs(tmp_path / "disk", "size=2m") as disk_dir:
         store = stores(config(8, disk=(disk_dir, capacity), shared=tmp_path / "shared"), kv.pools)
         saved = save_prompts(store, kv, rng, 120, 1)
         assert store.flush(TIMEOUT)
@@ -214,8 +195,8 @@ def test_dram_still_evicts_when_no_lower_tier_has_room(arrays, rng, stores, tmp_
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
     with (
-        tmpfs(tmp_path / "disk", "2m") as disk_dir,
-        tmpfs(tmp_path / "shared", "64k") as shared_dir,
+        tmpfs(tmp_path / "disk", "size=2m") as disk_dir,
+        tmpfs(tmp_path / "shared", "size=64k") as shared_dir,
     ):
         store = stores(config(8, disk=(disk_dir, capacity), shared=shared_dir), kv.pools)
         saved = save_prompts(store, kv, rng, 40, 1)
@@ -235,7 +216,7 @@ def test_session_blocks_stay_in_dram_when_no_lower_tier_takes_them(arrays, rng, 
     that would need them fails fast; the session restores whole."""
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
-    with tmpfs(tmp_path / "disk", "2m") as disk_dir:
+    with tmpfs(tmp_path / "disk", "size=2m") as disk_dir:
         store = stores(config(8, disk=(disk_dir, capacity)), kv.pools)
         session = prompt(rng, 4)
         expected = kv.blocks([0, 1, 2, 3])
@@ -314,7 +295,7 @@ def test_a_streamed_save_stops_where_no_lower_tier_takes_a_chunk(arrays, rng, st
     that would follow an uncached one would only lose cache."""
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
-    with tmpfs(tmp_path / "disk", "2m") as disk_dir:
+    with tmpfs(tmp_path / "disk", "size=2m") as disk_dir:
         store = stores(config(4, disk=(disk_dir, capacity)), kv.pools)
         tokens = prompt(rng, 10)
         expected = kv.blocks(range(4))
@@ -368,7 +349,7 @@ def test_a_disk_tier_whose_filesystem_is_full_evicts_instead_of_failing(
     kv = Kv(arrays, rng)
     layout = kv.layout()
     with (
-        tmpfs(tmp_path / "ssd", "160k") as ssd_dir,
+        tmpfs(tmp_path / "ssd", "size=160k") as ssd_dir,
         DiskPool(layout, 64, ssd_dir, slab_slots=8) as ssd,
     ):
         filler = ssd_dir / "other-files"
