@@ -124,8 +124,27 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def commit_of(directory: str | os.PathLike[str]) -> str:
+    """The commit of the checkout holding ``directory`` (with "+dirty" when tracked files
+    changed), or "unknown" outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Writes a benchmark's results with the machine, the time and the benchmarks' commit."""
     payload = {
+        "commit": commit_of(os.path.dirname(os.path.abspath(__file__))),
         "machine": {
             "platform": platform.platform(),
             "cpus": len(os.sched_getaffinity(0)),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -68,22 +67,6 @@ def tag_slots(pool: HostPool, n: int, executor: ThreadPoolExecutor, threads: int
     ]
     for future in futures:
         future.result()
-
-
-def commit() -> str:
-    """The checkout's commit (with "+dirty" when it has changes), or "unknown"."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main() -> int:
@@ -158,7 +141,6 @@ def main() -> int:
     write_json(
         args.json,
         {
-            "commit": commit(),
             "bytes": total,
             "repeats": args.repeats,
             "threads": threads,

@@ -58,10 +58,9 @@ cdef extern from "sys/mman.h" nogil:
     int madvise(void *addr, size_t length, int advice)
     int MADV_HUGEPAGE
 
-# Linux >= 5.14: map a range's pages in one call (faulting them one by one cost ~6 us per page
-# in a VM here). Older kernels answer EINVAL and the range is touched page by page instead.
-# For pages that exist already (a re-attached /dev/shm pool) mapping them for reading is enough
-# and cheaper: 512 MiB in ~25 ms read against ~65 ms write here.
+# Linux >= 5.14: map a range's pages in one call rather than faulting them one by one (older
+# kernels answer EINVAL and the range is touched page by page instead). Pages that exist already
+# (a re-attached /dev/shm pool) are mapped for reading, which is cheaper: docs/decisions/0001.
 cdef int MADV_POPULATE_READ_ = 22
 cdef int MADV_POPULATE_WRITE_ = 23
 # Linux >= 6.1: back a range with huge pages now, copying its small pages (EINVAL before).
@@ -132,8 +131,8 @@ cdef int _compare_int64(const void *a, const void *b) noexcept nogil:
 
 def block_ids_status(const int64_t[::1] ids not None, int64_t limit):
     """0 when every id is in 0..limit-1 and none repeats, 1 when one is out of range, 2 when one
-    repeats: one pass and a sorted copy, where numpy's min, max and unique cost ~30 us each
-    right after a model step. The caller words the error."""
+    repeats: one pass and a sorted copy, cheaper than numpy's min, max and unique right after a
+    model step (docs/decisions/0004). The caller words the error."""
     cdef Py_ssize_t n = ids.shape[0], i
     cdef int status = 0
     for i in range(n):

@@ -62,8 +62,8 @@ cdef class BlockRows:
     and block lists into its segment table. Row r of pair ``p = pair_of_row[r]`` (a pair of
     buffers) moves ``nbytes[r]`` bytes for each block i, from ``pair_bases[p, 0] + src_rel[r]
     + src_blocks[i] * src_step[r]`` to ``pair_bases[p, 1] + dst_rel[r] + dst_blocks[i] *
-    dst_step[r]``. Kept by the plan, since taking seven arrays' buffers again on every call
-    cost ~15 us right after a model step."""
+    dst_step[r]``. Kept by the plan: taking seven arrays' buffers again on every call is costly
+    right after a model step (docs/decisions/0004)."""
 
     cdef const int64_t[::1] _pair_of_row
     cdef const int64_t[::1] _src_rel

@@ -208,9 +208,8 @@ def send_all(int fd, buffers, double timeout_s):
 
 cdef size_t _rcvlowat_max = 256 << 10
 # Most bytes one read takes (recv_exact, FrameReceiver). A read of a whole 2 MiB payload copies
-# for ~200 us before the kernel reopens the window, so the sender stalls and sleeps; reads of
-# 128 KiB keep both ends streaming and the bytes hot for the hash. Measured here, 1 GiB of 2 MiB
-# blocks over loopback, one connection, four A/B runs: 2.9-4.05 -> 3.35-4.8 GB/s (+14-21%).
+# for so long that the sender's window closes and it sleeps; reads of 128 KiB keep both ends
+# streaming and the bytes hot for the hash (docs/decisions/0003).
 cdef size_t _recv_step = 128 << 10
 
 
@@ -294,8 +293,7 @@ def recv_exact(int fd, buffer, double timeout_s, PieceHasher hasher=None):
             waited_out = False
             got += <size_t>k
             if hashing and (got - fed >= HASH_STEP or got == n):
-                # hashed while still in cache, in steps long enough for the fast path
-                # (4 KiB reads hash at ~8 GB/s, 64 KiB at ~25 here)
+                # hashed while still in cache, in steps long enough for the fast path (0003)
                 hasher._feed(p + fed, <int64_t>(got - fed))
                 fed = got
         if hashing and got > fed:  # timed out mid-step: the hasher keeps up with `got`

@@ -82,7 +82,45 @@ def _check_addresses(name: str, address: Any, addresses: Any) -> tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class StoreNodeTier:
+class _PeerSpec:
+    """The fields and checks a tier over one peer's data plane shares: where it is, how it is
+    reached (as for :class:`~tpusync.cluster.BlockClient`) and the tier's name."""
+
+    address: str | None = None
+    addresses: tuple[str, ...] | None = None
+    connections: int | None = None
+    timeout_s: float = 10.0
+    tls: ssl.SSLContext | None = None
+    insecure: bool = False
+    secret: bytes | None = field(default=None, repr=False)
+    name: str = ""
+
+    section = ""  # the spec's section in the plain-data form of a config
+
+    def __post_init__(self) -> None:
+        check_tier_name(self.name, f"{self.section}.name")
+        addresses = _check_addresses(self.name, self.address, self.addresses)
+        object.__setattr__(self, "addresses", addresses)
+        _check_client_fields(
+            self.name, self.connections, self.timeout_s, self.tls, self.insecure, self.secret
+        )
+
+    def check(self, context: TierContext) -> None:
+        pass  # the peer is reached when the tier opens
+
+    def _client_options(self, context: TierContext) -> dict[str, Any]:
+        return {
+            "addresses": None if self.addresses is None else list(self.addresses),
+            "connections": self.connections,
+            "secret": self.secret or context.secret,
+            "timeout_s": self.timeout_s,
+            "tls": self.tls,
+            "insecure": self.insecure,
+        }
+
+
+@dataclass(frozen=True)
+class StoreNodeTier(_PeerSpec):
     """A store node (``tpusync serve``) as a writable lower tier.
 
     Args:
@@ -92,37 +130,12 @@ class StoreNodeTier:
       name: the tier's name in the store.
     """
 
-    address: str | None = None
-    addresses: tuple[str, ...] | None = None
-    connections: int | None = None
-    timeout_s: float = 10.0
-    tls: ssl.SSLContext | None = None
-    insecure: bool = False
-    secret: bytes | None = field(default=None, repr=False)
     name: str = "node"
 
-    def __post_init__(self) -> None:
-        check_tier_name(self.name, "store_node.name")
-        addresses = _check_addresses(self.name, self.address, self.addresses)
-        object.__setattr__(self, "addresses", addresses)
-        _check_client_fields(
-            self.name, self.connections, self.timeout_s, self.tls, self.insecure, self.secret
-        )
-
-    def check(self, context: TierContext) -> None:
-        pass  # the node is reached when the tier opens
+    section = "store_node"
 
     def open(self, layout: PoolLayout, context: TierContext) -> OpenedTier:
-        pool = StoreNodePool(
-            self.address,
-            layout=layout,
-            secret=self.secret or context.secret,
-            addresses=None if self.addresses is None else list(self.addresses),
-            connections=self.connections,
-            timeout_s=self.timeout_s,
-            tls=self.tls,
-            insecure=self.insecure,
-        )
+        pool = StoreNodePool(self.address, layout=layout, **self._client_options(context))
         return OpenedTier(pool, read_only=False)
 
 
@@ -233,7 +246,7 @@ class _RegistryPool(RegistryPool):
 
 
 @dataclass(frozen=True)
-class PeerTier:
+class PeerTier(_PeerSpec):
     """One peer's served DRAM (its :class:`~tpusync.cluster.BlockServer`) as a read-only lower
     tier: hits are pulled into this store's DRAM.
 
@@ -244,37 +257,12 @@ class PeerTier:
       name: the tier's name in the store.
     """
 
-    address: str | None = None
-    addresses: tuple[str, ...] | None = None
-    connections: int | None = None
-    timeout_s: float = 10.0
-    tls: ssl.SSLContext | None = None
-    insecure: bool = False
-    secret: bytes | None = field(default=None, repr=False)
     name: str = "remote"
 
-    def __post_init__(self) -> None:
-        check_tier_name(self.name, "peer.name")
-        addresses = _check_addresses(self.name, self.address, self.addresses)
-        object.__setattr__(self, "addresses", addresses)
-        _check_client_fields(
-            self.name, self.connections, self.timeout_s, self.tls, self.insecure, self.secret
-        )
-
-    def check(self, context: TierContext) -> None:
-        pass  # the peer is reached when the tier opens
+    section = "peer"
 
     def open(self, layout: PoolLayout, context: TierContext) -> OpenedTier:
-        client = BlockClient(
-            self.address,
-            addresses=None if self.addresses is None else list(self.addresses),
-            connections=self.connections,
-            secret=self.secret or context.secret,
-            timeout_s=self.timeout_s,
-            tls=self.tls,
-            insecure=self.insecure,
-            layout=layout,
-        )
+        client = BlockClient(self.address, layout=layout, **self._client_options(context))
         try:
             return OpenedTier(RemotePool(client, layout), read_only=True)
         except BaseException:

@@ -217,8 +217,7 @@ static size_t line_head(const void *dst, size_t n) {
  * The same lane values as the crc32 instruction, computed the way fast CRC code folds long
  * messages: crc32 runs one word per cycle through a chain of dependent steps, which a copy
  * that waits on memory keeps stalling; multiplications fold many words at once, so the fused
- * copy below runs at the rate of a copy (measured here, 2 threads, 1 GiB in scattered 128 KiB-4
- * MiB pieces: 0.65-0.95x np.copyto with crc32, 0.96-1.05x with this).
+ * copy below runs at the rate of a copy (docs/decisions/0002).
  *
  * Polynomials are bit-reflected as the CRC is: bit j of a 32-bit value is the coefficient of
  * x^(31-j), bit t of a 64-bit word that of x^(63-t), bit t of a 128-bit value that of
@@ -352,7 +351,7 @@ CLM_TARGET static inline void clm_store(char *dst, __m512i r0, __m512i r1, __m51
 }
 
 /* 4 S bytes as four streams of S, 192 bytes of each in turn: like a streaming copy of four
- * pages at once, more lines are in flight than with one stream (measured here: 1.05-1.1x). Each
+ * pages at once, more lines are in flight than with one stream (docs/decisions/0002). Each
  * stream folds into its own accumulators (the first continues a), joined at the end. With dst,
  * the bytes are also copied there with non-temporal stores (dst 64-byte aligned). */
 CLM_TARGET static inline void clm_streams(const clm_ctx *k, __m512i a[3], char *dst,
@@ -429,8 +428,8 @@ CLM_TARGET static void clm_lanes(uint32_t lanes[3], char *dst, const char *src, 
 #define CLM_PIECE_AHEAD 1024
 
 /* Four whole pieces at once, 192 bytes of each in turn, each with its own lanes (dst[q] NULL:
- * checksum only): four streams as in clm_streams, without joining them (measured here against
- * one piece at a time: 16 KiB pieces 1.1x, 0.5-4 MiB 1.02-1.08x; checksums only 1.15x). Past
+ * checksum only): four streams as in clm_streams, without joining them (faster than one piece
+ * at a time: docs/decisions/0002). Past
  * the shortest piece, each finishes alone. next[q]: what is read after piece q, to read ahead
  * into. */
 CLM_TARGET static void clm_four_pieces(const char *const src[4], char *const dst[4],
@@ -493,7 +492,7 @@ static int have_clmul512(void) {
              __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2");
   return cached && *force_portable == 0;
 }
-#define CLM_MIN_BLOCKS 16 /* 3 KiB: about where setting up and finishing pay off (measured) */
+#define CLM_MIN_BLOCKS 16 /* 3 KiB: where setting up and finishing pay off (0002) */
 #endif
 
 static void lanes_portable(uint32_t lanes[3], const uint8_t *p, size_t n_groups) {
@@ -685,8 +684,8 @@ __attribute__((target("sse4.2"))) static void copy_crc_blocks(uint32_t lanes[3],
   uint64_t a = lanes[0], b = lanes[1], c = lanes[2];
   if (blocks) crc_block(&a, &b, &c, src);
   for (size_t i = 0; i < blocks; i++, src += 192, dst += 192) {
-    /* Reads run 4 KiB ahead: one sequential stream is latency-bound without it (measured
-     * here: 0.63x a streaming copy fused, 0.81x with it). Near the end of the piece, they run
+    /* Reads run 4 KiB ahead: one sequential stream is latency-bound without it (0002). Near
+     * the end of the piece, they run
      * into the next piece the caller reads instead (harmless when it is NULL or short). */
     const char *ahead = src + PREFETCH_AHEAD;
     if (ahead >= end && next) ahead = next + (ahead - end);
@@ -695,7 +694,7 @@ __attribute__((target("sse4.2"))) static void copy_crc_blocks(uint32_t lanes[3],
     _mm_prefetch(ahead + 128, _MM_HINT_T0);
     /* The checksum runs a step ahead of the copy (its loads bring the lines in): when dst is a
      * little past src modulo 4 KiB, loads right behind the stores wait on them as if they
-     * aliased (measured here, dst = src + 64 mod 4 KiB: 0.74x -> 0.86x a streaming copy). */
+     * aliased (docs/decisions/0002). */
     if (i + 1 < blocks) crc_block(&a, &b, &c, src + 192);
     for (int k = 0; k < 192; k += 16)
       _mm_stream_si128((__m128i *)(dst + k), _mm_loadu_si128((const __m128i *)(src + k)));

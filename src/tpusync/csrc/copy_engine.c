@@ -28,8 +28,7 @@ typedef struct tps_job {
 
 /* Jobs at least this large bypass the caches with non-temporal stores. glibc only does so for
  * single copies above ~3/4 of the last-level cache, so a large job made of many blocks would
- * otherwise pay a read-for-ownership of every destination line (measured: ~half the memcpy
- * rate for scattered 1 MiB blocks). */
+ * otherwise pay a read-for-ownership of every destination line (docs/decisions/0001). */
 #define TPS_STREAMING_MIN_JOB (8u << 20)
 #define TPS_STREAMING_MIN_PIECE 4096u
 /* Hashed jobs hand out segments a few at a time, so that each knows the next one its thread
@@ -52,8 +51,7 @@ static inline void stream_64(char *dst, const char *src) {
 }
 
 /* Streams 16 KiB as four interleaved 4 KiB pages, 128 bytes of each in turn, prefetching ahead.
- * Reading four pages at once keeps more lines in flight than one sequential stream; measured
- * here on 1 MiB blocks: 0.94-0.99x a contiguous glibc memcpy, against 0.71x for one stream. */
+ * Reading four pages at once keeps more lines in flight than one sequential stream (0001). */
 static inline void stream_4_pages(char *dst, const char *src) {
   const uint64_t page = 4096;
   for (uint64_t offset = 0; offset < page; offset += 128) {
@@ -69,7 +67,7 @@ static inline void stream_4_pages(char *dst, const char *src) {
 }
 
 /* The same with 64-byte vectors, every load of a step before its stores (as glibc's large
- * copies): measured here 1.05-1.07x the 16-byte loop on scattered 16 KiB-4 MiB blocks. */
+ * copies): faster than the 16-byte loop on scattered blocks (docs/decisions/0001). */
 __attribute__((target("avx512f"))) static void stream_4_pages_512(char *dst, const char *src,
                                                                   uint64_t n_chunks) {
   const uint64_t page = 4096;

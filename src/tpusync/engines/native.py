@@ -83,8 +83,8 @@ def _pin_buffer(data: jax.Array) -> Any:
     buffer's contents are ready."""
     if _to_capsule is not None:
         try:
-            # what __dlpack__ ends in, without its checks and its per-call shard array
-            # (1.4 us instead of 6.3 here; a load pins every array of the layout)
+            # what __dlpack__ ends in, without its checks and per-call shard array: a load
+            # pins every array of the layout (docs/decisions/0004)
             return _to_capsule(data, stream=None)
         except Exception:  # another jax: the public way
             pass
@@ -268,7 +268,7 @@ class BlockPlan:
     (a pool's per-array moves between its slots and the device pools), planned once.
 
     :func:`plan_segments` per move per call re-derives every piece's offset inside its region
-    (~50 us a move); here those offsets are kept, host regions (fixed memory) too, and a call
+    (docs/decisions/0004); here those offsets are kept, host regions (fixed memory) too, and a call
     only reads each device buffer's address (pinning it) and adds ``block * stride``, for all
     moves in one C pass (``_core.BlockRows``). Rows are in :func:`run_hashed`'s order: (move,
     shard group, replica, outer index, block). Device shard shapes never change (a DevicePool's
@@ -366,7 +366,7 @@ class BlockPlan:
         bases = self._base_template.copy()
         plain = not pjrt.any_bound()  # CPU buffers are host memory (see _hold)
         for side, single, places, written, unpinned in self._device_places:
-            if unpinned and plain:  # a pin costs ~5-10 us after a model step
+            if unpinned and plain:  # a pin is costly right after a model step (0004)
                 bases[single] = side.array.unsafe_buffer_pointer()
             elif single is not None:  # one shard: the array is its data
                 bases[single] = _hold(holds, side.array, side.groups[0].devices[0], written)
@@ -530,8 +530,8 @@ def _layout_facts(array: jax.Array) -> tuple[tuple[int, ...], tuple[Any, ...]] |
     """The array's device layout as (major-to-minor axes, tiles), or None when the backend
     says nothing.
 
-    ``Array.format`` costs ~80 us per array (it builds Python layout objects); the PJRT layout
-    it is made from costs ~20 us and hashes by value, so its answer is kept per layout."""
+    ``Array.format`` builds Python layout objects; the PJRT layout it is made from is cheaper
+    and hashes by value, so its answer is kept per layout (docs/decisions/0004)."""
     pjrt_layout = getattr(array, "_pjrt_layout", None)  # private: fall back to .format
     if pjrt_layout is not None:
         try:
@@ -569,7 +569,7 @@ def pool_unavailable_reason(pool: DevicePool, write: bool = True) -> str | None:
 
     An updated array keeps the pool's devices and dtype (update() checks), so only its device
     layout can change the answer: the pool keeps the answer while the layout compares equal (a
-    cheap read, where the full check costs ~15 us an array right after a step)."""
+    cheap read, where the full check is costly right after a step: docs/decisions/0004)."""
     layout = device_layout(pool._array)
     if pool._native_reason is None or layout is None or layout != pool._native_layout:
         pool._native_reason = (

@@ -142,8 +142,7 @@ class Connection(RpcConnection):
                 raise EOFError("connection closed by the server")
             got += r
             if hasher is not None and (got - fed >= TLS_HASH_STEP or got == n):
-                # a record (16 KiB) at a time hashed slower and cost a call each: ~+13% TLS
-                # pulls hashing 64 KiB at a time (median of 5 A/B runs, noisy)
+                # a record (16 KiB) at a time hashed slower and cost a call each (0003)
                 hasher.feed(view[fed:got])
                 fed = got
 

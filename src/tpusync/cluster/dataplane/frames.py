@@ -46,17 +46,16 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
 SEND_BATCH_BYTES = 4 << 20
 
 # The send buffer of a connection whose peer is on this host (the kernel doubles it). Its
-# autotuned default grows to 4 MiB, and that much in flight over loopback cost both ends CPU
-# per byte: measured here, 1 GiB of 2 MiB blocks, 1 / 2 / 4 connections, 3.3-3.9 / 2.7-3.4 /
-# 3.0 -> 4.15-4.24 / 4.45-4.91 / 4.26 GB/s; with 2 connections the receiver's system time halved.
-# Across hosts it stays autotuned: a fixed buffer would cap a connection at buffer / RTT.
+# autotuned default grows to 4 MiB, and that much in flight over loopback costs both ends CPU
+# per byte (docs/decisions/0003). Across hosts it stays autotuned: a fixed buffer would cap a
+# connection at buffer / RTT.
 LOCAL_SEND_BUFFER_BYTES = 256 << 10
 
 
 def tune_for_peer(sock: socket.socket) -> None:
     """Sizes the send buffer of a connected socket whose peer is on this host (a loopback
     address, or the socket's own address); leaves any other alone, and TLS (whose record
-    writes ran ~10% slower with the small buffer)."""
+    writes ran slower with the small buffer: docs/decisions/0003)."""
     if isinstance(sock, ssl.SSLSocket):
         return
     try:

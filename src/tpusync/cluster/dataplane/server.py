@@ -238,7 +238,7 @@ class BlockServer(AuthenticatedTcpServer):
             self._send_error(conn, served, rid, str(exc))
             return True
         # Frames go out SEND_BATCH_BYTES at a time, one GIL-free sendmsg loop each (a block at
-        # a time cost ~1.8x the server's CPU per byte at 128 KiB blocks). A subclass that
+        # a time cost the server more CPU per byte: docs/decisions/0003). A subclass that
         # overrides _send_block (tests that pace or damage frames) gets it called per block.
         hooked = type(self)._send_block is not BlockServer._send_block
         batch = FrameBatch(conn, pool)
