@@ -1,0 +1,2 @@
+"""Benchmark support: the physical limits every published figure is divided by
+(:mod:`tpusync.bench.limits`)."""

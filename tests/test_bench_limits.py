@@ -1,0 +1,109 @@
+"""The native limits (tpusync.bench.limits, csrc/limits.c): every copy method copies every byte
+of random data at any size and alignment, on any number of threads; the TCP limit moves what it
+says; bad arguments are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpusync._native import limits as native
+from tpusync.bench.limits import MemoryLimit, loopback_tcp
+from tpusync.errors import InvalidArgumentError
+
+METHODS = sorted(native.COPY_METHODS)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("nbytes", [1, 63, 64, 4095, 4096, 16384 + 5, (1 << 20) + 123])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_methods_copy_every_byte(method: str, nbytes: int, threads: int) -> None:
+    rng = np.random.default_rng(nbytes * 7 + threads)
+    src = rng.integers(0, 256, size=nbytes + 7, dtype=np.uint8)
+    dst = rng.integers(0, 256, size=nbytes + 7, dtype=np.uint8)
+    guard = dst.copy()
+    seconds = native.copy_seconds(dst[3 : 3 + nbytes], src[5 : 5 + nbytes], threads, method, 2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    np.testing.assert_array_equal(dst[3 : 3 + nbytes], src[5 : 5 + nbytes])
+    np.testing.assert_array_equal(dst[:3], guard[:3])  # nothing outside the slice is written
+    np.testing.assert_array_equal(dst[3 + nbytes :], guard[3 + nbytes :])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nbytes=st.integers(1, 300_000),
+    src_offset=st.integers(0, 63),
+    dst_offset=st.integers(0, 63),
+    threads=st.integers(1, 4),
+    method=st.sampled_from(METHODS),
+)
+def test_copy_is_exact_for_any_size_and_alignment(
+    nbytes: int, src_offset: int, dst_offset: int, threads: int, method: str
+) -> None:
+    rng = np.random.default_rng(nbytes)
+    src = rng.integers(0, 256, size=nbytes + 64, dtype=np.uint8)
+    dst = np.zeros(nbytes + 64, dtype=np.uint8)
+    native.copy_seconds(
+        dst[dst_offset : dst_offset + nbytes], src[src_offset : src_offset + nbytes], threads,
+        method, 1,
+    )  # fmt: skip
+    assert np.array_equal(
+        dst[dst_offset : dst_offset + nbytes], src[src_offset : src_offset + nbytes]
+    )
+    assert not dst[:dst_offset].any() and not dst[dst_offset + nbytes :].any()
+
+
+def test_memory_limit_reports_every_method_and_copies_right() -> None:
+    limit = MemoryLimit(4 << 20, threads=2)
+    try:
+        for _ in range(3):
+            limit.sample()
+        assert limit.verify()
+        result = limit.result()
+        assert set(result.gbps_by_method) == set(limit.methods)
+        assert "np.copyto" not in result.gbps_by_method  # shown beside, never the limit
+        assert result.gbps == max(result.gbps_by_method.values()) > 0
+        assert limit.copyto_gbps() > 0
+        assert len(result.runs["memcpy"]) == 3
+    finally:
+        limit.close()
+
+
+def test_loopback_tcp_moves_what_it_times() -> None:
+    result = loopback_tcp(2, 8 << 20, repeats=2)
+    assert len(result.gbps_by_method) == 4
+    assert all(g > 0 for g in result.gbps_by_method.values())
+    assert all(len(r) == 2 for r in result.runs.values())
+
+
+def _copy(dst_size: int, src_size: int, threads: int = 1, method: str = "memcpy") -> None:
+    native.copy_seconds(
+        np.ones(dst_size, np.uint8), np.ones(src_size, np.uint8), threads, method, 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda: _copy(8, 9), "dst, src"),
+        (lambda: _copy(8, 8, method="fast"), "method"),
+        (lambda: _copy(8, 8, threads=0), "threads"),
+        (lambda: native.tcp_seconds(0, 1, 0, 1, 0, 1), "streams"),
+        (lambda: MemoryLimit(0), "nbytes"),
+        (lambda: MemoryLimit(True), "nbytes"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(call, argument: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=rf"^{argument}\b"):
+        call()
+
+
+def test_result_before_any_sample_is_refused() -> None:
+    limit = MemoryLimit(4096)
+    try:
+        with pytest.raises(InvalidArgumentError, match="sample"):
+            limit.result()
+    finally:
+        limit.close()
