@@ -8,9 +8,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tools import require_tool
 
 from tpusync._native import limits as native
-from tpusync.bench.limits import MemoryLimit, loopback_tcp
+from tpusync.bench.limits import (
+    NR_HUGEPAGES,
+    Iperf3PerStream,
+    MemoryLimit,
+    disk_fio,
+    loopback_tcp,
+    reserved_huge_pages,
+)
 from tpusync.errors import InvalidArgumentError
 
 METHODS = sorted(native.COPY_METHODS)
@@ -107,3 +115,43 @@ def test_result_before_any_sample_is_refused() -> None:
             limit.result()
     finally:
         limit.close()
+
+
+def test_disk_fio_runs_each_iodepth_with_the_jobs_asked_and_leaves_nothing(tmp_path) -> None:
+    require_tool("fio", "fio")
+    with open(NR_HUGEPAGES) as f:
+        before = f.read()
+    result = disk_fio(str(tmp_path), 8 << 20, 1 << 20, "write", numjobs=2, iodepths=(1, 4))
+    assert result is not None
+    assert [label.split(",")[0] for label in result.gbps_by_method] == ["iodepth=1", "iodepth=4"]
+    assert all(g > 0 for g in result.gbps_by_method.values())
+    assert list(tmp_path.iterdir()) == []  # fio's files are removed
+    with open(NR_HUGEPAGES) as f:
+        assert f.read() == before  # the huge-page setting is given back
+
+
+def test_reserved_huge_pages_gives_the_setting_back() -> None:
+    with open(NR_HUGEPAGES) as f:
+        before = int(f.read())
+    with reserved_huge_pages(4 << 20) as reserved:
+        with open(NR_HUGEPAGES) as f:
+            during = int(f.read())
+        if reserved:
+            assert during >= before + 2
+    with open(NR_HUGEPAGES) as f:
+        assert int(f.read()) == before
+
+
+def test_iperf3_per_stream_runs_one_client_per_stream() -> None:
+    require_tool("iperf3", "iperf3")
+    with Iperf3PerStream(2) as iperf:
+        assert len(iperf.ports) == 2 and len(set(iperf.ports)) == 2
+        assert iperf.gbps(16 << 20) > 0
+        servers = list(iperf._servers)
+    assert all(server.poll() is not None for server in servers)  # stopped by pid
+
+
+def test_disk_fio_refuses_an_unknown_rw(tmp_path) -> None:
+    require_tool("fio", "fio")
+    with pytest.raises(InvalidArgumentError, match=r"^rw\b"):
+        disk_fio(str(tmp_path), 1 << 20, 1 << 20, "randrw", numjobs=1)

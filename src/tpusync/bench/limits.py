@@ -5,18 +5,28 @@
   that no thread start or dispatch is in it (:class:`MemoryLimit`); ``np.copyto`` on a thread
   per core is shown beside it, never used as the limit.
 * TCP within a host: one sender and one receiver thread per stream over loopback, in C
-  (:func:`loopback_tcp`), the best of a few chunk and send-buffer settings.
+  (:func:`loopback_tcp`), the best of a few chunk and send-buffer settings; beside it one
+  iperf3 process per stream (:class:`Iperf3PerStream`).
+* Disk: fio with ``O_DIRECT`` from huge-page buffers, the tier's own parallelism, the best of
+  iodepth 1, 4 and 16 (:func:`disk_fio`).
 
 If a product figure beats its limit, the limit is wrong: fix the limit, never the figure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import itertools
+import json
 import mmap
 import os
+import shutil
+import socket
 import statistics
+import subprocess
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,7 +35,14 @@ import numpy as np
 from tpusync._native import limits as _limits
 from tpusync.errors import InvalidArgumentError
 
-__all__ = ["LimitResult", "MemoryLimit", "loopback_tcp"]
+__all__ = [
+    "Iperf3PerStream",
+    "LimitResult",
+    "MemoryLimit",
+    "disk_fio",
+    "loopback_tcp",
+    "reserved_huge_pages",
+]
 
 STREAMING_METHODS = ("stream", "stream_pages")
 
@@ -138,3 +155,175 @@ def loopback_tcp(
         runs[label] = seconds
         gbps[label] = per_stream * streams / statistics.median(seconds) / 1e9
     return LimitResult(gbps, runs)
+
+
+# --- disk: fio with the tier's parallelism -------------------------------------------------------
+
+HUGE_PAGE_BYTES = 2 << 20
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+
+
+@contextlib.contextmanager
+def reserved_huge_pages(nbytes: int) -> Iterator[bool]:
+    """Reserves enough 2 MiB huge pages for ``nbytes`` of fio buffers (``--iomem=shmhuge``)
+    and gives the setting back after; yields whether they were reserved (root only)."""
+    try:
+        with open(NR_HUGEPAGES) as f:
+            before = int(f.read())
+        wanted = before + -(-nbytes // HUGE_PAGE_BYTES)
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(wanted))
+        with open(NR_HUGEPAGES) as f:
+            got = int(f.read())
+    except (OSError, ValueError):
+        yield False
+        return
+    try:
+        yield got >= wanted
+    finally:
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(before))
+
+
+def _fio_once(
+    directory: str, total: int, block_bytes: int, rw: str, numjobs: int, iodepth: int, iomem: str
+) -> float:
+    argv = [
+        "fio", "--name=tpusync-limit", f"--directory={directory}", f"--rw={rw}", "--direct=1",
+        f"--bs={block_bytes}", f"--size={max(block_bytes, total // numjobs)}",
+        f"--numjobs={numjobs}", "--ioengine=libaio", f"--iodepth={iodepth}",
+        f"--iomem={iomem}", "--group_reporting", "--output-format=json",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"fio failed ({done.returncode}): {done.stderr.strip()[:500]}")
+    job = json.loads(done.stdout)["jobs"][0]
+    return job[rw]["bw_bytes"] / 1e9
+
+
+def disk_fio(
+    directory: str,
+    total: int,
+    block_bytes: int,
+    rw: str,
+    *,
+    numjobs: int,
+    iodepths: Sequence[int] = (1, 4, 16),
+) -> LimitResult | None:
+    """fio's direct (``O_DIRECT``) sequential ``rw`` ("read" or "write") of ``total`` bytes in
+    ``block_bytes`` requests on ``numjobs`` jobs (the tier's I/O threads), from huge-page
+    buffers where they can be reserved (as the tiers' slots are), at each iodepth: GB/s per
+    "iodepth=N"; None where fio is not installed. Its files are removed."""
+    if shutil.which("fio") is None:
+        return None
+    if rw not in ("read", "write"):
+        raise InvalidArgumentError(f"rw: expected 'read' or 'write', got {rw!r}")
+    gbps: dict[str, float] = {}
+    # fio rounds each job's buffer up and aligns it: room for twice the bytes and a page more
+    buffers = numjobs * (2 * max(iodepths) * block_bytes + HUGE_PAGE_BYTES)
+    try:
+        with reserved_huge_pages(buffers) as huge:
+            iomem = "shmhuge" if huge else "malloc"
+            for depth in iodepths:
+                try:
+                    value = _fio_once(directory, total, block_bytes, rw, numjobs, depth, iomem)
+                except RuntimeError:
+                    if iomem == "malloc":
+                        raise
+                    iomem = "malloc"  # the reserved pages were not enough: say what ran
+                    value = _fio_once(directory, total, block_bytes, rw, numjobs, depth, iomem)
+                gbps[f"iodepth={depth},iomem={iomem}"] = value
+    finally:
+        for leftover in glob.glob(os.path.join(directory, "tpusync-limit.*")):
+            os.unlink(leftover)
+    return LimitResult(gbps)
+
+
+# --- TCP: one iperf3 process per stream ----------------------------------------------------------
+
+
+class Iperf3PerStream:
+    """``streams`` iperf3 servers on loopback, one client process per stream run at once (the
+    iperf3 3.12 that Debian ships runs all ``-P`` streams on one thread, so ``-P`` is no limit).
+    Use as a context manager; the servers are stopped by pid."""
+
+    def __init__(self, streams: int) -> None:
+        if shutil.which("iperf3") is None:
+            raise FileNotFoundError("iperf3 is not installed (apt-get install iperf3)")
+        self.streams = streams
+        self.ports = [_free_port() for _ in range(streams)]
+        self._servers = [
+            subprocess.Popen(
+                ["iperf3", "-s", "-p", str(port), "-B", "127.0.0.1"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for port in self.ports
+        ]
+
+    def gbps(self, nbytes: int, options: Sequence[str] = (), tries: int = 20) -> float:
+        """GB/s of one run: ``nbytes`` in all, each client its share over one connection."""
+        for attempt in range(tries):  # the first tries may find a server not listening yet
+            clients = [
+                subprocess.Popen(
+                    [
+                        "iperf3",
+                        "-c",
+                        "127.0.0.1",
+                        "-p",
+                        str(port),
+                        "-P",
+                        "1",
+                        "-J",
+                        "-n",
+                        str(nbytes // self.streams),
+                        *options,
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for port in self.ports
+            ]
+            reports = []
+            for client in clients:
+                try:
+                    out, _ = client.communicate(timeout=300)
+                except subprocess.TimeoutExpired:
+                    client.kill()
+                    client.communicate()
+                    raise
+                try:
+                    reports.append(json.loads(out))
+                except json.JSONDecodeError:
+                    reports.append({"error": out.strip()[:200]})
+            if not any("error" in r for r in reports):
+                got = [r["end"]["sum_received"] for r in reports]
+                return sum(g["bytes"] for g in got) / max(g["seconds"] for g in got) / 1e9
+            if attempt + 1 == tries:
+                raise RuntimeError(f"iperf3 failed: {[r.get('error') for r in reports]}")
+            time.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.terminate()
+        for server in self._servers:
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(timeout=10)
+
+    def __enter__(self) -> Iperf3PerStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
