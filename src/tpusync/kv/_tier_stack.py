@@ -191,14 +191,8 @@ class TierStack:
 
     def tighten(self, keys: Sequence[bytes]) -> None:
         """Undoes :meth:`loosen`."""
-        loose = self._loose
         with self.lock:
-            for key in keys:
-                count = loose.get(key, 0) - 1
-                if count > 0:
-                    loose[key] = count
-                else:
-                    loose.pop(key, None)
+            drop_one_each(self._loose, keys)
 
     def _pinned_in(self, tier: int, key: bytes) -> bool:
         """Whether pins hold ``key`` in ``tier`` (loosened pins do not hold it in DRAM)."""
@@ -641,13 +635,7 @@ class TierStack:
 
     def _unqueue(self, keys: list[bytes]) -> None:
         """Forgets one queued occurrence of each key. Call with ``_wb_cond`` held."""
-        queued = self._wb_queued
-        for key in keys:
-            count = queued.get(key, 0) - 1
-            if count > 0:
-                queued[key] = count
-            else:
-                queued.pop(key, None)
+        drop_one_each(self._wb_queued, keys)
 
     def _count_lost(self, tier: int, keys: list[bytes]) -> None:
         """Counts the keys write-back could not put into ``tier`` because DRAM dropped them
@@ -719,6 +707,16 @@ class TierStack:
             self._wb_thread.join()
         with self._wb_cond:
             self._wb_queued.clear()  # the thread drained the queue; nothing waits any more
+
+
+def drop_one_each(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
+    """Counts one occurrence fewer of each key; a key whose count reaches zero goes."""
+    for key in keys:
+        count = counts.get(key, 0) - 1
+        if count > 0:
+            counts[key] = count
+        else:
+            counts.pop(key, None)
 
 
 def present(tier: HostPool | LowerTier, keys: Sequence[bytes]) -> list[bytes]:
