@@ -2,7 +2,9 @@
 tests/test_registry.py): ``python registry_jax_child.py <process_id> <coordinator port>``.
 
 Process 0 registers and publishes, process 1 looks up; barriers of the coordination service
-order the steps. The last stdout line is a JSON object of what this process saw.
+order the steps. Process 1 sees the lease of "short" lapse through a second registry whose clock
+runs ``LATER`` seconds ahead (no sleep). The last stdout line is a JSON object of what this
+process saw.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 import jax
 
 BARRIER_MS = 20_000
+SHORT_TTL = 5.0  # outlives the steps before the lapse, even on a loaded machine
+LATER = 10.0  # past SHORT_TTL, within the other leases (30 s)
 
 
 def holders_json(registry, keys):
@@ -47,7 +51,7 @@ def main() -> None:
         registry.register(NodeInfo("p0/b", ("127.0.0.1:7001",), group="g", shard_rank=1), 30)
         registry.publish("p0/a", keys, "dram")
         registry.publish("p0/b", keys[:2], "disk")
-        registry.register(NodeInfo("short"), 0.5)
+        registry.register(NodeInfo("short"), SHORT_TTL)
         registry.publish("short", keys[:1], "shm")
     barrier("published")
     if pid == 1:
@@ -56,10 +60,11 @@ def main() -> None:
         out["longest"] = longest_prefix(registry, keys)[0]
         out["common"] = longest_common_prefix(registry, [keys, keys])
         out["common_ab"] = longest_common_prefix(registry, [keys, keys[:2]])
-        time.sleep(0.8)  # "short"'s lease lapses
-        out["holders_after_lapse"] = holders_json(registry, keys[:1])
-        out["short_heartbeat"] = registry.heartbeat("short", 1.0)
-        out["swept"] = registry.sweep()
+        later = JaxRegistry(prefix="test/reg", clock=lambda: time.time() + LATER)
+        out["holders_after_lapse"] = holders_json(later, keys[:1])
+        out["short_heartbeat"] = later.heartbeat("short", 1.0)
+        out["swept"] = later.sweep()
+        later.close()
     barrier("looked")
     if pid == 0:
         registry.withdraw("p0/a", keys[:1])

@@ -4,7 +4,6 @@ certificate is a real self-signed one made by ``openssl`` for 127.0.0.1."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import ssl
 import subprocess
@@ -25,6 +24,7 @@ from test_cluster_dataplane import (
     payload,
     slow_server,
 )
+from tools import require_tool
 
 from tpusync.cluster import (
     BlockClient,
@@ -40,11 +40,10 @@ from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    require_tool("openssl", "openssl")
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(

@@ -1,16 +1,23 @@
 """The public conformance suites (tpusync.testing.conformance) over the tiers and registry
 backends tpusync ships: the DRAM, disk and shared-FS tiers, and the memory, remote (TCP) and
-Redis registries."""
+Redis registries, and JaxRegistry on the real coordination service of a ``jax.distributed`` job
+(in a child process, tests/registry_jax_conformance_child.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_registry import free_port, start_redis, stop
+from registry_jax_conformance_child import KV_SCRIPT, run_kv_script
+from test_registry import FakeCoordinationClient, free_port, start_redis, stop
 
 from tpusync.cluster import MemoryRegistry, RedisRegistry, RegistryServer, RemoteRegistry
 from tpusync.testing import conformance
@@ -18,6 +25,8 @@ from tpusync.testing.conformance import RegistryConformance, TierConformance
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 
 SECRET = b"conformance-secret-0123456789abc"
+HERE = Path(__file__).parent
+CHILD_DEADLINE_S = 25.0  # the child takes a few seconds; a hung one is stopped by pid
 
 
 class TestDramTier(TierConformance):
@@ -118,3 +127,75 @@ class TestRedisRegistry(RegistryConformance):
 
     def make_registry(self) -> Any:
         return RedisRegistry(self.url, prefix=f"c{uuid.uuid4().hex[:10]}")
+
+
+# -- JaxRegistry on a real coordination service --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_service(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What tests/registry_jax_conformance_child.py reported from a real 1-process
+    ``jax.distributed`` job: ``cases`` (case name -> result) and ``kv_script``."""
+    folder = tmp_path_factory.mktemp("jax-conformance")
+    out, err = folder / "child.out", folder / "child.err"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # the 8 fake devices are the test process's, not the child's
+    child = HERE / "registry_jax_conformance_child.py"
+    with out.open("w") as fout, err.open("w") as ferr:
+        proc = subprocess.Popen(
+            [sys.executable, str(child), str(free_port())], stdout=fout, stderr=ferr, env=env
+        )
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=CHILD_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        stop(proc)
+    log = err.read_text()[-3000:]
+    assert code == 0, f"the child failed ({code}) after {time.monotonic() - start:.1f} s:\n{log}"
+    results = [
+        json.loads(line.removeprefix("RESULT "))
+        for line in out.read_text().splitlines()
+        if line.startswith("RESULT ")
+    ]
+    cases = {r["case"]: r for r in results if "case" in r}
+    scripts = [r["kv_script"] for r in results if "kv_script" in r]
+    assert len(scripts) == 1, f"the child reported no key-value script:\n{log}"
+    return {"cases": cases, "kv_script": scripts[0]}
+
+
+class TestJaxRegistryOnTheRealService:
+    """Every registry case against JaxRegistry on a real coordination service (not the fake
+    client of tests/test_registry.py), and the fake checked against that service."""
+
+    @pytest.mark.parametrize("case", [c.__name__ for c in conformance.REGISTRY_CASES])
+    def test_case(self, real_service: dict[str, Any], case: str) -> None:
+        result = real_service["cases"].get(case)
+        assert result is not None, f"{case} did not run in the child"
+        assert result["ok"], f"{case} failed on the real service:\n{result['error']}"
+
+    def test_every_case_ran(self, real_service: dict[str, Any]) -> None:
+        assert sorted(real_service["cases"]) == sorted(
+            c.__name__ for c in conformance.REGISTRY_CASES
+        )
+
+    def test_fake_client_answers_as_the_real_service(self, real_service: dict[str, Any]) -> None:
+        """The same key-value calls on the fake: the same values, and the same errors (type and
+        first line, e.g. ``NOT_FOUND: Config key ... not found.``, which JaxRegistry reads as
+        "no such node"; the gRPC details after it vary in order, so they are not compared)."""
+
+        def first_lines(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [
+                {k: v.splitlines()[0] if k == "message" else v for k, v in answer.items()}
+                for answer in answers
+            ]
+
+        real = real_service["kv_script"]
+        fake = json.loads(json.dumps(run_kv_script(FakeCoordinationClient())))
+        assert len(real) == len(fake) == len(KV_SCRIPT)
+        for (call, args), want, got in zip(
+            KV_SCRIPT, first_lines(real), first_lines(fake), strict=True
+        ):
+            assert got == want, f"{call}{args}: the fake answered {got}, the service {want}"
+        assert real[0]["message"].startswith("NOT_FOUND: ")  # what JaxRegistry._record tests

@@ -4,11 +4,11 @@ robustness, and JaxRegistry across 2 real jax.distributed processes."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
 import random
-import shutil
 import socket
 import struct
 import subprocess
@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.errors import JaxRuntimeError
+from tools import require_tool
 
 from tpusync.cluster import (
     AuthenticationError,
@@ -44,8 +46,7 @@ from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 SECRET = b"s" * 32
 HERE = Path(__file__).parent
-SHORT_TTL = 0.4
-LAPSE = 0.6  # sleep long enough for SHORT_TTL to lapse
+SHORT_TTL = 0.4  # a lease that lapses (with Redis, in real time)
 
 
 def free_port() -> int:
@@ -69,10 +70,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def start_redis(port: int) -> subprocess.Popen:
-    """A redis-server on ``port``, answering (skips the test where none is installed)."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    """A redis-server on ``port``, answering (where none is installed the test skips, or fails
+    in CI: see tests/tools.py)."""
+    server = require_tool("redis-server", "redis-server")
     import redis
 
     proc = subprocess.Popen(
@@ -102,8 +102,7 @@ def start_redis(port: int) -> subprocess.Popen:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """A real redis-server on a free port for this session (skipped only where none is
-    installed)."""
+    """A real redis-server on a free port for this session (see :func:`start_redis`)."""
     port = free_port()
     proc = start_redis(port)
     try:
@@ -112,85 +111,157 @@ def redis_url() -> Iterator[str]:
         stop(proc)
 
 
+def _grpc_error(status: str, code: int, message: str, method: str, tail: str = "") -> Exception:
+    """The error the real client raises: a JaxRuntimeError whose first line is ``STATUS:
+    message``, gRPC details after it (their order varies from call to call on the real service;
+    text as jax 0.10.2's). tests/test_conformance.py compares the type and first line with what a
+    real coordination service raises."""
+    return JaxRuntimeError(
+        f"{status}: {message}\nAdditional GRPC error information from remote target "
+        f"coordination_service while calling /xla.coordination.CoordinationService/{method}:\n"
+        f':UNKNOWN:Error received from peer  {{grpc_message:"{message}", grpc_status:{code}}}'
+        + tail
+    )
+
+
 class FakeCoordinationClient:
-    """The key-value calls of jax's DistributedRuntimeClient, in memory, with the semantics the
-    2-process test checks on the real one (directory get; delete = key and its subtree)."""
+    """The key-value calls of jax's DistributedRuntimeClient, in memory, with the semantics and
+    errors of the real one (checked against a real coordination service by
+    tests/test_conformance.py): a directory get lists the keys below ``key/``, a delete drops the
+    key and its subtree, a missing key is ``NOT_FOUND: Config key ... not found.`` with gRPC
+    details after it. Keys are kept sorted, so a directory get is a range, as on the service."""
 
     def __init__(self) -> None:
         self._kv: dict[str, str] = {}
+        self._sorted: list[str] = []
         self._lock = threading.Lock()
+
+    def _range(self, start_key: str) -> tuple[int, int]:
+        """Where the stored keys that start with ``start_key`` lie in the sorted list."""
+        start = bisect.bisect_left(self._sorted, start_key)
+        return start, bisect.bisect_left(self._sorted, start_key + "\U0010ffff", start)
 
     def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
         with self._lock:
-            if key in self._kv and not allow_overwrite:
-                raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
+            if key in self._kv:
+                if not allow_overwrite:
+                    message = f"key {key} already exists."
+                    raise _grpc_error("ALREADY_EXISTS", 6, message, "InsertKeyValue")
+            else:
+                bisect.insort(self._sorted, key)
             self._kv[key] = value
 
     def key_value_try_get(self, key: str) -> str:
         with self._lock:
             if key not in self._kv:
-                raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
+                message = f"Config key {key} not found."
+                tail = " [type.googleapis.com/tensorflow.CoordinationServiceError='']"
+                raise _grpc_error("NOT_FOUND", 5, message, "TryGetKeyValue", tail)
             return self._kv[key]
 
     def key_value_dir_get(self, key: str) -> list[tuple[str, str]]:
-        d = key.rstrip("/") + "/"
         with self._lock:
-            return sorted((k, v) for k, v in self._kv.items() if k.startswith(d))
+            start, end = self._range(key.rstrip("/") + "/")
+            return [(k, self._kv[k]) for k in self._sorted[start:end]]
 
     def key_value_delete(self, key: str) -> None:
         with self._lock:
-            for k in [k for k in self._kv if k == key or k.startswith(key + "/")]:
+            start, end = self._range(key + "/")
+            for k in self._sorted[start:end]:
                 del self._kv[k]
+            del self._sorted[start:end]
+            if self._kv.pop(key, None) is not None:
+                del self._sorted[bisect.bisect_left(self._sorted, key)]
 
 
 BACKENDS = ["memory", "remote", "redis", "jax-fake"]
+START = 1_000.0  # the manual clock's first reading
+
+
+class Backend:
+    """Makes registries of one backend (call it); all made in one test share one store (two
+    clients of one registry, where the backend has clients).
+
+    Time passes with :meth:`advance` and :meth:`let_lapse`: the backends that take a clock
+    (memory, remote over a memory registry, JAX) get a manual one that only moves when told;
+    Redis keeps leases on its server's clock, so there they wait for real time, polling."""
+
+    def __init__(self, kind: str, request: pytest.FixtureRequest) -> None:
+        self.kind = kind
+        self.now = START
+        self.closers: list[Callable[[], None]] = []
+        self._shared: Any = None
+        if kind == "memory":
+            self._shared = MemoryRegistry(clock=self.clock)
+        elif kind == "remote":
+            server = RegistryServer(MemoryRegistry(clock=self.clock), secret=SECRET)
+            self.closers.append(server.close)
+            self._address = server.address
+        elif kind == "redis":
+            self._url = request.getfixturevalue("redis_url")
+            self._prefix = f"t{uuid.uuid4().hex[:10]}"
+        else:
+            self._fake = FakeCoordinationClient()
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self) -> Any:
+        if self.kind == "memory":
+            return self._shared
+        if self.kind == "remote":
+            client: Any = RemoteRegistry(self._address, secret=SECRET)
+        elif self.kind == "redis":
+            client = RedisRegistry(self._url, prefix=self._prefix)
+        else:
+            client = JaxRegistry(prefix="test/reg", client=self._fake, clock=self.clock)
+        self.closers.append(client.close)
+        return client
+
+    def advance(self, seconds: float, *, beat: Callable[[], None] | None = None) -> None:
+        """Lets ``seconds`` pass, calling ``beat`` at least every quarter of them (with Redis:
+        about every 50 ms of real time)."""
+        beat = beat or (lambda: None)
+        if self.kind != "redis":
+            for _ in range(4):
+                self.now += seconds / 4
+                beat()
+            return
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            beat()
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        beat()
+
+    def let_lapse(self, registry: Any, node_ids: list[str]) -> None:
+        """Moves time on until the leases of ``node_ids`` (taken for SHORT_TTL) have lapsed: the
+        manual clock moves to their very end (a lease holds until ``expiry <= now``); Redis is
+        polled (deadline 10 s) until no node of them is listed."""
+        if self.kind != "redis":
+            self.now += SHORT_TTL
+            return
+        deadline = time.monotonic() + 10
+        while {n.node_id for n in registry.nodes()} & set(node_ids):
+            assert time.monotonic() < deadline, f"Redis never expired the leases of {node_ids}"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
 
 
 @pytest.fixture(params=BACKENDS)
-def make(request: pytest.FixtureRequest) -> Iterator[Callable[[], Any]]:
-    """Makes registries of one backend; all made in one test share one store (two clients of
-    one registry, where the backend has clients)."""
-    closers: list[Callable[[], None]] = []
-    kind = request.param
-    if kind == "memory":
-        shared = MemoryRegistry()
-
-        def factory() -> Any:
-            return shared
-
-    elif kind == "remote":
-        server = RegistryServer(MemoryRegistry(), secret=SECRET)
-        closers.append(server.close)
-
-        def factory() -> Any:
-            client = RemoteRegistry(server.address, secret=SECRET)
-            closers.append(client.close)
-            return client
-
-    elif kind == "redis":
-        url = request.getfixturevalue("redis_url")
-        prefix = f"t{uuid.uuid4().hex[:10]}"
-
-        def factory() -> Any:
-            client = RedisRegistry(url, prefix=prefix)
-            closers.append(client.close)
-            return client
-
-    else:
-        fake = FakeCoordinationClient()
-
-        def factory() -> Any:
-            client = JaxRegistry(prefix="test/reg", client=fake)
-            closers.append(client.close)
-            return client
-
-    yield factory
-    for close in reversed(closers):
-        close()
+def make(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """A :class:`Backend` of each kind in turn."""
+    backend = Backend(request.param, request)
+    try:
+        yield backend
+    finally:
+        backend.close()
 
 
 @pytest.fixture
-def registry(make: Callable[[], Any]) -> Any:
+def registry(make: Backend) -> Any:
     return make()
 
 
@@ -240,7 +311,7 @@ def test_register_heartbeat_unregister(registry: Any) -> None:
     assert next(n for n in registry.nodes() if n.node_id == "node-a") == a2
 
 
-def test_publish_withdraw_holders_sorted(make: Callable[[], Any]) -> None:
+def test_publish_withdraw_holders_sorted(make: Backend) -> None:
     r1, r2 = make(), make()
     for name in ("zeta", "alpha", "mid"):
         r1.register(NodeInfo(name), 30)
@@ -270,13 +341,14 @@ def test_publish_withdraw_holders_sorted(make: Callable[[], Any]) -> None:
     assert [bool(h) for h in found] == [i % 2 == 0 or i == 1 for i in range(512)]
 
 
-def test_lease_lapse_and_reregister(registry: Any) -> None:
+def test_lease_lapse_and_reregister(make: Backend) -> None:
+    registry = make()
     registry.register(NodeInfo("short"), SHORT_TTL)
     registry.register(NodeInfo("long"), 30)
     registry.publish("short", [k(1), k(2)], "dram")
     registry.publish("long", [k(1)], "disk")
     assert ids(registry.holders([k(1), k(2)])) == [["long", "short"], ["short"]]
-    time.sleep(LAPSE)
+    make.let_lapse(registry, ["short"])
     # lapsed: its entries stop counting at once, before any sweep
     assert ids(registry.holders([k(1), k(2)])) == [["long"], []]
     assert [n.node_id for n in registry.nodes()] == ["long"]
@@ -292,20 +364,21 @@ def test_lease_lapse_and_reregister(registry: Any) -> None:
     # a heartbeat keeps a lease alive past its first TTL
     registry.register(NodeInfo("beating"), 0.6)
     registry.publish("beating", [k(5)], "dram")
-    for _ in range(5):
-        time.sleep(0.15)
-        assert registry.heartbeat("beating", 0.6) is True
+    beats: list[bool] = []
+    make.advance(0.8, beat=lambda: beats.append(registry.heartbeat("beating", 0.6)))
+    assert beats and all(beats), beats
     assert ids(registry.holders([k(5)])) == [["beating"]]
 
 
-def test_sweep(registry: Any) -> None:
+def test_sweep(make: Backend) -> None:
+    registry = make()
     registry.register(NodeInfo("a"), SHORT_TTL)
     registry.register(NodeInfo("b"), SHORT_TTL)  # no entries: still a node to sweep
     registry.register(NodeInfo("c"), 30)
     registry.publish("a", [k(1), k(2)], "dram")
     registry.publish("c", [k(2)], "dram")
     assert registry.sweep() == 0
-    time.sleep(LAPSE)
+    make.let_lapse(registry, ["a", "b"])
     assert registry.sweep() == 2
     assert registry.sweep() == 0
     assert ids(registry.holders([k(1), k(2)])) == [[], ["c"]]
@@ -316,7 +389,7 @@ def test_sweep(registry: Any) -> None:
     assert sorted(n.node_id for n in registry.nodes()) == ["a", "c"]
 
 
-def test_longest_prefix_across_shards(make: Callable[[], Any]) -> None:
+def test_longest_prefix_across_shards(make: Backend) -> None:
     shard0, shard1 = make(), make()
     shard0.register(NodeInfo("g-0", group="g", shard_rank=0, shard_count=2), 30)
     shard1.register(NodeInfo("g-1", group="g", shard_rank=1, shard_count=2), 30)
@@ -371,7 +444,7 @@ def test_bad_input_changes_nothing(registry: Any, call: Callable[[Any], Any]) ->
     assert (registry.holders([k(0), k(1)]), registry.nodes()) == before
 
 
-def test_concurrent_publish_withdraw(make: Callable[[], Any]) -> None:
+def test_concurrent_publish_withdraw(make: Backend) -> None:
     threads_n, rounds = 6, 20
     clients = [make() for _ in range(threads_n)]
     for i in range(threads_n):
@@ -410,7 +483,7 @@ def test_concurrent_publish_withdraw(make: Callable[[], Any]) -> None:
     assert clients[0].nodes() == []
 
 
-def test_prefix_holders(make: Callable[[], Any]) -> None:
+def test_prefix_holders(make: Backend) -> None:
     r1, r2 = make(), make()
     expected_fast = not isinstance(r1, JaxRegistry)
     assert isinstance(r1, PrefixRegistry) is expected_fast
@@ -435,7 +508,7 @@ def test_prefix_holders(make: Callable[[], Any]) -> None:
         ids(fast_prefix(r1, keys, exclude="short"))
         == [["a", "b"], ["a", "b", "c"], ["a", "b"]] + [["a"]] * 3
     )
-    time.sleep(LAPSE)  # "short" lapses: its entries stop counting at once
+    make.let_lapse(r1, ["short"])  # its entries stop counting at once
     found = fast_prefix(r2, keys)
     assert ids(found) == [["a", "b"], ["a", "b", "c"], ["a", "b"]] + [["a"]] * 3
     assert longest_prefix(r1, keys) == (6, found)
@@ -461,11 +534,11 @@ def test_prefix_holders(make: Callable[[], Any]) -> None:
     assert r1.holders(keys[:1]) == [[]]
 
 
-def test_prefix_holders_big(make: Callable[[], Any]) -> None:
-    """Lookups of more keys than one request / script call carries (batches)."""
+def test_prefix_holders_big(make: Backend) -> None:
+    """Lookups of more keys than one request / script call carries (batches; JAX: the thread
+    pool's RPCs, one per key, on the fake service, whose directory gets are ranges as on the
+    real one)."""
     registry = make()
-    if isinstance(registry, JaxRegistry):
-        pytest.skip("one RPC per key: too slow for this many keys")
     registry.register(NodeInfo("n1"), 30)
     registry.register(NodeInfo("n2"), 30)
     keys = [k(i, 20) for i in range(9000)]
@@ -514,7 +587,7 @@ class Model:
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_prefix_matches_holders_on_random_histories(make: Callable[[], Any], seed: int) -> None:
+def test_prefix_matches_holders_on_random_histories(make: Backend, seed: int) -> None:
     """Random publish / withdraw / unregister / re-register / sweep histories, with lapsed
     nodes: holders, prefix_holders and longest_prefix all agree with the model (and each
     other) after every step."""
@@ -532,7 +605,7 @@ def test_prefix_matches_holders_on_random_histories(make: Callable[[], Any], see
         r1.publish(name, keys, "dram")
         for key in keys:
             model.entries.setdefault(key, {})[name] = "dram"
-    time.sleep(LAPSE)
+    make.let_lapse(r1, short)
     model.alive -= set(short)
     model.lapsed |= set(short)
 
@@ -763,6 +836,35 @@ def test_redis_decoded_client_and_odd_names(redis_url: str) -> None:
     finally:
         registry.close()
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("environment", "fails"),
+    [
+        ({"CI": "true"}, True),
+        ({"TPUSYNC_REQUIRE_TOOLS": "1"}, True),
+        ({"CI": "1", "TPUSYNC_REQUIRE_TOOLS": "0"}, True),
+        ({"CI": "0"}, False),
+        ({"CI": ""}, False),
+        ({}, False),
+    ],
+    ids=["CI", "REQUIRE_TOOLS", "CI-only", "CI=0", "CI-empty", "local"],
+)
+def test_missing_redis_server_fails_in_ci(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], fails: bool
+) -> None:
+    """Without redis-server on PATH the Redis tests fail in CI (naming the program and its apt
+    package) and skip only elsewhere: CI cannot hide them."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no redis-server on it
+    for name in ("CI", "TPUSYNC_REQUIRE_TOOLS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    outcome = pytest.fail.Exception if fails else pytest.skip.Exception
+    with pytest.raises(
+        outcome, match="redis-server is not installed: apt-get install redis-server"
+    ):
+        start_redis(free_port())
 
 
 def test_redis_unreachable_raises() -> None:
@@ -1167,8 +1269,9 @@ def test_server_close_stops_everything() -> None:
 def test_jax_registry_needs_initialize() -> None:
     from jax._src.distributed import global_state
 
-    if global_state.client is not None:
-        pytest.skip("jax.distributed is initialized in this test process")
+    # the test process never initializes jax.distributed (its children do): were that to
+    # change, this must fail rather than skip
+    assert global_state.client is None, "jax.distributed is initialized in the test process"
     with pytest.raises(InvalidArgumentError, match=r"jax.distributed.initialize"):
         JaxRegistry()
 

@@ -56,6 +56,8 @@ from tpusync.errors import InvalidArgumentError, RegistryUnavailableError
 
 __all__ = ["JaxRegistry"]
 
+_SLICES_PER_WORKER = 4  # slices of a batch per thread: few tasks, threads still kept busy
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -139,7 +141,11 @@ class JaxRegistry:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="tpusync-jaxreg")
             pool = self._pool
-        return list(pool.map(lambda item: self._rpc(what, fn, item), items))
+        # a few slices per thread, each one task: a task per item would cost more than its RPC
+        size = -(-len(items) // (self._workers * _SLICES_PER_WORKER))
+        slices = [items[i : i + size] for i in range(0, len(items), size)]
+        done = pool.map(lambda part: [self._rpc(what, fn, item) for item in part], slices)
+        return [answer for part in done for answer in part]
 
     def _record(self, node_id: str) -> dict[str, Any] | None:
         try:
