@@ -17,11 +17,11 @@ where all shards have it (:func:`longest_common_prefix`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, RegistryUnavailableError
 
 __all__ = [
     "Holder",
@@ -114,6 +114,20 @@ class PrefixRegistry(Registry, Protocol):
         ``exclude``, sorted by node id, never empty). Every key is checked, even past the
         prefix."""
         ...
+
+
+def batched(items: Sequence[Any], size: int, *, at_least_one: bool = False) -> Iterator[Any]:
+    """``items`` in slices of ``size`` (a backend's request or script-call limit); with
+    ``at_least_one``, one empty slice when there are no items (a call that must happen)."""
+    for i in range(0, max(len(items), 1 if at_least_one else 0), size):
+        yield items[i : i + size]
+
+
+def check_answer(found: list[Any], asked: int, answer: Any, what: str) -> list[Any]:
+    """Refuses a backend's answer that does not hold one entry per key asked."""
+    if len(found) != asked:
+        raise RegistryUnavailableError(f"malformed {what} answer: {answer!r:.200}")
+    return found
 
 
 def check_keys(keys: Sequence[bytes], argument: str = "keys") -> list[bytes]:

@@ -15,6 +15,8 @@ from tpusync.cluster.registry._wire import _holders_from_wire, _keys_to_wire
 from tpusync.cluster.registry.base import (
     Holder,
     NodeInfo,
+    batched,
+    check_answer,
     check_exclude,
     check_keys,
     check_node,
@@ -107,27 +109,24 @@ class RemoteRegistry:
         keys = check_keys(keys)
         check_tier(tier)
         check_node_id(node_id)
-        for i in range(0, max(len(keys), 1), BATCH_KEYS):
-            batch = [k.hex() for k in keys[i : i + BATCH_KEYS]]
-            self._call("publish", {"node_id": node_id, "keys": batch, "tier": tier})
+        for batch in batched(keys, BATCH_KEYS, at_least_one=True):
+            params = {"node_id": node_id, "keys": [k.hex() for k in batch], "tier": tier}
+            self._call("publish", params)
 
     def withdraw(self, node_id: str, keys: Sequence[bytes]) -> None:
         keys = check_keys(keys)
         check_node_id(node_id)
-        for i in range(0, len(keys), BATCH_KEYS):
-            batch = [k.hex() for k in keys[i : i + BATCH_KEYS]]
-            self._call("withdraw", {"node_id": node_id, "keys": batch})
+        for batch in batched(keys, BATCH_KEYS):
+            self._call("withdraw", {"node_id": node_id, "keys": [k.hex() for k in batch]})
 
     def holders(self, keys: Sequence[bytes]) -> list[list[Holder]]:
         keys = check_keys(keys)
         out: list[list[Holder]] = []
-        for i in range(0, len(keys), BATCH_KEYS):
-            batch = keys[i : i + BATCH_KEYS]
+        for batch in batched(keys, BATCH_KEYS):
             result = self._call("holders", {"keys": [k.hex() for k in batch], "compact": True})
-            found = _holders_from_wire(result, "holders")
-            if len(found) != len(batch):
-                raise RegistryUnavailableError(f"malformed holders answer: {result!r:.200}")
-            out.extend(found)
+            out.extend(
+                check_answer(_holders_from_wire(result, "holders"), len(batch), result, "holders")
+            )
         return out
 
     def prefix_holders(
@@ -138,16 +137,15 @@ class RemoteRegistry:
         keys = check_keys(keys)
         check_exclude(exclude)
         out: list[list[Holder]] = []
-        for i in range(0, len(keys), BATCH_KEYS):
-            batch = keys[i : i + BATCH_KEYS]
+        for batch in batched(keys, BATCH_KEYS):  # every batch before this one was wholly held
             if self._no_prefix:
-                return out + prefix_of(self.holders(keys[i:]), exclude)[1]
+                return out + prefix_of(self.holders(keys[len(out) :]), exclude)[1]
             params = {"keys": _keys_to_wire(batch), "exclude": exclude}
             try:
                 result = self._call("prefix", params)
             except _UnknownMethodError:
                 self._no_prefix = True
-                return out + prefix_of(self.holders(keys[i:]), exclude)[1]
+                return out + prefix_of(self.holders(keys[len(out) :]), exclude)[1]
             found = _holders_from_wire(result, "prefix")
             if len(found) > len(batch) or not all(found):
                 raise RegistryUnavailableError(f"malformed prefix answer: {result!r:.200}")

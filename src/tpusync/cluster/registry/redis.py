@@ -33,6 +33,8 @@ from tpusync.cluster.registry._leases import lease_ms, not_live_message
 from tpusync.cluster.registry.base import (
     Holder,
     NodeInfo,
+    batched,
+    check_answer,
     check_exclude,
     check_keys,
     check_node,
@@ -260,8 +262,7 @@ class RedisRegistry:
         script_keys = [self._node_key(node_id), self._own_key(node_id)]
         with self._errors("publish"):
             pipe = self._r.pipeline(transaction=False)
-            for i in range(0, max(len(keys), 1), BATCH_KEYS):
-                batch = [k.hex() for k in keys[i : i + BATCH_KEYS]]
+            for batch in batched([k.hex() for k in keys], BATCH_KEYS, at_least_one=True):
                 self._publish(
                     keys=script_keys, args=[node_id, tier, self._blk, *batch], client=pipe
                 )
@@ -280,8 +281,7 @@ class RedisRegistry:
         own = self._own_key(node_id)
         with self._errors("withdraw"):
             pipe = self._r.pipeline(transaction=False)
-            for i in range(0, len(keys), BATCH_KEYS):
-                batch = [k.hex() for k in keys[i : i + BATCH_KEYS]]
+            for batch in batched([k.hex() for k in keys], BATCH_KEYS):
                 for h in batch:
                     pipe.hdel(self._blk + h, node_id)
                 pipe.srem(own, *batch)
@@ -290,8 +290,7 @@ class RedisRegistry:
     def _live(self, node_ids: Sequence[str]) -> dict[str, Any]:
         """The records (raw) of those of ``node_ids`` whose lease holds."""
         out: dict[str, Any] = {}
-        for i in range(0, len(node_ids), BATCH_KEYS):
-            batch = node_ids[i : i + BATCH_KEYS]
+        for batch in batched(node_ids, BATCH_KEYS):
             records = self._r.mget([self._node_key(n) for n in batch])
             out.update((n, rec) for n, rec in zip(batch, records, strict=True) if rec is not None)
         return out
@@ -345,15 +344,12 @@ class RedisRegistry:
         keys = check_keys(keys)
         if not keys:
             return []
-        batches = [keys[i : i + BATCH_KEYS] for i in range(0, len(keys), BATCH_KEYS)]
+        batches = list(batched(keys, BATCH_KEYS))
         with self._errors("holders"):
             replies = self._lookups([self._lookup_args(b, False, None) for b in batches])
         out: list[list[Holder]] = []
         for batch, reply in zip(batches, replies, strict=True):
-            found = self._decode(reply, len(batch))
-            if len(found) != len(batch):
-                raise RegistryUnavailableError(f"malformed lookup answer: {reply!r:.200}")
-            out.extend(found)
+            out.extend(check_answer(self._decode(reply, len(batch)), len(batch), reply, "lookup"))
         return out
 
     def prefix_holders(
@@ -366,8 +362,7 @@ class RedisRegistry:
         check_exclude(exclude)
         out: list[list[Holder]] = []
         with self._errors("prefix_holders"):
-            for i in range(0, len(keys), BATCH_KEYS):
-                batch = keys[i : i + BATCH_KEYS]
+            for batch in batched(keys, BATCH_KEYS):
                 (reply,) = self._lookups([self._lookup_args(batch, True, exclude)])
                 found = self._decode(reply, len(batch))
                 out.extend(found)
