@@ -22,10 +22,12 @@ from tpusync.transfer.plan import (
     BlockList,
     Transfer,
     adopt_pool_sources,
+    block_array,
     check_distinct_destinations,
     plan_move,
 )
 from tpusync.transfer.select import PATHS, Path, choose_engine
+from tpusync.transfer.trees import is_side, leaf_pairs
 
 __all__ = ["Transfer", "TransferFuture", "pools_locked", "transfer", "transfer_batch"]
 
@@ -106,9 +108,10 @@ def transfer(
 
     Args:
       src: a ``jax.Array`` (single-device or sharded), a :class:`~tpusync.DevicePool`, a numpy
-        array or a :class:`~tpusync.HostBuffer`.
+        array or a :class:`~tpusync.HostBuffer`; or a pytree of them (see below).
       dst: a :class:`~tpusync.DevicePool` (the only device arrays tpusync writes), a writable
-        numpy array or a :class:`~tpusync.HostBuffer`.
+        numpy array or a :class:`~tpusync.HostBuffer`; or a pytree of them with the structure
+        of ``src``.
       src_blocks, dst_blocks: block indices along ``block_axis``; None means every block of that
         side. Both lists have the same length; destination indices do not repeat.
       block_axis: the axis that indexes blocks, the same on both sides (vLLM's
@@ -122,28 +125,69 @@ def transfer(
     replicated shard is read once and written to every replica. The leading axis may be left out
     when the array has one distinct shard.
 
+    **Pytrees.** ``src`` and ``dst`` may be pytrees (nested dicts, lists, tuples, ... as
+    ``jax.tree_util`` sees them, with tpusync's pools and buffers as leaves) of the same
+    structure, e.g. ``{"layer0": {"k": pool_k0, "v": pool_v0}, ...}`` and a dict of host buffers
+    shaped alike. Every leaf pair is one pair of a single batch (as :func:`transfer_batch`: one
+    plan, one engine run, one future), with the same ``src_blocks``, ``dst_blocks`` and
+    ``block_axis`` for every leaf. Errors name the leaf by its key path (``src['layer0']['k']``);
+    trees of different structure are refused, naming both structures. The future's result is the
+    bytes written over all leaves.
+
     Everything is validated before the first byte moves: a rejected call raises a
     :class:`~tpusync.errors.TpuSyncError` and changes nothing. Moves are of bits, not values
-    (NaN payloads survive). Returns a :class:`TransferFuture`.
+    (NaN payloads survive). A call inside ``jax.jit`` (or another JAX transformation), where the
+    arrays are tracers, is refused: call it outside the jitted function. Returns a
+    :class:`TransferFuture`.
     """
-    return transfer_batch([Transfer(src, dst, src_blocks, dst_blocks, block_axis)], path=path)
+    _check_path(path)
+    item = Transfer(src, dst, src_blocks, dst_blocks, block_axis)
+    if is_side(src) and is_side(dst):  # the common case pays no tree handling
+        return _run([(item, "src", "dst")], path)
+    return _run(_leaf_items(item, "src", "dst"), path)
 
 
 def transfer_batch(transfers: Iterable[Transfer], *, path: Path = "auto") -> TransferFuture:
     """Moves many (src, dst) pairs — e.g. one per layer, or K and V apart — under one future.
 
-    Every pair is validated before any moves; the native engine runs them as one job.
+    A pair's ``src`` and ``dst`` may be pytrees of the same structure, as in :func:`transfer`;
+    its leaves are then named ``transfers[i].src['layer0']['k']`` in errors. Every pair is
+    validated before any moves; the native engine runs them as one job.
     """
-    if path not in PATHS:
-        raise InvalidArgumentError(f"path: expected one of {PATHS}, got {path!r}")
-    items = list(transfers)
-    for i, item in enumerate(items):
+    _check_path(path)
+    items: list[tuple[Transfer, str, str]] = []
+    for i, item in enumerate(transfers):
         if not isinstance(item, Transfer):
             raise InvalidArgumentError(
                 f"transfers[{i}]: expected tpusync.Transfer(src, dst, ...), "
                 f"got {type(item).__name__}"
             )
-    moves = [plan_move(item) for item in items]
+        if is_side(item.src) and is_side(item.dst):
+            items.append((item, "src", "dst"))
+        else:
+            items += _leaf_items(item, f"transfers[{i}].src", f"transfers[{i}].dst")
+    return _run(items, path)
+
+
+def _leaf_items(item: Transfer, src_name: str, dst_name: str) -> list[tuple[Transfer, str, str]]:
+    """One named pair per leaf of a pytree pair, all with the item's block lists (checked and
+    converted once here, so that each leaf only checks their range)."""
+    src_blocks = block_array(item.src_blocks, "src_blocks")
+    dst_blocks = block_array(item.dst_blocks, "dst_blocks")
+    return [
+        (Transfer(s, d, src_blocks, dst_blocks, item.block_axis), s_name, d_name)
+        for s, d, s_name, d_name in leaf_pairs(item.src, item.dst, src_name, dst_name)
+    ]
+
+
+def _check_path(path: Any) -> None:
+    if path not in PATHS:
+        raise InvalidArgumentError(f"path: expected one of {PATHS}, got {path!r}")
+
+
+def _run(items: Sequence[tuple[Transfer, str, str]], path: str) -> TransferFuture:
+    """Validates and plans every named pair, chooses one engine and starts it on a worker."""
+    moves = [plan_move(item, src_name, dst_name) for item, src_name, dst_name in items]
     check_distinct_destinations(moves)
     adopt_pool_sources(moves)
     engine = choose_engine(moves, path)

@@ -28,7 +28,20 @@ from tpusync.memory import fork_guard
 from tpusync.memory.device_pool import DevicePool, check_alive
 from tpusync.memory.host_buffer import HostBuffer
 
-__all__ = ["as_host_array", "check_pair", "host_views_for", "resolve", "resolve_device"]
+__all__ = [
+    "TRACED",
+    "as_host_array",
+    "check_pair",
+    "host_views_for",
+    "resolve",
+    "resolve_device",
+]
+
+# A traced value has no buffer to move: what a side or block list inside jax.jit is told.
+TRACED = (
+    "transfer() cannot be called inside jax.jit (or other JAX transformations); call it outside "
+    "the jitted function"
+)
 
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> IndexKey:
@@ -104,6 +117,8 @@ def resolve(obj: Any, argument: str, *, destination: bool) -> Side:
     """Classifies one side; host sides are normalized later against their partner."""
     if isinstance(obj, DevicePool):
         return resolve_device(obj, argument)
+    if isinstance(obj, jax.core.Tracer):
+        raise InvalidArgumentError(f"{argument}: {TRACED}")
     if isinstance(obj, jax.Array):
         if destination:
             raise NotAPoolError(
@@ -152,12 +167,13 @@ def host_views_for(host: HostSide, device: DeviceSide, block_axis: int) -> None:
 
 def check_pair(src: Side, dst: Side, block_axis: int) -> None:
     """Checks dtype, rank, block shape and devices of a (source, destination) pair."""
+    shapes = (_given_shape(src), _given_shape(dst))  # before host views are cut into shards
     if isinstance(src, HostSide) and isinstance(dst, DeviceSide):
         host_views_for(src, dst, block_axis)
     elif isinstance(dst, HostSide) and isinstance(src, DeviceSide):
         host_views_for(dst, src, block_axis)
     if src.dtype != dst.dtype:
-        raise _dtype_error(src, dst)
+        raise _dtype_error(src, dst, *shapes)
     src_shape, dst_shape = src.shard_shape, dst.shard_shape
     ndim = len(src_shape)
     if not 0 <= block_axis < ndim:
@@ -201,12 +217,22 @@ def _fmt_devices(groups: list[tuple[Any, ...]]) -> str:
     return "[" + ", ".join("/".join(str(d.id) for d in g) for g in groups) + "]"
 
 
-def _dtype_error(src: Side, dst: Side) -> Exception:
-    hint = ""
+def _given_shape(side: Side) -> tuple[int, ...]:
+    """The shape of the array the caller passed (a device array's global shape)."""
+    if isinstance(side, DeviceSide):
+        return tuple(int(n) for n in side.array.shape)
+    return tuple(side.views[0].shape)
+
+
+def _dtype_error(
+    src: Side, dst: Side, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
+) -> Exception:
+    hint = "; both sides need the same dtype (tpusync moves bytes, it never converts)"
     if src.dtype.itemsize == dst.dtype.itemsize:
         hint = f"; to move raw bits, pass a .view({src.dtype}) of the host array"
     return DtypeMismatchError(
-        f"{dst.argument}: dtype {dst.dtype} differs from {src.argument}'s {src.dtype}{hint}"
+        f"{dst.argument}: dtype {dst.dtype} (shape {dst_shape}) differs from {src.argument}'s "
+        f"dtype {src.dtype} (shape {src_shape}){hint}"
     )
 
 

@@ -9,16 +9,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 from tpusync.engines.base import DeviceSide, HostSide, Move
 from tpusync.errors import BlockIndexError, InvalidArgumentError, ShapeMismatchError
-from tpusync.transfer.endpoints import check_pair, resolve
+from tpusync.transfer.endpoints import TRACED, check_pair, resolve
 
 __all__ = [
     "BlockList",
     "Transfer",
     "adopt_pool_sources",
+    "block_array",
     "block_indices",
     "check_distinct_destinations",
     "is_identity",
@@ -43,29 +45,8 @@ class Transfer:
 
 def block_indices(blocks: BlockList, num_blocks: int, argument: str) -> np.ndarray | None:
     """Validates a block list; returns it as int64, or None for "all blocks"."""
-    if blocks is None:
-        return None
-    if isinstance(blocks, range):
-        array = np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
-    else:
-        try:
-            array = np.asarray(blocks)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(
-                f"{argument}: expected a sequence of block indices, got {type(blocks).__name__}"
-            ) from exc
-        if array.size == 0:
-            array = array.astype(np.int64)
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
-            raise InvalidArgumentError(
-                f"{argument}: block indices must be integers, got dtype {array.dtype}"
-            )
-        if array.ndim != 1:
-            raise InvalidArgumentError(
-                f"{argument}: expected a flat list of block indices, got shape {array.shape}"
-            )
-        array = array.astype(np.int64, copy=False)
-    if array.size:
+    array = block_array(blocks, argument)
+    if array is not None and array.size:
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= num_blocks:
             bad = low if low < 0 else high
@@ -74,6 +55,34 @@ def block_indices(blocks: BlockList, num_blocks: int, argument: str) -> np.ndarr
                 f"(valid: 0..{num_blocks - 1})"
             )
     return array
+
+
+def block_array(blocks: BlockList, argument: str) -> np.ndarray | None:
+    """A block list's kind checked (flat integers) and converted to int64, its range not (see
+    :func:`block_indices`); None stays None ("all blocks")."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, jax.core.Tracer):
+        raise InvalidArgumentError(f"{argument}: {TRACED}")
+    if isinstance(blocks, range):
+        return np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
+    try:
+        array = np.asarray(blocks)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"{argument}: expected a sequence of block indices, got {type(blocks).__name__}"
+        ) from exc
+    if array.size == 0:
+        array = array.astype(np.int64)
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise InvalidArgumentError(
+            f"{argument}: block indices must be integers, got dtype {array.dtype}"
+        )
+    if array.ndim != 1:
+        raise InvalidArgumentError(
+            f"{argument}: expected a flat list of block indices, got shape {array.shape}"
+        )
+    return array.astype(np.int64, copy=False)
 
 
 def pair_block_lists(
@@ -112,21 +121,27 @@ def is_identity(src: np.ndarray, dst: np.ndarray, src_count: int, dst_count: int
     )
 
 
-def plan_move(item: Transfer) -> Move:
-    """Validates one pair and plans it as a Move (block lists explicit); changes nothing."""
+def plan_move(item: Transfer, src_name: str = "src", dst_name: str = "dst") -> Move:
+    """Validates one pair and plans it as a Move (block lists explicit); changes nothing.
+
+    ``src_name`` and ``dst_name`` are what errors call the two sides (a pytree leaf's key
+    path, e.g. ``src['layer0']['k']``)."""
     if not isinstance(item.block_axis, int) or isinstance(item.block_axis, bool):
         raise InvalidArgumentError(
             f"block_axis: expected an int, got {type(item.block_axis).__name__}"
         )
-    src = resolve(item.src, "src", destination=False)
-    dst = resolve(item.dst, "dst", destination=True)
+    src = resolve(item.src, src_name, destination=False)
+    dst = resolve(item.dst, dst_name, destination=True)
     if (
         isinstance(src, HostSide)
         and isinstance(dst, HostSide)
         and src.views[0].ndim != dst.views[0].ndim
     ):
+        s_view, d_view = src.views[0], dst.views[0]
         raise ShapeMismatchError(
-            f"dst: rank {dst.views[0].ndim} differs from src's rank {src.views[0].ndim}"
+            f"{dst_name}: rank {d_view.ndim} (shape {d_view.shape}, dtype {d_view.dtype}) "
+            f"differs from {src_name}'s rank {s_view.ndim} (shape {s_view.shape}, dtype "
+            f"{s_view.dtype}); both sides need the same rank"
         )
     check_pair(src, dst, item.block_axis)
     src_count = src.shard_shape[item.block_axis]
@@ -139,21 +154,23 @@ def plan_move(item: Transfer) -> Move:
 
 
 def check_distinct_destinations(moves: Sequence[Move]) -> None:
-    """Refuses a batch that writes one DevicePool in two pairs."""
-    seen: dict[int, int] = {}
+    """Refuses a batch that writes one DevicePool in two pairs (a pair is named by its index,
+    or by its destination's key path when it is a pytree leaf)."""
+    seen: dict[int, str] = {}
     for i, move in enumerate(moves):
         target = move.dst.pool if isinstance(move.dst, DeviceSide) else None
         if target is None:
             continue
         key = id(target)
+        label = f"transfers[{i}]" if move.dst.argument == "dst" else move.dst.argument
         if key in seen:
             # Two writes into one pool in one batch would each see the other's half-done state
             # on the pure-JAX path; ask for one pair per pool instead.
             raise InvalidArgumentError(
-                f"transfers[{i}]: writes into the same DevicePool as transfers[{seen[key]}]; "
+                f"{label}: writes into the same DevicePool as {seen[key]}; "
                 "merge them into one pair (concatenate the block lists)"
             )
-        seen[key] = i
+        seen[key] = label
 
 
 def adopt_pool_sources(moves: Sequence[Move]) -> None:
