@@ -12,12 +12,16 @@ throwaway request of the same shapes runs first; JAX's persistent compilation ca
 runs start faster). Every warm output is compared with the cold one: greedy tokens equal, logits
 equal bit for bit.
 
-    tpusync demo [--tokens 8192] [--new-tokens 8] [--plot ttft.png] [--transfer]
+    tpusync demo [--tokens 8192] [--new-tokens 8] [--plot ttft.png] [--json] [--transfer]
+
+``--json`` prints the results as one JSON object on stdout (the progress lines go to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tpusync.cli_common import DefaultsHelpFormatter, int_at_least
 from tpusync.cluster import (
     BlockServer,
     NodeInfo,
@@ -137,8 +142,15 @@ def _memcpy_gbps(nbytes: int) -> float:
 
 
 def run(
-    tokens: int, new_tokens: int, cache_dir: str | None, plot: str | None, seed: int = 0
+    tokens: int,
+    new_tokens: int,
+    cache_dir: str | None,
+    plot: str | None,
+    seed: int = 0,
+    results: dict[str, Any] | None = None,
 ) -> bool:
+    """Runs the demo, prints its table, returns whether every output matched; fills
+    ``results`` (when given) with the table's rows and the memcpy limit, for ``--json``."""
     _setup_jax(cache_dir)
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
@@ -151,7 +163,9 @@ def run(
     try:
         layout = PoolLayout.from_pools(MODEL_ID, init_kv_pools(config))
         print("starting a store node (`tpusync serve`, hosting the registry) ...")
-        node_process, node = start_store_node(work, secret, 2 * blocks * layout.slot_bytes)
+        # at least the 1 MiB a store node lends, for the shortest prompts
+        lent = max(2 * blocks * layout.slot_bytes, 1 << 20)
+        node_process, node = start_store_node(work, secret, lent)
         node_tier = StoreNodeTier(node["address"], secret=secret)  # each store opens its own
         store_config = _store_config(
             blocks,
@@ -240,6 +254,13 @@ def run(
         ok = all(r.matches is not False for r in rows)
         _print_table(rows, limit, tokens)
         _print_stats(stats)
+        if results is not None:
+            results.update(
+                prompt_tokens=tokens,
+                memcpy_gbps=limit,
+                rows=[dataclasses.asdict(r) for r in rows],
+                stats=stats,
+            )
         if plot:
             _plot(rows, plot, tokens)
     finally:
@@ -400,10 +421,16 @@ def _plot(rows: list[Row], path: str, tokens: int) -> None:
     print(f"plot written to {path}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tpusync demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
-    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpusync demo",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument("--tokens", type=int_at_least(32), default=8192, help="prompt length")
+    parser.add_argument(
+        "--new-tokens", type=int_at_least(1), default=8, help="tokens generated per request"
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT bars (matplotlib)")
     parser.add_argument(
         "--compile-cache",
@@ -411,23 +438,38 @@ def main(argv: list[str] | None = None) -> int:
         help="JAX persistent compilation cache directory ('' to disable)",
     )
     parser.add_argument(
-        "--transfer", action="store_true", help="run the transfer demo instead (GB/s table)"
+        "--json", action="store_true", help="print the results as JSON (progress to stderr)"
+    )
+    parser.add_argument(
+        "--transfer",
+        action="store_true",
+        help="run the transfer demo instead (GB/s table; `--transfer --help` lists its options)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--transfer" in argv:  # its own options, and its own --help
+        return transfer_main([a for a in argv if a != "--transfer"])
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.child:
         _child(json.loads(args.child))
         return 0
-    if args.transfer:
-        return transfer_main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.tokens < 32 or args.new_tokens < 1:
-        parser.error("--tokens must be >= 32 and --new-tokens >= 1")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        parser.error(f"--plot: {Path(args.plot).parent} is not a directory")
     start = time.perf_counter()
-    ok = run(args.tokens, args.new_tokens, args.compile_cache or None, args.plot)
-    print(f"demo finished in {time.perf_counter() - start:.0f} s")
-    print("all outputs equal" if ok else "MISMATCH: some outputs differ")
+    results: dict[str, Any] = {}
+    # with --json, stdout carries only the JSON: the progress and the table go to stderr
+    progress = sys.stderr if args.json else sys.stdout
+    with contextlib.redirect_stdout(progress):
+        ok = run(args.tokens, args.new_tokens, args.compile_cache or None, args.plot, 0, results)
+        print(f"demo finished in {time.perf_counter() - start:.0f} s")
+        print("all outputs equal" if ok else "MISMATCH: some outputs differ")
+    if args.json:
+        print(json.dumps({"ok": ok, **results, "elapsed_s": time.perf_counter() - start}))
     return 0 if ok else 1
 
 

@@ -3,22 +3,28 @@
 Embedded defaults, CPU, no servers: builds a paged KV cache (per layer, K and V apart), saves a
 scattered set of blocks to a host pool of slots with one ``transfer_batch``, loads them back into
 other blocks, on the native and the pure-JAX path, checks every bit, and prints a table beside the
-machine's memory-copy rate measured in the same run.
+machine's memory-copy rate measured in the same run. ``--json`` prints the table as one JSON
+object on stdout (the rest goes to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import json
 import os
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
 
+from tpusync.cli_common import DefaultsHelpFormatter, int_at_least
 from tpusync.info import info
 from tpusync.memory import DevicePool, HostBuffer
 from tpusync.transfer import Transfer, transfer_batch
@@ -51,8 +57,9 @@ def _memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def run(config: DemoConfig) -> bool:
-    """Runs the demo, prints its table, returns whether every bit matched."""
+def run(config: DemoConfig, results: dict[str, Any] | None = None) -> bool:
+    """Runs the demo, prints its table, returns whether every bit matched; fills ``results``
+    (when given) with the table's rows and the memcpy limit, for ``--json``."""
     print(info())
     rng = np.random.default_rng(config.seed)
     block_shape = (config.block_size, config.kv_heads, config.head_dim)
@@ -113,16 +120,45 @@ def run(config: DemoConfig) -> bool:
             f"{gbps / limit:>10.2f}  {'equal' if match else 'DIFFERENT'}"
         )
     print(f"memcpy limit (np.copyto, one thread per core): {limit:.2f} GB/s")
+    if results is not None:
+        results.update(memcpy_gbps=limit, rows=[_row_dict(row, limit) for row in rows])
     return all_match
+
+
+def _row_dict(row: tuple[str, str, int, float, bool], limit: float) -> dict[str, Any]:
+    direction, path, moved, seconds, match = row
+    gbps = moved / seconds / 1e9
+    return {
+        "direction": direction,
+        "path": path,
+        "bytes": moved,
+        "seconds": seconds,
+        "gbps": gbps,
+        "x_memcpy": gbps / limit,
+        "bits_equal": match,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="tpusync demo --transfer", description=__doc__.split("\n")[0]
+        prog="tpusync demo --transfer",
+        description=__doc__.split("\n")[0],
+        formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--layers", type=int, default=DemoConfig.layers)
-    parser.add_argument("--repeats", type=int, default=DemoConfig.repeats)
+    parser.add_argument(
+        "--layers", type=int_at_least(1), default=DemoConfig.layers, help="model layers (K, V)"
+    )
+    parser.add_argument(
+        "--repeats", type=int_at_least(1), default=DemoConfig.repeats, help="timed rounds"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the table as JSON (the rest to stderr)"
+    )
     args = parser.parse_args(argv)
-    ok = run(DemoConfig(layers=args.layers, repeats=args.repeats))
-    print("all bits equal" if ok else "MISMATCH: some bits differ")
+    results: dict[str, Any] = {}
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        ok = run(DemoConfig(layers=args.layers, repeats=args.repeats), results)
+        print("all bits equal" if ok else "MISMATCH: some bits differ")
+    if args.json:
+        print(json.dumps({"ok": ok, **results}))
     return 0 if ok else 1

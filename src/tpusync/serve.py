@@ -8,12 +8,14 @@
 The secret file holds the cluster's shared secret: hex text (``secrets.token_hex(32)``) or raw
 bytes, at least 16 bytes either way. Off loopback the node serves TLS only (``--tls-cert`` and
 ``--tls-key``), unless ``--insecure``. It runs until SIGTERM or SIGINT, then unregisters and
-exits 0. ``--ready-json`` prints one JSON line (its addresses) once it listens, for scripts.
+exits 0. ``--ready-json`` (or ``--json``) prints one JSON line (its addresses) once it listens,
+for scripts.
 
 Before it listens it checks that this host can give what it is asked to lend: ``--dram`` against
 the memory available (and, with ``--name``, the room in ``--shm-dir``), ``--disk`` exists and is
 writable, ``--disk-size`` against its free room. A refused argument (a bad size, path or flag)
-exits 2 with a message naming the flag, and prints no ready line; other failures exit 1.
+exits 2 with a message naming the flag, and prints no ready line; other failures exit 1
+(the convention of every `tpusync` command, see :mod:`tpusync.cli`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import signal
 import ssl
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
+from tpusync.cli_common import DefaultsHelpFormatter, port_number
+from tpusync.cli_common import flag_message as _flag_message
 from tpusync.cluster import RedisRegistry, RemoteRegistry, StoreNode
 from tpusync.cluster.registry.server import is_loopback
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
+from tpusync.kv import load_secret
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -49,14 +53,11 @@ _FLAGS = {
     "port": "--port",
     "host": "--host",
 }
-_ARGUMENT = re.compile(r"^([a-z_]+):")
-_IDENTIFIER = re.compile(r"\b(" + "|".join(k for k in _FLAGS if "_" in k) + r")\b")
 
 
 def flag_message(message: str) -> str:
     """``message`` with StoreNode's argument names as this command's flags."""
-    message = _ARGUMENT.sub(lambda m: f"{_FLAGS.get(m.group(1), m.group(1))}:", message, count=1)
-    return _IDENTIFIER.sub(lambda m: _FLAGS[m.group(1)], message)
+    return _flag_message(message, _FLAGS)
 
 
 def parse_size(text: str, argument: str = "--dram") -> int:
@@ -70,15 +71,8 @@ def parse_size(text: str, argument: str = "--dram") -> int:
 
 
 def read_secret(path: str) -> bytes:
-    """The shared secret in ``path``: hex text, or raw bytes."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidArgumentError(f"--secret-file: cannot read {path}: {exc}") from None
-    text = data.strip()
-    if text and re.fullmatch(rb"[0-9a-fA-F]+", text) and len(text) % 2 == 0:
-        return bytes.fromhex(text.decode())
-    return data
+    """The shared secret in ``path``: hex text, or raw bytes (:func:`tpusync.kv.load_secret`)."""
+    return load_secret(path, argument="--secret-file")
 
 
 def _server_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
@@ -87,7 +81,13 @@ def _server_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     if not (args.tls_cert and args.tls_key):
         raise InvalidArgumentError("--tls-cert, --tls-key: give both (or neither)")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(args.tls_cert, args.tls_key)
+    try:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgumentError(
+            f"--tls-cert, --tls-key: cannot load {args.tls_cert} with {args.tls_key} (PEM "
+            f"certificate chain and its private key): {exc}"
+        ) from None
     return context
 
 
@@ -98,7 +98,7 @@ def _registry(args: argparse.Namespace, secret: bytes) -> Any:
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisRegistry(url)
     if url.startswith("tcp://"):
-        tls = ssl.create_default_context(cafile=args.tls_ca) if args.tls_ca else None
+        tls = _client_tls(args.tls_ca) if args.tls_ca else None
         return RemoteRegistry(
             url.removeprefix("tcp://"), secret=secret, tls=tls, insecure=args.insecure
         )
@@ -107,15 +107,27 @@ def _registry(args: argparse.Namespace, secret: bytes) -> Any:
     )
 
 
+def _client_tls(ca_file: str) -> ssl.SSLContext:
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgumentError(
+            f"--tls-ca: cannot load {ca_file} (PEM CA bundle): {exc}"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpusync serve",
         description="Run a store node: lend this host's DRAM to other nodes as a lower tier.",
+        formatter_class=DefaultsHelpFormatter,
     )
-    parser.add_argument("--dram", default="1GiB", help="DRAM to lend (default 1GiB)")
+    parser.add_argument("--dram", default="1GiB", help="DRAM to lend")
     parser.add_argument("--secret-file", required=True, help="the cluster's shared secret")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=0, help="data-plane port (0: a free one)")
+    parser.add_argument(
+        "--port", type=port_number, default=0, help="data-plane port (0: a free one)"
+    )
     parser.add_argument("--layouts", type=int, default=1, help="models sharing the DRAM")
     parser.add_argument("--name", help="keep the DRAM in /dev/shm under this name (restarts)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where named pools live")
@@ -124,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--registry", help="publish to tcp://host:port or redis://host:port/db")
     where.add_argument(
-        "--registry-port", type=int, help="host the embedded registry on this port (0: free)"
+        "--registry-port",
+        type=port_number,
+        help="host the embedded registry on this port (0: a free one)",
     )
     parser.add_argument("--node-id", help="this node's id in the registry")
     parser.add_argument("--ttl", type=float, default=10.0, help="registry lease seconds")
@@ -134,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--insecure", action="store_true", help="allow plaintext off loopback (trusted nets)"
     )
-    parser.add_argument("--ready-json", action="store_true", help="print addresses as JSON")
+    parser.add_argument(
+        "--ready-json",
+        "--json",
+        dest="ready_json",
+        action="store_true",
+        help="once listening, print its addresses as one JSON line instead of the banner",
+    )
     return parser
 
 

@@ -8,6 +8,7 @@ cached prefix straight into the engine's ``DevicePool``.
 
 from tpusync.kv.config import DiskTier, DramTier, KVStoreConfig, SharedFsTier
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace
+from tpusync.kv.secret import load_secret
 from tpusync.kv.store import (
     KVCacheStore,
     LoadResult,
@@ -33,4 +34,5 @@ __all__ = [
     "SaveResult",
     "SessionRestore",
     "SharedFsTier",
+    "load_secret",
 ]

@@ -1,0 +1,138 @@
+"""The programs in examples/ run as they are and check their own results; the README quotes them.
+
+Each example runs as a child process (``sys.executable``, in a scratch working directory, with
+TMPDIR there), stopped by its process group's id if it runs past its timeout. It must exit 0,
+print the result it claims, and leave nothing behind in /dev/shm or its TMPDIR.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import tpusync.kv
+from tpusync.errors import InvalidArgumentError
+from tpusync.kv import load_secret
+from tpusync.serve import read_secret
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TIMEOUT_S = 90.0  # each takes seconds; a loaded 2-core machine gets room
+
+# example -> the line it prints when its checks pass
+CLAIMS = {
+    "transfer.py": "bytes equal",
+    "kv_store.py": "outputs equal",
+    "host_tiers.py": "bytes equal",
+    "cluster.py": "outputs equal",
+    "store_node.py": "outputs equal",
+}
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _child_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ, TMPDIR=str(work), JAX_PLATFORMS="cpu")
+    if env.get("PYTHONPATH"):  # a relative entry (PYTHONPATH=src) as this process resolves it
+        entries = env["PYTHONPATH"].split(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(e) for e in entries if e)
+    return env
+
+
+def _run_example(name: str, work: Path) -> tuple[int, str, float]:
+    env = _child_env(work)
+    start = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / name)],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: children it starts are stopped too
+    )
+    try:
+        out, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate(timeout=10)
+        pytest.fail(f"examples/{name} ran past {TIMEOUT_S} s:\n{out}")
+    return process.returncode, out, time.monotonic() - start
+
+
+def test_every_example_is_tested() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(CLAIMS)
+
+
+@pytest.mark.parametrize("name", sorted(CLAIMS))
+def test_example_runs_and_checks_its_result(name: str, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    shm_before = _shm_entries()
+    code, out, seconds = _run_example(name, work)
+    assert code == 0, f"examples/{name} exited {code}:\n{out}"
+    assert CLAIMS[name] in out.splitlines(), (
+        f"examples/{name} did not print {CLAIMS[name]!r}:\n{out}"
+    )
+    assert "MISMATCH" not in out
+    assert not list(work.iterdir()), f"examples/{name} left files: {list(work.iterdir())}"
+    assert not _shm_entries() - shm_before, "examples/{name} left files in /dev/shm"
+    print(f"examples/{name}: {seconds:.1f} s")
+
+
+def _readme_python_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL)]
+
+
+def _is_excerpt(block: str, source: str) -> bool:
+    """Whether ``block`` is a run of whole lines of ``source`` (indentation removed)."""
+    wanted = block.rstrip("\n").splitlines()
+    lines = source.splitlines()
+    for i in range(len(lines) - len(wanted) + 1):
+        window = textwrap.dedent("\n".join(lines[i : i + len(wanted)]))
+        if window.splitlines() == wanted:
+            return True
+    return False
+
+
+def test_readme_python_blocks_are_quoted_from_examples() -> None:
+    blocks = _readme_python_blocks()
+    assert blocks
+    sources = {p.name: p.read_text() for p in EXAMPLES.glob("*.py")}
+    for block in blocks:
+        assert any(_is_excerpt(block, s) for s in sources.values()), (
+            f"this README block is not an excerpt of any examples/*.py:\n{block}"
+        )
+
+
+def test_readme_points_at_every_example() -> None:
+    text = (ROOT / "README.md").read_text()
+    for name in CLAIMS:
+        assert f"examples/{name}" in text
+
+
+def test_load_secret_reads_the_files_tpusync_serve_reads(tmp_path: Path) -> None:
+    """One documented way to load a secret: tpusync.kv.load_secret, behind --secret-file too."""
+    secret = secrets.token_bytes(32)
+    (tmp_path / "hex").write_text(secret.hex() + "\n")  # what the README says to generate
+    (tmp_path / "raw").write_bytes(secret)
+    (tmp_path / "short").write_text(secrets.token_hex(8))
+    for name in ("hex", "raw"):
+        assert load_secret(tmp_path / name) == read_secret(str(tmp_path / name)) == secret
+    with pytest.raises(InvalidArgumentError, match=r"^path: .*short holds a secret of 8 bytes"):
+        load_secret(tmp_path / "short")
+    with pytest.raises(InvalidArgumentError, match=r"^--secret-file: cannot read .*absent"):
+        read_secret(str(tmp_path / "absent"))
+    assert "load_secret" in tpusync.kv.__all__
