@@ -1,9 +1,14 @@
 """Rejected calls: the right tpusync exception (which is also the matching builtin), a message
 naming the argument, raised by transfer() itself before any byte moves — the destination is
-unchanged afterwards (and a pool keeps its very array)."""
+unchanged afterwards (and a pool keeps its very array).
+
+A message names the argument at fault as its label, ``"dst_blocks: block index 8 is out of
+range ..."`` (after a prefix such as ``"path='native' cannot run here: "``). The check matches
+that label exactly: ``dst`` is not named by ``dst_blocks: ...`` nor by ``... src's shape``."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -58,16 +63,22 @@ class Snapshot:
         self.arrays.assert_same(self._read(), self.bits, "destination after a rejected call")
 
 
+def labelled(argument: str) -> str:
+    """The regular expression of a message naming `argument` as its label: at the start or
+    after a ``": "`` prefix, followed by ``": "`` (for pytest.raises(match=...) too)."""
+    return rf"(?:^|: ){re.escape(argument)}: "
+
+
 def rejected(
     arrays: Any,
     call: Callable[[], Any],
     dst: Any,
     error: type[TpuSyncError],
     builtin: type[BaseException],
-    argument: str,
+    argument: str | None,
 ) -> TpuSyncError:
-    """call() raises `error` (a TpuSyncError and a `builtin`) naming `argument`, and leaves dst
-    as it was."""
+    """call() raises `error` (a TpuSyncError and a `builtin`) naming `argument` (None: a case
+    whose label another test checks), and leaves dst as it was."""
     snapshot = Snapshot(arrays, dst) if dst is not None else None
     with pytest.raises(error) as info:
         future = call()
@@ -76,10 +87,25 @@ def rejected(
     exc = info.value
     assert isinstance(exc, TpuSyncError)
     assert isinstance(exc, builtin), f"{type(exc).__name__} is not a {builtin.__name__}"
-    assert argument in str(exc), f"the message does not name {argument!r}: {exc}"
+    if argument is not None:
+        assert re.search(labelled(argument), str(exc)), (
+            f"the message does not name {argument!r}: {exc}"
+        )
     if snapshot is not None:
         snapshot.unchanged()
     return exc
+
+
+def test_labelled_matches_the_whole_argument_name():
+    """The check itself: a longer name, a possessive or a dotted attribute is not the label."""
+    assert re.search(labelled("dst"), "dst: rank 3 differs from src's rank 2")
+    assert re.search(labelled("dst"), "path='native' cannot run here: dst: dtype int4 ...")
+    assert re.search(labelled("transfers[1]"), "transfers[1]: expected tpusync.Transfer")
+    assert not re.search(labelled("dst"), "dst_blocks: block index 8 is out of range")
+    assert not re.search(labelled("blocks"), "dst_blocks: block index 8 is out of range")
+    assert not re.search(labelled("src"), "dst: shape (8, 4) does not match src's (8, 5)")
+    assert not re.search(labelled("dst"), "pool.dst: closed")
+    assert not re.search(labelled("transfers[1]"), "transfers[10]: expected tpusync.Transfer")
 
 
 @pytest.fixture(params=PATHS)
@@ -191,6 +217,21 @@ def test_block_shape_mismatch(arrays, rng, device_src, pool, any_path, block):
         ShapeMismatchError,
         ValueError,
         "dst",
+    )
+
+
+@pytest.mark.parametrize("block", [(4, 17), (5, 16), (16, 4)], ids=str)
+def test_block_shape_mismatch_names_the_host_source(arrays, rng, pool, any_path, block):
+    """A host source whose blocks do not fit the pool's: the message names src, as the rank
+    and shard-count mismatches of a host side do (the pool's shape is fixed)."""
+    host = arrays.random(rng, (8, *block), np.float32)
+    rejected(
+        arrays,
+        lambda: transfer(host, pool, path=any_path),
+        pool,
+        ShapeMismatchError,
+        ValueError,
+        "src",
     )
 
 
@@ -446,14 +487,12 @@ def test_pool_constructor_and_update_reject_bad_arrays(arrays, rng):
         )
     pool = DevicePool(put(arrays.random(rng, (4, 4), np.float32)))
     rejected(arrays, lambda: pool.update(deleted), pool, ArrayDeletedError, ValueError, "array")
-    for bad in (
-        put(np.zeros((4, 5), np.float32)),
-        put(np.zeros((4, 4), np.int32)),
-        put(np.zeros((4, 4), np.float32), jax.devices()[1]),
+    for bad, error in (
+        (put(np.zeros((4, 5), np.float32)), ShapeMismatchError),
+        (put(np.zeros((4, 4), np.int32)), DtypeMismatchError),
+        (put(np.zeros((4, 4), np.float32), jax.devices()[1]), ShapeMismatchError),
     ):
-        rejected(
-            arrays, lambda b=bad: pool.update(b), pool, ShapeMismatchError, ValueError, "array"
-        )
+        rejected(arrays, lambda b=bad: pool.update(b), pool, error, ValueError, "array")
 
 
 def test_block_holds_count_and_refuse_blocks_outside_the_pool(arrays, rng):
@@ -473,7 +512,7 @@ def test_block_holds_count_and_refuse_blocks_outside_the_pool(arrays, rng):
         (lambda: pool.hold_blocks([0], block_axis=2), InvalidArgumentError, "block_axis"),
         (lambda: pool.hold_blocks([0.5]), InvalidArgumentError, "block_ids"),
     ):
-        with pytest.raises(error, match=argument):
+        with pytest.raises(error, match=labelled(argument)):
             call()
     assert pool.held_blocks() == [2] and pool.held_blocks(1) == []
 
@@ -671,7 +710,7 @@ def test_object_arrays_are_not_moved_as_raw_bytes(arrays, any_path):
     (None is used so that a failure here cannot corrupt the interpreter.)"""
     src = np.full(4, None, dtype=object)
     dst = np.full(4, None, dtype=object)
-    with pytest.raises(InvalidArgumentError, match="src"):
+    with pytest.raises(InvalidArgumentError, match=labelled("src")):
         transfer(src, dst, path=any_path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
 import socket
 import struct
 import threading
@@ -113,6 +114,8 @@ def slow_server(
 
     class Slow(BlockServer):
         def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+            # Time passes on purpose, not to wait for anything: the client's pull deadline and
+            # its lease renewals run on the real monotonic clock (BlockClient takes no clock).
             time.sleep(delay_s)
             super()._send_block(conn, header, data)
 
@@ -309,6 +312,22 @@ def eventually(condition: Any, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def closed_by_peer(sock: socket.socket | None) -> bool:
+    """Whether the other end closed ``sock``, without waiting: anything it sent before is read
+    and dropped (the connection is over either way)."""
+    if sock is None:
+        return True
+    while select.select([sock], [], [], 0)[0]:
+        try:
+            if not sock.recv(65536, socket.MSG_DONTWAIT):
+                return True
+        except BlockingIOError:
+            return False
+        except OSError:  # reset
+            return True
+    return False
+
+
 def _read_all(sock: socket.socket) -> bytes:
     out = bytearray()
     with contextlib.suppress(OSError):
@@ -394,6 +413,7 @@ def test_corrupted_payload_byte_is_not_committed(source: HostPool, target: HostP
 @pytest.mark.parametrize("cut_at", [0, 3])
 def test_connection_cut_mid_block(source: HostPool, target: HostPool, cut_at: int) -> None:
     sent = [0]
+    client_went_on = threading.Event()
 
     class Cutting(BlockServer):
         def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
@@ -401,7 +421,8 @@ def test_connection_cut_mid_block(source: HostPool, target: HostPool, cut_at: in
                 sent[0] += 1
                 send_buffers(conn, [header, data[: len(data) // 2]])
                 conn.shutdown(socket.SHUT_RDWR)
-                time.sleep(0.1)  # the client sees the cut and goes on before this thread unwinds
+                # the client sees the cut and goes on before this thread unwinds
+                assert client_went_on.wait(10), "the client never came back from the cut pull"
                 raise ConnectionResetError("cut by the test")
             sent[0] += 1
             super()._send_block(conn, header, data)
@@ -409,6 +430,7 @@ def test_connection_cut_mid_block(source: HostPool, target: HostPool, cut_at: in
     keys = [key_for(i) for i in range(8)]
     with Cutting(source, secret=SECRET) as server, client_for(server) as client:
         result = client.pull_result(keys, target)
+        client_went_on.set()
         assert result.loaded == [i < cut_at for i in range(8)]
         assert isinstance(result.error, EOFError | OSError)
         assert_clean(target, cut_at)  # the half block's slot went back to the free list
@@ -497,7 +519,8 @@ def test_idle_connections_closed_by_the_server_are_remade(
         client_for(server, addresses=[server.address], connections=2) as client,
     ):
         assert client.pull([key_for(0), key_for(1)], target) == [True, True]
-        time.sleep(0.5)  # the server has closed both idle connections
+        # the server closes both idle connections
+        eventually(lambda: all(closed_by_peer(conn.sock) for conn in client._conns))
         assert client.pull([key_for(i) for i in range(2, 6)], target) == [True] * 4
         assert client.contains([key_for(0)]) == [True]
     assert_clean(target, 6)
@@ -543,7 +566,7 @@ def test_garbage_to_the_server_is_survived(source: HostPool, target: HostPool) -
             assert header.frame_type == wire.ERROR and header.request_id == 5
             assert b"lease" in conn.sock.recv(header.payload_length)
             conn.sock.sendall(rng.integers(0, 256, 3000, dtype=np.uint8).tobytes())
-            time.sleep(0.05)
+            eventually(lambda: closed_by_peer(conn.sock))  # the server drops the broken stream
             keys = [key_for(i) for i in range(5)]
             assert client.pull(keys, target) == [True] * 5  # re-connected
         # Still serving a fresh, proper client.

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cluster_fault_child import payload_for
+from tools import require_tool
 
 from tpusync import DevicePool
 from tpusync.cluster import (
@@ -596,9 +596,7 @@ class RedisProcess:
 
 @pytest.fixture
 def redis_process() -> Iterator[RedisProcess]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    binary = require_tool("redis-server", "redis-server")  # fails in CI where missing
     server = RedisProcess(binary, free_port())
     server.start()
     try:
@@ -767,7 +765,11 @@ def test_redis_restarted_empty_owners_register_again(
             assert a.save(p4, [8, 9, 10, 11]).stored_blocks == 4
             assert a.evict(p2) == 4
             assert not a.dram.contains(keys_of(p2))[0]
-            time.sleep(REDIS_TTL_S)  # a few heartbeats fail meanwhile
+            # The outage lasts one TTL on purpose (not to wait for anything): a few heartbeats
+            # fail meanwhile, and the bound on A's registry calls below is over that span. Redis
+            # expires keys on its own clock, so there is no clock to inject.
+            time.sleep(REDIS_TTL_S)
+            eventually(lambda: watcher.failures > 0, 5.0, "the watcher never saw the outage")
             outage_calls = reg_a.calls - calls_before
             # A heartbeat every 0.5 s and a try per change: a handful of calls, not a spin.
             assert outage_calls <= 20, f"{outage_calls} registry calls in a 1.5 s outage"

@@ -199,8 +199,12 @@ class Attack:
         self._thread.start()
         assert self._ready.wait(10), "the attack did not start"
         deadline = time.monotonic() + 10
-        while sum(self.opened.values()) < 2 * self.peers and time.monotonic() < deadline:
-            time.sleep(0.02)  # every peer is at it before the clients come
+        while sum(self.opened.values()) < 2 * self.peers:  # every peer is at it before the clients
+            if time.monotonic() > deadline:
+                opened = dict(self.opened)
+                self.__exit__(None, None, None)
+                raise AssertionError(f"the attack did not get going: it opened only {opened}")
+            time.sleep(0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -233,7 +237,7 @@ class Attack:
                     asyncio.open_connection(self.host, self.port), 5
                 )
             except (OSError, TimeoutError):
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # a pause before the next try, not a wait for anything
                 continue
             self.opened[behaviour] += 1
             try:
@@ -367,7 +371,7 @@ def test_hostile_peers_before_authentication_are_bounded(
                 start = time.monotonic()
                 legitimate_client(kind, server.address, len(rounds) + 1, source)
                 rounds.append(time.monotonic() - start)
-                time.sleep(0.3)
+                time.sleep(0.3)  # on purpose: the visits are spread over the attack
             opened = dict(attack.opened)
         attacked_s = time.monotonic() - started
         log = server.stderr()

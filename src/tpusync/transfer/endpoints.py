@@ -181,9 +181,14 @@ def check_pair(src: Side, dst: Side, block_axis: int) -> None:
             f"block_axis: {block_axis} is out of range for blocks of rank {ndim}; use 0..{ndim - 1}"
         )
     if len(dst_shape) != ndim or _drop(src_shape, block_axis) != _drop(dst_shape, block_axis):
+        # a pool's shape is fixed: where a host side meets a device side, the host side is off
+        odd, fixed = (
+            (src, dst) if isinstance(src, HostSide) and isinstance(dst, DeviceSide) else (dst, src)
+        )
         raise ShapeMismatchError(
-            f"{dst.argument}: shape {dst_shape} does not match {src.argument}'s {src_shape} "
-            f"outside the block axis ({block_axis}); blocks must have the same shape"
+            f"{odd.argument}: shape {odd.shard_shape} does not match {fixed.argument}'s "
+            f"{fixed.shard_shape} outside the block axis ({block_axis}); blocks must have the "
+            "same shape"
         )
     for side in (src, dst):
         if (
