@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, print_table, write_json
 from gpu_transfer import CudaMemcpyLimit, _gpu
 
+from tpusync.bench.common import result_path
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,7 +32,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--block-kib", type=int, default=256, help="bytes per block per layer")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", default="benchmarks/results/gpu_tiers.json")
+    parser.add_argument("--json", help="default: benchmarks/results/gpu_tiers/COMMIT-MACHINE.json")
     args = parser.parse_args()
     gpu = _gpu()
     import jax
@@ -38,6 +40,12 @@ def main() -> None:
     import tpusync
     from tpusync.tiers import HostPool, PoolLayout
 
+    # path="auto" (the loads of the "native" row) is what tpusync chooses for this device: pure
+    # JAX on a GPU until a run proves the plugin's path; the rows say which engine ran
+    auto_engine = next(
+        (d.path for d in tpusync.info().devices if d.platform == gpu.platform and d.id == gpu.id),
+        "unknown",
+    )
     rng = np.random.default_rng(7)
     row = args.block_kib * 1024 // 2
     sources = [
@@ -76,6 +84,8 @@ def main() -> None:
         out["checksums"] = [int(c) for c in host._records["checksum"][:4]]
         times: dict[str, list[float]] = {"put": [], "get": [], "limit_d2h": [], "limit_h2d": []}
         get_path = "auto" if path == "native" else path
+        get_engine = auto_engine if get_path == "auto" else get_path
+        out["put_engine"], out["get_engine"] = path, get_engine
         for _ in range(args.repeats):
             host.delete(keys)
             times["limit_d2h"].append(limit.d2h())
@@ -91,7 +101,7 @@ def main() -> None:
         results[path] = out
         rows.append(
             [
-                path,
+                f"put {path}, get {get_path}" + (f" ({get_engine})" if get_path == "auto" else ""),
                 out["limit_d2h_gbps"],
                 out["put_gbps"],
                 out["put_gbps"] / out["limit_d2h_gbps"],
@@ -106,12 +116,18 @@ def main() -> None:
         f"\n{args.layers} layers x {half} blocks x {args.block_kib} KiB = {nbytes / 2**20:.0f} MiB "
         f"per call, median of {args.repeats} (GB/s; x = ratio to cudaMemcpyAsync, pinned)"
     )
-    print_table(["engine", "memcpy D2H", "put", "x", "memcpy H2D", "get", "x", "bytes equal"], rows)
+    headers = ["engines that ran", "memcpy D2H", "put", "x", "memcpy H2D", "get", "x", "equal"]
+    print_table(headers, rows)
     for path, out in results.items():
         if "error" in out:
             print(f"  {path}: {out['error']}")
     same = [r.get("checksums") for r in results.values() if "checksums" in r]
     print(f"  block checksums equal across engines: {len(same) == 2 and same[0] == same[1]}")
+    if args.json is None:
+        args.json = str(
+            result_path("gpu_tiers", os.path.join(os.path.dirname(__file__), "results"))
+        )
+        os.makedirs(os.path.dirname(args.json), exist_ok=True)
     write_json(args.json, {"benchmark": "gpu_tiers", "device": str(gpu.device_kind),
                            "results": results})  # fmt: skip
     out_dir = os.environ.get("OUT")

@@ -14,7 +14,7 @@ Client CPU is this process's (``getrusage``), server CPU the child's (``/proc/PI
 Every child is stopped by its pid. Prints a markdown table; writes JSON.
 
     python benchmarks/network_tuning.py [--total-mib 1024] [--block-kib 2048] [--repeats 9]
-        [--json benchmarks/results/network-tuning-cpu-2core.json]
+        [--json benchmarks/results/network_tuning/COMMIT-MACHINE.json]
 """
 
 from __future__ import annotations
@@ -31,10 +31,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, print_table, write_json
-from network import Puller, start_child
+
+from tpusync.bench.common import result_path
+from tpusync.bench.network_procs import CHILDREN, Puller, start_child
+
+# this script runs its block servers itself: one of them with the ablation applied first
+CHILD_PROGRAM = (sys.executable, os.path.abspath(__file__))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_JSON = os.path.join(HERE, "results", "network-tuning-cpu-2core.json")
+DEFAULT_JSON = str(result_path("network_tuning", os.path.join(HERE, "results")))
 WHOLE_PAYLOAD = 1 << 40  # a read step no payload reaches: as much as has arrived
 
 
@@ -50,7 +55,23 @@ def _own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def run_child(kind: str, config_json: str) -> None:
+    """A child of network_procs, with the send buffer left to the kernel when the ablation
+    asks for it."""
+    import json
+
+    config = json.loads(config_json)
+    if config.get("autotuned_send_buffer"):
+        from tpusync.cluster.dataplane import _connection, server
+
+        server.tune_for_peer = _connection.tune_for_peer = lambda sock: None
+    CHILDREN[kind](config)
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        run_child(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes per pull")
     parser.add_argument("--block-kib", type=int, default=2048, help="block size")
@@ -79,7 +100,9 @@ def main() -> None:
                 "cert": None,
                 "autotuned_send_buffer": autotuned,
             }
-            child, ready = start_child(stack, f"server-{buffer}", "block-server", config, work)
+            child, ready = start_child(
+                stack, f"server-{buffer}", "block-server", config, work, program=CHILD_PROGRAM
+            )
             servers[buffer] = (child.proc.pid, ready["ports"][0])
         puller = Puller(blocks, block_bytes, secret)
         stack.callback(puller.close)

@@ -84,5 +84,5 @@ def test_cli_demo_prefix_caching_end_to_end() -> None:
 
 def test_cli_usage_errors() -> None:
     result = _run("nonsense")
-    assert result.returncode == 2 and "usage: tpusync" in result.stdout
+    assert result.returncode == 2 and "usage: tpusync" in result.stderr  # issue 20: stderr
     assert _run("--help").returncode == 0

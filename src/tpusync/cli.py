@@ -1,20 +1,53 @@
-"""The `tpusync` command: info, demo, shm, serve."""
+"""The `tpusync` command: info, demo, shm, serve.
+
+    tpusync --version
+    tpusync info [--dir DIR] [--json]
+    tpusync demo [...] | tpusync demo --transfer [...]
+    tpusync shm [--dir DIR] {list [--json], remove [NAME] [--force]} (--dir before or after)
+    tpusync serve --dram 64GiB --secret-file FILE [...]
+
+Exit codes, the same for every command: 0 done; 2 a usage error (argparse's convention: an
+unknown command or flag, a malformed value, a value refused before anything runs, such as a
+port outside 0..65535); 1 a runtime failure (the command ran and failed: a pool that is not
+there, an I/O or network error). Errors go to stderr as ``tpusync CMD: message``, naming the
+flag (``--dram``, never the library's ``dram_bytes``). Output piped into a reader that stops
+early (``tpusync info | head``) ends quietly with exit 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
+from collections.abc import Callable
 
+from tpusync._version import __version__
+from tpusync.bench.command import main as bench_main
+from tpusync.cli_common import (
+    RUNTIME_ERROR,
+    USAGE_ERROR,
+    DefaultsHelpFormatter,
+    exit_quietly_on_broken_pipe,
+    flag_message,
+)
 from tpusync.demo import main as demo_main
 from tpusync.errors import TpuSyncError
 from tpusync.info import info
 from tpusync.serve import main as serve_main
 from tpusync.tiers.shm_admin import list_pools, remove_pool, remove_stale, size_text
 
+# shm_admin's argument names as `tpusync shm`'s flags
+_SHM_FLAGS = {"name": "NAME", "shm_dir": "--dir", "force": "--force"}
+
 
 def _info(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tpusync info", description="Paths and host limits.")
+    parser = argparse.ArgumentParser(
+        prog="tpusync info",
+        description="Paths and host limits.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     parser.add_argument("--dir", help="directory to check O_DIRECT in (default: temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
@@ -23,26 +56,51 @@ def _info(argv: list[str]) -> int:
     return 0
 
 
-def _shm(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tpusync shm", description="Named host pools.")
+def _shm_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpusync shm", description="Named host pools.", formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("--dir", default="/dev/shm", help="where the pools live")
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser(
-        "list", help="pools, owners, fingerprints, sizes, blocks used; damaged and stale files"
+    listing = sub.add_parser(
+        "list",
+        help="pools, owners, fingerprints, sizes, blocks used; damaged and stale files",
+        formatter_class=DefaultsHelpFormatter,
     )
+    listing.add_argument("--json", action="store_true", help="print JSON: one object per pool")
     remove = sub.add_parser(
         "remove",
         help="free a pool, its stale temporary files and its session manifests (refused while "
         "its owner lives); without NAME, free every stale temporary file",
+        formatter_class=DefaultsHelpFormatter,
     )
-    remove.add_argument("name", nargs="?")
+    remove.add_argument("name", nargs="?", metavar="NAME", help="the pool's name")
     remove.add_argument("--force", action="store_true", help="remove even if its owner lives")
+    for action in (listing, remove):
+        # as users type it, after the action too; SUPPRESS keeps a --dir given before
+        action.add_argument("--dir", default=argparse.SUPPRESS, help="where the pools live")
+    return parser
+
+
+def _shm(argv: list[str]) -> int:
+    parser = _shm_parser()
     args = parser.parse_args(argv)
+    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        parser.error(f"--dir: {args.dir} is not a directory")
     try:
-        return _shm_remove(args) if args.action == "remove" else _shm_list(args.dir)
+        return _shm_remove(args) if args.action == "remove" else _shm_list(args.dir, args.json)
+    except BrokenPipeError:  # the reader of stdout left: not a failure of the command
+        raise
     except (TpuSyncError, OSError) as exc:
-        print(f"tpusync shm {args.action}: {exc}", file=sys.stderr)
-        return 1
+        print(f"tpusync shm {args.action}: {_shm_error(exc, args.dir)}", file=sys.stderr)
+        return RUNTIME_ERROR
+
+
+def _shm_error(exc: Exception, shm_dir: str) -> str:
+    if isinstance(exc, OSError) and not isinstance(exc, TpuSyncError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else shm_dir
+        return f"--dir {shm_dir}: {where}: {exc.strerror}"
+    return flag_message(str(exc), _SHM_FLAGS)
 
 
 def _shm_remove(args: argparse.Namespace) -> int:
@@ -65,8 +123,11 @@ def _shm_remove(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shm_list(shm_dir: str) -> int:
+def _shm_list(shm_dir: str, as_json: bool = False) -> int:
     pools = list_pools(shm_dir)
+    if as_json:
+        print(json.dumps([dataclasses.asdict(p) for p in pools], indent=2))
+        return 0
     if not pools:
         print(f"no tpusync pools in {shm_dir}")
         return 0
@@ -88,26 +149,55 @@ def _shm_list(shm_dir: str) -> int:
     return 0
 
 
-USAGE = """usage: tpusync {info,demo,shm,serve} [options]
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "info": _info,
+    "demo": demo_main,
+    "shm": _shm,
+    "serve": serve_main,
+    "bench": bench_main,
+}
+
+USAGE = """usage: tpusync [--version] {info,demo,shm,serve,bench} [options]
 
   info   which engine each device gets and why; host limits
   demo   prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
   shm    list or remove named host pools in /dev/shm
-  serve  run a store node: lend this host's DRAM to other nodes (and host a registry)"""
+  serve  run a store node: lend this host's DRAM to other nodes (and host a registry)
+  bench  benchmarks against their physical limits: transfer, tiers, prefix, network, all
+
+`tpusync COMMAND --help` shows a command's options. Exit codes: 0 done, 2 a usage error,
+1 a runtime failure."""
+
+
+def _dispatch(argv: list[str]) -> int:
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        print("tpusync: error: a command is required", file=sys.stderr)
+        return USAGE_ERROR
+    first = argv[0]
+    if first in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if first in ("-V", "--version"):
+        print(f"tpusync {__version__}")
+        return 0
+    command = COMMANDS.get(first)
+    if command is None:
+        kind = "option" if first.startswith("-") else "command"
+        print(USAGE, file=sys.stderr)
+        print(
+            f"tpusync: error: unknown {kind} {first!r} (choose from {', '.join(COMMANDS)})",
+            file=sys.stderr,
+        )
+        return USAGE_ERROR
+    return command(argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("info", "demo", "shm", "serve"):
-        print(USAGE)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "demo":
-        return demo_main(argv[1:])
-    if argv[0] == "shm":
-        return _shm(argv[1:])
-    if argv[0] == "serve":
-        return serve_main(argv[1:])
-    return _info(argv[1:])
+    """Runs the `tpusync` command line ``argv`` (``sys.argv[1:]`` by default); returns its exit
+    code (see the module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return exit_quietly_on_broken_pipe(lambda: _dispatch(args))
 
 
 if __name__ == "__main__":

@@ -186,14 +186,24 @@ def reserved_huge_pages(nbytes: int) -> Iterator[bool]:
 
 
 def _fio_once(
-    directory: str, total: int, block_bytes: int, rw: str, numjobs: int, iodepth: int, iomem: str
+    directory: str,
+    total: int,
+    block_bytes: int,
+    rw: str,
+    numjobs: int,
+    iodepth: int,
+    iomem: str,
+    direct: bool = True,
 ) -> float:
     argv = [
-        "fio", "--name=tpusync-limit", f"--directory={directory}", f"--rw={rw}", "--direct=1",
+        "fio", "--name=tpusync-limit", f"--directory={directory}", f"--rw={rw}",
+        f"--direct={int(direct)}",
         f"--bs={block_bytes}", f"--size={max(block_bytes, total // numjobs)}",
         f"--numjobs={numjobs}", "--ioengine=libaio", f"--iodepth={iodepth}",
         f"--iomem={iomem}", "--group_reporting", "--output-format=json",
     ]  # fmt: skip
+    if not direct:  # fio would drop the files' cached pages first; a buffered tier reads them
+        argv.append("--invalidate=0")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"fio failed ({done.returncode}): {done.stderr.strip()[:500]}")
@@ -209,11 +219,13 @@ def disk_fio(
     *,
     numjobs: int,
     iodepths: Sequence[int] = (1, 4, 16),
+    direct: bool = True,
 ) -> LimitResult | None:
     """fio's direct (``O_DIRECT``) sequential ``rw`` ("read" or "write") of ``total`` bytes in
     ``block_bytes`` requests on ``numjobs`` jobs (the tier's I/O threads), from huge-page
     buffers where they can be reserved (as the tiers' slots are), at each iodepth: GB/s per
-    "iodepth=N"; None where fio is not installed. Its files are removed."""
+    "iodepth=N"; None where fio is not installed. Its files are removed. ``direct=False``: through
+    the page cache, for a tier that reads and writes buffered (the shared-FS tier)."""
     if shutil.which("fio") is None:
         return None
     if rw not in ("read", "write"):
@@ -226,12 +238,16 @@ def disk_fio(
             iomem = "shmhuge" if huge else "malloc"
             for depth in iodepths:
                 try:
-                    value = _fio_once(directory, total, block_bytes, rw, numjobs, depth, iomem)
+                    value = _fio_once(
+                        directory, total, block_bytes, rw, numjobs, depth, iomem, direct
+                    )
                 except RuntimeError:
                     if iomem == "malloc":
                         raise
                     iomem = "malloc"  # the reserved pages were not enough: say what ran
-                    value = _fio_once(directory, total, block_bytes, rw, numjobs, depth, iomem)
+                    value = _fio_once(
+                        directory, total, block_bytes, rw, numjobs, depth, iomem, direct
+                    )
                 gbps[f"iodepth={depth},iomem={iomem}"] = value
     finally:
         for leftover in glob.glob(os.path.join(directory, "tpusync-limit.*")):

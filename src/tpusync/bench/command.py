@@ -1,0 +1,129 @@
+"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|all] [--quick] [--json] [--plot DIR]``:
+runs the benchmarks against their physical limits, writes each result in the scheme
+``<results>/<bench>/<commit>-<machine>.json`` and regenerates ``RESULTS.md`` beside them."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tpusync.bench import mac_cost, network, prefix, tiers, transfer
+from tpusync.bench.common import default_results_dir, result_path
+from tpusync.bench.network_procs import jax_transfer
+from tpusync.bench.plot import INSTALL_HINT, have_matplotlib, plot_results
+from tpusync.bench.results import write_results_md
+from tpusync.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter
+
+__all__ = ["BENCHES", "main", "peers"]
+
+# name -> (entry point taking argv, the --quick arguments, which shared flags it takes)
+BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, ...]]] = {
+    "transfer": (transfer.main, transfer.QUICK, ("--total-mib", "--repeats")),
+    "tiers": (tiers.main, tiers.QUICK, ("--total-mib", "--repeats")),
+    "prefix": (prefix.main, prefix.QUICK, ("--repeats",)),
+    "network": (network.main, network.QUICK, ("--total-mib", "--repeats")),
+    "mac_cost": (mac_cost.main, mac_cost.QUICK, ("--total-mib", "--repeats")),
+}
+
+
+def peers() -> dict[str, str]:
+    """Each peer a benchmark compares with: "runs" or why it is skipped."""
+    redis_ok = importlib.util.find_spec("redis") is not None and shutil.which("redis-server")
+    return {
+        "pure-JAX engine (transfer, tiers)": "runs",
+        "jax.experimental.transfer (network)": "runs"
+        if jax_transfer is not None
+        else "skipped: this jax has no jax.experimental.transfer",
+        "Redis (registry lookups)": "runs"
+        if redis_ok
+        else "skipped: needs redis-server and the redis package (tpusync[cluster])",
+        "Google TPU Sync": "skipped: its wheel is not installed here",
+        "Mooncake": "runs"
+        if importlib.util.find_spec("mooncake") is not None
+        else "skipped: not installed",
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpusync bench",
+        description="Benchmarks against their physical limits, measured in the same run.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument("bench", nargs="?", default="all", choices=[*BENCHES, "all"])
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes and few repeats (minutes, not hours)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the results as JSON (tables go to stderr)"
+    )
+    parser.add_argument("--plot", metavar="DIR", help="write PNG charts to DIR (needs matplotlib)")
+    parser.add_argument("--results-dir", metavar="DIR", help="default: benchmarks/results")
+    parser.add_argument("--total-mib", type=int, help="bytes per operation (not prefix)")
+    parser.add_argument("--repeats", type=int, help="rounds per figure")
+    return parser
+
+
+def _argv(name: str, args: argparse.Namespace, target: Path) -> list[str]:
+    _, quick, shared = BENCHES[name]
+    argv = list(quick) if args.quick else []
+    for flag in shared:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            argv += [flag, str(value)]  # argparse: the last one given wins
+    return [*argv, "--json", str(target)]
+
+
+def _run(name: str, args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
+    entry = BENCHES[name][0]
+    target = result_path(name, results_dir)
+    print(f"== tpusync bench {name}", flush=True)
+    code = entry(_argv(name, args, target))
+    if code:
+        raise RuntimeError(f"{name} exited with {code}")
+    record = json.loads(target.read_text())
+    record["peers"] = peers()
+    target.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``tpusync bench``; returns its exit code (0 done, 2 usage, 1 a benchmark failed)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for flag in ("total_mib", "repeats"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')}: expected a positive number, got {value}")
+    if args.plot and not have_matplotlib():
+        parser.error(f"--plot: needs matplotlib, which is not installed: `{INSTALL_HINT}`")
+    results_dir = Path(args.results_dir) if args.results_dir else default_results_dir()
+    names = list(BENCHES) if args.bench == "all" else [args.bench]
+    records: dict[str, Any] = {}
+    out = sys.stderr if args.json else sys.stdout
+    status = 0
+    with contextlib.redirect_stdout(out):
+        for name in names:
+            try:
+                records[name] = _run(name, args, results_dir)
+            except (Exception, SystemExit) as exc:  # one failed benchmark: the others still run
+                print(f"tpusync bench {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                status = RUNTIME_ERROR if not isinstance(exc, SystemExit) else USAGE_ERROR
+        print("\npeers")
+        for peer, state in peers().items():
+            print(f"  {peer}: {state}")
+        if args.plot:
+            for name, record in records.items():
+                for path in plot_results(name, record, args.plot):
+                    print(f"wrote {path}")
+        print(f"wrote {write_results_md(results_dir)}", flush=True)
+    if args.json:
+        print(json.dumps(records, indent=2))
+    return status

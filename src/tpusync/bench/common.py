@@ -1,0 +1,219 @@
+"""What every benchmark shares: timing, summaries (median and range), tables that flag a beaten
+limit, and the results scheme ``<results>/<bench>/<commit>-<machine>.json``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from tpusync.memory import huge_pages
+
+__all__ = [
+    "LIMIT_BEATEN",
+    "Run",
+    "commit_of",
+    "default_results_dir",
+    "format_table",
+    "free_port",
+    "machine_name",
+    "median",
+    "print_table",
+    "result_path",
+    "settle",
+    "spread",
+    "stop_process",
+    "timed",
+]
+
+LIMIT_BEATEN = "limit beaten: the limit is wrong"
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: Sequence[float], digits: int = 2) -> str:
+    """``"median (min-max)"`` of ``values``: each row's figure with its range."""
+    if not values:
+        return "-"
+    return f"{median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def settle(timeout_s: float = 300.0) -> None:
+    """Waits until the CPU device pools made so far are backed by huge pages (tpusync collapses
+    them on a background thread after creation), so that no timing runs beside it."""
+    if not huge_pages.wait_until_idle(timeout_s):
+        print(f"note: huge-page collapsing still running after {timeout_s:g} s", flush=True)
+
+
+# -- tables ----------------------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], limit_columns: Sequence[int] = ()
+) -> str:
+    """A plain-text table. ``limit_columns``: the indexes of ratio-to-limit columns; a row where
+    one of them exceeds 1.0 ends with the warning :data:`LIMIT_BEATEN` (a figure cannot beat
+    its physical limit: the limit was measured wrongly)."""
+    cells = [[str(h) for h in headers]]
+    warned = False
+    for row in rows:
+        line = [_cell(c) for c in row]
+        beaten = [
+            headers[i]
+            for i in limit_columns
+            if i < len(row) and isinstance(row[i], int | float) and row[i] > 1.0
+        ]
+        if beaten:
+            warned = True
+            line.append(f"!! {LIMIT_BEATEN} ({', '.join(beaten)})")
+        cells.append(line)
+    if warned:
+        cells[0].append("warning")
+    width = max(len(r) for r in cells)
+    for r in cells:
+        r.extend([""] * (width - len(r)))
+    widths = [max(len(r[i]) for r in cells) for i in range(width)]
+    lines = []
+    for i, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], limit_columns: Sequence[int] = ()
+) -> None:
+    print(format_table(headers, rows, limit_columns), flush=True)
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+
+def commit_of(directory: str | os.PathLike[str]) -> str:
+    """The commit of the checkout holding ``directory`` (with "+dirty" when tracked files
+    changed), or "unknown" outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def machine_name() -> str:
+    """A short name of this machine's kind for result files: ``cpu-2core``, ``gpu-16core``."""
+    backend = jax.default_backend()
+    return f"{backend}-{len(os.sched_getaffinity(0))}core"
+
+
+def default_results_dir() -> Path:
+    """``benchmarks/results`` of the checkout this package runs from, else
+    ``./tpusync-bench-results`` (an installed package has no checkout)."""
+    checkout = PACKAGE_DIR.parents[2] / "benchmarks"
+    if checkout.is_dir():
+        return checkout / "results"
+    return Path.cwd() / "tpusync-bench-results"
+
+
+def result_path(bench: str, results_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where a run of ``bench`` at this commit on this machine is written."""
+    base = Path(results_dir) if results_dir is not None else default_results_dir()
+    commit = commit_of(PACKAGE_DIR)
+    commit = "unknown-commit" if commit == "unknown" else commit
+    return base / bench / f"{commit}-{machine_name()}.json"
+
+
+@dataclass
+class Run:
+    """One benchmark run: the load average when it started (so that a noisy machine shows in
+    its results) and :meth:`write` to save them in the scheme."""
+
+    bench: str
+    load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
+    started: float = field(default_factory=time.time)
+
+    def write(self, path: str | os.PathLike[str] | None, payload: dict[str, Any]) -> Path:
+        """Writes ``payload`` with the commit, date, machine and load average at start and end
+        to ``path`` (default: :func:`result_path`)."""
+        target = Path(path) if path else result_path(self.bench)
+        record = {
+            "benchmark": self.bench,
+            "commit": commit_of(PACKAGE_DIR),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {
+                "name": machine_name(),
+                "platform": platform.platform(),
+                "cpus": len(os.sched_getaffinity(0)),
+                "python": platform.python_version(),
+            },
+            "load_average": {"start": list(self.load_start), "end": list(os.getloadavg())},
+            "seconds_in_all": time.time() - self.started,
+            **payload,
+        }
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"wrote {target}", flush=True)
+        return target
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (there is a race; fine for benchmarks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:
+    """Stops a child by its pid, never leaving it running: EOF on its stdin (when it has a pipe)
+    and ``timeout`` to exit, then SIGTERM and ``timeout``, then SIGKILL. Returns its exit code."""
+    if proc.poll() is not None:
+        return proc.returncode
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout)
+    return proc.wait()

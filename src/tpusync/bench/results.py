@@ -1,0 +1,196 @@
+"""benchmarks/RESULTS.md: a table per benchmark from the latest result file of each, written
+after every ``tpusync bench`` run (:func:`write_results_md`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["latest_results", "write_results_md"]
+
+Table = tuple[list[str], list[list[str]]]
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
+
+
+def _ratio(value: Any, limit: Any) -> str:
+    if not isinstance(value, int | float) or not isinstance(limit, int | float) or not limit:
+        return "-"
+    ratio = value / limit
+    return f"{ratio:.2f}" + (" (limit beaten: the limit is wrong)" if ratio > 1.0 else "")
+
+
+def _transfer(record: dict[str, Any]) -> Table:
+    headers = ["block", "limit GB/s", "D2H native", "x limit", "D2H jax", "H2D native", "x limit",
+               "H2D jax"]  # fmt: skip
+    rows = []
+    for r in record.get("results", []):
+        limit = r.get("limit_gbps")
+        rows.append(
+            [
+                f"{r.get('block_kib')} KiB",
+                f"{_num(limit)} {r.get('limit_method', 'np.copyto')}",
+                _num(r.get("d2h_native_gbps")),
+                _ratio(r.get("d2h_native_gbps"), limit),
+                _num(r.get("d2h_jax_gbps")),
+                _num(r.get("h2d_native_gbps")),
+                _ratio(r.get("h2d_native_gbps"), limit),
+                _num(r.get("h2d_jax_gbps")),
+            ]
+        )
+    return headers, rows
+
+
+def _tiers(record: dict[str, Any]) -> Table:
+    headers = ["tier", "block", "limit GB/s", "put", "x limit", "get", "x limit"]
+    rows = []
+    for r in record.get("results", []):
+        limit = r.get("limit_gbps")
+        rows.append(
+            [r.get("tier", "-"), f"{r.get('block_mib')} MiB",
+             f"{_num(limit)} {r.get('limit_method', 'np.copyto')}",
+             _num(r.get("put_gbps")), _ratio(r.get("put_gbps"), limit),
+             _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), limit)]
+        )  # fmt: skip
+    for r in record.get("disk", []):
+        write, read = r.get("fio_write_gbps"), r.get("fio_read_gbps")
+        rows.append(
+            [r.get("tier", "-"), f"{r.get('block_mib')} MiB",
+             f"fio {_num(write)} w / {_num(read)} r",
+             _num(r.get("put_gbps")), _ratio(r.get("put_gbps"), write),
+             _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), read)]
+        )  # fmt: skip
+    return headers, rows
+
+
+def _prefix(record: dict[str, Any]) -> Table:
+    headers = ["tokens", "cold TTFT ms", "DRAM ms", "/dev/shm restart ms", "disk ms",
+               "DRAM load x limit", "disk load x limit"]  # fmt: skip
+    rows = []
+    for r in record.get("results", []):
+        kv, limit, fio = r.get("kv_bytes"), r.get("memcpy_gbps"), r.get("fio_read_gbps")
+        dram = kv / r["dram_load_s"] / 1e9 if kv and r.get("dram_load_s") else None
+        disk = kv / r["disk_load_s"] / 1e9 if kv and r.get("disk_load_s") else None
+        rows.append(
+            [str(r.get("tokens"))]
+            + [_num((r.get(k) or 0) * 1e3, 1) for k in
+               ("cold_ttft_s", "dram_ttft_s", "shm_restart_ttft_s", "disk_ttft_s")]
+            + [_ratio(dram, limit), _ratio(disk, fio)]
+        )  # fmt: skip
+    return headers, rows
+
+
+def _network(record: dict[str, Any]) -> Table:
+    loop = record.get("loopback") or {}
+    gbps, limits = loop.get("gbps", {}), loop.get("limit_gbps", {})
+    rows = []
+    for name, value in gbps.items():
+        count = name.rsplit(" ", 2)[-2] if name.startswith("tpusync") else None
+        limit = limits.get(count) if count and " TLS" not in name else None
+        rows.append([name, _num(value), _num(limit) if limit else "", _ratio(value, limit)])
+    for name, value in ((record.get("two_paths") or {}).get("gbps") or {}).items():
+        rows.append([f"two namespaces: {name}", _num(value, 3), "", "-"])
+    for name, value in ((record.get("registry") or {}).get("lookups_per_s") or {}).items():
+        rows.append([f"lookups/s: {name}", f"{value:,.0f}", "", "-"])
+    return ["path", "GB/s", "limit GB/s", "x limit"], rows
+
+
+def _mac_cost(record: dict[str, Any]) -> Table:
+    gbps = record.get("gbps", {})
+    limit = gbps.get("limit")
+    rows = [[name, _num(value), _ratio(value, limit) if name != "limit" else ""]
+            for name, value in gbps.items()]  # fmt: skip
+    for name, value in (record.get("shared_fs_gbps") or {}).items():
+        rows.append([f"shared fs {name}", _num(value), _ratio(value, limit)])
+    return ["what", "GB/s", "x limit"], rows
+
+
+def _generic(record: dict[str, Any]) -> Table:
+    rows = [[k, _num(v)] for k, v in record.items() if isinstance(v, int | float)]
+    return ["figure", "value"], rows
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
+    "transfer": _transfer,
+    "tiers": _tiers,
+    "prefix": _prefix,
+    "network": _network,
+    "mac_cost": _mac_cost,
+}
+
+
+def _when(path: Path, record: dict[str, Any]) -> str:
+    stamp = record.get("date") or record.get("time")
+    return str(stamp) if stamp else f"mtime {path.stat().st_mtime:.0f}"
+
+
+def latest_results(results_dir: str | os.PathLike[str]) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The latest result file of each benchmark folder (by its recorded date, else mtime)."""
+    latest: dict[str, tuple[Path, dict[str, Any]]] = {}
+    base = Path(results_dir)
+    if not base.is_dir():
+        return latest
+    for folder in sorted(p for p in base.iterdir() if p.is_dir()):
+        found = []
+        for path in folder.glob("*.json"):
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(record, dict):
+                found.append((_when(path, record), path.stat().st_mtime, path, record))
+        if found:
+            _, _, path, record = max(found, key=lambda item: (item[0], item[1]))
+            latest[folder.name] = (path, record)
+    return latest
+
+
+def _markdown(headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def write_results_md(
+    results_dir: str | os.PathLike[str], target: str | os.PathLike[str] | None = None
+) -> Path:
+    """Writes a markdown table per benchmark from its latest file in ``results_dir``
+    (``<bench>/<commit>-<machine>.json``) to ``target`` (default: ``RESULTS.md`` beside
+    ``results_dir``). Returns the path written."""
+    base = Path(results_dir)
+    out = Path(target) if target is not None else base.parent / "RESULTS.md"
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `tpusync bench` from the latest file of each benchmark in "
+        f"`{base.name}/<bench>/<commit>-<machine>.json`; do not edit. Ratios are to the physical "
+        "limit measured in the same run (`tpusync.bench.limits`); a ratio above 1 means the "
+        "limit is wrong.",
+    ]
+    for bench, (path, record) in latest_results(base).items():
+        load = record.get("load_average") or {}
+        start, end = load.get("start"), load.get("end")
+        load_text = (
+            f"load average {start[0]:.2f} at start, {end[0]:.2f} at end"
+            if start and end
+            else "load average not recorded"
+        )
+        machine = record.get("machine") or {}
+        lines += [
+            "",
+            f"## {bench}",
+            "",
+            f"`{path.relative_to(base.parent)}`: commit `{record.get('commit', 'unknown')}`, "
+            f"{_when(path, record)}, {machine.get('name') or machine.get('platform', '?')}, "
+            f"{load_text}.",
+            "",
+        ]
+        headers, rows = TABLES.get(bench, _generic)(record)
+        lines += _markdown(headers, rows) if rows else ["(no rows)"]
+    out.write_text("\n".join(lines) + "\n")
+    return out

@@ -1,0 +1,152 @@
+"""`tpusync bench` (issue 21): the command runs a benchmark, writes its result in the scheme
+``<results>/<bench>/<commit>-<machine>.json`` and RESULTS.md; the old script keeps its command
+line; a ratio above its limit is flagged in the table; --plot without matplotlib says which
+extra to install. No figure is asserted: timings on a shared machine are noise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tpusync
+from tpusync.bench.common import LIMIT_BEATEN, format_table
+from tpusync.bench.plot import plot_results
+from tpusync.bench.results import write_results_md
+
+ROOT = Path(__file__).resolve().parents[1]
+# the children import the tpusync under test (a relative PYTHONPATH breaks in another cwd)
+ENV = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(
+        [str(Path(tpusync.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    ),
+)
+
+
+def _tpusync(*argv: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tpusync", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+
+
+def test_bench_transfer_quick_writes_the_scheme_and_results_md(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    done = _tpusync(
+        "bench", "transfer", "--quick", "--json", "--total-mib", "4", "--repeats", "1",
+        "--results-dir", str(results), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)  # --json: stdout is JSON only, the tables go to stderr
+    assert "x limit" in done.stderr and "limit" in done.stderr
+    files = list((results / "transfer").glob("*.json"))
+    assert len(files) == 1
+    commit, _, machine = files[0].stem.rpartition("-cpu-")
+    assert commit and machine.endswith("core")
+    record = json.loads(files[0].read_text())
+    assert record == printed["transfer"]
+    for key in ("commit", "date", "machine", "load_average", "results", "peers"):
+        assert key in record
+    assert len(record["load_average"]["start"]) == len(record["load_average"]["end"]) == 3
+    assert record["peers"]["Google TPU Sync"].startswith("skipped")
+    row = record["results"][0]
+    for key in ("d2h_native_gbps", "d2h_jax_gbps", "h2d_native_gbps", "h2d_jax_gbps",
+                "limit_gbps", "limit_method", "copyto_gbps", "d2h_native_x_limit"):  # fmt: skip
+        assert key in row
+    assert row["limit_method"] in row["limit_gbps_by_method"]
+    markdown = (tmp_path / "RESULTS.md").read_text()
+    assert "## transfer" in markdown and files[0].name in markdown
+
+
+def test_old_transfer_script_keeps_its_command_line(tmp_path: Path) -> None:
+    """benchmarks/ab.py runs `benchmarks/transfer.py ... --json X` and reads X."""
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "transfer.py"), "--total-mib", "4",
+         "--repeats", "1", "--block-kib", "1024", "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert record["results"][0]["block_kib"] == 1024 and "d2h_native_gbps" in record["results"][0]
+
+
+def test_table_row_beating_its_limit_is_flagged() -> None:
+    table = format_table(
+        ["what", "GB/s", "x limit", "x jax"],
+        [["ok", 5.0, 0.93, 3.0], ["too fast", 9.0, 1.07, 0.5]],
+        limit_columns=(2,),
+    )
+    lines = table.splitlines()
+    assert "warning" in lines[0]
+    ok = next(line for line in lines if line.lstrip().startswith("ok"))
+    fast = next(line for line in lines if line.lstrip().startswith("too fast"))
+    assert LIMIT_BEATEN not in ok
+    assert LIMIT_BEATEN in fast and "x limit" in fast
+    # a peer ratio above 1 is no beaten limit, and a table without one has no warning column
+    plain = format_table(["what", "x limit", "x jax"], [["ok", 0.5, 4.0]], limit_columns=(1,))
+    assert LIMIT_BEATEN not in plain and "warning" not in plain
+
+
+def test_results_md_takes_the_latest_file_and_flags_beaten_limits(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    (results / "transfer").mkdir(parents=True)
+    row = {"block_kib": 256, "limit_gbps": 10.0, "limit_method": "stream",
+           "d2h_native_gbps": 12.5, "d2h_jax_gbps": 2.0, "h2d_native_gbps": 7.0,
+           "h2d_jax_gbps": 1.5}  # fmt: skip
+    for commit, date in (("aaaa", "2026-01-01T00:00:00Z"), ("bbbb", "2026-02-01T00:00:00Z")):
+        record = {
+            "commit": commit,
+            "date": date,
+            "machine": {"name": "cpu-2core"},
+            "load_average": {"start": [1.5, 1, 1], "end": [2.5, 1, 1]},
+            "results": [row],
+        }
+        (results / "transfer" / f"{commit}-cpu-2core.json").write_text(json.dumps(record))
+    (results / "tiers").mkdir()
+    (results / "tiers" / "unknown-commit-cpu-2core.json").write_text(json.dumps({"results": []}))
+    path = write_results_md(results)
+    assert path == tmp_path / "RESULTS.md"
+    text = path.read_text()
+    assert "bbbb-cpu-2core.json" in text and "aaaa-cpu-2core.json" not in text
+    assert "load average 1.50 at start, 2.50 at end" in text
+    assert "1.25 (limit beaten: the limit is wrong)" in text and "0.70" in text
+    assert "## tiers" in text
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed"
+)
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    plots = tmp_path / "plots"
+    done = _tpusync(
+        "bench", "transfer", "--quick", "--plot", str(plots), "--results-dir",
+        str(tmp_path / "results"), cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--plot" in done.stderr and "pip install tpusync[bench]" in done.stderr
+    assert not plots.exists() and not (tmp_path / "results").exists()  # refused before running
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (tpusync[bench])"
+)
+def test_plot_writes_pngs_with_the_limit(tmp_path: Path) -> None:
+    row = {"block_kib": 256, "limit_gbps": 10.0, "d2h_native_gbps": 6.5, "d2h_jax_gbps": 1.5,
+           "h2d_native_gbps": 7.0, "h2d_jax_gbps": 1.2}  # fmt: skip
+    record = {"results": [row]}
+    paths = plot_results("transfer", record, tmp_path)
+    assert [p.name for p in paths] == ["transfer.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

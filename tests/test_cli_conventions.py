@@ -1,0 +1,341 @@
+"""The `tpusync` command's conventions (issue 20), on the real command run as a subprocess:
+``--version``; an unknown command named on stderr; a reader that closes the pipe early; port
+ranges; ``shm --dir`` before or after the action; errors that name flags; help that shows
+defaults; ``--json`` wherever a command prints a table. Exit codes: 0 done, 2 a usage error,
+1 a runtime failure."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import tpusync
+from tpusync import cli
+from tpusync.cli_common import flag_message
+from tpusync.testing.processes import stop_process
+from tpusync.tiers import HostPool, PoolLayout
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+COMMAND = [sys.executable, "-m", "tpusync"]
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, Linux (named in the module from Python 3.12 on)
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*COMMAND, *args], capture_output=True, text=True, timeout=timeout, env=ENV, check=False
+    )
+
+
+def secret_file(tmp_path: Path) -> str:
+    path = tmp_path / "secret"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return str(path)
+
+
+def make_pool(shm_dir: Path, name: str, rng: np.random.Generator) -> None:
+    """A named pool with 2 of its 3 slots used, whose owner (this process) has closed it."""
+    data = rng.integers(1, 2**31, size=(4, 8, 128), dtype=np.int32).view(np.float32)
+    pools = [tpusync.DevicePool(jax.device_put(data))]
+    pool = HostPool(PoolLayout.from_pools("cli-test", pools), 3, name=name, shm_dir=str(shm_dir))
+    try:
+        pool.put_from_device([rng.bytes(16), rng.bytes(16)], pools, [0, 1])
+    finally:
+        pool.close()
+
+
+def assert_quiet_stderr(stderr: str) -> None:
+    for word in ("Traceback", "BrokenPipeError", "Exception ignored"):
+        assert word not in stderr, stderr[-2000:]
+
+
+# -- --version -------------------------------------------------------------------------------
+
+
+def test_version() -> None:
+    result = run("--version")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        f"tpusync {tpusync.__version__}\n",
+        "",
+    )
+
+
+def test_version_short_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["-V"]) == 0
+    assert capsys.readouterr() == (f"tpusync {tpusync.__version__}\n", "")
+
+
+# -- an unknown command ----------------------------------------------------------------------
+
+
+def test_unknown_command_is_named_on_stderr_with_usage_exit_2() -> None:
+    result = run("nonsense")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("usage: tpusync")
+    assert result.stderr.rstrip().endswith(
+        "tpusync: error: unknown command 'nonsense' (choose from info, demo, shm, serve, bench)"
+    )
+
+
+def test_unknown_option_and_no_command_are_usage_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["--bogus"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: tpusync")
+    assert err.rstrip().endswith(
+        "tpusync: error: unknown option '--bogus' (choose from info, demo, shm, serve, bench)"
+    )
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: tpusync")
+    assert err.rstrip().endswith("tpusync: error: a command is required")
+    assert cli.main(["--help"]) == 0  # asked for: stdout, exit 0, with the exit codes
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: tpusync") and err == ""
+    assert "Exit codes: 0 done, 2 a usage error,\n1 a runtime failure." in out
+
+
+# -- a reader that stops early (`tpusync info | head`) ----------------------------------------
+
+
+def test_broken_pipe_info_closed_before_it_writes_exits_0_quietly() -> None:
+    """The reader is gone before `tpusync info` writes a byte: every write fails with EPIPE,
+    including the interpreter's last flush."""
+    child = subprocess.Popen(
+        [*COMMAND, "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    assert child.stdout is not None
+    child.stdout.close()  # the child is still importing: it has written nothing yet
+    try:
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert child.returncode == 0, err[-2000:]
+    assert_quiet_stderr(err)
+
+
+def test_broken_pipe_after_one_line_exits_0_quietly(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """`tpusync shm list | head -1` over a listing far larger than the pipe: the reader takes one
+    line and closes its end while the command is still writing."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    for i in range(1500):  # damaged entries: a line each, cheap to make
+        (shm_dir / f"tpusync-junk-{i:04d}.pool").write_bytes(rng.bytes(64))
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(read_end, F_SETPIPE_SZ, 4096)  # one page: the command blocks while writing
+    child = subprocess.Popen(
+        [*COMMAND, "shm", "list", "--dir", str(shm_dir)],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as reader:
+            first = reader.readline()
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert first.startswith(b"name ")
+    assert child.returncode == 0, err[-2000:]
+    assert_quiet_stderr(err)
+
+
+# -- ports -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--port", "99999"), ("--port", "-1"), ("--registry-port", "70000")]
+)
+def test_port_out_of_range_is_a_usage_error_naming_the_flag(
+    tmp_path: Path, flag: str, value: str
+) -> None:
+    result = run("serve", "--secret-file", secret_file(tmp_path), flag, value, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert (
+        f"tpusync serve: error: argument {flag}: expected a TCP port from 0 to 65535 "
+        f"(0: a free one), got '{value}'" in result.stderr
+    )
+    assert_quiet_stderr(result.stderr)
+
+
+# -- shm --dir before or after the action ------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["before", "after", "both"])
+def test_shm_dir_before_or_after_the_action(
+    tmp_path: Path, rng: np.random.Generator, where: str
+) -> None:
+    make_pool(tmp_path, "where", rng)
+    here = ["--dir", str(tmp_path)]
+    elsewhere = ["--dir", str(tmp_path / "absent")]
+    listing = {
+        "before": ["shm", *here, "list"],
+        "after": ["shm", "list", *here],
+        "both": ["shm", *elsewhere, "list", *here],  # the later one counts
+    }[where]
+    listed = run(*listing)
+    assert listed.returncode == 0, listed.stderr
+    assert "where" in listed.stdout and "2/3" in listed.stdout
+    removal = {
+        "before": ["shm", *here, "remove", "where"],
+        "after": ["shm", "remove", "where", *here],
+        "both": ["shm", *elsewhere, "remove", *here, "where"],
+    }[where]
+    removed = run(*removal)
+    assert removed.returncode == 0, removed.stderr
+    assert not (tmp_path / "tpusync-where.pool").exists()
+
+
+# -- errors name the flags -------------------------------------------------------------------
+
+
+def test_library_argument_names_are_written_as_flags() -> None:
+    flags = {"dram_bytes": "--dram", "shm_dir": "--shm-dir", "name": "--name"}
+    assert flag_message("dram_bytes: 100.0 TiB asked for", flags) == "--dram: 100.0 TiB asked for"
+    assert flag_message("name: bad; see shm_dir", flags) == "--name: bad; see --shm-dir"
+    assert flag_message("other_arg: kept", flags) == "other_arg: kept"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["shm bad name", "shm absent pool", "shm dir is a file", "serve tls files", "demo repeats"],
+)
+def test_errors_name_the_flag_with_the_exit_code_of_their_kind(tmp_path: Path, case: str) -> None:
+    """Usage errors exit 2, runtime failures 1; the message names the flag or the metavar, never
+    the library's Python argument name."""
+    if case == "shm bad name":
+        args, code = ["shm", "remove", "../x", "--dir", str(tmp_path)], 1
+        expected = "tpusync shm remove: NAME: '../x' is not a pool name"
+    elif case == "shm absent pool":
+        args, code = ["shm", "remove", "absent", "--dir", str(tmp_path)], 1
+        expected = f"tpusync shm remove: NAME: no pool 'absent' in {tmp_path}"
+    elif case == "shm dir is a file":
+        (tmp_path / "file").write_bytes(secrets.token_bytes(16))
+        args, code = ["shm", "list", "--dir", str(tmp_path / "file")], 2
+        expected = f"tpusync shm: error: --dir: {tmp_path / 'file'} is not a directory"
+    elif case == "serve tls files":
+        (tmp_path / "cert.pem").write_text("not a certificate")
+        cert = str(tmp_path / "cert.pem")
+        args = ["serve", "--secret-file", secret_file(tmp_path), "--tls-cert", cert]
+        args += ["--tls-key", cert]
+        code, expected = 2, f"tpusync serve: --tls-cert, --tls-key: cannot load {cert} with {cert}"
+    else:
+        args, code = ["demo", "--transfer", "--repeats", "0"], 2
+        expected = "tpusync demo --transfer: error: argument --repeats: expected an integer >= 1"
+    result = run(*args, timeout=60)
+    assert result.returncode == code, result.stderr[-2000:]
+    assert expected in result.stderr, result.stderr[-2000:]
+    assert "name:" not in result.stderr and "shm_dir" not in result.stderr
+    assert_quiet_stderr(result.stderr)
+
+
+# -- help shows defaults ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, defaults",
+    [
+        (["serve", "--help"], ["(default: 1GiB)", "(default: 127.0.0.1)", "(default: /dev/shm)"]),
+        (["shm", "--help"], ["(default: /dev/shm)"]),
+        (["demo", "--help"], ["(default: 8192)", "(default: 8)"]),
+        (["demo", "--transfer", "--help"], ["(default: 4)", "(default: 5)"]),
+    ],
+)
+def test_help_shows_defaults(
+    capsys: pytest.CaptureFixture[str], argv: list[str], defaults: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for default in defaults:
+        assert default in text, text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+# -- --json wherever a table is printed --------------------------------------------------------
+
+
+def test_shm_list_json(tmp_path: Path, rng: np.random.Generator) -> None:
+    make_pool(tmp_path, "listed", rng)
+    (tmp_path / "tpusync-junk.pool").write_bytes(rng.bytes(64))
+    result = run("shm", "list", "--json", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    pools = {p["name"]: p for p in json.loads(result.stdout)}
+    assert set(pools) == {"listed", "junk"}
+    listed = pools["listed"]
+    assert (listed["status"], listed["used"], listed["slots"]) == ("ok", 2, 3)
+    assert listed["model_id"] == "cli-test" and listed["owner_alive"] is False
+    assert pools["junk"]["status"] != "ok" and pools["junk"]["error"]
+    empty = run("shm", "list", "--json", "--dir", str(tmp_path / "absent"))
+    assert (empty.returncode, json.loads(empty.stdout)) == (0, [])
+
+
+def test_serve_json_prints_its_addresses(tmp_path: Path) -> None:
+    child = subprocess.Popen(
+        [*COMMAND, "serve", "--dram", "4MiB", "--secret-file", secret_file(tmp_path), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
+    try:
+        assert child.stdout is not None
+        ready = json.loads(child.stdout.readline())
+    finally:
+        code = stop_process(child)
+    assert set(ready) == {"address", "registry"} and ready["address"].startswith("127.0.0.1:")
+    assert code == 0
+
+
+def test_demo_transfer_json() -> None:
+    result = run("demo", "--transfer", "--layers", "1", "--repeats", "1", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)  # stdout holds the JSON only
+    assert report["ok"] is True and report["memcpy_gbps"] > 0
+    rows = report["rows"]
+    assert [(r["direction"][:4], r["path"]) for r in rows] == [
+        ("save", "native"),
+        ("load", "native"),
+        ("save", "jax"),
+        ("load", "jax"),
+    ]
+    assert all(r["bits_equal"] and r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
+    assert "all bits equal" in result.stderr  # the human lines moved to stderr
+
+
+def test_demo_json() -> None:
+    """The prefix-caching demo's table as JSON, at its smallest prompt."""
+    before = set(os.listdir("/dev/shm"))
+    result = run("demo", "--tokens", "32", "--new-tokens", "1", "--json", timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["prompt_tokens"] == 32
+    rows = report["rows"]
+    assert rows[0]["scenario"] == "cold prefill" and rows[0]["matches"] is None
+    assert len(rows) == 8 and all(r["matches"] is True for r in rows[1:])
+    assert "all outputs equal" in result.stderr
+    assert set(os.listdir("/dev/shm")) <= before
