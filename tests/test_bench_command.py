@@ -5,14 +5,11 @@ extra to install. No figure is asserted: timings on a shared machine are noise."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import tpusync
 from tpusync.bench.common import LIMIT_BEATEN, format_table
@@ -126,23 +123,23 @@ def test_results_md_takes_the_latest_file_and_flags_beaten_limits(tmp_path: Path
     assert "## tiers" in text
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed"
-)
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    """The real command in a process where matplotlib cannot be imported (None in sys.modules)."""
     plots = tmp_path / "plots"
-    done = _tpusync(
-        "bench", "transfer", "--quick", "--plot", str(plots), "--results-dir",
-        str(tmp_path / "results"), cwd=tmp_path, timeout=60,
+    blocked = (
+        "import sys; sys.modules['matplotlib'] = None; from tpusync.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked, "bench", "transfer", "--quick", "--plot", str(plots),
+         "--results-dir", str(tmp_path / "results")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=ENV,
     )  # fmt: skip
     assert done.returncode == 2
     assert "--plot" in done.stderr and "pip install tpusync[bench]" in done.stderr
     assert not plots.exists() and not (tmp_path / "results").exists()  # refused before running
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (tpusync[bench])"
-)
 def test_plot_writes_pngs_with_the_limit(tmp_path: Path) -> None:
     row = {"block_kib": 256, "limit_gbps": 10.0, "d2h_native_gbps": 6.5, "d2h_jax_gbps": 1.5,
            "h2d_native_gbps": 7.0, "h2d_jax_gbps": 1.2}  # fmt: skip

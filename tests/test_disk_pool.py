@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tools import skip_or_fail
 
 from tpusync.errors import (
     BlocksMissingError,
@@ -147,7 +148,7 @@ def test_round_trip_dram_disk_dram(
     directory: Path, source: HostPool, layout: PoolLayout, durability: str, direct: bool
 ) -> None:
     if direct and not check_o_direct(str(directory))[0]:
-        pytest.skip("no O_DIRECT in the temporary directory")
+        skip_or_fail("no O_DIRECT in the temporary directory")
     fill(source, KEYS)
     with open_pool(directory, durability=durability, direct_io=direct) as disk:
         assert disk.direct_io is direct
@@ -685,12 +686,12 @@ def test_read_error_is_a_miss(
 @contextlib.contextmanager
 def mounted(fstype: str, where: Path, options: str = "") -> Iterator[Path]:
     if os.geteuid() != 0:
-        pytest.skip(f"mounting a {fstype} needs root")
+        skip_or_fail(f"mounting a {fstype} needs root")
     where.mkdir()
     command = ["mount", "-t", fstype, *(["-o", options] if options else []), fstype, str(where)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
-        pytest.skip(f"cannot mount a {fstype}: {result.stderr.strip()}")
+        skip_or_fail(f"cannot mount a {fstype}: {result.stderr.strip()}")
     try:
         os.chmod(where, 0o700)  # a fresh tmpfs is 1777: tiers refuse directories others may write
         yield where
@@ -733,7 +734,7 @@ def test_buffered_fallback_where_o_direct_is_refused(tmp_path: Path, layout: Poo
     I/O and says so; True is refused with the reason."""
     with mounted("ramfs", tmp_path / "ram") as ram:
         if check_o_direct(str(ram))[0]:
-            pytest.skip("this kernel's ramfs accepts O_DIRECT")
+            skip_or_fail("this kernel's ramfs accepts O_DIRECT")
         with pytest.raises(InvalidArgumentError, match="O_DIRECT is not available"):
             DiskPool(layout, 8, ram, direct_io=True)
         with HostPool(layout, 8) as source, DiskPool(layout, 8, ram) as disk:

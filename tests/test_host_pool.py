@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tools import skip_or_fail
 
 from tpusync import DevicePool, _core
 from tpusync.engines import native
@@ -999,9 +1000,9 @@ def small_shm(tmp_path: Path) -> Iterator[Path]:
             timeout=TIMEOUT,
         )
     except FileNotFoundError as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
+        skip_or_fail(f"cannot mount a tmpfs: {exc}")
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {(done.stderr or done.stdout).strip()}")
+        skip_or_fail(f"cannot mount a tmpfs: {(done.stderr or done.stdout).strip()}")
     try:
         yield target
     finally:

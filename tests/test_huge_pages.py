@@ -9,6 +9,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from tools import tools_required
 
 import tpusync
 from tpusync import _core, options
@@ -77,7 +78,9 @@ def test_collapse_of_a_range_without_a_whole_huge_page_does_nothing():
     mapping.close()
 
 
-@pytest.mark.skipif(not COLLAPSES, reason="needs Linux >= 6.1 with THP not 'never'")
+@pytest.mark.skipif(
+    not COLLAPSES and not tools_required(), reason="needs Linux >= 6.1 with THP not 'never'"
+)
 def test_cpu_device_pool_is_collapsed_in_the_background_with_its_bytes_intact(arrays, rng):
     before = huge_pages.collapsed_bytes
     host = arrays.random(rng, (512, 16384), np.uint16)  # 16 MiB
@@ -141,7 +144,10 @@ def test_a_huge_pages_mapping_starts_on_a_huge_page_boundary(rng, shm_names):
     anonymous.close()
 
 
-@pytest.mark.skipif(not _shmem_collapses(), reason="needs MADV_COLLAPSE of shmem (Linux >= 6.1)")
+@pytest.mark.skipif(
+    not _shmem_collapses() and not tools_required(),
+    reason="needs MADV_COLLAPSE of shmem (Linux >= 6.1)",
+)
 def test_named_host_pool_gets_huge_pages_that_a_restart_maps(arrays, rng, shm_names):
     from tpusync.tiers import HostPool, PoolLayout
 

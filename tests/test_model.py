@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-jnp = jax.numpy
-
-from tpusync.testing.model import (  # noqa: E402
+from tpusync.testing.model import (
     ModelConfig,
     blocks_needed,
     decode_step,

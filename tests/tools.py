@@ -33,3 +33,11 @@ def require_tool(name: str, apt_package: str) -> str:
     if tools_required():
         pytest.fail(message)
     pytest.skip(message)
+
+
+def skip_or_fail(message: str) -> None:
+    """Skips the test where something it needs is missing (root, a kernel feature), or fails it
+    where :func:`tools_required` (CI has all of it: a skip there would hide the test)."""
+    if tools_required():
+        pytest.fail(f"{message} (CI must run this test: TPUSYNC_REQUIRE_TOOLS=1 or CI set)")
+    pytest.skip(message)

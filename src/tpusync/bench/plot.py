@@ -9,19 +9,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tpusync.errors import TpuSyncError
+from tpusync.errors import PlotUnavailableError
 
 __all__ = ["PLOTS", "PlotUnavailableError", "have_matplotlib", "plot_results"]
 
 INSTALL_HINT = "pip install tpusync[bench]"
 
 
-class PlotUnavailableError(TpuSyncError, ImportError):
-    """--plot needs matplotlib, which is not installed."""
-
-
 def have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+    """Whether matplotlib can be imported (a module set to None in sys.modules cannot)."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # sys.modules["matplotlib"] is None: imports of it are blocked
+        return False
 
 
 def _pyplot() -> Any:
