@@ -277,6 +277,8 @@ def test_help_shows_defaults(
 
 
 # -- --json wherever a table is printed --------------------------------------------------------
+# (tpusync demo --json: tests/test_info_cli.py::test_cli_demo_prefix_caching_end_to_end, which
+# runs the whole demo once for its table and its JSON)
 
 
 def test_shm_list_json(tmp_path: Path, rng: np.random.Generator) -> None:
@@ -325,17 +327,3 @@ def test_demo_transfer_json() -> None:
     ]
     assert all(r["bits_equal"] and r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
     assert "all bits equal" in result.stderr  # the human lines moved to stderr
-
-
-def test_demo_json() -> None:
-    """The prefix-caching demo's table as JSON, at its smallest prompt."""
-    before = set(os.listdir("/dev/shm"))
-    result = run("demo", "--tokens", "32", "--new-tokens", "1", "--json", timeout=180)
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)
-    assert report["ok"] is True and report["prompt_tokens"] == 32
-    rows = report["rows"]
-    assert rows[0]["scenario"] == "cold prefill" and rows[0]["matches"] is None
-    assert len(rows) == 8 and all(r["matches"] is True for r in rows[1:])
-    assert "all outputs equal" in result.stderr
-    assert set(os.listdir("/dev/shm")) <= before

@@ -71,14 +71,20 @@ def test_cli_demo_small_run_reports_equal_bits() -> None:
 def test_cli_demo_prefix_caching_end_to_end() -> None:
     """The README's first command: every warm scenario (DRAM, disk, shared FS, store node,
     disaggregated decode, agent session, restart) serves output equal to the cold one, and the
-    demo leaves nothing in /dev/shm."""
+    demo leaves nothing in /dev/shm. Run with --json (one demo run for both): the table and the
+    progress go to stderr, one JSON object to stdout."""
     before = set(os.listdir("/dev/shm"))
-    result = _run("demo", "--tokens", "512", "--new-tokens", "4", timeout=180)
+    result = _run("demo", "--tokens", "512", "--new-tokens", "4", "--json", timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "all outputs equal" in result.stdout
-    lines = result.stdout.splitlines()
+    assert "all outputs equal" in result.stderr
+    lines = result.stderr.splitlines()
     rows = [line for line in lines if line.endswith(" equal") and not line.startswith("all")]
-    assert len(rows) == 7 and "DIFFERENT" not in result.stdout, result.stdout
+    assert len(rows) == 7 and "DIFFERENT" not in result.stderr, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["prompt_tokens"] == 512
+    table = report["rows"]
+    assert table[0]["scenario"] == "cold prefill" and table[0]["matches"] is None
+    assert len(table) == 8 and all(r["matches"] is True for r in table[1:])
     assert set(os.listdir("/dev/shm")) <= before
 
 
