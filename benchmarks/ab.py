@@ -29,7 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit_of, write_json
 
 IDENTITY_FIELDS = ("tier", "block_kib", "block_mib", "tokens", "connections", "block_bytes")
-LIMIT_MARKERS = ("limit", "fio", "iperf", "memcpy", "raw_", "kv_bytes")
+LIMIT_MARKERS = (
+    "limit",
+    "fio",
+    "iperf",
+    "memcpy",
+    "copyto",
+    "raw_",
+    "kv_bytes",
+    "jax.experimental",
+)
 
 
 def direction(key: str) -> int:
