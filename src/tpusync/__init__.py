@@ -9,10 +9,15 @@ the tiers, the KV store and the cluster.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from tpusync import errors, options
 from tpusync._version import __version__
+
+# A library adds no output of its own: its records reach the application's handlers only
+# (without one, logging.lastResort does not print them to stderr).
+logging.getLogger("tpusync").addHandler(logging.NullHandler())
 
 # The one read of the TPUSYNC_* environment variables (documented in tpusync.options).
 options.set_current(options.from_environment())

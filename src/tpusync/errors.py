@@ -16,7 +16,9 @@ __all__ = [
     "NativePathUnavailableError",
     "NotAPoolError",
     "PeerUnavailableError",
+    "PlotUnavailableError",
     "PoolBusyError",
+    "PoolClosedError",
     "PoolFormatError",
     "ReadOnlyDestinationError",
     "RegistryUnavailableError",
@@ -175,3 +177,13 @@ class RegistryUnavailableError(TpuSyncError, ConnectionError):
 
 class RemoteOperationUnsupportedError(TpuSyncError, NotImplementedError):
     """The remote tier does not offer this operation (yet): it is read-only."""
+
+
+class PoolClosedError(InvalidArgumentError):
+    """A pool was used after its ``close()`` (a ValueError, as for a closed file): its
+    contents, counts and I/O are gone with it. The message names the pool; open it again."""
+
+
+class PlotUnavailableError(TpuSyncError, ImportError):
+    """A plot was asked for (``--plot``) but matplotlib is not installed; the message names the
+    extra that installs it."""

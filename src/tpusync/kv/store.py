@@ -11,7 +11,8 @@ Pins and ownership (the contract, written once):
   that raises (bad block ids, held blocks, a failed copy) leaves the handle and its pins as they
   were: release it, or retry. A load that finds blocks missing or corrupt is not a failure: it
   loads the good prefix, reports how many tokens it loaded, and the caller recomputes the rest.
-  A handle used as a context manager is released on exit unless it was loaded.
+  A handle used as a context manager is released on exit unless it was loaded. One garbage
+  collected unconsumed, or still open at :meth:`KVCacheStore.close`, is released with a warning.
 * :meth:`KVCacheStore.save` holds the device blocks it reads: until its ``released`` future
   completes, transfers into those blocks raise :class:`~tpusync.errors.BlocksHeldError`, and the
   engine must not let its own model steps write them. After ``released`` the blocks are the
@@ -43,6 +44,7 @@ from tpusync.errors import (
     StaleHandleError,
     TpuSyncError,
 )
+from tpusync.kv._handles import OpenHandles, warn_still_open
 from tpusync.kv._peer_link import PeerLink
 from tpusync.kv._session_calls import SessionCalls
 from tpusync.kv._sessions import SessionManifests
@@ -148,7 +150,7 @@ class KVCacheStore(SessionCalls):
         self.block_size = config.block_size
         self._closed = False
         self._opened_by = os.getpid()
-        self._handles: dict[int, LookupResult] = {}
+        self._handles = OpenHandles()  # watched: one dropped unconsumed releases its pins
         self._session_saves: dict[str, SaveFuture] = {}
         self._registry_link: PeerLink | None = None  # see attach_peer_link
         self._server: Any = None  # the BlockServer of serve()
@@ -210,6 +212,14 @@ class KVCacheStore(SessionCalls):
         if self._closed:
             raise InvalidArgumentError("this KVCacheStore is closed; create a new one")
         check_same_process(self._opened_by, "this KVCacheStore")
+        self._release_dropped()
+
+    def _release_dropped(self) -> None:
+        """Drops the pins of handles collected unconsumed (they warned: see kv._handles)."""
+        if self._handles.dropped:  # every call that could see those pins runs this first
+            with self._handles_lock:
+                keys = self._handles.take_dropped()
+            self._stack.unpin(keys)
 
     def _namespace(self, namespace: Namespace | None) -> Namespace:
         if namespace is None:
@@ -319,7 +329,7 @@ class KVCacheStore(SessionCalls):
             _store=self,
         )
         with self._handles_lock:
-            self._handles[result._id] = result
+            self._handles.add(result)
         self._count(lookups=1, lookup_blocks=len(keys), hit_blocks=len(hit))
         return result
 
@@ -356,6 +366,7 @@ class KVCacheStore(SessionCalls):
     def release(self, result: LookupResult) -> None:
         """Drops a handle's pins without loading (consumes it)."""
         self._check_handle(result)
+        self._release_dropped()
         self._finish(result, "released")
 
     def _claim(self, result: LookupResult) -> None:
@@ -373,7 +384,7 @@ class KVCacheStore(SessionCalls):
             if result._state != ("loading" if claimed else "open"):
                 raise StaleHandleError(f"result: this handle was already {result._state}")
             result._state = state
-            self._handles.pop(result._id, None)
+            self._handles.remove(result)
         self._stack.unpin(list(result.keys))
 
     def load(self, result: LookupResult, device_block_ids: Any) -> LoadResult:
@@ -714,6 +725,7 @@ class KVCacheStore(SessionCalls):
 
     def stats(self) -> dict[str, Any]:
         """Counters of the store and of each tier (plus blocks used and capacity)."""
+        self._release_dropped()
         stack = self._stack
         with self._counters_lock:
             store: dict[str, Any] = dict(self._counters)
@@ -735,7 +747,7 @@ class KVCacheStore(SessionCalls):
     def close(self) -> None:
         """Finishes queued work (saves, write-back), then closes the tiers. A named DRAM pool
         and the disk tier keep their blocks (and sessions) for the next process. Open handles
-        become invalid."""
+        become invalid (those holding pins warn: a :class:`ResourceWarning`)."""
         if self._closed:
             return
         self._closed = True
@@ -743,18 +755,22 @@ class KVCacheStore(SessionCalls):
             self._server.close()  # no peer reads while the tiers close
         self._calls.shutdown(wait=True)
         self._stack.flush()
+        self._release_open_handles()
         self._stack.close()
         if self._registry_link is not None:
             self._stack.on_dram_added = self._stack.on_dram_removed = None
             self._stack.on_lower_removed = None
             self._registry_link.close()
-        with self._handles_lock:
-            for handle in self._handles.values():
-                handle._state = "closed"
-            self._handles.clear()
         for tier in reversed(self._stack.tiers):
             if id(tier) not in self._not_owned:  # the caller's to close
                 tier.close()
+
+    def _release_open_handles(self) -> None:
+        """Invalidates the handles still open and drops their pins (the store is closing)."""
+        with self._handles_lock:
+            keys, holding = self._handles.close()
+        self._stack.unpin(keys)
+        warn_still_open(holding)
 
     def __enter__(self) -> KVCacheStore:
         return self
@@ -764,6 +780,8 @@ class KVCacheStore(SessionCalls):
 
     def __repr__(self) -> str:
         tiers = ", ".join(self._stack.names)
+        if self._closed:
+            return f"KVCacheStore(model_id={self.config.model_id!r}, tiers=[{tiers}], closed)"
         return (
             f"KVCacheStore(model_id={self.config.model_id!r}, block_size={self.block_size}, "
             f"tiers=[{tiers}], dram {self.dram.used}/{self.dram.capacity} blocks)"

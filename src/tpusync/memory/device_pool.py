@@ -47,6 +47,7 @@ from tpusync.errors import (
     ArrayDeletedError,
     BlockIndexError,
     BlocksHeldError,
+    DtypeMismatchError,
     InvalidArgumentError,
     ShapeMismatchError,
 )
@@ -168,12 +169,29 @@ class DevicePool:
 
     def update(self, array: jax.Array) -> None:
         """Replaces the pool's array with a newer version of the same shape, dtype and sharding
-        (e.g. the output of a step that donated :attr:`array`)."""
+        (e.g. the output of a step that donated :attr:`array`).
+
+        ``array`` must be a ``jax.Array`` that a JAX computation returned (see the module
+        docstring): anything else raises :class:`~tpusync.errors.InvalidArgumentError`, another
+        dtype :class:`~tpusync.errors.DtypeMismatchError`, another shape or sharding
+        :class:`~tpusync.errors.ShapeMismatchError`; a refused array changes nothing."""
+        if not isinstance(array, jax.Array):  # e.g. numpy: it would alias host memory
+            raise InvalidArgumentError(
+                f"array: DevicePool.update takes a jax.Array that a JAX computation returned, "
+                f"got {type(array).__name__}; compute the new array with JAX (e.g. a jitted "
+                "step that donates pool.array)"
+            )
         fork_guard.check_device_use("array")
         check_alive(array, "array")
         with self._lock:
             old = self._array
-            if array.shape != old.shape or array.dtype != old.dtype:
+            if array.dtype != old.dtype:
+                raise DtypeMismatchError(
+                    f"array: the pool holds dtype {old.dtype} (shape {old.shape}), got dtype "
+                    f"{array.dtype} (shape {array.shape}); a pool's dtype is fixed: cast the "
+                    f"array to {old.dtype} first"
+                )
+            if array.shape != old.shape:
                 raise ShapeMismatchError(
                     f"array: the pool holds {old.shape} {old.dtype}, got {array.shape} "
                     f"{array.dtype}; a pool's shape and dtype are fixed"

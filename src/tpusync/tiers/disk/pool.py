@@ -79,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync.errors import InvalidArgumentError, TierFullError
+from tpusync.errors import InvalidArgumentError, PoolClosedError, TierFullError
 from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._files import check_directory
 from tpusync.tiers._keys import check_keys
@@ -98,6 +98,7 @@ from tpusync.tiers.disk._format import (
 from tpusync.tiers.disk._opening import DiskFiles
 from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.room import check_writable_directory
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["HEADER_BYTES", "DiskPool"]
@@ -111,7 +112,10 @@ class DiskPool(DiskFiles, BlockTier):
     Args:
       layout: the block format (the DRAM pools it exchanges blocks with must have the same).
       capacity: number of slots (blocks).
-      directory: an existing directory on a local filesystem, used by this pool alone.
+      directory: an existing, writable directory on a local filesystem, used by this pool
+        alone. It is not created (:class:`tpusync.kv.DiskTier` creates it with ``create=True``);
+        a missing one, a file, or one where no file can be made (a read-only mount,
+        ``/proc``) raises :class:`~tpusync.errors.InvalidArgumentError` naming it.
       durability: ``"commit"`` syncs payloads before their records and the records before
         ``put`` returns (see the module docstring); ``"none"`` skips every fsync (faster;
         after a power loss only checksums stand between a reader and a torn block, and they
@@ -182,12 +186,9 @@ class DiskPool(DiskFiles, BlockTier):
             raise InvalidArgumentError(
                 f"directory: expected a path, got {type(directory).__name__}"
             ) from None
-        if not directory.is_dir():
-            raise InvalidArgumentError(
-                f"directory: {directory} does not exist or is not a directory; create it first"
-            )
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise InvalidArgumentError(f"directory: {directory} is not writable by this process")
+        # missing, not a directory, or no file can be made there (a read-only mount, /proc):
+        # refused here, naming it, not at the lock file's open
+        check_writable_directory("directory", directory)
         check_directory(os.path.realpath(directory))  # this uid's, not writable by others
 
         self.layout = layout
@@ -239,11 +240,13 @@ class DiskPool(DiskFiles, BlockTier):
     # --- queries ----------------------------------------------------------------------------------
 
     def __len__(self) -> int:
+        self._check_not_closed()  # a closed pool has no count to tell
         return len(self._index)
 
     @property
     def used(self) -> int:
-        """Blocks stored."""
+        """Blocks stored (:class:`~tpusync.errors.PoolClosedError` once closed)."""
+        self._check_not_closed()
         return len(self._index)
 
     @property
@@ -251,6 +254,7 @@ class DiskPool(DiskFiles, BlockTier):
         """Blocks that can still be stored now: free slots of the slab files made so far, plus
         the slots of those not made yet that fit on the filesystem (see :attr:`usable_capacity`)."""
         with self._lock:
+            self._check_not_closed()
             return self.capacity - len(self._index) - len(self._writing) - self._unreachable()
 
     @property
@@ -260,15 +264,18 @@ class DiskPool(DiskFiles, BlockTier):
         filesystem smaller than its capacity is full at this many blocks, and its owner evicts
         to reuse them (the KV store does)."""
         with self._lock:
+            self._check_not_closed()
             return self.capacity - self._unreachable()
 
     def keys(self) -> list[bytes]:
         """Stored keys, oldest commit first."""
         with self._lock:
+            self._check_not_closed()
             return list(self._index)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys)
+        self._check_not_closed()
         check_same_process(self._opened_by, f"the disk pool in {self.directory}")
         with self._lock:
             return [k in self._index for k in keys]
@@ -598,6 +605,8 @@ class DiskPool(DiskFiles, BlockTier):
         self.close()
 
     def __repr__(self) -> str:
+        if self._closed:
+            return f"DiskPool({self.directory}, closed)"
         mode = "direct" if getattr(self, "direct_io", False) else "buffered"
         return (
             f"DiskPool({self.directory}, {self.used}/{self.capacity} slots of "
@@ -606,9 +615,14 @@ class DiskPool(DiskFiles, BlockTier):
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def _check_not_closed(self) -> None:
         if self._closed:
-            raise InvalidArgumentError(f"the disk pool in {self.directory} is closed")
+            raise PoolClosedError(
+                f"the disk pool in {self.directory} is closed; open a new DiskPool there"
+            )
+
+    def _check_open(self) -> None:
+        self._check_not_closed()
         check_same_process(self._opened_by, f"the disk pool in {self.directory}")
 
     def _run(

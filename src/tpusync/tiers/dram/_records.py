@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tpusync import _core
-from tpusync.errors import InvalidArgumentError, TierFullError
+from tpusync.errors import InvalidArgumentError, PoolClosedError, TierFullError
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import COMMITTED, FREE, WRITING, scan_records
 from tpusync.tiers.dram.slots import Pinned, Reservation
@@ -59,19 +59,25 @@ class SlotRecords:
         return [s for s in range(self.capacity - 1, -1, -1) if s not in used]
 
     def __len__(self) -> int:
+        self._open_base()  # a closed pool has no count to tell: PoolClosedError
         return len(self._index)
 
     @property
     def used(self) -> int:
+        """Blocks stored (:class:`~tpusync.errors.PoolClosedError` once closed)."""
+        self._open_base()
         return len(self._index)
 
     @property
     def free(self) -> int:
+        """Slots free (:class:`~tpusync.errors.PoolClosedError` once closed)."""
+        self._open_base()
         return len(self._free)
 
     def keys(self) -> list[bytes]:
         """Committed keys, oldest commit first."""
         with self._lock:
+            self._open_base()
             return list(self._index)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -80,6 +86,7 @@ class SlotRecords:
     def _contains_checked(self, keys: list[bytes]) -> list[bool]:
         """:meth:`contains` of keys already checked (the KV store's own)."""
         with self._lock:
+            self._open_base()
             index = self._index
             return [k in index for k in keys]
 
@@ -233,5 +240,6 @@ class SlotRecords:
     def _open_base(self) -> np.ndarray:
         base = self._base
         if base is None:
-            raise InvalidArgumentError("this HostPool is closed; open it again")
+            where = self.path if self.path is not None else "anonymous"
+            raise PoolClosedError(f"this HostPool ({where}) is closed; open it again")
         return base

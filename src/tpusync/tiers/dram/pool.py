@@ -648,6 +648,8 @@ class HostPool(SlotRecords):
 
     def __repr__(self) -> str:
         where = str(self.path) if self.path else "anonymous"
+        if self.closed:
+            return f"HostPool({where}, closed)"
         return f"HostPool({where}, {self.used}/{self.capacity} slots of {self.layout.slot_bytes} B)"
 
     # --- helpers ----------------------------------------------------------------------------

@@ -89,6 +89,7 @@ import numpy as np
 
 from tpusync.errors import (
     InvalidArgumentError,
+    PoolClosedError,
     TierFullError,
     TpuSyncError,
     TransferFailedError,
@@ -596,7 +597,7 @@ class SharedFsPool(BlockTier):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TpuSyncError(f"{self!r} is closed; open a new SharedFsPool")
+            raise PoolClosedError(f"{self!r} is closed; open a new SharedFsPool")
         check_same_process(self._opened_by, repr(self))
 
     def _check_peer(self, pool: Any, argument: str) -> None:
