@@ -7,7 +7,9 @@ Real sockets on loopback, real HostPools of random bits, a real `tpusync serve` 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -475,5 +477,10 @@ def test_serve_refuses_bad_arguments_clearly(
 
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    root_handlers = list(logging.getLogger().handlers)
     assert main([*args, "--secret-file", str(secret)]) == 2  # argparse's code for bad usage
     assert message in capsys.readouterr().err
+    # a refused start changes nothing process-wide (this runs inside the test session)
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert logging.getLogger().handlers == root_handlers

@@ -160,10 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="tpusync serve: %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         if not is_loopback(args.host) and not args.insecure and not args.tls_cert:
             raise InvalidArgumentError(
@@ -194,6 +190,23 @@ def main(argv: list[str]) -> int:
     except (TpuSyncError, OSError, ssl.SSLError) as exc:
         print(f"tpusync serve: {flag_message(str(exc))}", file=sys.stderr)
         return 1
+    # Process-wide state changes only once it serves (a refused start leaves the caller's
+    # handlers and logging as they were), and the signal handlers are put back after.
+    logging.basicConfig(level=logging.INFO, format="tpusync serve: %(message)s")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    try:
+        _serve(node, args, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _serve(node: StoreNode, args: argparse.Namespace, stop: threading.Event) -> None:
     with node:
         ready = {"address": node.address, "registry": node.registry_address}
         if args.ready_json:
@@ -208,4 +221,3 @@ def main(argv: list[str]) -> int:
             pass
         used = sum(p.used for p in node.server.pools)
         print(f"tpusync serve: stopping ({used} blocks held)", file=sys.stderr, flush=True)
-    return 0
