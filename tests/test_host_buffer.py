@@ -6,10 +6,12 @@ import ctypes
 import gc
 import mmap
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
+import tpusync
 from tpusync import HostBuffer
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
@@ -166,3 +168,40 @@ def test_distinct_buffers_do_not_overlap():
     assert int(a.array.sum()) == 5000 and int(b.array.sum()) == 10000
     a.close()
     b.close()
+
+
+@pytest.fixture
+def no_automatic_gc():
+    """Collections only when the code asks: JAX's deferred decrefs then wait as they may."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_close_right_after_a_pure_jax_transfer_into_a_pool(no_automatic_gc, rng):
+    """device_put aliases the host buffer on CPU and JAX drops that view only at a collection:
+    close() lets it go instead of refusing with a view nothing uses."""
+    pool = tpusync.DevicePool(jax.device_put(np.zeros((16, 256), np.float32)))
+    host = HostBuffer((16, 256), "float32")
+    host.array[...] = rng.random((16, 256), dtype=np.float32)
+    expected = host.array.copy()
+    order = rng.permutation(16)
+    tpusync.transfer(host, pool, src_blocks=order, dst_blocks=order, path="jax").result()
+    host.close()
+    assert np.array_equal(np.asarray(pool.array), expected)
+
+
+def test_close_still_refuses_a_view_that_is_alive_after_a_transfer(no_automatic_gc, rng):
+    pool = tpusync.DevicePool(jax.device_put(np.zeros((8, 64), np.float32)))
+    host = HostBuffer((8, 64), "float32")
+    host.array[...] = rng.random((8, 64), dtype=np.float32)
+    tpusync.transfer(host, pool, path="jax").result()
+    view = host.array[2:]
+    with pytest.raises(BufferError):
+        host.close()
+    assert np.array_equal(view, host.array[2:])  # still usable
+    del view
+    host.close()

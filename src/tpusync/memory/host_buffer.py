@@ -8,6 +8,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.errors import InvalidArgumentError
+from tpusync.memory.deferred_refs import close_releasing_deferred_views
 from tpusync.memory.dma import offer_for_dma
 
 __all__ = ["HostBuffer"]
@@ -101,7 +102,7 @@ class HostBuffer:
         shape, dtype = self._array.shape, self._array.dtype
         self._array = None
         try:
-            self._mapping.close()
+            close_releasing_deferred_views(self._mapping.close)
         except BufferError:
             count = int(np.prod(shape, dtype=np.int64))
             self._array = np.frombuffer(self._mapping, dtype=dtype, count=count).reshape(shape)

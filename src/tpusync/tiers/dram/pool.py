@@ -33,6 +33,7 @@ from tpusync.engines import native
 from tpusync.engines.pjrt import engine as pjrt
 from tpusync.errors import BlockIndexError, BlocksMissingError, InvalidArgumentError
 from tpusync.memory import dma, fork_guard, huge_pages
+from tpusync.memory.deferred_refs import close_releasing_deferred_views
 from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_readers
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import RECORD_DTYPE, PoolGeometry
@@ -623,7 +624,7 @@ class HostPool(SlotRecords):
             self._base = self._records = None  # type: ignore[assignment]
             del base, records
             try:
-                self._mapping.close()
+                close_releasing_deferred_views(self._mapping.close)
             except BufferError:
                 self._base = np.frombuffer(self._mapping, dtype=np.uint8)
                 self._records = np.ndarray(
