@@ -156,9 +156,10 @@ def test_a_forged_block_is_served_without_a_mac_and_a_miss_with_one(
         data = bytearray(path.read_bytes())
         data[168 : 168 + 36] = genuine[168 : 168 + 36]
         path.write_bytes(bytes(data))
-        with HostPool(layout, 8) as target, pytest.raises(BlocksMissingError) as caught:
-            shared.get([keys[1]], target)
-        assert caught.value.corrupt == 1 and not target.contains([keys[1]])[0]
+        with HostPool(layout, 8) as target:
+            with pytest.raises(BlocksMissingError) as caught:
+                shared.get([keys[1]], target)
+            assert caught.value.corrupt == 1 and not target.contains([keys[1]])[0]
         # One flipped payload bit of a genuine file: a miss too.
         shared.put([keys[2]], dram, overwrite=True)
         path = Path(shared.path_of(keys[2]))
