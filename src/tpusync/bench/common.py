@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from tpusync.memory import huge_pages
+from tpusync.memory.device_pool import DevicePool
 
 __all__ = [
     "LIMIT_BEATEN",
@@ -68,6 +70,21 @@ def settle(timeout_s: float = 300.0) -> None:
 
 
 # -- tables ----------------------------------------------------------------------------------------
+
+
+def random_device_pools(
+    n_arrays: int, n_blocks: int, block_bytes: int, seed: int
+) -> list[DevicePool]:
+    """``n_arrays`` bfloat16 device pools of random bits whose blocks together make
+    ``block_bytes`` (as a model's per-layer K/V arrays do), collapsed into huge pages."""
+    per_array = block_bytes // n_arrays // 2  # bf16 elements of one array's part of a block
+    rng = np.random.default_rng(seed)
+    pools = []
+    for _ in range(n_arrays):
+        bits = rng.integers(0, 2**16, size=(n_blocks, per_array), dtype=np.uint16)
+        pools.append(DevicePool(jax.device_put(bits.view(jax.numpy.bfloat16))))
+    settle()
+    return pools
 
 
 def _cell(value: Any) -> str:

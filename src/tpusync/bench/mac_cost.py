@@ -24,30 +24,24 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-import jax
 import numpy as np
 
 from tpusync import _mac
-from tpusync.bench.common import Run, median, print_table, settle, spread, timed
+from tpusync.bench.common import (
+    Run,
+    median,
+    print_table,
+    random_device_pools,
+    spread,
+    timed,
+)
 from tpusync.bench.limits import MemoryLimit
-from tpusync.memory import DevicePool
 from tpusync.tiers import HostPool, PoolLayout, SharedFsPool
 from tpusync.tiers.mac import mac_key_from_secret
 
 BLOCK = 2 << 20
 N_ARRAYS = 8
 QUICK = ["--total-mib", "64", "--repeats", "3"]
-
-
-def device_pools(n_blocks: int, seed: int) -> list[DevicePool]:
-    rng = np.random.default_rng(seed)
-    per_array = BLOCK // N_ARRAYS // 2
-    pools = []
-    for _ in range(N_ARRAYS):
-        bits = rng.integers(0, 2**16, size=(n_blocks, per_array), dtype=np.uint16)
-        pools.append(DevicePool(jax.device_put(bits.view(jax.numpy.bfloat16))))
-    settle()
-    return pools
 
 
 def tag_slots(pool: HostPool, n: int, executor: ThreadPoolExecutor, threads: int) -> None:
@@ -83,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = (args.total_mib << 20) // BLOCK
     total = n * BLOCK
     threads = os.cpu_count() or 1
-    pools = device_pools(2 * n, 1)
+    pools = random_device_pools(N_ARRAYS, 2 * n, BLOCK, 1)
     layout = PoolLayout.from_pools("mac-bench", pools)
     rng = np.random.default_rng(2)
     src_blocks, dst_blocks = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]

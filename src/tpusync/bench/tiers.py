@@ -32,13 +32,19 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-import jax
 import numpy as np
 
 from tpusync import _core
-from tpusync.bench.common import Run, median, print_table, settle, spread, timed
+from tpusync.bench.common import (
+    Run,
+    median,
+    print_table,
+    random_device_pools,
+    settle,
+    spread,
+    timed,
+)
 from tpusync.bench.limits import LimitResult, MemoryLimit, disk_fio
-from tpusync.memory import DevicePool
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 from tpusync.tiers.dram import pool_path
 
@@ -46,17 +52,6 @@ N_ARRAYS = 8
 BLOCK_MIBS = (1, 4)
 QUICK = ["--total-mib", "32", "--repeats", "3", "--attach-gib", "1"]
 PATHS = ("native", "jax")
-
-
-def _device_pools(n_blocks: int, block_bytes: int, seed: int) -> list[DevicePool]:
-    per_array = block_bytes // N_ARRAYS // 2  # bf16 elements of one array's part of a block
-    rng = np.random.default_rng(seed)
-    pools = []
-    for _ in range(N_ARRAYS):
-        bits = rng.integers(0, 2**16, size=(n_blocks, per_array), dtype=np.uint16)
-        pools.append(DevicePool(jax.device_put(bits.view(jax.numpy.bfloat16))))
-    settle()
-    return pools
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> list[float]:
@@ -67,7 +62,7 @@ def bench_dram(block_mib: int, total: int, repeats: int, shm_dir: str = "/dev/sh
     block_bytes = block_mib << 20
     n = total // block_bytes
     nbytes = n * block_bytes
-    pools = _device_pools(2 * n, block_bytes, block_mib)
+    pools = random_device_pools(N_ARRAYS, 2 * n, block_bytes, block_mib)
     layout = PoolLayout.from_pools("bench", pools)
     rng = np.random.default_rng(0)
     src_blocks = rng.permutation(2 * n)[:n]
@@ -226,7 +221,7 @@ def bench_lower(
     and fio with the tier's own I/O threads."""
     block_bytes = block_mib << 20
     n = total // block_bytes
-    pools = _device_pools(n, block_bytes, block_mib)
+    pools = random_device_pools(N_ARRAYS, n, block_bytes, block_mib)
     layout = PoolLayout.from_pools("bench", pools)
     keys = [i.to_bytes(16, "little") for i in range(n)]
     source = HostPool(layout, n)
@@ -278,7 +273,7 @@ def bench_lower(
 
 
 def bench_attach(repeats: int, big_gib: int = 4) -> dict:
-    pools = _device_pools(4, 4 << 20, 1)
+    pools = random_device_pools(N_ARRAYS, 4, 4 << 20, 1)
     layout = PoolLayout.from_pools("bench", pools)
     out = {}
     for label, size in (("256 MiB", 256 << 20), (f"{big_gib} GiB", big_gib << 30)):
