@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +53,7 @@ from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
 from tpusync.testing import model as M
 from tpusync.testing.engine import ToyEngine
 from tpusync.testing.model import init_kv_pools
-from tpusync.testing.processes import start_store_node, stop_process
+from tpusync.testing.processes import run_json_child, start_store_node, stop_process
 from tpusync.tiers import PoolLayout
 from tpusync.tiers.dram import pool_path
 
@@ -306,22 +305,7 @@ def _run_child(
         "registry": registry,
         "secret": None if secret is None else secret.hex(),
     }
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tpusync.demo", "--child", json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
-    try:
-        out, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-    if process.returncode != 0:
-        raise RuntimeError(f"the child process failed (exit {process.returncode})")
-    return json.loads(out.strip().splitlines()[-1])
+    return run_json_child("tpusync.demo", spec)
 
 
 def _child(spec: dict[str, Any]) -> None:

@@ -32,7 +32,6 @@ import inspect
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -48,6 +47,7 @@ from tpusync.bench.limits import MemoryLimit, disk_fio
 from tpusync.kv import DiskTier, DramTier, KVStoreConfig
 from tpusync.testing import model as M
 from tpusync.testing.engine import ToyEngine
+from tpusync.testing.processes import run_json_child
 from tpusync.tiers import DiskPool
 from tpusync.tiers.dram import pool_path
 
@@ -184,24 +184,8 @@ def _fio_read(work: Path, kv_bytes: int) -> dict[str, Any]:
 
 
 def _restart_child(tokens: int, shm_name: str, cache_dir: str, shm_dir: str) -> dict[str, Any]:
-    spec = json.dumps(
-        {"tokens": tokens, "shm_name": shm_name, "cache_dir": cache_dir, "shm_dir": shm_dir}
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tpusync.bench.prefix", "--child", spec],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    try:
-        out, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-    if process.returncode:
-        raise RuntimeError(f"restart child failed with exit code {process.returncode}")
-    return json.loads(out.strip().splitlines()[-1])
+    spec = {"tokens": tokens, "shm_name": shm_name, "cache_dir": cache_dir, "shm_dir": shm_dir}
+    return run_json_child("tpusync.bench.prefix", spec)
 
 
 def _child(spec: dict[str, Any]) -> None:

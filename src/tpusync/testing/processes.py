@@ -1,5 +1,6 @@
-"""Child processes of the demo and the tests: a `tpusync serve` store node, started and stopped
-by pid with timeouts."""
+"""Child processes of the demo, the benchmarks and the tests: a `tpusync serve` store node, and
+a Python module run once for the JSON object it prints last; started and stopped by pid with
+timeouts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["start_store_node", "stop_process"]
+__all__ = ["run_json_child", "start_store_node", "stop_process"]
 
 
 def start_store_node(
@@ -61,3 +62,23 @@ def stop_process(process: subprocess.Popen[str], timeout: float = 10.0) -> int:
     finally:
         if process.stdout is not None:
             process.stdout.close()
+
+
+def run_json_child(module: str, spec: dict[str, Any], *, timeout: float = 300.0) -> Any:
+    """Runs ``python -m module --child <spec as JSON>`` on the JAX CPU backend and returns the
+    JSON object of its last stdout line; a child that runs past ``timeout`` is killed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "--child", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    if process.returncode != 0:
+        raise RuntimeError(f"the child {module} failed (exit {process.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
