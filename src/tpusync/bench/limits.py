@@ -22,7 +22,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tpusync._native import limits as _limits
+from tpusync.bench.common import free_port, stop_process
 from tpusync.errors import InvalidArgumentError
 
 __all__ = [
@@ -112,9 +112,14 @@ class MemoryLimit:
         self._runs["np.copyto"].append(time.perf_counter() - start)
 
     def verify(self) -> bool:
-        """Whether the last copy left ``dst`` equal to ``src`` (a limit that copies wrongly
-        measures nothing)."""
-        return bool(np.array_equal(self.dst, self.src))
+        """Whether every method copies ``src`` into ``dst`` exactly (a limit that copies wrongly
+        measures nothing): each starts from a cleared ``dst``."""
+        for method in self.methods:
+            self.dst[:] = 0
+            _limits.copy_seconds(self.dst, self.src, self.threads, method, 1)
+            if not np.array_equal(self.dst, self.src):
+                return False
+        return True
 
     def result(self) -> LimitResult:
         """Medians so far; ``np.copyto`` is reported but never chosen as the limit."""
@@ -267,7 +272,7 @@ class Iperf3PerStream:
         if shutil.which("iperf3") is None:
             raise FileNotFoundError("iperf3 is not installed (apt-get install iperf3)")
         self.streams = streams
-        self.ports = [_free_port() for _ in range(streams)]
+        self.ports = [free_port() for _ in range(streams)]
         self._servers = [
             subprocess.Popen(
                 ["iperf3", "-s", "-p", str(port), "-B", "127.0.0.1"],
@@ -324,22 +329,10 @@ class Iperf3PerStream:
 
     def close(self) -> None:
         for server in self._servers:
-            server.terminate()
-        for server in self._servers:
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
+            stop_process(server)
 
     def __enter__(self) -> Iperf3PerStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -44,8 +44,9 @@ N_ARRAYS = 8
 QUICK = ["--total-mib", "64", "--repeats", "3"]
 
 
-def tag_slots(pool: HostPool, n: int, executor: ThreadPoolExecutor, threads: int) -> None:
-    """Poly1305 tags of slots 0..n-1, split over ``threads`` (each call releases the GIL)."""
+def tag_jobs(pool: HostPool, n: int, threads: int) -> list[tuple[np.ndarray, ...]]:
+    """The Poly1305 jobs over slots 0..n-1, one per thread: (keys, starts, lengths), built once
+    so that a timed run does only the tagging."""
     base = np.frombuffer(pool.slot_memory(0), np.uint8)  # keeps the mapping's address
     start = base.ctypes.data
     del base
@@ -53,13 +54,13 @@ def tag_slots(pool: HostPool, n: int, executor: ThreadPoolExecutor, threads: int
     keys = np.random.default_rng(0).integers(0, 256, (n, 32), dtype=np.uint8)
     starts = start + np.arange(n, dtype=np.uint64) * np.uint64(stride)
     lengths = np.full(n, pool.layout.payload_bytes, dtype=np.uint64)
-    parts = np.array_split(np.arange(n), threads)
-    futures = [
-        executor.submit(_mac.poly1305_regions, keys[p], starts[p], lengths[p])
-        for p in parts
-        if p.size
-    ]
-    for future in futures:
+    parts = [p for p in np.array_split(np.arange(n), threads) if p.size]
+    return [(keys[p], starts[p], lengths[p]) for p in parts]
+
+
+def tag_slots(jobs: list[tuple[np.ndarray, ...]], executor: ThreadPoolExecutor) -> None:
+    """Runs the jobs of :func:`tag_jobs` at once (each call releases the GIL)."""
+    for future in [executor.submit(_mac.poly1305_regions, *job) for job in jobs]:
         future.result()
 
 
@@ -91,13 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with HostPool(layout, n) as dram:
             dram.put_from_device(keys, pools, src_blocks)
             dram.get_to_device(keys, pools, dst_blocks)  # warm-up
-            tag_slots(dram, n, executor, threads)
+            jobs = tag_jobs(dram, n, threads)
+            tag_slots(jobs, executor)
             for _ in range(args.repeats):
                 limit.sample(repeats=3)  # the best of 3: what the machine can do
                 dram.delete(keys)
                 times["put"].append(timed(partial(dram.put_from_device, keys, pools, src_blocks)))
                 times["get"].append(timed(partial(dram.get_to_device, keys, pools, dst_blocks)))
-                times["mac"].append(timed(partial(tag_slots, dram, n, executor, threads)))
+                times["mac"].append(timed(partial(tag_slots, jobs, executor)))
             fs: dict[str, list[float]] = {f"{op} {m}": [] for op in ("put", "get") for m in "AB"}
             tiers = {
                 "A": SharedFsPool(layout, shared_dir, durability="none"),
