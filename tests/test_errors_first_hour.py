@@ -199,7 +199,10 @@ def test_closed_pools_raise_instead_of_counting(tmp_path, rng):
     ):
         disk.contains(keys)
     _closed_answers(shared, "used", "keys()")
+    with pytest.raises(errors.PoolClosedError):
+        shared.contains(keys)
     assert (source.capacity, disk.capacity, shared.capacity) == (8, 8, sys.maxsize)
+    assert source and disk and shared  # still true: `if pool:` never raises
     with DiskPool(_layout(), 8, tmp_path / "disk") as again:
         assert again.used == 3 and sorted(again.keys()) == sorted(keys)
     with SharedFsPool(_layout(), tmp_path / "shared") as again:

@@ -87,7 +87,7 @@ def test_example_runs_and_checks_its_result(name: str, tmp_path: Path) -> None:
     )
     assert "MISMATCH" not in out
     assert not list(work.iterdir()), f"examples/{name} left files: {list(work.iterdir())}"
-    assert not _shm_entries() - shm_before, "examples/{name} left files in /dev/shm"
+    assert not _shm_entries() - shm_before, f"examples/{name} left files in /dev/shm"
     print(f"examples/{name}: {seconds:.1f} s")
 
 

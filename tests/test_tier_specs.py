@@ -274,6 +274,8 @@ def test_plain_data_errors_name_the_key_and_section(tmp_path):
     base = {"model_id": "m", "block_size": 16, "dram": {"capacity_blocks": 8}}
     bad_hex = tmp_path / "bad"
     bad_hex.write_text("not hex")
+    raw = tmp_path / "raw"
+    raw.write_bytes(bytes(range(256)))  # not text at all: refused, never a UnicodeDecodeError
     for data, match in [
         ({**base, "colour": "red"}, r"^colour: unknown key of the store's config"),
         ({**base, "dram": {"capacity_blocks": 8, "size": 1}}, r"^dram\.size: unknown key"),
@@ -283,6 +285,7 @@ def test_plain_data_errors_name_the_key_and_section(tmp_path):
         ({**base, "secret": "00"}, r"^secret: unknown key"),
         ({**base, "secret_file": str(tmp_path / "absent")}, r"^secret_file: cannot read"),
         ({**base, "secret_file": str(bad_hex)}, r"^secret_file: .* does not hold a hex secret"),
+        ({**base, "secret_file": str(raw)}, r"^secret_file: .* does not hold a hex secret"),
         ({**base, "salt": "zz"}, r"^salt: expected a hex string"),
         ({"model_id": "m", "block_size": 16}, r"^dram: missing"),
         ({**base, "disk": {"directory": "/d", "capacity_blocks": 0}}, r"^disk\.capacity_blocks"),

@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Any
 
-from tpusync.cli_common import DefaultsHelpFormatter, port_number
+from tpusync.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter, port_number
 from tpusync.cli_common import flag_message as _flag_message
 from tpusync.cluster import RedisRegistry, RemoteRegistry, StoreNode
 from tpusync.cluster.registry.server import is_loopback
@@ -186,10 +186,10 @@ def main(argv: list[str]) -> int:
         )
     except (InvalidArgumentError, TierFullError) as exc:  # a flag this host cannot honour
         print(f"tpusync serve: {flag_message(str(exc))}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     except (TpuSyncError, OSError, ssl.SSLError) as exc:
         print(f"tpusync serve: {flag_message(str(exc))}", file=sys.stderr)
-        return 1
+        return RUNTIME_ERROR
     # Process-wide state changes only once it serves (a refused start leaves the caller's
     # handlers and logging as they were), and the signal handlers are put back after.
     logging.basicConfig(level=logging.INFO, format="tpusync serve: %(message)s")

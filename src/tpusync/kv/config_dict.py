@@ -57,7 +57,7 @@ def read_secret_file(path: str | os.PathLike[str], key: str) -> bytes:
     if not isinstance(path, str | os.PathLike):
         raise InvalidArgumentError(f"{key}: expected a file path, got {path!r}")
     try:
-        text = Path(path).read_text().strip()
+        text = Path(path).read_bytes().decode("ascii", errors="replace").strip()
     except OSError as exc:
         raise InvalidArgumentError(
             f"{key}: cannot read {os.fspath(path)}: {exc.strerror or exc}"

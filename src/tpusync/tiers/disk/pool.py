@@ -239,6 +239,9 @@ class DiskPool(DiskFiles, BlockTier):
 
     # --- queries ----------------------------------------------------------------------------------
 
+    def __bool__(self) -> bool:
+        return True  # a pool is a pool, open or closed (``len()`` of a closed one raises)
+
     def __len__(self) -> int:
         self._check_not_closed()  # a closed pool has no count to tell
         return len(self._index)
@@ -275,8 +278,7 @@ class DiskPool(DiskFiles, BlockTier):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys)
-        self._check_not_closed()
-        check_same_process(self._opened_by, f"the disk pool in {self.directory}")
+        self._check_open()
         with self._lock:
             return [k in self._index for k in keys]
 

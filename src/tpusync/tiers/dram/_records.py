@@ -58,6 +58,9 @@ class SlotRecords:
         used = set(self._index.values())
         return [s for s in range(self.capacity - 1, -1, -1) if s not in used]
 
+    def __bool__(self) -> bool:
+        return True  # a pool is a pool, open or closed (``len()`` of a closed one raises)
+
     def __len__(self) -> int:
         self._open_base()  # a closed pool has no count to tell: PoolClosedError
         return len(self._index)

@@ -598,7 +598,7 @@ class SharedFsPool(BlockTier):
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError(f"{self!r} is closed; open a new SharedFsPool")
-        check_same_process(self._opened_by, repr(self))
+        check_same_process(self._opened_by, f"the shared-FS pool in {self._root}")
 
     def _check_peer(self, pool: Any, argument: str) -> None:
         if not isinstance(pool, HostPool):
