@@ -195,6 +195,19 @@ def test_pytree_leaves_are_one_batch(arrays, rng, path):
     assert_tree_bits(arrays, take({"pool": pool, "other": other}), before)
 
 
+def test_batch_pairs_keep_their_numbers_after_a_pytree_pair(arrays, rng, path):
+    """A pytree pair expands into one move per leaf; the flat pairs after it are still named by
+    their place in the batch."""
+    a, b, c = (DevicePool(put(arrays.random(rng, (8, 4), np.float32))) for _ in range(3))
+    host = arrays.random(rng, (8, 4), np.float32)
+    tree = Transfer({"k": host, "v": host}, {"k": a, "v": b})
+    with pytest.raises(
+        InvalidArgumentError, match=re.escape("transfers[2]: writes into the same DevicePool as "
+                                              "transfers[1]")
+    ):  # fmt: skip
+        transfer_batch([tree, Transfer(host, c), Transfer(host, c)], path=path)
+
+
 @pytest.mark.parametrize(
     ("src_tree", "dst_tree", "argument", "detail"),
     [

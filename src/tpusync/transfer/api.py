@@ -143,7 +143,7 @@ def transfer(
     _check_path(path)
     item = Transfer(src, dst, src_blocks, dst_blocks, block_axis)
     if is_side(src) and is_side(dst):  # the common case pays no tree handling
-        return _run([(item, "src", "dst")], path)
+        return _run([(item, "src", "dst", "dst")], path)
     return _run(_leaf_items(item, "src", "dst"), path)
 
 
@@ -155,7 +155,7 @@ def transfer_batch(transfers: Iterable[Transfer], *, path: Path = "auto") -> Tra
     validated before any moves; the native engine runs them as one job.
     """
     _check_path(path)
-    items: list[tuple[Transfer, str, str]] = []
+    items: list[Named] = []
     for i, item in enumerate(transfers):
         if not isinstance(item, Transfer):
             raise InvalidArgumentError(
@@ -163,19 +163,23 @@ def transfer_batch(transfers: Iterable[Transfer], *, path: Path = "auto") -> Tra
                 f"got {type(item).__name__}"
             )
         if is_side(item.src) and is_side(item.dst):
-            items.append((item, "src", "dst"))
+            items.append((item, "src", "dst", f"transfers[{i}]"))
         else:
             items += _leaf_items(item, f"transfers[{i}].src", f"transfers[{i}].dst")
     return _run(items, path)
 
 
-def _leaf_items(item: Transfer, src_name: str, dst_name: str) -> list[tuple[Transfer, str, str]]:
+# A pair to plan: the Transfer, its sides' names in errors, and the pair's name in a batch.
+Named = tuple[Transfer, str, str, str]
+
+
+def _leaf_items(item: Transfer, src_name: str, dst_name: str) -> list[Named]:
     """One named pair per leaf of a pytree pair, all with the item's block lists (checked and
     converted once here, so that each leaf only checks their range)."""
     src_blocks = block_array(item.src_blocks, "src_blocks")
     dst_blocks = block_array(item.dst_blocks, "dst_blocks")
     return [
-        (Transfer(s, d, src_blocks, dst_blocks, item.block_axis), s_name, d_name)
+        (Transfer(s, d, src_blocks, dst_blocks, item.block_axis), s_name, d_name, d_name)
         for s, d, s_name, d_name in leaf_pairs(item.src, item.dst, src_name, dst_name)
     ]
 
@@ -185,10 +189,10 @@ def _check_path(path: Any) -> None:
         raise InvalidArgumentError(f"path: expected one of {PATHS}, got {path!r}")
 
 
-def _run(items: Sequence[tuple[Transfer, str, str]], path: str) -> TransferFuture:
+def _run(items: Sequence[Named], path: str) -> TransferFuture:
     """Validates and plans every named pair, chooses one engine and starts it on a worker."""
-    moves = [plan_move(item, src_name, dst_name) for item, src_name, dst_name in items]
-    check_distinct_destinations(moves)
+    moves = [plan_move(item, src_name, dst_name) for item, src_name, dst_name, _ in items]
+    check_distinct_destinations(moves, [label for *_, label in items])
     adopt_pool_sources(moves)
     engine = choose_engine(moves, path)
     future = TransferFuture()

@@ -153,16 +153,15 @@ def plan_move(item: Transfer, src_name: str = "src", dst_name: str = "dst") -> M
     return Move(src, dst, src_idx, dst_idx, item.block_axis, whole)
 
 
-def check_distinct_destinations(moves: Sequence[Move]) -> None:
-    """Refuses a batch that writes one DevicePool in two pairs (a pair is named by its index,
-    or by its destination's key path when it is a pytree leaf)."""
+def check_distinct_destinations(moves: Sequence[Move], labels: Sequence[str]) -> None:
+    """Refuses a batch that writes one DevicePool in two pairs; ``labels`` name each move's
+    pair in errors (``transfers[i]``, or a pytree leaf's key path)."""
     seen: dict[int, str] = {}
-    for i, move in enumerate(moves):
+    for move, label in zip(moves, labels, strict=True):
         target = move.dst.pool if isinstance(move.dst, DeviceSide) else None
         if target is None:
             continue
         key = id(target)
-        label = f"transfers[{i}]" if move.dst.argument == "dst" else move.dst.argument
         if key in seen:
             # Two writes into one pool in one batch would each see the other's half-done state
             # on the pure-JAX path; ask for one pair per pool instead.
