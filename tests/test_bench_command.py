@@ -42,7 +42,7 @@ def test_bench_transfer_quick_writes_the_scheme_and_results_md(tmp_path: Path) -
     results = tmp_path / "results"
     done = _tpusync(
         "bench", "transfer", "--quick", "--json", "--total-mib", "4", "--repeats", "1",
-        "--results-dir", str(results), cwd=tmp_path,
+        "--results-dir", str(results), "--peers-dir", str(tmp_path / "no-peers"), cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)  # --json: stdout is JSON only, the tables go to stderr
@@ -56,7 +56,8 @@ def test_bench_transfer_quick_writes_the_scheme_and_results_md(tmp_path: Path) -
     for key in ("commit", "date", "machine", "load_average", "results", "peers"):
         assert key in record
     assert len(record["load_average"]["start"]) == len(record["load_average"]["end"]) == 3
-    assert record["peers"]["Google TPU Sync"].startswith("skipped")
+    assert record["peers"]["Google TPU Sync"].startswith("skipped")  # no environment there
+    assert "TPU Sync" in done.stderr and "x peer" in done.stderr
     row = record["results"][0]
     for key in ("d2h_native_gbps", "d2h_jax_gbps", "h2d_native_gbps", "h2d_jax_gbps",
                 "limit_gbps", "limit_method", "copyto_gbps", "d2h_native_x_limit"):  # fmt: skip

@@ -317,7 +317,7 @@ def test_demo_transfer_json() -> None:
     result = run("demo", "--transfer", "--layers", "1", "--repeats", "1", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)  # stdout holds the JSON only
-    assert report["ok"] is True and report["memcpy_gbps"] > 0
+    assert report["ok"] is True and report["memory_limit_gbps"] > 0
     rows = report["rows"]
     assert [(r["direction"][:4], r["path"]) for r in rows] == [
         ("save", "native"),

@@ -16,6 +16,7 @@ from typing import Any
 
 from tpusync.bench import mac_cost, network, prefix, tiers, transfer
 from tpusync.bench.common import default_results_dir, result_path
+from tpusync.bench.external import PEERS, peer_state
 from tpusync.bench.network_procs import jax_transfer
 from tpusync.bench.plot import INSTALL_HINT, have_matplotlib, plot_results
 from tpusync.bench.results import write_results_md
@@ -25,18 +26,18 @@ __all__ = ["BENCHES", "main", "peers"]
 
 # name -> (entry point taking argv, the --quick arguments, which shared flags it takes)
 BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, ...]]] = {
-    "transfer": (transfer.main, transfer.QUICK, ("--total-mib", "--repeats")),
+    "transfer": (transfer.main, transfer.QUICK, ("--total-mib", "--repeats", "--peers-dir")),
     "tiers": (tiers.main, tiers.QUICK, ("--total-mib", "--repeats")),
     "prefix": (prefix.main, prefix.QUICK, ("--repeats",)),
-    "network": (network.main, network.QUICK, ("--total-mib", "--repeats")),
+    "network": (network.main, network.QUICK, ("--total-mib", "--repeats", "--peers-dir")),
     "mac_cost": (mac_cost.main, mac_cost.QUICK, ("--total-mib", "--repeats")),
 }
 
 
-def peers() -> dict[str, str]:
+def peers(peers_dir: str | Path | None = None) -> dict[str, str]:
     """Each peer a benchmark compares with: "runs" or why it is skipped."""
     redis_ok = importlib.util.find_spec("redis") is not None and shutil.which("redis-server")
-    return {
+    found = {
         "pure-JAX engine (transfer, tiers)": "runs",
         "jax.experimental.transfer (network)": "runs"
         if jax_transfer is not None
@@ -44,11 +45,10 @@ def peers() -> dict[str, str]:
         "Redis (registry lookups)": "runs"
         if redis_ok
         else "skipped: needs redis-server and the redis package (tpusync[cluster])",
-        "Google TPU Sync": "skipped: its wheel is not installed here",
-        "Mooncake": "runs"
-        if importlib.util.find_spec("mooncake") is not None
-        else "skipped: not installed",
     }
+    for key, peer in PEERS.items():
+        found[peer.title] = peer_state(key, peers_dir)
+    return found
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-dir", metavar="DIR", help="default: benchmarks/results")
     parser.add_argument("--total-mib", type=int, help="bytes per operation (not prefix)")
     parser.add_argument("--repeats", type=int, help="rounds per figure")
+    parser.add_argument(
+        "--peers-dir",
+        metavar="DIR",
+        help="the peers' environments, made by benchmarks/peers/setup.sh (default: "
+        "benchmarks/peers)",
+    )
     return parser
 
 
@@ -89,7 +95,7 @@ def _run(name: str, args: argparse.Namespace, results_dir: Path) -> dict[str, An
     if code:
         raise RuntimeError(f"{name} exited with {code}")
     record = json.loads(target.read_text())
-    record["peers"] = peers()
+    record["peers"] = peers(args.peers_dir)
     target.write_text(json.dumps(record, indent=2))
     return record
 
@@ -117,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"tpusync bench {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 status = RUNTIME_ERROR if not isinstance(exc, SystemExit) else USAGE_ERROR
         print("\npeers")
-        for peer, state in peers().items():
+        for peer, state in peers(args.peers_dir).items():
             print(f"  {peer}: {state}")
         if args.plot:
             for name, record in records.items():

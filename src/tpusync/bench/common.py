@@ -156,13 +156,18 @@ def machine_name() -> str:
     return f"{backend}-{len(os.sched_getaffinity(0))}core"
 
 
-def default_results_dir() -> Path:
-    """``benchmarks/results`` of the checkout this package runs from, else
-    ``./tpusync-bench-results`` (an installed package has no checkout)."""
+def benchmarks_path(name: str) -> Path:
+    """``benchmarks/<name>`` of the checkout this package runs from, else
+    ``./tpusync-bench-<name>`` (an installed package has no checkout)."""
     checkout = PACKAGE_DIR.parents[2] / "benchmarks"
     if checkout.is_dir():
-        return checkout / "results"
-    return Path.cwd() / "tpusync-bench-results"
+        return checkout / name
+    return Path.cwd() / f"tpusync-bench-{name}"
+
+
+def default_results_dir() -> Path:
+    """Where results are written unless told: :func:`benchmarks_path` ``("results")``."""
+    return benchmarks_path("results")
 
 
 def result_path(bench: str, results_dir: str | os.PathLike[str] | None = None) -> Path:

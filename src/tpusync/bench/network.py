@@ -12,7 +12,10 @@ jax.experimental.transfer; striping over two rate-limited paths; registry lookup
   (:func:`~tpusync.bench.limits.loopback_tcp`, a few chunk and buffer settings) and one iperf3
   process per stream (:class:`~tpusync.bench.limits.Iperf3PerStream`, its defaults and
   ``-w 256K -l 1M``); and ``jax.experimental.transfer`` (the peer that runs here) pulling the
-  same bytes, as one pytree of 2 MiB arrays, from a TransferServer in another child process.
+  same bytes, as one pytree of 2 MiB arrays, from a TransferServer in another child process;
+  and, where its environment is set up (``benchmarks/peers/setup.sh``), Mooncake's transfer
+  engine over TCP reading the same blocks between two processes of its own
+  (:mod:`tpusync.bench.peer_workers.mooncake_pull`).
   Medians of ``--repeats`` after one warm-up each.
 * Two paths (root only): two network namespaces joined by two veth pairs, each on its own /24
   subnet and shaped to ``--rate-mbit`` by ``tc tbf`` on both ends; the server runs in one
@@ -31,7 +34,7 @@ deleted, also on error. Prints tables; writes JSON.
 
     python benchmarks/network.py [--total-mib 1024] [--block-kib 2048] [--repeats 5]
         [--connections 1,2,4] [--netns-mib 256] [--rate-mbit 1000] [--skip-netns]
-        [--lookup-s 0.5] [--json FILE]
+        [--lookup-s 0.5] [--peers-dir benchmarks/peers] [--json FILE]
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tpusync.bench.common import Run, median, print_table, spread
+from tpusync.bench.external import peer_state, start_peer
 from tpusync.bench.network_peers import (
     REDIS_ROW,
     JaxPuller,
@@ -70,8 +74,16 @@ from tpusync.bench.network_procs import (
 
 PATHS = (("10.71.1.1", "10.71.1.2"), ("10.72.1.1", "10.72.1.2"))  # (server, client) per veth
 TARGETS = {"limit": 0.8, "jax": 2.5, "striped": 1.8}
+MOONCAKE = "Mooncake transfer engine (tcp)"
+PEER_ROWS = ("jax.experimental.transfer", MOONCAKE)
 QUICK = ["--total-mib", "64", "--repeats", "3", "--connections", "1,4", "--netns-mib", "32",
          "--lookup-s", "0.2"]  # fmt: skip
+
+
+def best_peer(gbps: dict[str, float]) -> str | None:
+    """The faster of the peers that ran, or None."""
+    ran = [name for name in PEER_ROWS if gbps.get(name)]
+    return max(ran, key=gbps.__getitem__) if ran else None
 
 
 def _conns(c: int) -> str:
@@ -141,6 +153,15 @@ def bench_loopback(
             jax_puller = JaxPuller(jax_child, jax_ready["address"], blocks, block_bytes)
         except Exception as exc:
             notes.append(f"jax.experimental.transfer: n/a ({type(exc).__name__}: {exc})")
+        mooncake = None
+        if peer_state("mooncake", args.peers_dir) == "runs":
+            config = {"blocks": blocks, "block_bytes": block_bytes, "seed": 7}
+            mooncake, first = start_peer(stack, "mooncake", "mooncake_pull", "client", config,
+                                         log_dir, args.peers_dir)  # fmt: skip
+            notes.append(f"Mooncake {first['mooncake']}: transfer engine, tcp protocol, "
+                         "P2P handshake, one batch_transfer_sync_read per pull")  # fmt: skip
+        else:
+            notes.append(f"Mooncake: {peer_state('mooncake', args.peers_dir)}")
         # warm-up (and a byte-for-byte check of what each path delivers)
         for name in runs:
             puller.verify(name)
@@ -166,6 +187,9 @@ def bench_loopback(
                 times.setdefault("jax.experimental.transfer", []).append(
                     nbytes / jax_puller.pull() / 1e9
                 )
+            if mooncake is not None:
+                seconds = mooncake.request({"op": "pull"})["seconds"]
+                times.setdefault(MOONCAKE, []).append(nbytes / seconds / 1e9)
             print(".", end="", flush=True)
         print(flush=True)
         for limit in limits.values():  # the iperf3 rows under their old names, for comparison
@@ -313,9 +337,10 @@ def bench_netns(
 
 
 def loopback_table(args: argparse.Namespace, loop: dict[str, Any]) -> None:
-    """Each connection count's tpusync rows beside the limit and jax.experimental.transfer."""
+    """Each connection count's tpusync rows beside the limit and the faster peer
+    (jax.experimental.transfer, Mooncake)."""
     g, runs = loop["gbps"], loop["gbps_runs"]
-    jax_gbps = g.get("jax.experimental.transfer")
+    peer = best_peer(g)
     rows = []
     for c in [int(c) for c in args.connections.split(",")]:
         limit = loop["limit_gbps"][str(c)]
@@ -333,21 +358,19 @@ def loopback_table(args: argparse.Namespace, loop: dict[str, Any]) -> None:
                     spread(runs[name]),
                     f"{limit:.2f} {method}",
                     g[name] / limit,
-                    "-" if jax_gbps is None else g[name] / jax_gbps,
+                    "-" if peer is None else f"{g[name] / g[peer]:.2f} ({peer})",
                 ]
             )
-    if jax_gbps is not None:
-        rows.append(["jax.experimental.transfer", spread(runs["jax.experimental.transfer"]), "",
-                     "", ""])  # fmt: skip
-    else:
-        rows.append(["jax.experimental.transfer", "n/a", "see notes", "", ""])
+    for name in PEER_ROWS:
+        rows.append([name, spread(runs[name]), "", "", ""] if name in g
+                    else [name, "skipped", "see notes", "", ""])  # fmt: skip
     print(
         f"\nloopback: {loop['bytes'] / 2**20:.0f} MiB of {loop['block_bytes'] >> 10} KiB blocks "
         f"per pull, two processes, median (min-max) of {args.repeats} (GB/s); tpusync verifies "
         "every block's checksum; limit: the best of C TCP and iperf3 (a process per stream) for "
         "as many connections"
     )
-    print_table(["path", "GB/s", "limit", "x limit", "x jax"], rows, limit_columns=(3,))
+    print_table(["path", "GB/s", "limit", "x limit", "x peer"], rows, limit_columns=(3,))
     by_method = []
     for c, methods in loop["limit_gbps_by_method"].items():
         for method, value in sorted(methods.items(), key=lambda kv: -kv[1]):
@@ -465,6 +488,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-netns", action="store_true", help="skip the two-path part")
     parser.add_argument("--lookup-s", type=float, default=0.5, help="seconds per lookup window")
     parser.add_argument("--json", default=None, help="default: the results scheme")
+    parser.add_argument(
+        "--peers-dir", default=None, help="the peers' environments (default: benchmarks/peers)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     return parser
 

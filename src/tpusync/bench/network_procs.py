@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 
 from tpusync.bench.common import stop_process
+from tpusync.bench.peer_workers.protocol import PREFIX, reply, serve
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -40,7 +40,6 @@ try:
 except ImportError:  # an older jax: the peer is listed as not available
     jax_transfer = None
 
-PREFIX = "@tpsbench "  # marks the protocol lines of a child's stdout (anything else is noise)
 SEED = 20240611
 LEASE_TTL_S = 600.0  # a pull's deadline is 0.8x this: far beyond any pull here
 CHILD_PROGRAM = (sys.executable, "-m", "tpusync.bench.network_procs")
@@ -156,6 +155,8 @@ class Child:
 
     def stop(self, timeout: float = 15.0) -> None:
         stop_process(self.proc, timeout)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def start_child(
@@ -178,22 +179,6 @@ def start_child(
     return child, child.read(timeout)
 
 
-def _reply(message: dict[str, Any]) -> None:
-    sys.stdout.write(PREFIX + json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def _serve_requests(handle: Any) -> None:
-    """Answers each JSON line on stdin with ``handle(request)`` until EOF."""
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            _reply(handle(json.loads(line)))
-        except Exception:
-            _reply({"error": traceback.format_exc()})
-
-
 def child_block_server(config: dict[str, Any]) -> None:
     """Serves a HostPool of ``blocks`` random blocks on each of ``servers`` (network_tuning.py
     runs it in its own child, with its ablation applied first)."""
@@ -213,8 +198,8 @@ def child_block_server(config: dict[str, Any]) -> None:
                     insecure=spec.get("insecure", False),
                 )
             )
-        _reply({"ports": [s.port for s in servers], "used": pool.used})
-        _serve_requests(lambda request: {"used": pool.used})
+        reply({"ports": [s.port for s in servers], "used": pool.used})
+        serve(lambda request: {"used": pool.used})
     finally:
         for server in servers:
             server.close()
@@ -230,14 +215,14 @@ def child_block_client(config: dict[str, Any]) -> None:
         for name, spec in config["clients"].items():
             tls = client_context(cert) if spec.get("tls") and cert else None
             puller.add(name, spec["addresses"], spec["connections"], tls, not spec.get("tls"))
-        _reply({"ready": True})
+        reply({"ready": True})
 
         def handle(request: dict[str, Any]) -> dict[str, Any]:
             if "pull" in request:
                 return {"seconds": puller.pull(request["pull"])}
             return {"verified": puller.verify(request["verify"])}
 
-        _serve_requests(handle)
+        serve(handle)
     finally:
         puller.close()
 
@@ -256,21 +241,21 @@ def child_jax_server(config: dict[str, Any]) -> None:
         for i in range(n)
     ]
     jax.block_until_ready(arrays)
-    _reply({"address": server.address()})
+    reply({"address": server.address()})
 
     def handle(request: dict[str, Any]) -> dict[str, Any]:
         server.await_pull(int(request["offer"]), arrays)
         return {"offered": request["offer"]}
 
-    _serve_requests(handle)
+    serve(handle)
 
 
 def child_registry_server(config: dict[str, Any]) -> None:
     """A RegistryServer over a MemoryRegistry on a loopback port."""
     server = RegistryServer(MemoryRegistry(), secret=bytes.fromhex(config["secret"]))
     try:
-        _reply({"address": server.address})
-        _serve_requests(lambda request: {})
+        reply({"address": server.address})
+        serve(lambda request: {})
     finally:
         server.close()
 
@@ -281,8 +266,8 @@ def child_store_server(config: dict[str, Any]) -> None:
         config["dram_bytes"], secret=bytes.fromhex(config["secret"]), lease_ttl_s=LEASE_TTL_S
     )
     try:
-        _reply({"address": server.address})
-        _serve_requests(lambda request: {})
+        reply({"address": server.address})
+        serve(lambda request: {})
     finally:
         server.close()
 

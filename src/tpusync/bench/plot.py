@@ -87,8 +87,11 @@ def _bars(
 def _transfer(record: dict[str, Any], out: Path) -> list[Path]:
     groups: list[Group] = []
     for r in record.get("results", []):
-        bars = {k.replace("_", " "): r[f"{k}_gbps"] for k in
-                ("d2h_native", "d2h_jax", "h2d_native", "h2d_jax") if f"{k}_gbps" in r}  # fmt: skip
+        bars = {name: r[f"{k}_gbps"] for k, name in
+                (("d2h_native", "D2H native"), ("d2h_jax", "D2H jax"),
+                 ("d2h_tpu_sync", "D2H TPU Sync"), ("h2d_native", "H2D native"),
+                 ("h2d_jax", "H2D jax"), ("h2d_tpu_sync", "H2D TPU Sync"))
+                if f"{k}_gbps" in r}  # fmt: skip
         groups.append((f"{r['block_kib']} KiB", bars, r.get("limit_gbps")))
     return [_bars(out / "transfer.png", "device <-> host, scattered blocks", "GB/s", groups,
                   "memory limit")]  # fmt: skip
@@ -133,15 +136,15 @@ def _prefix(record: dict[str, Any], out: Path) -> list[Path]:
 def _network(record: dict[str, Any], out: Path) -> list[Path]:
     loop = record.get("loopback") or {}
     gbps, limits = loop.get("gbps", {}), loop.get("limit_gbps", {})
-    jax_gbps = gbps.get("jax.experimental.transfer")
+    peers = {name: gbps[name] for name in ("jax.experimental.transfer",
+             "Mooncake transfer engine (tcp)") if name in gbps}  # fmt: skip
     groups: list[Group] = []
     for count, limit in limits.items():
         suffix = f"{count} conn{'s' if int(count) > 1 else ''}"
         bars = {name: gbps[f"tpusync{name} {suffix}"] for name in ("", " TLS", " push")
                 if f"tpusync{name} {suffix}" in gbps}  # fmt: skip
         bars = {("tpusync" + k): v for k, v in bars.items()}
-        if jax_gbps is not None:
-            bars["jax.experimental.transfer"] = jax_gbps
+        bars.update(peers)
         groups.append((suffix, bars, limit))
     return [_bars(out / "network.png", "loopback pulls between two processes", "GB/s", groups,
                   "TCP limit")]  # fmt: skip

@@ -25,24 +25,37 @@ def _ratio(value: Any, limit: Any) -> str:
     return f"{ratio:.2f}" + (" (limit beaten: the limit is wrong)" if ratio > 1.0 else "")
 
 
+def _peer(value: Any, peers: dict[str, Any]) -> str:
+    """``value`` against the fastest of ``peers`` that ran, with its name."""
+    ran = {name: v for name, v in peers.items() if isinstance(v, int | float) and v}
+    if not isinstance(value, int | float) or not ran:
+        return "-"
+    best = max(ran, key=ran.__getitem__)
+    return f"{value / ran[best]:.2f} ({best})"
+
+
+FIGURE_KEYS = ("native", "jax", "tpu_sync")
+
+
 def _transfer(record: dict[str, Any]) -> Table:
-    headers = ["block", "limit GB/s", "D2H native", "x limit", "D2H jax", "H2D native", "x limit",
-               "H2D jax"]  # fmt: skip
+    headers = ["block", "way", "limit GB/s", "native", "x limit", "jax", "TPU Sync", "x peer"]
     rows = []
     for r in record.get("results", []):
         limit = r.get("limit_gbps")
-        rows.append(
-            [
-                f"{r.get('block_kib')} KiB",
-                f"{_num(limit)} {r.get('limit_method', 'np.copyto')}",
-                _num(r.get("d2h_native_gbps")),
-                _ratio(r.get("d2h_native_gbps"), limit),
-                _num(r.get("d2h_jax_gbps")),
-                _num(r.get("h2d_native_gbps")),
-                _ratio(r.get("h2d_native_gbps"), limit),
-                _num(r.get("h2d_jax_gbps")),
-            ]
-        )
+        for way in ("d2h", "h2d"):
+            native, jax, tpu_sync = (r.get(f"{way}_{k}_gbps") for k in FIGURE_KEYS)
+            rows.append(
+                [
+                    f"{r.get('block_kib')} KiB",
+                    way.upper(),
+                    f"{_num(limit)} {r.get('limit_method', 'np.copyto')}",
+                    _num(native),
+                    _ratio(native, limit),
+                    _num(jax),
+                    _num(tpu_sync) if tpu_sync else "skipped",
+                    _peer(native, {"jax": jax, "TPU Sync": tpu_sync}),
+                ]
+            )
     return headers, rows
 
 
@@ -85,19 +98,30 @@ def _prefix(record: dict[str, Any]) -> Table:
     return headers, rows
 
 
+NETWORK_PEERS = ("jax.experimental.transfer", "Mooncake transfer engine (tcp)")
+
+
 def _network(record: dict[str, Any]) -> Table:
     loop = record.get("loopback") or {}
     gbps, limits = loop.get("gbps", {}), loop.get("limit_gbps", {})
+    peers = {name: gbps.get(name) for name in NETWORK_PEERS}
     rows = []
     for name, value in gbps.items():
         count = name.rsplit(" ", 2)[-2] if name.startswith("tpusync") else None
         limit = limits.get(count) if count and " TLS" not in name else None
-        rows.append([name, _num(value), _num(limit) if limit else "", _ratio(value, limit)])
+        peer = _peer(value, peers) if name.startswith("tpusync") else ""
+        rows.append([name, _num(value), _num(limit) if limit else "", _ratio(value, limit), peer])
+    for name in NETWORK_PEERS:
+        if name not in gbps:
+            rows.append([name, "skipped", "", "", ""])
     for name, value in ((record.get("two_paths") or {}).get("gbps") or {}).items():
-        rows.append([f"two namespaces: {name}", _num(value, 3), "", "-"])
-    for name, value in ((record.get("registry") or {}).get("lookups_per_s") or {}).items():
-        rows.append([f"lookups/s: {name}", f"{value:,.0f}", "", "-"])
-    return ["path", "GB/s", "limit GB/s", "x limit"], rows
+        rows.append([f"two namespaces: {name}", _num(value, 3), "", "-", ""])
+    registry = (record.get("registry") or {}).get("lookups_per_s") or {}
+    redis = registry.get("RedisRegistry -> redis-server")
+    for name, value in registry.items():
+        rows.append([f"lookups/s: {name}", f"{value:,.0f}", "", "-",
+                     _peer(value, {"Redis": redis}) if "Redis" not in name else ""])  # fmt: skip
+    return ["path", "GB/s", "limit GB/s", "x limit", "x peer"], rows
 
 
 def _mac_cost(record: dict[str, Any]) -> Table:

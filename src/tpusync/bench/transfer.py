@@ -2,17 +2,22 @@
 
 For each block size, moves ``--total-mib`` of scattered blocks (a random permutation, so nothing
 merges into one big copy) between a device array and a prefaulted HostBuffer, in both
-directions, with the native path and the pure-JAX path (the peer that runs here), interleaved
+directions, with the native path, the pure-JAX path and, where its environment is set up
+(``benchmarks/peers/setup.sh``), Google TPU Sync's KVCacheManager (``d2h``/``h2d`` of the same
+blocks in another process: :mod:`tpusync.bench.peer_workers.tpu_sync_transfer`), interleaved
 round by round with one sample of the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`:
 a copy of the same bytes on all cores, the best of memcpy and non-temporal stores; np.copyto is
 shown beside it). Prints medians with their range and the ratios; writes JSON.
 
     python benchmarks/transfer.py [--total-mib 1024] [--repeats 5] [--json transfer.json]
+        [--peers-dir benchmarks/peers]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +25,7 @@ import jax
 import numpy as np
 
 from tpusync.bench.common import Run, median, print_table, settle, spread, timed
+from tpusync.bench.external import peer_state, start_peer
 from tpusync.bench.limits import MemoryLimit
 from tpusync.memory import DevicePool, HostBuffer
 from tpusync.transfer import transfer
@@ -27,6 +33,8 @@ from tpusync.transfer import transfer
 TRANSFER_BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]
 QUICK = ["--total-mib", "64", "--repeats", "3", "--block-kib", "256", "4096"]
 FIGURES = ("d2h_native", "d2h_jax", "h2d_native", "h2d_jax")
+PEER_FIGURES = ("d2h_tpu_sync", "h2d_tpu_sync")
+PEERS = {"jax": "pure-JAX engine", "tpu_sync": "Google TPU Sync"}
 
 
 def parser(doc: str = __doc__ or "", json_default: str | None = None) -> argparse.ArgumentParser:
@@ -36,10 +44,20 @@ def parser(doc: str = __doc__ or "", json_default: str | None = None) -> argpars
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-kib", type=int, nargs="*", default=TRANSFER_BLOCK_SIZES_KIB)
     parser.add_argument("--json", default=json_default, help="default: the results scheme")
+    parser.add_argument(
+        "--peers-dir", default=None, help="the peers' environments (default: benchmarks/peers)"
+    )
     return parser
 
 
-def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemoryLimit) -> dict:
+def bench_block_size(
+    block_kib: int,
+    total: int,
+    repeats: int,
+    limit: MemoryLimit,
+    peers_dir: str | None = None,
+    notes: list[str] | None = None,
+) -> dict:
     block_bytes = block_kib * 1024
     n_blocks = total // block_bytes
     shape = (n_blocks, block_bytes // 2)
@@ -47,7 +65,6 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemoryLimi
     host = HostBuffer(shape, "bfloat16")
     host.array.view(np.uint16)[...] = rng.integers(0, 2**16, size=shape, dtype=np.uint16)
     pool = DevicePool(jax.device_put(host.array, may_alias=False))
-    settle()
     order = rng.permutation(n_blocks)
     identity = np.arange(n_blocks)
     nbytes = n_blocks * block_bytes
@@ -59,15 +76,30 @@ def bench_block_size(block_kib: int, total: int, repeats: int, limit: MemoryLimi
     def h2d(path: str) -> None:
         transfer(host, pool, src_blocks=identity, dst_blocks=order, path=path).result()
 
-    for path in ("native", "jax"):  # warm-up: compilation and first touches are not measured
-        d2h(path)
-        h2d(path)
-    for _ in range(repeats):  # contenders interleaved, one limit sample per round
-        limit.sample(repeats=3)  # the best of 3: what the machine can do
-        times["d2h_native"].append(timed(lambda: d2h("native")))
-        times["d2h_jax"].append(timed(lambda: d2h("jax")))
-        times["h2d_native"].append(timed(lambda: h2d("native")))
-        times["h2d_jax"].append(timed(lambda: h2d("jax")))
+    with contextlib.ExitStack() as stack:
+        tpu_sync = None
+        if peer_state("tpu-sync", peers_dir) == "runs":
+            log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tpusync-bench-"))
+            config = {"blocks": n_blocks, "block_bytes": block_bytes, "seed": block_kib}
+            tpu_sync, first = start_peer(stack, "tpu-sync", "tpu_sync_transfer", "transfer",
+                                         config, log_dir, peers_dir)  # fmt: skip
+            if notes is not None and not any(n.startswith("Google TPU Sync") for n in notes):
+                notes.append(f"Google TPU Sync {first['tpu_sync']} on jax {first['jax']} "
+                             f"({first['backend']} backend), in its own process")  # fmt: skip
+            times.update({k: [] for k in PEER_FIGURES})
+        settle()
+        for path in ("native", "jax"):  # warm-up: compilation and first touches are not measured
+            d2h(path)
+            h2d(path)
+        for _ in range(repeats):  # contenders interleaved, one limit sample per round
+            limit.sample(repeats=3)  # the best of 3: what the machine can do
+            times["d2h_native"].append(timed(lambda: d2h("native")))
+            times["d2h_jax"].append(timed(lambda: d2h("jax")))
+            times["h2d_native"].append(timed(lambda: h2d("native")))
+            times["h2d_jax"].append(timed(lambda: h2d("jax")))
+            if tpu_sync is not None:
+                for way in ("d2h", "h2d"):
+                    times[f"{way}_tpu_sync"].append(tpu_sync.request({"op": way})["seconds"])
     result: dict[str, Any] = {"block_kib": block_kib, "n_blocks": n_blocks, "bytes": nbytes}
     for key, seconds in times.items():
         result[f"{key}_gbps"] = nbytes / median(seconds) / 1e9
@@ -87,38 +119,40 @@ def add_limit(result: dict[str, Any], limit: MemoryLimit) -> None:
         result[f"{key}_x_limit"] = result[f"{key}_gbps"] / found.gbps
     for way in ("d2h", "h2d"):
         result[f"{way}_native_x_jax"] = result[f"{way}_native_gbps"] / result[f"{way}_jax_gbps"]
+        peers = {p: result[f"{way}_{p}_gbps"] for p in PEERS if f"{way}_{p}_gbps" in result}
+        best = max(peers, key=peers.__getitem__)
+        result[f"{way}_best_peer"] = PEERS[best]
+        result[f"{way}_native_x_peer"] = result[f"{way}_native_gbps"] / peers[best]
 
 
 def table(results: list[dict[str, Any]], total_mib: int, repeats: int) -> None:
     rows = []
     for r in results:
-        rows.append(
-            [
-                f"{r['block_kib']} KiB",
-                f"{r['limit_gbps']:.2f} {r['limit_method']}",
-                r["copyto_gbps"],
-                spread(r["d2h_native_gbps_runs"]),
-                r["d2h_native_x_limit"],
-                spread(r["d2h_jax_gbps_runs"]),
-                r["d2h_native_x_jax"],
-                spread(r["h2d_native_gbps_runs"]),
-                r["h2d_native_x_limit"],
-                spread(r["h2d_jax_gbps_runs"]),
-                r["h2d_native_x_jax"],
-            ]
-        )
+        for way in ("d2h", "h2d"):
+            peer = r.get(f"{way}_tpu_sync_gbps_runs")
+            rows.append(
+                [
+                    f"{r['block_kib']} KiB",
+                    way.upper(),
+                    f"{r['limit_gbps']:.2f} {r['limit_method']}",
+                    r["copyto_gbps"],
+                    spread(r[f"{way}_native_gbps_runs"]),
+                    r[f"{way}_native_x_limit"],
+                    spread(r[f"{way}_jax_gbps_runs"]),
+                    spread(peer) if peer else "skipped",
+                    f"{r[f'{way}_native_x_peer']:.2f} ({r[f'{way}_best_peer']})",
+                ]
+            )
     print(
         f"\n{total_mib} MiB per transfer, scattered blocks, median (min-max) of {repeats} "
-        "(GB/s; x = ratio); peer: the pure-JAX engine"
+        "(GB/s; x = ratio); peers: the pure-JAX engine and Google TPU Sync; x peer: native "
+        "against the faster peer"
     )
     print_table(
-        [
-            "block", "limit", "np.copyto", "D2H native", "x limit", "D2H jax", "x jax",
-            "H2D native", "x limit", "H2D jax", "x jax",
-        ],
+        ["block", "way", "limit", "np.copyto", "native", "x limit", "jax", "TPU Sync", "x peer"],
         rows,
-        limit_columns=(4, 8),
-    )  # fmt: skip
+        limit_columns=(5,),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,16 +160,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = Run("transfer")
     total = args.total_mib * 2**20
     results = []
+    notes: list[str] = []
     for block_kib in args.block_kib:
         limit = MemoryLimit(total)  # per block size: its samples interleave with that size's
         try:
-            r = bench_block_size(block_kib, total, args.repeats, limit)
+            r = bench_block_size(block_kib, total, args.repeats, limit, args.peers_dir, notes)
             add_limit(r, limit)
         finally:
             limit.close()
         results.append(r)
         print(f"  {block_kib} KiB done", flush=True)
     table(results, args.total_mib, args.repeats)
-    payload = {"total_bytes": total, "repeats": args.repeats, "results": results}
+    peers = {"Google TPU Sync": peer_state("tpu-sync", args.peers_dir)}
+    for name, state in peers.items():
+        print(f"{name}: {state}")
+    for note in notes:
+        print(f"note: {note}")
+    payload = {"total_bytes": total, "repeats": args.repeats, "results": results,
+               "peers": peers, "notes": notes}  # fmt: skip
     run.write(args.json, payload)
     return 0

@@ -1,0 +1,79 @@
+"""Peers that need an environment of their own: Google TPU Sync (Python 3.12, jax >= 0.11) and
+Mooncake's transfer engine. ``benchmarks/peers/setup.sh`` makes one virtual environment per peer
+under the peers directory; a benchmark starts a peer's worker (:mod:`tpusync.bench.peer_workers`)
+with that interpreter, and lists the peer as skipped, with the reason, when it is not there."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tpusync.bench.common import benchmarks_path
+from tpusync.bench.network_procs import Child, start_child
+
+__all__ = ["PEERS", "ExternalPeer", "default_peers_dir", "peer_python", "peer_state", "start_peer"]
+
+WORKERS_DIR = Path(__file__).resolve().parent / "peer_workers"
+SETUP_HINT = "bash benchmarks/peers/setup.sh"
+
+
+@dataclass(frozen=True)
+class ExternalPeer:
+    """A peer in its own environment: ``venv`` under the peers directory, ``uses`` says which
+    benchmark rows it gives."""
+
+    title: str
+    venv: str
+    uses: str
+
+
+PEERS: dict[str, ExternalPeer] = {
+    "tpu-sync": ExternalPeer("Google TPU Sync", ".venv-tpu-sync", "transfer (KVCacheManager)"),
+    "mooncake": ExternalPeer("Mooncake", ".venv-mooncake", "network (transfer engine, TCP)"),
+}
+
+
+def default_peers_dir() -> Path:
+    """Where the peers' environments are unless told: :func:`benchmarks_path` ``("peers")``."""
+    return benchmarks_path("peers")
+
+
+def peer_python(key: str, peers_dir: str | Path | None = None) -> Path | None:
+    """The interpreter of peer ``key``'s environment, or None where it is not set up."""
+    base = Path(peers_dir) if peers_dir is not None else default_peers_dir()
+    python = base / PEERS[key].venv / "bin" / "python"
+    return python if python.exists() else None
+
+
+def peer_state(key: str, peers_dir: str | Path | None = None) -> str:
+    """ "runs" or why peer ``key`` is skipped."""
+    if peer_python(key, peers_dir) is not None:
+        return "runs"
+    base = Path(peers_dir) if peers_dir is not None else default_peers_dir()
+    return f"skipped: no environment at {base / PEERS[key].venv} (make it with `{SETUP_HINT}`)"
+
+
+def start_peer(
+    stack: contextlib.ExitStack,
+    key: str,
+    worker: str,
+    kind: str,
+    config: dict[str, Any],
+    log_dir: str,
+    peers_dir: str | Path | None = None,
+    timeout: float = 300.0,
+) -> tuple[Child, dict[str, Any]]:
+    """Starts ``peer_workers/<worker>.py --child kind config`` under peer ``key``'s interpreter
+    (stopped by ``stack``) and returns it with its first answer; refuses a worker whose check
+    failed. Raises LookupError where the peer is not set up."""
+    python = peer_python(key, peers_dir)
+    if python is None:
+        raise LookupError(peer_state(key, peers_dir))
+    program = (str(python), str(WORKERS_DIR / f"{worker}.py"))
+    child, first = start_child(stack, f"{key}-{kind}", kind, config, log_dir, timeout=timeout,
+                               program=program)  # fmt: skip
+    if not first.get("verified"):
+        raise RuntimeError(f"{PEERS[key].title}: its round trip moved wrong bytes: {first}")
+    return child, first

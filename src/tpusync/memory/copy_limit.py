@@ -1,0 +1,128 @@
+"""The memory-copy limit: a copy of one contiguous region to another on all cores, the best of
+glibc ``memcpy`` and non-temporal stores (one stream, or four pages interleaved), timed in C
+between barriers so that no thread start or dispatch is in it. ``np.copyto`` on a thread per
+core is measured beside it and never used as the limit. The demo and ``tpusync bench`` divide
+their host-side figures by it."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tpusync._native import limits as _limits
+from tpusync.errors import InvalidArgumentError
+
+__all__ = ["STREAMING_METHODS", "LimitResult", "MemoryLimit", "memory_limit_gbps"]
+
+STREAMING_METHODS = ("stream", "stream_pages")
+
+
+@dataclass
+class LimitResult:
+    """A limit's medians per method in GB/s; :attr:`gbps` is the best of them and
+    :attr:`method` the one that gave it."""
+
+    gbps_by_method: dict[str, float]
+    runs: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        return max(self.gbps_by_method, key=self.gbps_by_method.__getitem__)
+
+    @property
+    def gbps(self) -> float:
+        return self.gbps_by_method[self.method]
+
+
+def _huge_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Anonymous memory asking for transparent huge pages (as tpusync's DRAM pools do), every
+    page touched: the limit runs on memory as good as the product's."""
+    size = max(nbytes, 1)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    array = np.frombuffer(region, dtype=np.uint8, count=nbytes)
+    return region, array
+
+
+class MemoryLimit:
+    """The memory-copy limit for ``nbytes``: one contiguous region to another, on ``threads``
+    threads (default: every core this process may run on).
+
+    :meth:`sample` times each method once (so that calls alternate with the figures they
+    bound); :meth:`result` gives the medians so far and the best method."""
+
+    def __init__(self, nbytes: int, threads: int | None = None, *, seed: int = 0) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise InvalidArgumentError(
+                f"nbytes: expected a positive number of bytes, got {nbytes!r}"
+            )
+        self.nbytes = nbytes
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self._src_region, self.src = _huge_buffer(nbytes)
+        self._dst_region, self.dst = _huge_buffer(nbytes)
+        rng = np.random.default_rng(seed)
+        self.src[:] = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+        self.dst[:] = 1  # touched: no page faults in a timed copy
+        self.methods = ["memcpy", *(STREAMING_METHODS if _limits.have_streaming() else ())]
+        bounds = np.linspace(0, nbytes, self.threads + 1).astype(np.int64) // 4096 * 4096
+        bounds[-1] = nbytes
+        self._slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+        self._pool = ThreadPoolExecutor(self.threads)
+        self._runs: dict[str, list[float]] = {m: [] for m in [*self.methods, "np.copyto"]}
+
+    def sample(self, repeats: int = 1) -> None:
+        """Times every method ``repeats`` times (the best repeat counts: the limit is what the
+        machine can do) and ``np.copyto`` once."""
+        for method in self.methods:
+            seconds = _limits.copy_seconds(self.dst, self.src, self.threads, method, repeats)
+            self._runs[method].append(min(seconds))
+        start = time.perf_counter()
+        list(self._pool.map(lambda s: np.copyto(self.dst[s], self.src[s]), self._slices))
+        self._runs["np.copyto"].append(time.perf_counter() - start)
+
+    def verify(self) -> bool:
+        """Whether every method copies ``src`` into ``dst`` exactly (a limit that copies wrongly
+        measures nothing): each starts from a cleared ``dst``."""
+        for method in self.methods:
+            self.dst[:] = 0
+            _limits.copy_seconds(self.dst, self.src, self.threads, method, 1)
+            if not np.array_equal(self.dst, self.src):
+                return False
+        return True
+
+    def result(self) -> LimitResult:
+        """Medians so far; ``np.copyto`` is reported but never chosen as the limit."""
+        if not self._runs["memcpy"]:
+            raise InvalidArgumentError("MemoryLimit.result: no samples yet; call sample() first")
+        gbps = {m: self.nbytes / statistics.median(t) / 1e9 for m, t in self._runs.items() if t}
+        best = {m: g for m, g in gbps.items() if m != "np.copyto"}
+        return LimitResult(best, {m: list(t) for m, t in self._runs.items()})
+
+    def copyto_gbps(self) -> float:
+        """``np.copyto``'s median GB/s: shown beside the limit, the ratio the old tables used."""
+        return self.nbytes / statistics.median(self._runs["np.copyto"]) / 1e9
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        del self.src, self.dst
+        self._src_region.close()
+        self._dst_region.close()
+
+
+def memory_limit_gbps(nbytes: int, repeats: int = 5) -> LimitResult:
+    """The limit for ``nbytes`` measured now: ``repeats`` samples of every method."""
+    limit = MemoryLimit(nbytes)
+    try:
+        for _ in range(repeats):
+            limit.sample(repeats=3)
+        return limit.result()
+    finally:
+        limit.close()
