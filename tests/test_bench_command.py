@@ -148,3 +148,30 @@ def test_plot_writes_pngs_with_the_limit(tmp_path: Path) -> None:
     paths = plot_results("transfer", record, tmp_path)
     assert [p.name for p in paths] == ["transfer.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_written_by_a_run_leave_the_commit_clean(tmp_path: Path) -> None:
+    """RESULTS.md and results/ are rewritten by every run: they must not make the next run's
+    results "+dirty"; any other tracked change must."""
+    from tpusync.bench.common import commit_of
+
+    def git(*argv: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True,
+                       timeout=30)  # fmt: skip
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.invalid")
+    git("config", "user.name", "t")
+    (tmp_path / "benchmarks" / "results" / "x").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("a\n")
+    (tmp_path / "benchmarks" / "results" / "x" / "r.json").write_text("{}\n")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "init")
+    clean = commit_of(tmp_path / "benchmarks")
+    assert len(clean) == 40 and not clean.endswith("+dirty")
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("b\n")
+    (tmp_path / "benchmarks" / "results" / "x" / "r.json").write_text("{1}\n")
+    assert commit_of(tmp_path / "benchmarks") == clean
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert commit_of(tmp_path / "benchmarks") == clean + "+dirty"

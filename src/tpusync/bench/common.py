@@ -141,8 +141,9 @@ def commit_of(directory: str | os.PathLike[str]) -> str:
             ["git", "-C", str(directory), "rev-parse", "HEAD"],
             capture_output=True, text=True, check=True, timeout=30,
         ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(  # the results a run writes do not make the checkout dirty
+            ["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no",
+             "--", ":/", ":!/benchmarks/RESULTS.md", ":!/benchmarks/results"],
             capture_output=True, text=True, check=True, timeout=30,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
