@@ -71,10 +71,12 @@ def _tiers(record: dict[str, Any]) -> Table:
              _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), limit)]
         )  # fmt: skip
     for r in record.get("disk", []):
-        write, read = r.get("fio_write_gbps"), r.get("fio_read_gbps")
+        write = r.get("limit_write_gbps", r.get("fio_write_gbps"))
+        read = r.get("limit_read_gbps", r.get("fio_read_gbps"))
         rows.append(
             [r.get("tier", "-"), f"{r.get('block_mib')} MiB",
-             f"fio {_num(write)} w / {_num(read)} r",
+             f"{_num(write)} w ({r.get('limit_write_method', 'fio')}) / {_num(read)} r "
+             f"({r.get('limit_read_method', 'fio')})",
              _num(r.get("put_gbps")), _ratio(r.get("put_gbps"), write),
              _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), read)]
         )  # fmt: skip
