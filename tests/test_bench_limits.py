@@ -5,6 +5,7 @@ says; bad arguments are refused by name."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from tools import require_tool
 from tpusync._native import limits as native
 from tpusync.bench.limits import (
     NR_HUGEPAGES,
+    TCP_SETTINGS,
     Iperf3PerStream,
     MemoryLimit,
     disk_fio,
@@ -83,9 +85,19 @@ def test_memory_limit_reports_every_method_and_copies_right() -> None:
 
 def test_loopback_tcp_times_every_setting_on_every_repeat() -> None:
     result = loopback_tcp(2, 8 << 20, repeats=2)
-    assert len(result.gbps_by_method) == 4
+    assert len(result.gbps_by_method) == len(TCP_SETTINGS)
+    assert "chunk=4M,sndbuf=auto,lowat=256K" in result.gbps_by_method
     assert all(g > 0 for g in result.gbps_by_method.values())
     assert all(len(r) == 2 for r in result.runs.values())
+
+
+def test_a_low_mark_above_what_the_window_holds_still_finishes() -> None:
+    """SO_RCVLOWAT far above a small send buffer: the receiver must not wait for a mark the
+    window can never fill (it reads again after a short poll)."""
+    start = time.monotonic()
+    seconds = native.tcp_seconds(1, 4 << 20, 0, 1 << 20, 64 << 10, 2, 16 << 20)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert time.monotonic() - start < 20
 
 
 def _copy(dst_size: int, src_size: int, threads: int = 1, method: str = "memcpy") -> None:

@@ -9,5 +9,11 @@ def copy_seconds(
     dst: np.ndarray, src: np.ndarray, threads: int, method: str, repeats: int
 ) -> list[float]: ...
 def tcp_seconds(
-    streams: int, nbytes: int, warm_bytes: int, chunk: int, sndbuf: int, repeats: int
+    streams: int,
+    nbytes: int,
+    warm_bytes: int,
+    chunk: int,
+    sndbuf: int,
+    repeats: int,
+    lowat: int = 0,
 ) -> list[float]: ...

@@ -13,7 +13,7 @@ cdef extern from "tpusync/limits.h" nogil:
                        int repeats, double *seconds)
     int tps_limit_have_streaming()
     int tps_limit_tcp(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                      int repeats, double *seconds)
+                      size_t lowat, int repeats, double *seconds)
 
 COPY_METHODS = {"memcpy": 0, "stream": 1, "stream_pages": 2}
 
@@ -56,9 +56,10 @@ def copy_seconds(dst, src, int threads, str method, int repeats) -> list:
 
 
 def tcp_seconds(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                int repeats) -> list:
+                int repeats, size_t lowat=0) -> list:
     """Moves ``nbytes`` per stream over ``streams`` loopback connections at once, ``repeats``
-    times after ``warm_bytes`` untimed; the seconds of each repeat (see csrc/limits.c)."""
+    times after ``warm_bytes`` untimed; the seconds of each repeat (see csrc/limits.c).
+    ``lowat``: the receiver's SO_RCVLOWAT step (0: the kernel's default)."""
     if streams < 1 or repeats < 1 or chunk < 1 or nbytes < 1:
         raise InvalidArgumentError(
             "streams, repeats, chunk, nbytes: expected positive ints, got "
@@ -70,7 +71,8 @@ def tcp_seconds(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int
         raise MemoryError()
     try:
         with nogil:
-            err = tps_limit_tcp(streams, nbytes, warm_bytes, chunk, sndbuf, repeats, seconds)
+            err = tps_limit_tcp(streams, nbytes, warm_bytes, chunk, sndbuf, lowat, repeats,
+                                seconds)
         if err:
             raise OSError(err, strerror(err).decode())
         return [seconds[i] for i in range(repeats)]

@@ -6,8 +6,10 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -225,7 +227,7 @@ int tps_limit_copy(char *dst, const char *src, size_t n, int threads, int method
 
 typedef struct {
   int fd;
-  size_t bytes, warm_bytes, chunk;
+  size_t bytes, warm_bytes, chunk, lowat;
   int repeats, sender;
   char *buffer;
   pthread_barrier_t *start, *done;
@@ -246,12 +248,25 @@ static int send_all(int fd, const char *buffer, size_t chunk, size_t bytes) {
   return 0;
 }
 
-static int recv_all(int fd, char *buffer, size_t chunk, size_t bytes) {
+/* lowat > 0: tpusync's receive loop -- read without waiting while data is there; when nothing
+ * is, wait in poll() until min(lowat, what is still missing) bytes arrived (SO_RCVLOWAT: one
+ * wake-up per lowat bytes, not per packet), or 50 ms passed (the window may hold less than the
+ * mark), then read again. lowat == 0: plain blocking reads. */
+static int recv_all(int fd, char *buffer, size_t chunk, size_t lowat, size_t bytes) {
+  int mark = 1;
+  struct pollfd pfd = {.fd = fd, .events = POLLIN};
   while (bytes) {
     size_t n = bytes < chunk ? bytes : chunk;
-    ssize_t k = recv(fd, buffer, n, 0);
+    ssize_t k = recv(fd, buffer, n, lowat ? MSG_DONTWAIT : 0);
     if (k < 0) {
       if (errno == EINTR) continue;
+      if (lowat && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        size_t want = bytes < lowat ? bytes : lowat;
+        int w = want > INT_MAX ? INT_MAX : (int)want;
+        if (w != mark && setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &w, sizeof w) == 0) mark = w;
+        if (poll(&pfd, 1, 50) < 0 && errno != EINTR) return errno;
+        continue;
+      }
       return errno;
     }
     if (k == 0) return ECONNRESET;
@@ -264,13 +279,13 @@ static void *tcp_worker(void *arg) {
   tcp_end *e = arg;
   if (!gate_wait(e->gate)) return NULL;
   int err = e->sender ? send_all(e->fd, e->buffer, e->chunk, e->warm_bytes)
-                      : recv_all(e->fd, e->buffer, e->chunk, e->warm_bytes);
+                      : recv_all(e->fd, e->buffer, e->chunk, e->lowat, e->warm_bytes);
   if (err) shutdown(e->fd, SHUT_RDWR);
   for (int r = 0; r < e->repeats; r++) {
     pthread_barrier_wait(e->start);
     if (!err) {
       err = e->sender ? send_all(e->fd, e->buffer, e->chunk, e->bytes)
-                      : recv_all(e->fd, e->buffer, e->chunk, e->bytes);
+                      : recv_all(e->fd, e->buffer, e->chunk, e->lowat, e->bytes);
       if (err) shutdown(e->fd, SHUT_RDWR); /* the other end stops waiting too */
     }
     pthread_barrier_wait(e->done);
@@ -303,7 +318,7 @@ static int tcp_pair(int listener, const struct sockaddr_in *at, int sndbuf, int 
 }
 
 int tps_limit_tcp(int streams, size_t bytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                  int repeats, double *seconds) {
+                  size_t lowat, int repeats, double *seconds) {
   if (streams < 1 || repeats < 1 || chunk < 1 || bytes < 1) return EINVAL;
   int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listener < 0) return errno;
@@ -332,7 +347,7 @@ int tps_limit_tcp(int streams, size_t bytes, size_t warm_bytes, size_t chunk, in
     if (err) break;
     for (int side = 0; side < 2; side++) {
       tcp_end *e = &ends[2 * p + side];
-      *e = (tcp_end){fds[side], bytes, warm_bytes, chunk, repeats, side == 0,
+      *e = (tcp_end){fds[side], bytes, warm_bytes, chunk, lowat, repeats, side == 0,
                      buffers + (size_t)(2 * p + side) * chunk, &start, &done, &g, 0};
     }
   }
