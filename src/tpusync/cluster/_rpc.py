@@ -160,7 +160,8 @@ class RpcConnection:
             raise self._unavailable(f"not connected to {self.peer}")
         rid = self.next_id()
         try:
-            sock.settimeout(self._timeout)
+            if sock.gettimeout() != self._timeout:  # another user of the socket changed it
+                sock.settimeout(self._timeout)
             self.send_request(rid, method, params)
             response = _recv_json(sock)
         except TimeoutError as exc:

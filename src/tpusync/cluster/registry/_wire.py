@@ -3,6 +3,8 @@ form (see :mod:`tpusync.cluster.registry.server`)."""
 
 from __future__ import annotations
 
+import itertools
+
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -74,9 +76,8 @@ def _holders_from_wire(result: Any, method: str) -> list[list[Holder]]:
             table = [Holder(str(n), str(t)) for n, t in result["holders"]]
             rows = [sorted((table[i] for i in row), key=_holder_node) for row in result["rows"]]
             out = []
-            for r, count in result["runs"]:
-                row = rows[r]
-                out.extend([row.copy() for _ in range(count)])
+            for r, count in result["runs"]:  # a list of its own per key, copied at C speed
+                out.extend(map(list.copy, itertools.repeat(rows[r], count)))
     except (TypeError, ValueError, KeyError, IndexError):
         raise RegistryUnavailableError(f"malformed {method} answer: {result!r:.200}") from None
     return out

@@ -133,12 +133,12 @@ def check_answer(found: list[Any], asked: int, answer: Any, what: str) -> list[A
 def check_keys(keys: Sequence[bytes], argument: str = "keys") -> list[bytes]:
     out = list(keys)
     # the common case at C speed: all bytes (not a subclass) of an allowed length
-    if not out or (
-        set(map(type, out)) == {bytes}
-        and min(map(len, out)) >= 1
-        and max(map(len, out)) <= MAX_KEY_BYTES
-    ):
+    if not out:
         return out
+    if set(map(type, out)) == {bytes}:
+        lengths = set(map(len, out))  # one pass; min and max then run over a few sizes
+        if min(lengths) >= 1 and max(lengths) <= MAX_KEY_BYTES:
+            return out
     for i, key in enumerate(out):
         if type(key) is not bytes or not 1 <= len(key) <= MAX_KEY_BYTES:
             raise InvalidArgumentError(
