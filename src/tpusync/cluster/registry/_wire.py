@@ -4,7 +4,6 @@ form (see :mod:`tpusync.cluster.registry.server`)."""
 from __future__ import annotations
 
 import itertools
-
 import struct
 from collections.abc import Sequence
 from typing import Any
