@@ -1,6 +1,7 @@
 # Sourced by the quick-start scripts: creates or reuses ./.venv (or $TPUSYNC_VENV) and installs
-# tpusync into it with the given extras, rebuilding only when the sources changed since the last
-# install. Needs python3 with venv and headers, and gcc; pip fetches the rest from PyPI.
+# tpusync into it with the given extras from the one wheel scripts/_wheel.sh builds (rebuilt only
+# when the sources changed). Needs python3 with venv and headers, and gcc; pip fetches the rest
+# from PyPI.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
@@ -11,16 +12,12 @@ if [[ ! -x "$venv/bin/python" ]]; then
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
-# A fingerprint of everything that goes into the wheel; reinstall only when it changes.
+source "$repo/scripts/_wheel.sh" "$venv/bin/python"
 stamp="$venv/.tpusync-installed"
-fingerprint="$(
-    { echo "extras=$extras"; find src include meson.build pyproject.toml -type f \
-        ! -name '*.so' ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha1sum; } \
-        | sha1sum | cut -d' ' -f1
-)"
-if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$fingerprint" ]]; then
-    echo "tpusync: building and installing tpusync${extras:+[$extras]} into $venv (about a minute)"
-    "$venv/bin/python" -m pip install --quiet ".${extras:+[$extras]}"
-    echo "$fingerprint" >"$stamp"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$wheel[$extras]" ]]; then
+    echo "tpusync: installing $(basename "$wheel")${extras:+[$extras]} into $venv"
+    "$venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
+    "$venv/bin/python" -m pip install --quiet "$wheel${extras:+[$extras]}"
+    echo "$wheel[$extras]" >"$stamp"
 fi
 export PATH="$venv/bin:$PATH"

@@ -11,6 +11,7 @@ reproduces a failure.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import shutil
@@ -28,6 +29,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 SEED = int(os.environ.get("TPUSYNC_TEST_SEED") or secrets.randbits(32))
+
+# tests/vllm needs torch and vLLM: scripts/test.sh runs it in the vLLM environment it makes.
+collect_ignore = [] if importlib.util.find_spec("torch") is not None else ["vllm"]
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

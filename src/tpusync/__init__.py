@@ -24,12 +24,13 @@ options.set_current(options.from_environment())
 
 from tpusync.errors import TpuSyncError  # noqa: E402
 from tpusync.info import info  # noqa: E402
-from tpusync.memory import DevicePool, HostBuffer  # noqa: E402
+from tpusync.memory import DevicePool, HostBuffer, TorchPool  # noqa: E402
 from tpusync.transfer import Transfer, TransferFuture, transfer, transfer_batch  # noqa: E402
 
 __all__ = [
     "DevicePool",
     "HostBuffer",
+    "TorchPool",
     "TpuSyncError",
     "Transfer",
     "TransferFuture",

@@ -32,6 +32,7 @@ __all__ = [
     "TransferFailedError",
     "TransferTimeoutError",
     "UnsafeFileError",
+    "UnsupportedTensorError",
     "WrongDeviceError",
 ]
 
@@ -187,3 +188,9 @@ class PoolClosedError(InvalidArgumentError):
 class PlotUnavailableError(TpuSyncError, ImportError):
     """A plot was asked for (``--plot``) but matplotlib is not installed; the message names the
     extra that installs it."""
+
+
+class UnsupportedTensorError(InvalidArgumentError):
+    """A PyTorch tensor tpusync cannot move as raw memory (a device it has no proven path for,
+    an unsupported dtype, a sparse tensor, a pending conjugate); the message names the way
+    around."""

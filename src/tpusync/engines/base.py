@@ -63,6 +63,7 @@ class DeviceSide:
 class HostSide:
     argument: str
     views: list[np.ndarray] = field(default_factory=list)  # one per shard group, same ndim
+    pool: Any = None  # the TorchPool the views are of (its lock and held blocks), or None
 
     @property
     def dtype(self) -> np.dtype:
@@ -108,8 +109,10 @@ class Move:
                 return side.groups
         return (ShardGroup((), ()),) * len(self.src.views)  # type: ignore[union-attr]
 
-    def pools(self) -> list[DevicePool]:
-        return [s.pool for s in (self.src, self.dst) if isinstance(s, DeviceSide) and s.pool]
+    def pools(self) -> list[Any]:
+        """The pools the move touches (DevicePools, TorchPools): their locks are held while it
+        runs."""
+        return [s.pool for s in (self.src, self.dst) if s.pool is not None]
 
 
 class Engine(Protocol):

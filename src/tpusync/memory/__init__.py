@@ -8,5 +8,6 @@ from __future__ import annotations
 
 from tpusync.memory.device_pool import DevicePool
 from tpusync.memory.host_buffer import HostBuffer
+from tpusync.memory.torch_tensors import TorchPool
 
-__all__ = ["DevicePool", "HostBuffer"]
+__all__ = ["DevicePool", "HostBuffer", "TorchPool"]

@@ -45,13 +45,12 @@ import numpy as np
 
 from tpusync.errors import (
     ArrayDeletedError,
-    BlockIndexError,
-    BlocksHeldError,
     DtypeMismatchError,
     InvalidArgumentError,
     ShapeMismatchError,
 )
 from tpusync.memory import fork_guard, huge_pages
+from tpusync.memory.block_holds import BlockHolds
 
 __all__ = ["DevicePool", "check_alive", "device_layout", "start_donation", "wait_for_readers"]
 
@@ -119,11 +118,7 @@ class DevicePool:
         self._array = array
         self.donated_steps = donated_steps
         self._lock = threading.RLock()
-        # block axis -> holds per block (one array pass per save, where a Counter cost ~0.5 ms
-        # to release 512 blocks) and the holds in all, read without the lock by the fast path
-        self._held: dict[int, np.ndarray] = {}
-        self._held_total: dict[int, int] = {}
-        self._held_lock = threading.Lock()
+        self._holds = BlockHolds(tuple(int(n) for n in array.shape), name)
         # Why the native engine cannot move the array (None: it can), kept here for the
         # engine: found again only when the device layout changes (devices and dtype never
         # do). See tpusync.engines.native.pool_unavailable_reason.
@@ -203,68 +198,24 @@ class DevicePool:
                 )
             self._array = array
 
-    def _block_ids(self, block_ids: Any, block_axis: Any) -> np.ndarray:
-        """``block_ids`` as int64, each a block of ``block_axis`` (checked)."""
-        if type(block_axis) is not int or not 0 <= block_axis < len(self.shape):
-            raise InvalidArgumentError(
-                f"block_axis: expected an axis of the pool's {len(self.shape)}, got {block_axis!r}"
-            )
-        ids = np.asarray(block_ids)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"block_ids: expected integers, got dtype {ids.dtype}")
-        ids = ids.astype(np.int64).reshape(-1)
-        n = self.shape[block_axis]
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise BlockIndexError(
-                f"block_ids: {int(ids.min())}..{int(ids.max())} is outside the pool's blocks "
-                f"0..{n - 1} on axis {block_axis}"
-            )
-        return ids
-
     def hold_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
         """Marks blocks as being read by a save: transfers refuse to write them until
         :meth:`release_blocks` (holds are counted; each hold is released once)."""
-        ids = self._block_ids(block_ids, block_axis)
-        with self._held_lock:
-            counts = self._held.get(block_axis)
-            if counts is None:
-                counts = self._held[block_axis] = np.zeros(self.shape[block_axis], np.int64)
-            np.add.at(counts, ids, 1)
-            self._held_total[block_axis] = self._held_total.get(block_axis, 0) + len(ids)
+        self._holds.hold(block_ids, block_axis)
 
     def release_blocks(self, block_ids: Any, block_axis: int = 0) -> None:
         """Drops one hold from each block (the save no longer reads it); a block without a
         hold stays without one."""
-        ids = self._block_ids(block_ids, block_axis)
-        with self._held_lock:
-            counts = self._held.get(block_axis)
-            if counts is None:
-                return
-            np.subtract.at(counts, ids, 1)
-            np.maximum(counts, 0, out=counts)
-            self._held_total[block_axis] = int(counts.sum())
+        self._holds.release(block_ids, block_axis)
 
     def held_blocks(self, block_axis: int = 0) -> list[int]:
         """The blocks a save still reads (sorted)."""
-        with self._held_lock:
-            counts = self._held.get(block_axis)
-            return [] if counts is None else np.flatnonzero(counts).tolist()
+        return self._holds.held(block_axis)
 
     def _check_writable(self, block_ids: np.ndarray, block_axis: int, argument: str) -> None:
         """Raises BlocksHeldError when a transfer would write a held block (``block_ids`` were
         checked against the pool)."""
-        if not self._held_total.get(block_axis):  # nothing held: the usual case, no lock
-            return
-        with self._held_lock:
-            counts = self._held[block_axis]
-            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-            busy = np.unique(ids[counts[ids] > 0]).tolist()
-        if busy:
-            raise BlocksHeldError(
-                f"{argument}: blocks {busy[:8]}{'...' if len(busy) > 8 else ''} of pool "
-                f"{self.name!r} are still being saved; wait for the save's `released` future "
-                "before writing them"
-            )
+        self._holds.check_writable(block_ids, block_axis, argument)
 
     def _writable_in_place(self) -> bool:
         """Whether a raw write may skip the identity step (see ``donated_steps``): the pool's

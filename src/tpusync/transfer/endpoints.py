@@ -1,10 +1,12 @@
 """Resolves transfer endpoints into shards and strided host views, validating as it goes.
 
 A transfer side is either a *device* side (a ``jax.Array`` or :class:`DevicePool`) or a *host*
-side (a numpy array or :class:`HostBuffer`). A device array is cut into its distinct addressable
-shards; the matching host side holds them as ``[shard][...]``: a leading shard axis in the
-documented shard order (by the shards' start indices, row-major). A host side for an array with
-one distinct shard (single-device or replicated) may leave that axis out.
+side (a numpy array, :class:`HostBuffer`, a CPU ``torch.Tensor`` or, as a destination, a
+``TorchPool``: a numpy view of the tensor's own memory). A device array is cut into its
+distinct addressable shards; the matching host side holds them as ``[shard][...]``: a leading
+shard axis in the documented shard order (by the shards' start indices, row-major). A host
+side for an array with one distinct shard (single-device or replicated) may leave that axis
+out.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tpusync.errors import (
 from tpusync.memory import fork_guard
 from tpusync.memory.device_pool import DevicePool, check_alive
 from tpusync.memory.host_buffer import HostBuffer
+from tpusync.memory.torch_tensors import TorchPool, host_view, is_tensor
 
 __all__ = [
     "TRACED",
@@ -126,11 +129,20 @@ def resolve(obj: Any, argument: str, *, destination: bool) -> Side:
                 f"array once with tpusync.DevicePool({argument}) and pass the pool"
             )
         return resolve_device(obj, argument)
+    if isinstance(obj, TorchPool):
+        return HostSide(argument, [obj.host_view(argument)], pool=obj)
+    if is_tensor(obj):
+        if destination:
+            raise NotAPoolError(
+                f"{argument}: tpusync writes a torch tensor only through a TorchPool; wrap it "
+                f"once with tpusync.TorchPool({argument}) and pass the pool"
+            )
+        return HostSide(argument, [host_view(obj, argument)])
     host = as_host_array(obj, argument)
     if host is None:
         raise InvalidArgumentError(
-            f"{argument}: expected a jax.Array, tpusync.DevicePool, tpusync.HostBuffer or "
-            f"numpy.ndarray, got {type(obj).__name__}"
+            f"{argument}: expected a jax.Array, tpusync.DevicePool, tpusync.HostBuffer, "
+            f"numpy.ndarray, torch.Tensor or tpusync.TorchPool, got {type(obj).__name__}"
         )
     if destination and not host.flags.writeable:
         raise ReadOnlyDestinationError(

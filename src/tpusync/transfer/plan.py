@@ -147,7 +147,7 @@ def plan_move(item: Transfer, src_name: str = "src", dst_name: str = "dst") -> M
     src_count = src.shard_shape[item.block_axis]
     dst_count = dst.shard_shape[item.block_axis]
     src_idx, dst_idx = pair_block_lists(item.src_blocks, item.dst_blocks, src_count, dst_count)
-    if isinstance(dst, DeviceSide) and dst.pool is not None:
+    if dst.pool is not None:
         dst.pool._check_writable(dst_idx, item.block_axis, "dst_blocks")
     whole = is_identity(src_idx, dst_idx, src_count, dst_count)
     return Move(src, dst, src_idx, dst_idx, item.block_axis, whole)
