@@ -175,3 +175,15 @@ def test_results_written_by_a_run_leave_the_commit_clean(tmp_path: Path) -> None
     assert commit_of(tmp_path / "benchmarks") == clean
     (tmp_path / "code.py").write_text("a = 2\n")
     assert commit_of(tmp_path / "benchmarks") == clean + "+dirty"
+
+
+def test_results_md_goes_inside_a_results_dir_of_another_name(tmp_path: Path) -> None:
+    """--results-dir /tmp/x must not write /tmp/RESULTS.md."""
+    other = tmp_path / "quick-run"
+    (other / "transfer").mkdir(parents=True)
+    (other / "transfer" / "abc-cpu-2core.json").write_text(json.dumps({"results": []}))
+    assert write_results_md(other) == other / "RESULTS.md"
+    assert not (tmp_path / "RESULTS.md").exists()
+    scheme = tmp_path / "results"
+    (scheme / "transfer").mkdir(parents=True)
+    assert write_results_md(scheme) == tmp_path / "RESULTS.md"

@@ -187,9 +187,14 @@ def write_results_md(
 ) -> Path:
     """Writes a markdown table per benchmark from its latest file in ``results_dir``
     (``<bench>/<commit>-<machine>.json``) to ``target`` (default: ``RESULTS.md`` beside
-    ``results_dir``). Returns the path written."""
+    ``results_dir`` when it is the scheme's own ``results`` folder, as ``benchmarks/results``
+    is, else inside it: a run into ``--results-dir /tmp/x`` writes nothing into ``/tmp``).
+    Returns the path written."""
     base = Path(results_dir)
-    out = Path(target) if target is not None else base.parent / "RESULTS.md"
+    if target is not None:
+        out = Path(target)
+    else:
+        out = (base.parent if base.name == "results" else base) / "RESULTS.md"
     lines = [
         "# Benchmark results",
         "",
