@@ -18,7 +18,12 @@ import pytest
 import tpusync
 from tests.tools import skip_or_fail
 from tpusync.bench.command import peers
+from tpusync.bench.common import PACKAGE_DIR, benchmarks_path
 from tpusync.bench.external import PEERS, default_peers_dir, peer_python, peer_state, start_peer
+
+# The tests run against the installed package, which has no checkout beside it: the peers'
+# environments are the checkout's (benchmarks/peers/setup.sh makes them there).
+PEERS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
 
 ENV = dict(
     os.environ,
@@ -30,8 +35,8 @@ ENV = dict(
 
 
 def _require(key: str) -> None:
-    if peer_python(key) is None:
-        skip_or_fail(f"{PEERS[key].title}: {peer_state(key)}")
+    if peer_python(key, PEERS_DIR) is None:
+        skip_or_fail(f"{PEERS[key].title}: {peer_state(key, PEERS_DIR)}")
 
 
 def test_missing_peers_are_listed_as_skipped_with_the_setup_command(tmp_path: Path) -> None:
@@ -46,8 +51,10 @@ def test_missing_peers_are_listed_as_skipped_with_the_setup_command(tmp_path: Pa
                    peers_dir=tmp_path)  # fmt: skip
 
 
-def test_default_peers_dir_is_the_checkouts() -> None:
-    assert default_peers_dir() == Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+def test_default_peers_dir_is_the_checkouts_or_the_working_directorys() -> None:
+    checkout = PACKAGE_DIR.parents[2] / "benchmarks"
+    expected = checkout / "peers" if checkout.is_dir() else Path.cwd() / "tpusync-bench-peers"
+    assert default_peers_dir() == benchmarks_path("peers") == expected
 
 
 @pytest.mark.parametrize("block_bytes", [4096, 256 << 10])
@@ -56,7 +63,7 @@ def test_tpu_sync_worker_round_trip_moves_every_byte(tmp_path: Path, block_bytes
     config = {"blocks": 24, "block_bytes": block_bytes, "seed": 3}
     with contextlib.ExitStack() as stack:
         child, first = start_peer(stack, "tpu-sync", "tpu_sync_transfer", "transfer", config,
-                                  str(tmp_path), timeout=120)  # fmt: skip
+                                  str(tmp_path), PEERS_DIR, timeout=120)  # fmt: skip
         assert first["verified"] is True and first["backend"] == "cpu"
         assert tuple(int(p) for p in first["jax"].split(".")[:2]) >= (0, 11)
         for op in ("d2h", "h2d"):
@@ -72,7 +79,7 @@ def test_mooncake_worker_pull_delivers_every_byte(tmp_path: Path) -> None:
     config = {"blocks": 8, "block_bytes": 1 << 20, "seed": 5}
     with contextlib.ExitStack() as stack:
         child, first = start_peer(stack, "mooncake", "mooncake_pull", "client", config,
-                                  str(tmp_path), timeout=120)  # fmt: skip
+                                  str(tmp_path), PEERS_DIR, timeout=120)  # fmt: skip
         assert first["verified"] is True and first["mooncake"] != "unknown"
         assert child.request({"op": "pull"}, timeout=60)["seconds"] > 0
         proc = child.proc
@@ -84,7 +91,7 @@ def test_bench_transfer_runs_tpu_sync_beside_tpusync(tmp_path: Path) -> None:
     results = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "tpusync", "bench", "transfer", "--quick", "--total-mib", "4",
-         "--repeats", "1", "--results-dir", str(results)],
+         "--repeats", "1", "--results-dir", str(results), "--peers-dir", str(PEERS_DIR)],
         cwd=tmp_path, capture_output=True, text=True, timeout=180, env=ENV,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -19,6 +19,8 @@ from tpusync._native.copy import BlockRows as BlockRows
 from tpusync._native.copy import CopyEngine as CopyEngine
 from tpusync._native.copy import block_segments as block_segments
 from tpusync._native.copy import table_bounds as table_bounds
+from tpusync._native.limits import copy_seconds as copy_seconds
+from tpusync._native.limits import have_streaming as have_streaming
 from tpusync._native.net import FRAME_HEADER_BYTES as FRAME_HEADER_BYTES
 from tpusync._native.net import FRAMES_DONE as FRAMES_DONE
 from tpusync._native.net import FRAMES_HEADER as FRAMES_HEADER
@@ -65,7 +67,9 @@ __all__ = [
     "block_ids_status",
     "block_segments",
     "collapse_huge_pages",
+    "copy_seconds",
     "crc32c",
+    "have_streaming",
     "pin_slots",
     "pjrt_minimum_version",
     "recv_exact",

@@ -27,6 +27,7 @@ from tpusync._native.checksum import (
     sum64_regions, xxh64, xxh64_gathered, xxh64_rows,
 )
 from tpusync._native.copy import BlockRows, CopyEngine, block_segments, table_bounds
+from tpusync._native.limits import copy_seconds, have_streaming
 from tpusync._native.net import (
     FRAME_HEADER_BYTES, FRAMES_DONE, FRAMES_HEADER, FRAMES_SILENT, FRAMES_TIMEOUT, FrameReceiver,
     PieceHasher, _set_rcvlowat_max, _set_recv_step, block_frame_headers, recv_exact, send_all,
@@ -43,7 +44,7 @@ __all__ = [
     "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
-    "collapse_huge_pages", "crc32c", "pin_slots", "pjrt_minimum_version", "recv_exact", "send_all",
+    "collapse_huge_pages", "copy_seconds", "crc32c", "have_streaming", "pin_slots", "pjrt_minimum_version", "recv_exact", "send_all",
     "sum64", "sum64_regions", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
     "xxh64_rows",
 ]

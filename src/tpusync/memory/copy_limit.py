@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tpusync._native import limits as _limits
+from tpusync import _core
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["STREAMING_METHODS", "LimitResult", "MemoryLimit", "memory_limit_gbps"]
@@ -71,7 +71,7 @@ class MemoryLimit:
         rng = np.random.default_rng(seed)
         self.src[:] = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
         self.dst[:] = 1  # touched: no page faults in a timed copy
-        self.methods = ["memcpy", *(STREAMING_METHODS if _limits.have_streaming() else ())]
+        self.methods = ["memcpy", *(STREAMING_METHODS if _core.have_streaming() else ())]
         bounds = np.linspace(0, nbytes, self.threads + 1).astype(np.int64) // 4096 * 4096
         bounds[-1] = nbytes
         self._slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
@@ -82,7 +82,7 @@ class MemoryLimit:
         """Times every method ``repeats`` times (the best repeat counts: the limit is what the
         machine can do) and ``np.copyto`` once."""
         for method in self.methods:
-            seconds = _limits.copy_seconds(self.dst, self.src, self.threads, method, repeats)
+            seconds = _core.copy_seconds(self.dst, self.src, self.threads, method, repeats)
             self._runs[method].append(min(seconds))
         start = time.perf_counter()
         list(self._pool.map(lambda s: np.copyto(self.dst[s], self.src[s]), self._slices))
@@ -93,7 +93,7 @@ class MemoryLimit:
         measures nothing): each starts from a cleared ``dst``."""
         for method in self.methods:
             self.dst[:] = 0
-            _limits.copy_seconds(self.dst, self.src, self.threads, method, 1)
+            _core.copy_seconds(self.dst, self.src, self.threads, method, 1)
             if not np.array_equal(self.dst, self.src):
                 return False
         return True
