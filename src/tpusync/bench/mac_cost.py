@@ -145,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["shared FS get, mac_key", spread(fs_runs["get B"]),
          f"{fs_gbps['get B'] / fs_gbps['get A']:.2f}x", fs_gbps["get B"] / lim],
     ]  # fmt: skip
-    print(f"{total >> 20} MiB in 2 MiB blocks, median (min-max) of {args.repeats}")
+    print(f"{total >> 20} MiB in 2 MiB blocks, median (min-max) of {args.repeats}; peer: none "
+          "(what tpusync's own MAC costs it)")  # fmt: skip
     print_table(["what", "GB/s", "vs without MAC", "x limit"], rows, limit_columns=(3,))
     run.write(
         args.json,

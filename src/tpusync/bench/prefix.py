@@ -237,6 +237,11 @@ def _ms_spread(values: Sequence[float]) -> str:
     return spread([v * 1e3 for v in values], 1)
 
 
+# No peer that runs here keeps a prefix cache of a JAX model's KV (vLLM's own cache and its
+# connectors are measured beside tpusync's vLLM connector, benchmarks/vllm_ttft.py).
+NO_PEER = "none runs here"
+
+
 def table(results: list[dict[str, Any]]) -> None:
     rows = []
     for r in results:
@@ -266,6 +271,7 @@ def table(results: list[dict[str, Any]]) -> None:
                     "-" if limit_gbps is None else limit_gbps,
                     "-" if limit_gbps is None else load_gbps / limit_gbps,
                     "equal" if r["outputs_equal"] else "DIFFERENT",
+                    NO_PEER,
                 ]
             )
     print(
@@ -276,7 +282,7 @@ def table(results: list[dict[str, Any]]) -> None:
     print_table(
         [
             "tokens", "hit from", "cold ms", "warm ms", "TTFT -%", "KV MiB", "load ms",
-            "load GB/s", "limit", "limit GB/s", "x limit", "outputs",
+            "load GB/s", "limit", "limit GB/s", "x limit", "outputs", "peer",
         ],
         rows,
         limit_columns=(10,),

@@ -12,6 +12,7 @@ from typing import Any
 __all__ = ["latest_results", "write_results_md"]
 
 Table = tuple[list[str], list[list[str]]]
+NO_PEER = "none runs here"
 
 
 def _num(value: Any, digits: int = 2) -> str:
@@ -60,7 +61,7 @@ def _transfer(record: dict[str, Any]) -> Table:
 
 
 def _tiers(record: dict[str, Any]) -> Table:
-    headers = ["tier", "block", "limit GB/s", "put", "x limit", "get", "x limit"]
+    headers = ["tier", "block", "limit GB/s", "put", "x limit", "get", "x limit", "x peer"]
     rows = []
     for r in record.get("results", []):
         limit = r.get("limit_gbps")
@@ -68,7 +69,9 @@ def _tiers(record: dict[str, Any]) -> Table:
             [r.get("tier", "-"), f"{r.get('block_mib')} MiB",
              f"{_num(limit)} {r.get('limit_method', 'np.copyto')}",
              _num(r.get("put_gbps")), _ratio(r.get("put_gbps"), limit),
-             _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), limit)]
+             _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), limit),
+             f"put {_peer(r.get('put_gbps'), {'pure JAX': r.get('put_jax_gbps')})}, "
+             f"get {_peer(r.get('get_gbps'), {'pure JAX': r.get('get_jax_gbps')})}"]
         )  # fmt: skip
     for r in record.get("disk", []):
         write = r.get("limit_write_gbps", r.get("fio_write_gbps"))
@@ -78,14 +81,14 @@ def _tiers(record: dict[str, Any]) -> Table:
              f"{_num(write)} w ({r.get('limit_write_method', 'fio')}) / {_num(read)} r "
              f"({r.get('limit_read_method', 'fio')})",
              _num(r.get("put_gbps")), _ratio(r.get("put_gbps"), write),
-             _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), read)]
+             _num(r.get("get_gbps")), _ratio(r.get("get_gbps"), read), NO_PEER]
         )  # fmt: skip
     return headers, rows
 
 
 def _prefix(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold TTFT ms", "DRAM ms", "/dev/shm restart ms", "disk ms",
-               "DRAM load x limit", "disk load x limit"]  # fmt: skip
+               "DRAM load x limit", "disk load x limit", "x peer"]  # fmt: skip
     rows = []
     for r in record.get("results", []):
         kv, limit, fio = r.get("kv_bytes"), r.get("memcpy_gbps"), r.get("fio_read_gbps")
@@ -95,7 +98,7 @@ def _prefix(record: dict[str, Any]) -> Table:
             [str(r.get("tokens"))]
             + [_num((r.get(k) or 0) * 1e3, 1) for k in
                ("cold_ttft_s", "dram_ttft_s", "shm_restart_ttft_s", "disk_ttft_s")]
-            + [_ratio(dram, limit), _ratio(disk, fio)]
+            + [_ratio(dram, limit), _ratio(disk, fio), NO_PEER]
         )  # fmt: skip
     return headers, rows
 
@@ -129,11 +132,12 @@ def _network(record: dict[str, Any]) -> Table:
 def _mac_cost(record: dict[str, Any]) -> Table:
     gbps = record.get("gbps", {})
     limit = gbps.get("limit")
-    rows = [[name, _num(value), _ratio(value, limit) if name != "limit" else ""]
+    own = "none (tpusync's own MAC cost)"
+    rows = [[name, _num(value), _ratio(value, limit) if name != "limit" else "", own]
             for name, value in gbps.items()]  # fmt: skip
     for name, value in (record.get("shared_fs_gbps") or {}).items():
-        rows.append([f"shared fs {name}", _num(value), _ratio(value, limit)])
-    return ["what", "GB/s", "x limit"], rows
+        rows.append([f"shared fs {name}", _num(value), _ratio(value, limit), own])
+    return ["what", "GB/s", "x limit", "x peer"], rows
 
 
 def _generic(record: dict[str, Any]) -> Table:

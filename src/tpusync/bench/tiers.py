@@ -382,6 +382,7 @@ def lower_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None
             spread(r["raw_read_gbps_runs"]),
             spread(r["get_gbps_runs"]),
             _ratio(r.get("get_x_limit")),
+            "none runs here",  # no peer here has a disk or shared-FS tier
         ]
         for r in results
     ]
@@ -394,7 +395,7 @@ def lower_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None
     print_table(
         [
             "tier", "block", "threads", "limit write", "raw write", "put", "x limit", "limit read",
-            "raw read", "get", "x limit",
+            "raw read", "get", "x limit", "peer",
         ],
         rows,
         limit_columns=(6, 10),
