@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tpusync
@@ -72,6 +73,20 @@ def test_tpu_sync_worker_round_trip_moves_every_byte(tmp_path: Path, block_bytes
             child.request({"op": "nope"}, timeout=60)
         proc = child.proc
     assert proc.poll() is not None  # stopped by its pid with the stack
+
+
+def test_a_pythonpath_into_this_environment_does_not_reach_the_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This interpreter's site-packages on PYTHONPATH (as when a test or a user sets it) would
+    give the peer's Python 3.12 this environment's numpy; the worker starts without it."""
+    _require("tpu-sync")
+    monkeypatch.setenv("PYTHONPATH", str(Path(np.__file__).resolve().parents[1]))
+    config = {"blocks": 4, "block_bytes": 4096, "seed": 1}
+    with contextlib.ExitStack() as stack:
+        _, first = start_peer(stack, "tpu-sync", "tpu_sync_transfer", "transfer", config,
+                              str(tmp_path), PEERS_DIR, timeout=120)  # fmt: skip
+        assert first["verified"] is True
 
 
 def test_mooncake_worker_pull_delivers_every_byte(tmp_path: Path) -> None:

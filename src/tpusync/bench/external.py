@@ -6,6 +6,7 @@ with that interpreter, and lists the peer as skipped, with the reason, when it i
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,12 @@ def peer_state(key: str, peers_dir: str | Path | None = None) -> str:
     return f"skipped: no environment at {base / PEERS[key].venv} (make it with `{SETUP_HINT}`)"
 
 
+def peer_environment() -> dict[str, str]:
+    """This process's environment without what would point another interpreter at this one's
+    packages (a PYTHONPATH naming this environment's site-packages breaks the peer's numpy)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
 def start_peer(
     stack: contextlib.ExitStack,
     key: str,
@@ -73,7 +80,7 @@ def start_peer(
         raise LookupError(peer_state(key, peers_dir))
     program = (str(python), str(WORKERS_DIR / f"{worker}.py"))
     child, first = start_child(stack, f"{key}-{kind}", kind, config, log_dir, timeout=timeout,
-                               program=program)  # fmt: skip
+                               program=program, env=peer_environment())  # fmt: skip
     if not first.get("verified"):
         raise RuntimeError(f"{PEERS[key].title}: its round trip moved wrong bytes: {first}")
     return child, first

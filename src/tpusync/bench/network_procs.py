@@ -106,13 +106,16 @@ class Child:
     """A child process that answers one JSON line (marked with PREFIX) per JSON line it is sent,
     and exits at EOF on its stdin. Its stderr goes to a log file, shown when it fails."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: str) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_dir: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0
-            )
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, bufsize=0,
+                env=env,
+            )  # fmt: skip
         self._buffer = b""
 
     def tail(self) -> str:
@@ -168,13 +171,15 @@ def start_child(
     netns: str | None = None,
     timeout: float = 180.0,
     program: Sequence[str] = CHILD_PROGRAM,
+    env: dict[str, str] | None = None,
 ) -> tuple[Child, dict[str, Any]]:
-    """Starts ``program --child kind config`` (default: this module; in ``netns`` when given),
-    registers its stop with ``stack`` and returns it with its first answer."""
+    """Starts ``program --child kind config`` (default: this module; in ``netns`` when given;
+    with ``env``, default this process's), registers its stop with ``stack`` and returns it
+    with its first answer."""
     argv = [*program, "--child", kind, json.dumps(config)]
     if netns is not None:
         argv = ["ip", "netns", "exec", netns, *argv]
-    child = Child(name, argv, log_dir)
+    child = Child(name, argv, log_dir, env)
     stack.callback(child.stop)
     return child, child.read(timeout)
 
