@@ -20,5 +20,9 @@ stage=$(date +%s)
 source "$repo/scripts/_vllm_venv.sh"
 echo "tpusync: vLLM environment ready in $(( $(date +%s) - stage )) s"
 stage=$(date +%s)
-"$vllm_venv/bin/python" -m pytest "${options[@]}" tests/vllm
+# torch's and vLLM's caches go to a directory of this run (by default: /tmp and ~/.cache)
+caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
+trap 'rm -rf "$caches"' EXIT
+TORCHINDUCTOR_CACHE_DIR="$caches/inductor" VLLM_CACHE_ROOT="$caches/vllm" \
+    TRITON_CACHE_DIR="$caches/triton" "$vllm_venv/bin/python" -m pytest "${options[@]}" tests/vllm
 echo "tpusync: vLLM suite in $(( $(date +%s) - stage )) s"
