@@ -12,6 +12,9 @@ Scheme ``blake2b-chain-v1`` (pinned by golden vectors in ``tests/test_kv_keys.py
   uint32. A chain value therefore names the whole prefix up to and including its block.
 * A stored key is the namespace tag (the digest's first 8 bytes) followed by the chain value: 24
   bytes. The tag lets :meth:`KVCacheStore.purge` find a namespace's blocks in every tier.
+* An engine's own block hashes (vLLM's, which already chain the prefix) become keys one by
+  one: BLAKE2b-128, keyed, personalisation ``tpusync-eng-v1``, over the namespace digest and
+  the hash (length-prefixed), behind the tag (:meth:`Blake2bChainKeys.engine_keys`).
 * A session's partial last block gets a tail key: the same construction with personalisation
   ``tpusync-tail-v1`` over the last full block's chain value, the session id and the tail tokens.
 
@@ -34,12 +37,13 @@ import numpy as np
 from tpusync import _core
 from tpusync.errors import InvalidArgumentError
 
-__all__ = ["Blake2bChainKeys", "KeyScheme", "Namespace", "check_tokens"]
+__all__ = ["Blake2bChainKeys", "KeyScheme", "Namespace", "check_engine_hashes", "check_tokens"]
 
 KEY_BYTES = 24
 TAG_BYTES = 8
 _DIGEST_BYTES = 16
 _KV_PERSON = b"tpusync-kv-v1"
+_ENGINE_PERSON = b"tpusync-eng-v1"
 DEFAULT_SECRET = b"tpusync-development-secret"  # for one trusted deployment only; see KVStoreConfig
 
 
@@ -105,7 +109,9 @@ class Namespace:
 class KeyScheme(Protocol):
     """How token blocks become keys. Keys are at most 32 bytes and start with
     :meth:`namespace_tag`, so a namespace can be purged from every tier. An engine connector may
-    supply its own scheme (e.g. one adopting the engine's block hashes)."""
+    supply its own scheme. A scheme that also has ``engine_keys(namespace, block_hashes)``
+    (as :class:`Blake2bChainKeys` does) serves the store's ``*_engine_blocks`` calls, which
+    adopt an engine's own block hashes."""
 
     name: str
 
@@ -178,8 +184,51 @@ class Blake2bChainKeys:
         ).digest()
         return digest[:TAG_BYTES] + value
 
+    def engine_keys(self, namespace: Namespace, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Keys for blocks an engine has already hashed (vLLM's ``Request.block_hashes``,
+        which chain the prefix, the tokens and any extra keys such as multimodal inputs): each
+        is BLAKE2b-128, keyed by the secret, with personalisation ``tpusync-eng-v1``, over the
+        namespace digest and the engine's hash (a little-endian uint32 length, then its bytes),
+        behind the namespace tag. The engine's chaining names the prefix; the keyed hash puts
+        it in this deployment's namespace, so nobody without the secret can forge a key."""
+        digest = self.namespace_digest(namespace)
+        tag = digest[:TAG_BYTES]
+        secret = self._secret
+        return [
+            tag
+            + hashlib.blake2b(
+                digest + struct.pack("<I", len(h)) + h,
+                digest_size=_DIGEST_BYTES,
+                key=secret,
+                person=_ENGINE_PERSON,
+            ).digest()
+            for h in block_hashes
+        ]
+
     def __repr__(self) -> str:
         return f"Blake2bChainKeys({self.name})"  # never the secret
+
+
+MAX_ENGINE_HASH_BYTES = 64
+
+
+def check_engine_hashes(block_hashes: Any, argument: str = "block_hashes") -> list[bytes]:
+    """An engine's block hashes as a list of bytes (1 to 64 bytes each); raises
+    InvalidArgumentError naming ``argument``."""
+    if isinstance(block_hashes, str | bytes) or not isinstance(block_hashes, Sequence):
+        raise InvalidArgumentError(
+            f"{argument}: expected a list of the engine's block hashes (bytes), got "
+            f"{type(block_hashes).__name__}"
+        )
+    out = []
+    for i, h in enumerate(block_hashes):
+        if not isinstance(h, bytes) or not 1 <= len(h) <= MAX_ENGINE_HASH_BYTES:
+            raise InvalidArgumentError(
+                f"{argument}[{i}]: expected 1 to {MAX_ENGINE_HASH_BYTES} bytes, got "
+                + (f"{len(h)} bytes" if isinstance(h, bytes) else type(h).__name__)
+            )
+        out.append(bytes(h))  # a bytes subclass (vLLM's BlockHash) hashes as its bytes
+    return out
 
 
 def check_tokens(tokens: Any, argument: str = "tokens") -> np.ndarray:

@@ -44,6 +44,7 @@ from tpusync.errors import (
     StaleHandleError,
     TpuSyncError,
 )
+from tpusync.kv._engine_calls import EngineBlockCalls
 from tpusync.kv._handles import OpenHandles, warn_still_open
 from tpusync.kv._peer_link import PeerLink
 from tpusync.kv._session_calls import SessionCalls
@@ -67,6 +68,7 @@ from tpusync.kv.results import (
 )
 from tpusync.memory.device_pool import DevicePool
 from tpusync.memory.fork_guard import check_same_process
+from tpusync.memory.torch_tensors import TorchPool
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.files import check_directory
 from tpusync.tiers.layout import PoolLayout
@@ -85,13 +87,14 @@ log = logging.getLogger("tpusync.kv")
 T = TypeVar("T")
 
 
-class KVCacheStore(SessionCalls):
+class KVCacheStore(SessionCalls, EngineBlockCalls):
     """Prefix cache of KV blocks over a device pool and the tiers below it.
 
     Args:
       config: the namespace, tiers and policies (:class:`~tpusync.kv.KVStoreConfig`).
       device_pools: the engine's KV arrays as :class:`~tpusync.DevicePool` (per-layer or
-        stacked; K and V together or apart), every one indexed by block on
+        stacked; K and V together or apart; a torch engine's CPU KV tensors as
+        :class:`~tpusync.TorchPool`), every one indexed by block on
         ``config.block_axis`` and holding ``config.block_size`` tokens on
         ``config.token_axis``. A block of the store spans the same block index of every pool.
 
@@ -105,12 +108,16 @@ class KVCacheStore(SessionCalls):
     docstring for pins and ownership.
     """
 
-    def __init__(self, config: KVStoreConfig, device_pools: Sequence[DevicePool]) -> None:
+    def __init__(
+        self, config: KVStoreConfig, device_pools: Sequence[DevicePool | TorchPool]
+    ) -> None:
         if not isinstance(config, KVStoreConfig):
             raise InvalidArgumentError(
                 f"config: expected a KVStoreConfig, got {type(config).__name__}"
             )
-        if isinstance(device_pools, DevicePool) or not isinstance(device_pools, Sequence):
+        if isinstance(device_pools, DevicePool | TorchPool) or not isinstance(
+            device_pools, Sequence
+        ):
             raise InvalidArgumentError(
                 "device_pools: expected a list of DevicePools (one per KV array), got "
                 f"{type(device_pools).__name__}"
@@ -118,10 +125,11 @@ class KVCacheStore(SessionCalls):
         if not device_pools:
             raise InvalidArgumentError("device_pools: the list is empty; give the KV arrays")
         for i, pool in enumerate(device_pools):
-            if not isinstance(pool, DevicePool):
+            if not isinstance(pool, DevicePool | TorchPool):
                 raise InvalidArgumentError(
                     f"device_pools[{i}]: expected a DevicePool, got {type(pool).__name__}; "
-                    "wrap the engine's KV arrays in tpusync.DevicePool"
+                    "wrap the engine's KV arrays in tpusync.DevicePool (a torch engine's CPU "
+                    "KV tensors in tpusync.TorchPool)"
                 )
         axis = config.block_axis
         counts = {pool.shape[axis] if axis < len(pool.shape) else -1 for pool in device_pools}
@@ -315,22 +323,25 @@ class KVCacheStore(SessionCalls):
         self._check_open()
         toks, keys = self._keys(tokens, namespace)
         agreed = self._shards_agree(toks, namespace, len(keys))
+        return self._lookup_keys(keys[:agreed], len(toks), len(keys))
+
+    def _lookup_keys(self, keys: list[bytes], total_tokens: int, asked: int) -> LookupResult:
         stack = self._stack
         with stack.lock:
             # a hit longer than DRAM loads through it chunk by chunk (see _streaming)
-            where = stack.locate(keys, prefix=True)[:agreed]
+            where = stack.locate(keys, prefix=True)
             hit = keys[: len(where)]
             stack.pin(hit)
         result = LookupResult(
             cached_tokens=len(hit) * self.block_size,
-            total_tokens=len(toks),
+            total_tokens=total_tokens,
             keys=tuple(hit),
             tiers=tuple(stack.names[t] for t in where),
             _store=self,
         )
         with self._handles_lock:
             self._handles.add(result)
-        self._count(lookups=1, lookup_blocks=len(keys), hit_blocks=len(hit))
+        self._count(lookups=1, lookup_blocks=asked, hit_blocks=len(hit))
         return result
 
     def _shards_agree(self, tokens: np.ndarray, namespace: Namespace | None, n: int) -> int:

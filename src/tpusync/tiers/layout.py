@@ -24,6 +24,7 @@ import numpy as np
 from tpusync.engines.segments import c_strides
 from tpusync.errors import InvalidArgumentError, PoolFormatError
 from tpusync.memory.device_pool import DevicePool
+from tpusync.memory.torch_tensors import TorchPool
 from tpusync.transfer.endpoints import resolve_device
 
 __all__ = ["ArrayLayout", "PoolLayout"]
@@ -111,21 +112,24 @@ class PoolLayout:
     def from_pools(
         cls,
         model_id: str,
-        pools: Sequence[DevicePool | jax.Array],
+        pools: Sequence[DevicePool | jax.Array | TorchPool],
         *,
         block_axis: int = 0,
         names: Sequence[str] | None = None,
     ) -> PoolLayout:
-        """The layout of blocks that span ``pools`` (all indexed on ``block_axis``)."""
-        if isinstance(pools, DevicePool | jax.Array):
+        """The layout of blocks that span ``pools`` (all indexed on ``block_axis``): device
+        arrays, DevicePools, or TorchPools (an engine's CPU KV tensors: one unsharded array
+        each)."""
+        if isinstance(pools, DevicePool | jax.Array | TorchPool):
             raise InvalidArgumentError(
-                "pools: expected a list of device arrays or DevicePools, got a single one; "
+                "pools: expected a list of device arrays or pools, got a single one; "
                 "wrap it in a list"
             )
         for i, pool in enumerate(pools):
-            if not isinstance(pool, DevicePool | jax.Array):
+            if not isinstance(pool, DevicePool | jax.Array | TorchPool):
                 raise InvalidArgumentError(
-                    f"pools[{i}]: expected a jax.Array or DevicePool, got {type(pool).__name__}"
+                    f"pools[{i}]: expected a jax.Array, DevicePool or TorchPool, got "
+                    f"{type(pool).__name__}"
                 )
         if names is not None and len(names) != len(pools):
             raise InvalidArgumentError(
@@ -133,13 +137,18 @@ class PoolLayout:
             )
         arrays = []
         for i, pool in enumerate(pools):
-            side = resolve_device(pool, f"pools[{i}]")
-            if not 0 <= block_axis < side.ndim:
+            if isinstance(pool, TorchPool):
+                shape, dtype, n_shards = pool.shape, pool.dtype, 1
+                full_blocks = shape[block_axis] if 0 <= block_axis < len(shape) else None
+            else:
+                side = resolve_device(pool, f"pools[{i}]")
+                shape, dtype, n_shards = side.shard_shape, side.dtype, len(side.groups)
+                full_blocks = side.array.shape[block_axis] if 0 <= block_axis < side.ndim else None
+            if full_blocks is None:
                 raise InvalidArgumentError(
-                    f"block_axis: {block_axis} is out of range for pools[{i}] of rank {side.ndim}"
+                    f"block_axis: {block_axis} is out of range for pools[{i}] of rank {len(shape)}"
                 )
-            shape = side.shard_shape
-            if shape[block_axis] != side.array.shape[block_axis]:
+            if shape[block_axis] != full_blocks:
                 raise InvalidArgumentError(
                     f"pools[{i}]: sharded along the block axis ({block_axis}); shard KV pools "
                     "along other axes (e.g. heads) and keep every block whole"
@@ -147,10 +156,10 @@ class PoolLayout:
             arrays.append(
                 ArrayLayout(
                     name=names[i] if names is not None else f"array{i}",
-                    dtype=side.dtype.name,
+                    dtype=dtype.name,
                     shard_block_shape=shape[:block_axis] + shape[block_axis + 1 :],
                     block_axis=block_axis,
-                    n_shards=len(side.groups),
+                    n_shards=n_shards,
                 )
             )
         return cls(model_id, tuple(arrays))

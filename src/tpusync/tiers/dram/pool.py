@@ -35,6 +35,7 @@ from tpusync.errors import BlockIndexError, BlocksMissingError, InvalidArgumentE
 from tpusync.memory import dma, fork_guard, huge_pages
 from tpusync.memory.deferred_refs import close_releasing_deferred_views
 from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_readers
+from tpusync.memory.torch_tensors import TorchPool
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import RECORD_DTYPE, PoolGeometry
 from tpusync.tiers._pool_open import ON_MISMATCH, open_named_pool, write_header
@@ -694,8 +695,9 @@ class HostPool(SlotRecords):
         """Checks the device pools against the layout and the block ids against the pools;
         returns the block ids as int64."""
         fork_guard.check_device_use("pools")
-        if isinstance(pools, DevicePool | jax.Array) or len(pools) != len(self.layout.arrays):
-            count = 1 if isinstance(pools, DevicePool | jax.Array) else len(pools)
+        single = isinstance(pools, DevicePool | jax.Array | TorchPool)
+        if single or len(pools) != len(self.layout.arrays):
+            count = 1 if single else len(pools)
             raise InvalidArgumentError(
                 f"pools: {count} arrays for a layout of {len(self.layout.arrays)}; pass a list "
                 "with one per layout array, in the layout's order"

@@ -1,0 +1,68 @@
+"""Blocks an engine has hashed itself (vLLM's ``Request.block_hashes``), the calls of
+:class:`~tpusync.kv.KVCacheStore` (a base it builds on): the same lookups and saves as by
+tokens, keyed by the engine's hashes under the store's namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tpusync.errors import InvalidArgumentError
+from tpusync.kv.keys import KeyScheme, Namespace, check_engine_hashes
+from tpusync.kv.results import LookupResult, SaveFuture
+
+__all__ = ["EngineBlockCalls"]
+
+
+class EngineBlockCalls:
+    """The engine-hash side of :class:`~tpusync.kv.KVCacheStore`: it uses the store's own
+    checks, lookups and saves, declared here."""
+
+    scheme: KeyScheme
+    block_size: int
+
+    _check_open: Callable[[], None]
+    _namespace: Callable[[Namespace | None], Namespace]
+    _lookup_keys: Callable[[list[bytes], int, int], LookupResult]
+    _check_block_ids: Callable[..., np.ndarray]
+    _start_save: Callable[[list[bytes], np.ndarray], SaveFuture]
+
+    def lookup_engine_blocks(
+        self, block_hashes: Sequence[bytes], *, namespace: Namespace | None = None
+    ) -> LookupResult:
+        """:meth:`lookup` for blocks the engine has hashed itself (vLLM's
+        ``Request.block_hashes``, each naming its whole prefix): the leading run of them cached
+        in any tier, pinned. Keys are the engine's hashes under this store's keyed namespace
+        (:meth:`~tpusync.kv.Blake2bChainKeys.engine_keys`), so they are the same in every
+        process whose engine hashes the same way. (Tensor-parallel shards agree through a
+        registry only on token lookups: here each shard answers for itself.)"""
+        self._check_open()
+        keys = self._engine_keys(block_hashes, namespace)
+        return self._lookup_keys(keys, len(keys) * self.block_size, len(keys))
+
+    def _engine_keys(self, block_hashes: Any, namespace: Namespace | None) -> list[bytes]:
+        hashes = check_engine_hashes(block_hashes)
+        engine_keys = getattr(self.scheme, "engine_keys", None)
+        if engine_keys is None:
+            raise InvalidArgumentError(
+                f"block_hashes: this store's key scheme ({self.scheme.name}) cannot adopt an "
+                "engine's block hashes (it has no engine_keys); use the default scheme"
+            )
+        return engine_keys(self._namespace(namespace), hashes)
+
+    def save_engine_blocks_async(
+        self,
+        block_hashes: Sequence[bytes],
+        device_block_ids: Any,
+        *,
+        namespace: Namespace | None = None,
+    ) -> SaveFuture:
+        """:meth:`save_async` for blocks the engine has hashed itself (see
+        :meth:`lookup_engine_blocks`): ``device_block_ids[i]`` holds the block of
+        ``block_hashes[i]``; blocks already stored are skipped."""
+        self._check_open()
+        keys = self._engine_keys(block_hashes, namespace)
+        ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
+        return self._start_save(keys, ids)
