@@ -1,0 +1,149 @@
+"""``TpuSyncConnector``: vLLM's KV connector (v1) over a tpusync KV store.
+
+vLLM makes one instance in the scheduler's process (role SCHEDULER) and one in each worker
+(role WORKER); this class reads the settings in both (so a wrong key fails at engine start)
+and hands each call to its side (:mod:`.scheduler`, :mod:`.worker`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tpusync.connectors.vllm.metadata import TpuSyncMetadata
+from tpusync.connectors.vllm.scheduler import SchedulerSide
+from tpusync.connectors.vllm.settings import check_stable_hashing, read_settings
+from tpusync.connectors.vllm.worker import WorkerSide
+from tpusync.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TpuSyncConnector"]
+
+log = logging.getLogger("tpusync.connectors.vllm")
+
+
+class TpuSyncConnector(KVConnectorBase_V1):
+    """vLLM KV connector that offloads full KV blocks into a tpusync store (DRAM, disk,
+    shared FS, store nodes) and loads them back for any request whose prefix the store holds.
+
+    Load it with ``KVTransferConfig(kv_connector="TpuSyncConnector", kv_role="kv_both",
+    kv_connector_extra_config={...})`` (the plain form of :class:`~tpusync.kv.KVStoreConfig`:
+    see :mod:`tpusync.connectors.vllm.settings`); add
+    ``kv_connector_module_path="tpusync.connectors.vllm"`` where the ``tpusync`` plugin is not
+    installed."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role not in ("kv_both",):
+            raise InvalidArgumentError(
+                f"kv_role: {transfer.kv_role!r} is not served by TpuSyncConnector yet; use "
+                "'kv_both' (an engine saving and reusing its own KV)"
+            )
+        cache = vllm_config.cache_config
+        check_stable_hashing(str(cache.prefix_caching_hash_algo))
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise InvalidArgumentError(
+                "tensor_parallel_size: TpuSyncConnector serves one rank for now; run with "
+                "tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
+        num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self._settings = read_settings(
+            transfer.kv_connector_extra_config,
+            model=str(vllm_config.model_config.model),
+            block_size=int(cache.block_size),
+            tp_rank=0,
+            tp_size=1,
+            num_blocks=num_blocks if role == KVConnectorRole.WORKER else None,
+            engine_id=str(transfer.engine_id),
+            load_failure_policy=str(transfer.kv_load_failure_policy),
+        )
+        self._block_size = int(cache.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._settings, self._block_size)
+        else:
+            self._worker = WorkerSide(self._settings)
+
+    # --- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.invalid_blocks(set(connector_output.invalid_block_ids or ()))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    # --- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # a DRAM hit is loaded before the forward starts (start_load_kv)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # every layer's full blocks are saved together once the step has run them
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return None, self._worker.finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _meta(self) -> TpuSyncMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TpuSyncMetadata)
+        return meta

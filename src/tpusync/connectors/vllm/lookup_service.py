@@ -1,0 +1,246 @@
+"""The worker's answer to the scheduler's question "how much of this request does the store
+hold?", across processes (docs/decisions/0008-vllm-store-owner.md).
+
+The worker side owns the store and serves lookups on a Unix socket in a directory only its
+user can enter; a connecting process of another uid is refused (``SO_PEERCRED``). A lookup
+pins the blocks it finds under the request id and a sequence number, so what the scheduler
+counts stays loadable until the load or a release consumes the pins. The scheduler waits at
+most its deadline: no answer in time is a miss (and a release of that lookup's pins).
+
+Wire format (little-endian), one request then one answer per round trip on a connection:
+
+* request: ``u32 body length``, then the body: ``u8 op``, ``u64 sequence``, ``u16 request-id
+  length`` and the id (UTF-8), ``u32 count`` and that many ``u8 length`` + hash bytes
+  (lookup, op ``L``), or nothing more (release, op ``R``; sequence 0 releases any lookup).
+* answer: ``u32 blocks``, ``u8 asynchronous``.
+
+Bodies are bounded (:data:`MAX_BODY_BYTES`); a malformed one closes the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from tpusync.errors import InvalidArgumentError
+from tpusync.tiers.files import make_directory
+
+__all__ = ["MAX_BODY_BYTES", "LookupClient", "LookupServer"]
+
+log = logging.getLogger("tpusync.connectors.vllm")
+
+MAX_BODY_BYTES = 16 << 20
+MAX_CONNECTIONS = 8
+_HEAD = struct.Struct("<BQH")
+_ANSWER = struct.Struct("<IB")
+_LOOKUP, _RELEASE = b"L"[0], b"R"[0]
+
+# (request id, sequence, hashes) -> (blocks found and pinned, any of them below DRAM)
+Answer = Callable[[str, int, list[bytes]], tuple[int, bool]]
+Release = Callable[[str, int], None]
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def encode_request(op: int, req_id: str, sequence: int, hashes: list[bytes]) -> bytes:
+    rid = req_id.encode()
+    parts = [_HEAD.pack(op, sequence, len(rid)), rid]
+    if op == _LOOKUP:
+        parts.append(struct.pack("<I", len(hashes)))
+        for h in hashes:
+            parts.append(bytes((len(h),)) + h)
+    body = b"".join(parts)
+    return struct.pack("<I", len(body)) + body
+
+
+def decode_request(body: bytes) -> tuple[int, str, int, list[bytes]]:
+    """(op, request id, sequence, hashes); raises ValueError for a malformed body."""
+    if len(body) < _HEAD.size:
+        raise ValueError("short body")
+    op, sequence, rid_len = _HEAD.unpack_from(body)
+    at = _HEAD.size + rid_len
+    if op not in (_LOOKUP, _RELEASE) or at > len(body):
+        raise ValueError("bad op or request id")
+    req_id = body[_HEAD.size : at].decode()
+    hashes: list[bytes] = []
+    if op == _LOOKUP:
+        if at + 4 > len(body):
+            raise ValueError("no count")
+        (count,) = struct.unpack_from("<I", body, at)
+        at += 4
+        if count > len(body):  # each hash takes at least one byte
+            raise ValueError("count past the body")
+        for _ in range(count):
+            if at >= len(body):
+                raise ValueError("truncated hash")
+            n = body[at]
+            if not n or at + 1 + n > len(body):
+                raise ValueError("bad hash length")
+            hashes.append(body[at + 1 : at + 1 + n])
+            at += 1 + n
+    if at != len(body):
+        raise ValueError("trailing bytes")
+    return op, req_id, sequence, hashes
+
+
+class LookupServer:
+    """Serves lookups and releases for the worker on ``path`` (its directory is made 0700
+    and checked; a stale socket of an earlier worker is replaced) until :meth:`close`."""
+
+    def __init__(self, path: Path, answer: Answer, release: Release) -> None:
+        make_directory(path.parent)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            info = None
+        if info is not None:
+            if not stat.S_ISSOCK(info.st_mode):
+                raise InvalidArgumentError(
+                    f"socket_dir: {path} exists and is not a socket; remove it or choose "
+                    "another socket_dir"
+                )
+            path.unlink()  # an earlier worker's, which is gone: this engine's id names it
+        self.path = path
+        self._answer, self._release = answer, release
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_mask = os.umask(0o177)  # the socket file itself: this user only
+        try:
+            self._sock.bind(os.fspath(path))
+        finally:
+            os.umask(old_mask)
+        self._sock.listen(MAX_CONNECTIONS)
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._accept, name="tpusync-vllm-lookups", daemon=True
+        )
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            with self._lock:
+                full = len(self._connections) >= MAX_CONNECTIONS
+                if uid != os.getuid() or full or self._closed.is_set():
+                    conn.close()
+                    if uid != os.getuid():
+                        log.warning("tpusync vllm: refused a lookup connection of uid %d", uid)
+                    continue
+                self._connections.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="tpusync-vllm-lookup", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                head = _recv_exactly(conn, 4)
+                if head is None:
+                    return
+                (length,) = struct.unpack("<I", head)
+                if length > MAX_BODY_BYTES:
+                    log.warning("tpusync vllm: a lookup of %d bytes was refused", length)
+                    return
+                body = _recv_exactly(conn, length)
+                if body is None:
+                    return
+                try:
+                    op, req_id, sequence, hashes = decode_request(body)
+                except (ValueError, UnicodeDecodeError) as error:
+                    log.warning("tpusync vllm: a malformed lookup was refused (%s)", error)
+                    return
+                if op == _LOOKUP:
+                    blocks, is_async = self._answer(req_id, sequence, hashes)
+                else:
+                    self._release(req_id, sequence)
+                    blocks, is_async = 0, False
+                conn.sendall(_ANSWER.pack(blocks, is_async))
+        except OSError:
+            return
+        except Exception:  # the answer failed: this connection's scheduler sees a miss
+            log.exception("tpusync vllm: a lookup failed")
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Stops serving, closes every connection and removes the socket."""
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with self._lock:
+            for conn in self._connections:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class LookupClient:
+    """The scheduler's end: one connection, opened on first use and again after a failure.
+
+    :meth:`lookup` answers ``None`` when the worker does not answer within ``timeout_s`` (not
+    started yet, stuck, gone): the caller counts a miss and releases that lookup's pins."""
+
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+
+    def _round_trip(self, message: bytes) -> tuple[int, bool] | None:
+        try:
+            if self._sock is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout_s)
+                try:
+                    sock.connect(os.fspath(self.path))
+                except OSError:
+                    sock.close()
+                    raise
+                self._sock = sock
+            self._sock.sendall(message)
+            answer = _recv_exactly(self._sock, _ANSWER.size)
+            if answer is None:
+                raise ConnectionError("the worker closed the lookup connection")
+        except OSError as error:  # timeouts included: the next answer on it could be stale
+            self.close()
+            log.debug("tpusync vllm: no lookup answer from %s: %s", self.path, error)
+            return None
+        blocks, is_async = _ANSWER.unpack(answer)
+        return blocks, bool(is_async)
+
+    def lookup(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
+        return self._round_trip(encode_request(_LOOKUP, req_id, sequence, hashes))
+
+    def release(self, req_id: str, sequence: int = 0) -> bool:
+        return self._round_trip(encode_request(_RELEASE, req_id, sequence, [])) is not None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,159 @@
+"""The scheduler side of the vLLM connector: how many tokens of a request the store holds
+beyond vLLM's own prefix hit (asked of the worker side, which pins them), which blocks to load
+where, and which blocks became full and are to be saved, step by step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpusync.connectors.vllm.lookup_service import LookupClient
+from tpusync.connectors.vllm.metadata import LoadSpec, SaveSpec, TpuSyncMetadata
+from tpusync.connectors.vllm.settings import ConnectorSettings
+from tpusync.connectors.vllm.worker import local_worker
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("tpusync.connectors.vllm")
+
+
+@dataclass
+class _Lookup:
+    sequence: int
+    local_blocks: int  # vLLM's own prefix hit, in blocks
+    blocks: int  # what the store holds after it (pinned by the worker)
+    is_async: bool
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side keeps per running request."""
+
+    request: Any  # vLLM's Request (its block_hashes grow as tokens are appended)
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # leading blocks already sent to be saved
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self._client = LookupClient(settings.socket_path, settings.lookup_timeout_s)
+        self._sequence = itertools.count(1)
+        self._lookups: dict[str, _Lookup] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+        self._releases: list[tuple[str, int]] = []
+
+    def _ask(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
+        worker = local_worker(self.settings.engine_id)
+        if worker is not None:  # the same process: no socket
+            return worker.answer(req_id, sequence, hashes)
+        return self._client.lookup(req_id, sequence, hashes)
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: the tokens after ``num_computed_tokens`` the
+        store holds in full blocks, leaving the last token to vLLM; asynchronous when any is
+        below DRAM."""
+        req_id = request.request_id
+        self._forget_lookup(req_id)
+        bs = self.block_size
+        local = num_computed_tokens // bs
+        usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        if usable <= local:
+            return 0, False
+        sequence = next(self._sequence)
+        hashes = [bytes(h) for h in request.block_hashes[local:usable]]
+        answer = self._ask(req_id, sequence, hashes)
+        if answer is None:  # no answer in time: a miss; whatever it pinned is released
+            self._releases.append((req_id, sequence))
+            return 0, False
+        blocks, is_async = answer
+        if not blocks:
+            return 0, False
+        self._lookups[req_id] = _Lookup(sequence, local, blocks, is_async)
+        return blocks * bs, is_async
+
+    def _forget_lookup(self, req_id: str) -> None:
+        old = self._lookups.pop(req_id, None)
+        if old is not None:
+            self._releases.append((req_id, old.sequence))
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM's ``update_state_after_alloc``: the blocks to load the hit into."""
+        req_id = request.request_id
+        self._tracked.setdefault(req_id, _Tracked(request))
+        lookup = self._lookups.pop(req_id, None)
+        if lookup is None:
+            return
+        n = min(num_external_tokens // self.block_size, lookup.blocks)
+        if n <= 0:
+            self._releases.append((req_id, lookup.sequence))
+            return
+        ids = blocks.get_block_ids()[0][lookup.local_blocks : lookup.local_blocks + n]
+        self._loads.append(LoadSpec(req_id, lookup.sequence, list(ids), lookup.is_async))
+
+    def build_meta(self, scheduler_output: Any) -> TpuSyncMetadata:
+        """vLLM's ``build_connector_meta``: this step's loads, releases, and the saves of the
+        blocks its forward fills."""
+        meta = TpuSyncMetadata(loads=self._loads, releases=self._releases)
+        self._loads, self._releases = [], []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            self._add_save(
+                meta, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id]
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: all of its blocks
+                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracked.block_ids.extend(new_ids[0])
+            self._add_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled[req_id])
+        return meta
+
+    def _add_save(
+        self, meta: TpuSyncMetadata, req_id: str, tracked: _Tracked, computed: int
+    ) -> None:
+        hashes = tracked.request.block_hashes
+        full = min(computed // self.block_size, len(hashes), len(tracked.block_ids))
+        if full <= tracked.saved_blocks:
+            return
+        first = tracked.saved_blocks
+        meta.saves.append(
+            SaveSpec(
+                req_id,
+                [bytes(h) for h in hashes[first:full]],
+                tracked.block_ids[first:full],
+            )
+        )
+        tracked.saved_blocks = full
+
+    def invalid_blocks(self, block_ids: set[int]) -> None:
+        """Blocks that failed to load: vLLM recomputes them, so they are saved again after."""
+        if not block_ids:
+            return
+        for tracked in self._tracked.values():
+            bad = [i for i, b in enumerate(tracked.block_ids) if b in block_ids]
+            if bad:
+                tracked.saved_blocks = min(tracked.saved_blocks, bad[0])
+
+    def finished(self, request: Any) -> None:
+        """vLLM's ``request_finished``: forget the request (its saves are already copied out
+        of its blocks: the worker waits for that within the step)."""
+        req_id = request.request_id
+        self._tracked.pop(req_id, None)
+        self._forget_lookup(req_id)
+
+    def close(self) -> None:
+        self._client.close()

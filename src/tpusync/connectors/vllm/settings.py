@@ -1,0 +1,154 @@
+"""What a vLLM connector is configured with: ``kv_connector_extra_config`` read against the
+engine's own config, once per process, at engine start.
+
+The extra config is the plain-data form of :class:`~tpusync.kv.KVStoreConfig`
+(:mod:`tpusync.kv.config_dict`) plus the connector's own keys (:data:`CONNECTOR_KEYS`). What
+the engine already decides — the model, the block size, the tensor-parallel rank and size —
+is taken from the engine; given in the extra config too, it must agree (a contradiction is
+refused, never guessed). Every error names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
+from tpusync.errors import InvalidArgumentError
+from tpusync.kv import KVStoreConfig
+
+__all__ = ["CONNECTOR_KEYS", "ConnectorSettings", "check_stable_hashing", "read_settings"]
+
+# the connector's own keys; everything else is the store's
+CONNECTOR_KEYS = {
+    "lookup_timeout_s": "how long the scheduler waits for the worker's answer (then a miss)",
+    "socket_dir": "the private directory of the scheduler-worker lookup socket",
+}
+DEFAULT_LOOKUP_TIMEOUT_S = 2.0
+CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
+WHERE = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """The store's config and the connector's own settings for one engine.
+
+    Attributes:
+      store: the store the worker side opens (its DRAM capacity defaults to the engine's
+        number of KV blocks).
+      engine_id: the engine's ``kv_transfer_config.engine_id`` (names the lookup socket).
+      lookup_timeout_s: the scheduler's deadline for a lookup answer.
+      socket_path: the worker's lookup socket (in a directory only this user can enter).
+      load_failure_policy: vLLM's ``kv_load_failure_policy`` ("fail" or "recompute").
+    """
+
+    store: KVStoreConfig
+    engine_id: str
+    lookup_timeout_s: float
+    socket_path: Path
+    load_failure_policy: str
+
+
+def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
+    """``data[key]`` if given and equal to the engine's ``engine`` (else refused), or the
+    engine's value."""
+    if key in data and data[key] != engine:
+        raise InvalidArgumentError(
+            f"{WHERE}.{key}: {data[key]!r} contradicts the engine's {engine_key} ({engine!r}); "
+            f"leave {key} out (the connector takes it from the engine) or change {engine_key}"
+        )
+    return engine
+
+
+def _timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
+        raise InvalidArgumentError(
+            f"{WHERE}.lookup_timeout_s: expected seconds in (0, 60], got {value!r}"
+        )
+    return float(value)
+
+
+def _socket_path(directory: Any, engine_id: str) -> Path:
+    if directory is None:
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        base = Path(runtime) if runtime and os.path.isdir(runtime) else Path(tempfile.gettempdir())
+        directory = base / f"tpusync-vllm-{os.getuid()}"
+    elif not isinstance(directory, str) or not directory:
+        raise InvalidArgumentError(
+            f"{WHERE}.socket_dir: expected a directory path, got {directory!r}"
+        )
+    name = "lookup-" + hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest() + ".sock"
+    path = Path(directory) / name
+    if len(os.fsencode(path)) > 107:  # sun_path holds 108 bytes with its NUL
+        raise InvalidArgumentError(
+            f"{WHERE}.socket_dir: {directory} is too long for a Unix socket path "
+            f"({len(os.fsencode(path))} bytes with the socket's name, at most 107); choose a "
+            "shorter directory"
+        )
+    return path
+
+
+def read_settings(
+    extra: Mapping[str, Any] | None,
+    *,
+    model: str,
+    block_size: int,
+    tp_rank: int,
+    tp_size: int,
+    num_blocks: int | None,
+    engine_id: str,
+    load_failure_policy: str,
+) -> ConnectorSettings:
+    """The settings ``extra`` (``kv_connector_extra_config``) describes for this engine.
+
+    Raises :class:`~tpusync.errors.InvalidArgumentError` naming the key for an unknown key, a
+    wrong value, or a value that contradicts the engine's config.
+    """
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise InvalidArgumentError(
+            f"{WHERE}: expected a mapping (a dict or JSON object), got {type(extra).__name__}"
+        )
+    data = dict(extra)
+    own = {key: data.pop(key) for key in list(data) if key in CONNECTOR_KEYS}
+    data["model_id"] = data.get("model_id", model)
+    data["block_size"] = _engine_value(data, "block_size", block_size, "block_size")
+    data["shard_rank"] = _engine_value(data, "shard_rank", tp_rank, "tensor-parallel rank")
+    data["shard_count"] = _engine_value(data, "shard_count", tp_size, "tensor_parallel_size")
+    for key, value in (("block_axis", 0), ("token_axis", CPU_TOKEN_AXIS)):
+        data[key] = _engine_value(data, key, value, f"CPU KV layout's {key}")
+    if "dram" not in data:
+        if num_blocks is None:
+            data["dram"] = {"capacity_blocks": 1}  # the scheduler side opens no store
+        else:
+            data["dram"] = {"capacity_blocks": int(num_blocks)}
+    try:
+        store = KVStoreConfig.from_dict(data)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{WHERE}: {error}") from None
+    return ConnectorSettings(
+        store=store,
+        engine_id=engine_id,
+        lookup_timeout_s=_timeout(own.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
+        socket_path=_socket_path(own.get("socket_dir"), engine_id),
+        load_failure_policy=load_failure_policy,
+    )
+
+
+def check_stable_hashing(hash_algo: str) -> None:
+    """Refuses block hashes that differ between processes: vLLM seeds its xxhash ``NONE_HASH``
+    at random per process unless ``PYTHONHASHSEED`` is set, so a prefix saved by one process
+    would never be found by another."""
+    if hash_algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
+        raise InvalidArgumentError(
+            f"prefix_caching_hash_algo: {hash_algo!r} seeds vLLM's block hashes at random in "
+            "every process unless PYTHONHASHSEED is set, so no other process would find this "
+            "engine's blocks; export PYTHONHASHSEED (the same value for every engine that "
+            "shares the store) or use the default 'sha256'"
+        )
