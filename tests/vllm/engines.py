@@ -1,0 +1,120 @@
+"""Real vLLM engines on this machine's CPU for the connector tests: a tiny random-weight Llama
+built at test time (no hub), engines in this process (``uni`` executor, no engine-core
+process), their greedy outputs, and the connector's worker side of a live engine."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32
+LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 1024
+
+
+def build_model(path: Path, seed: int) -> Path:
+    """A 2-layer Llama (head_dim 32) with random weights, scaled up so that greedy decoding
+    has no ties; saved with ``save_pretrained`` (bf16)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=256,
+        vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(8.0)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def transfer_config(extra: dict[str, Any] | None, policy: str = "fail", **kw: Any) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="TpuSyncConnector",
+        kv_connector_module_path="tpusync.connectors.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra or {},
+        kv_load_failure_policy=policy,
+        **kw,
+    )
+
+
+@contextlib.contextmanager
+def engine(model: Path, kv: Any = None, **options: Any) -> Iterator[Any]:
+    """An ``LLM`` in this process, shut down (its connector's store closed) on exit."""
+    from vllm import LLM
+
+    settings: dict[str, Any] = dict(
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=2048,
+        distributed_executor_backend="uni",
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=256,
+    )
+    settings.update(options)
+    llm = LLM(kv_transfer_config=kv, **settings)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int = 8
+) -> list[tuple[list[int], int]]:
+    """Each prompt's greedy tokens and ``num_cached_tokens`` (vLLM's and the connector's)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outputs]
+
+
+def worker_of(llm: Any) -> Any:
+    """The connector's worker side of a live in-process engine."""
+    from tpusync.connectors.vllm.worker import local_worker
+
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    worker = local_worker(engine_id)
+    assert worker is not None, "no worker side registered for this engine"
+    return worker
+
+
+def settle(worker: Any) -> dict[str, Any]:
+    """The store's stats once its saves are durable; asserts nothing is pinned or held."""
+    store = worker.store
+    assert store.flush(timeout=30)
+    stats = store.stats()
+    assert stats["store"]["open_handles"] == 0, stats["store"]
+    assert not worker._pins, worker._pins
+    for pool in store.pools:
+        assert pool.held_blocks() == [], pool
+    return stats
+
+
+def cpu_env() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
