@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# before vLLM is imported or an engine made: engines in this process, a 1 GiB KV space
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 BLOCK = 32
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 1024
 
@@ -74,7 +78,7 @@ def engine(model: Path, kv: Any = None, **options: Any) -> Iterator[Any]:
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown()  # in process: the connector's store closes
         del llm
         gc.collect()
 
@@ -113,8 +117,3 @@ def settle(worker: Any) -> dict[str, Any]:
     for pool in store.pools:
         assert pool.held_blocks() == [], pool
     return stats
-
-
-def cpu_env() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

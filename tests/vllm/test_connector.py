@@ -4,18 +4,27 @@ an engine without the connector and exactly the full blocks before the last toke
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate, settle, transfer_config, worker_of
+from vllm.v1.core.sched.scheduler import Scheduler
 
+from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import shm_admin
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE
 from tpusync.tiers.dram import pool_path
 
 PAGE = 4096
+HERE = Path(__file__).parent
 rng = np.random.default_rng(20261202)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
 FULL = (len(PROMPT) - 1) // BLOCK * BLOCK
@@ -42,7 +51,8 @@ def reference(models: dict[str, Path]) -> list[int]:
 def shm_name() -> str:
     name = f"tpusync-test-vllm-{uuid.uuid4().hex[:12]}"
     yield name
-    shm_admin.remove_pool(name, force=True)
+    with contextlib.suppress(InvalidArgumentError):  # none: the test failed before making it
+        shm_admin.remove_pool(name, force=True)
 
 
 @pytest.fixture
@@ -64,6 +74,42 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
         assert generate(llm, [PROMPT]) == [(reference, FULL)]
         stats = settle(worker_of(llm))
         assert stats["store"]["loaded_blocks"] == FULL // BLOCK
+
+
+def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
+    models, reference, shm_name, sockets
+) -> None:
+    """The scheduler (engine-core process) asks the worker (its own process) over the lookup
+    socket; the store is the named DRAM tier an engine of this process left in /dev/shm."""
+    kv = {"dram": {"capacity_blocks": 64, "name": shm_name}, "socket_dir": sockets}
+    with engine(models["main"], transfer_config(kv)) as llm:
+        generate(llm, [PROMPT])
+        settle(worker_of(llm))
+    # the worker in its own process ("mp"): the lookups cross the socket. Three processes each
+    # import vLLM (about 11 s apiece here): the one test of this suite that takes ~55 s
+    request = json.dumps(
+        {"model": str(models["main"]), "kv": kv, "prompt": PROMPT, "executor": "mp"}
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "serve_once.py"), request],
+        cwd=HERE,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = child.communicate(timeout=110)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=10)
+    assert child.returncode == 0
+    answer = json.loads(out.strip().splitlines()[-1])
+    assert answer == {"tokens": reference, "cached": FULL}
+    assert not list(Path(sockets).glob("*.sock"))  # the worker removed its socket
 
 
 def test_kv_computed_by_other_weights_changes_the_output(
@@ -132,3 +178,37 @@ def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fail
         assert tokens == []  # the request failed (vLLM finishes it with an error)
         assert generate(llm, [other])[0][0]  # and the engine serves the next one
         settle(worker_of(llm))
+
+
+def test_concurrent_requests_with_shared_prefixes_and_preemption(
+    models, shm_name, sockets, monkeypatch
+) -> None:
+    """Requests sharing prefixes, in one batch, in a KV space so small that vLLM preempts
+    some of them, with chunked prefill: every output equals the engine's without the connector,
+    then again from the store in a new engine; nothing stays pinned or held."""
+    stem = rng.integers(1, 1000, 96).tolist()
+    prompts = [stem + rng.integers(1, 1000, int(n)).tolist() for n in (100, 170, 40, 230, 130, 65)]
+    small = dict(
+        num_gpu_blocks_override=14, max_num_batched_tokens=96, max_num_seqs=4, max_model_len=384
+    )
+    with engine(models["main"], **small) as llm:
+        expected = [tokens for tokens, _ in generate(llm, prompts, max_tokens=40)]
+    kv = {"dram": {"capacity_blocks": 128, "name": shm_name}, "socket_dir": sockets}
+    preemptions = []
+    real_preempt = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):  # the real preemption, counted
+        preemptions.append(request.request_id)
+        return real_preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counted)
+    with engine(models["main"], transfer_config(kv), **small) as llm:
+        assert [t for t, _ in generate(llm, prompts, max_tokens=40)] == expected
+        assert preemptions, "the KV space was meant to be too small for the batch"
+        settle(worker_of(llm))
+    with engine(models["main"], transfer_config(kv), **small) as llm:
+        served = generate(llm, prompts, max_tokens=40)
+        assert [t for t, _ in served] == expected
+        assert all(cached > 0 for _, cached in served)
+        stats = settle(worker_of(llm))
+        assert stats["store"]["loaded_blocks"] > 0

@@ -1,0 +1,96 @@
+"""The connector's configuration: every wrong key or value of ``kv_connector_extra_config`` is
+a clear error naming it, at engine start; hashing that differs between processes is refused;
+the plugin entry point registers the name without importing jax."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engines import build_model, engine, transfer_config
+
+from tpusync.connectors.vllm.settings import check_stable_hashing, read_settings
+from tpusync.errors import InvalidArgumentError
+
+ENGINE = dict(
+    model="m", block_size=32, tp_rank=0, tp_size=1, num_blocks=100, engine_id="e1",
+    load_failure_policy="fail",
+)  # fmt: skip
+
+
+def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
+    settings = read_settings({"socket_dir": str(tmp_path)}, **ENGINE)
+    store = settings.store
+    assert (store.model_id, store.block_size, store.token_axis) == ("m", 32, 2)
+    assert store.dram.capacity_blocks == 100  # as many blocks as the engine's KV cache
+    assert settings.socket_path.parent == tmp_path
+    assert settings.lookup_timeout_s == 2.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"capacity": 4}, "capacity: unknown key of the store's config"),
+        ({"dram": {"capacity_block": 4}}, "dram.capacity_block: unknown key"),
+        ({"dram": {"capacity_blocks": 0}}, "capacity_blocks"),
+        ({"disk": {"capacity_blocks": 4}}, "disk"),
+        ({"block_size": 16}, r"block_size: 16 contradicts the engine's block_size \(32\)"),
+        ({"shard_count": 2}, "shard_count: 2 contradicts the engine's tensor_parallel_size"),
+        ({"token_axis": 1}, "token_axis: 1 contradicts the engine's CPU KV layout"),
+        ({"lookup_timeout_s": 0}, r"lookup_timeout_s: expected seconds in \(0, 60\]"),
+        ({"lookup_timeout_s": "1"}, "lookup_timeout_s"),
+        ({"secret_file": "/nonexistent/secret"}, "secret_file: cannot read"),
+        ({"salt": "xyz"}, "salt: expected a hex string"),
+        ({"socket_dir": ""}, "socket_dir: expected a directory path"),
+        ({"socket_dir": "/" + "d" * 100}, "socket_dir: .* too long for a Unix socket path"),
+        ({"store_node": {"nodes": 3}}, "store_node"),
+    ],
+)
+def test_a_wrong_key_or_value_is_refused_by_name(extra: dict, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        read_settings(extra, **ENGINE)
+
+
+def test_extra_config_that_is_not_a_mapping_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="kv_connector_extra_config: expected a mapping"):
+        read_settings(["dram"], **ENGINE)  # type: ignore[arg-type]
+
+
+def test_xxhash_without_pythonhashseed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(InvalidArgumentError, match="export PYTHONHASHSEED"):
+        check_stable_hashing("xxhash")
+    check_stable_hashing("sha256")  # seeded with a constant: the same in every process
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    check_stable_hashing("xxhash_cbor")
+
+
+def test_an_engine_with_a_wrong_key_fails_at_start(tmp_path: Path) -> None:
+    model = build_model(tmp_path / "model", seed=0)
+    kv = transfer_config({"dram": {"capacity_blocks": 8, "nmae": "typo"}})
+    with pytest.raises(Exception, match=r"dram\.nmae: unknown key"), engine(model, kv):
+        pass
+
+
+def test_the_plugin_registers_the_name_without_importing_jax() -> None:
+    code = (
+        "import sys, tpusync_vllm_plugin as p; p.register(); p.register(); "
+        "assert 'jax' not in sys.modules and 'tpusync' not in sys.modules, sorted(sys.modules); "
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as F; "
+        "from vllm.config import KVTransferConfig as K; "
+        "c = F.get_connector_class(K(kv_connector='TpuSyncConnector', kv_role='kv_both')); "
+        "print(c.__module__, c.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split()[-2:] == ["tpusync.connectors.vllm.connector", "TpuSyncConnector"]
+
+
+def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (point,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "tpusync"]
+    assert point.value == "tpusync_vllm_plugin:register"
