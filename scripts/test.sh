@@ -20,9 +20,12 @@ stage=$(date +%s)
 source "$repo/scripts/_vllm_venv.sh"
 echo "tpusync: vLLM environment ready in $(( $(date +%s) - stage )) s"
 stage=$(date +%s)
-# torch's and vLLM's caches go to a directory of this run (by default: /tmp and ~/.cache)
+# torch's and vLLM's caches and vLLM's IPC sockets (which it leaves behind) go to a directory of
+# this run (by default: /tmp and ~/.cache)
 caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
 trap 'rm -rf "$caches"' EXIT
+mkdir -p "$caches/rpc"
 TORCHINDUCTOR_CACHE_DIR="$caches/inductor" VLLM_CACHE_ROOT="$caches/vllm" \
-    TRITON_CACHE_DIR="$caches/triton" "$vllm_venv/bin/python" -m pytest "${options[@]}" tests/vllm
+    TRITON_CACHE_DIR="$caches/triton" VLLM_RPC_BASE_PATH="$caches/rpc" \
+    "$vllm_venv/bin/python" -m pytest "${options[@]}" tests/vllm
 echo "tpusync: vLLM suite in $(( $(date +%s) - stage )) s"

@@ -77,7 +77,7 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
 
 
 def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
-    models, reference, shm_name, sockets
+    models, reference, shm_name, sockets, tmp_path
 ) -> None:
     """The scheduler (engine-core process) asks the worker (its own process) over the lookup
     socket; the store is the named DRAM tier an engine of this process left in /dev/shm."""
@@ -91,6 +91,9 @@ def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
         {"model": str(models["main"]), "kv": kv, "prompt": PROMPT, "executor": "mp"}
     )
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    scratch = tmp_path / "scratch"  # vLLM's IPC sockets (it leaves them) and temp files
+    scratch.mkdir()
+    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
     child = subprocess.Popen(
         [sys.executable, str(HERE / "serve_once.py"), request],
         cwd=HERE,
