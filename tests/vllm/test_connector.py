@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from engines import BLOCK, build_model, engine, generate, settle, transfer_confi
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from tpusync.errors import InvalidArgumentError
+from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import shm_admin
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE
 from tpusync.tiers.dram import pool_path
@@ -215,3 +217,42 @@ def test_concurrent_requests_with_shared_prefixes_and_preemption(
         assert all(cached > 0 for _, cached in served)
         stats = settle(worker_of(llm))
         assert stats["store"]["loaded_blocks"] > 0
+
+
+def test_a_store_node_serves_a_new_engine_and_a_node_gone_is_a_miss(
+    models, reference, tmp_path, sockets
+) -> None:
+    """Blocks written back to a store node (``tpusync serve``) serve an engine whose own DRAM
+    is empty; once the node is gone, the same request is recomputed within the deadlines,
+    never hanging the engine."""
+    secret = bytes(range(1, 33))
+    node, ready = start_store_node(tmp_path, secret, 64 << 20)
+    try:
+        kv = {
+            "dram": {"capacity_blocks": 64},
+            "store_node": {"address": ready["address"], "timeout_s": 3.0},
+            "secret_file": str(tmp_path / "secret"),
+            "socket_dir": sockets,
+        }
+        with engine(models["main"], transfer_config(kv)) as llm:
+            assert generate(llm, [PROMPT]) == [(reference, 0)]
+            settle(worker_of(llm))
+        # DRAM for one prompt: the next prompt's blocks push this one's out of it
+        kv["dram"] = {"capacity_blocks": FULL // BLOCK}
+        with engine(models["main"], transfer_config(kv, policy="recompute")) as llm:
+            assert generate(llm, [PROMPT]) == [(reference, FULL)]
+            stats = settle(worker_of(llm))
+            assert stats["tiers"]["node"]["hits"] == FULL // BLOCK
+            generate(llm, [rng.integers(1, 1000, len(PROMPT)).tolist()])
+            settle(worker_of(llm))
+            llm.reset_prefix_cache()  # and out of vLLM's own prefix cache
+            assert stop_process(node) is not None
+            started = time.monotonic()
+            ((tokens, _),) = generate(llm, [PROMPT])
+            assert tokens == reference
+            assert time.monotonic() - started < 20
+            stats = settle(worker_of(llm))
+            assert stats["store"]["loaded_blocks"] == FULL // BLOCK  # the first load only
+            assert stats["store"]["lower_tier_errors"] >= 1  # the node's lookup: a miss
+    finally:
+        stop_process(node)
