@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate, settle, transfer_config, worker_of
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from tpusync.errors import InvalidArgumentError
@@ -256,3 +257,44 @@ def test_a_store_node_serves_a_new_engine_and_a_node_gone_is_a_miss(
             assert stats["store"]["lower_tier_errors"] >= 1  # the node's lookup: a miss
     finally:
         stop_process(node)
+
+
+def test_kv_events_name_vllms_hashes_with_a_medium_per_tier(models, tmp_path, sockets) -> None:
+    """Every block the store stores or drops in any tier reaches vLLM's KV-event publisher as
+    BlockStored / BlockRemoved with vLLM's own block hashes: token ids and parents for saved
+    blocks, medium CPU for DRAM and DISK for the disk tier."""
+    kv = {
+        "dram": {"capacity_blocks": FULL // BLOCK},  # the second prompt evicts the first
+        "disk": {"directory": str(tmp_path / "disk"), "capacity_blocks": 64, "create": True},
+        "socket_dir": sockets,
+    }
+    second = rng.integers(1, 1000, len(PROMPT)).tolist()
+    with engine(models["main"], transfer_config(kv)) as llm:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        published: list = []
+        real_publish = scheduler.kv_event_publisher.publish
+
+        def recorded(batch):  # the real publisher, recorded
+            published.extend(batch.events)
+            return real_publish(batch)
+
+        scheduler.kv_event_publisher.publish = recorded
+        generate(llm, [PROMPT])
+        settle(worker_of(llm))  # written back to disk
+        generate(llm, [second])
+        settle(worker_of(llm))
+        generate(llm, [second[:40]])  # a step to carry the last events
+    stored = [e for e in published if isinstance(e, BlockStored)]
+    removed = [e for e in published if isinstance(e, BlockRemoved)]
+    cpu = [e for e in stored if e.medium == "CPU"]
+    first = cpu[: FULL // BLOCK]  # the first prompt's blocks, in order
+    assert [e.token_ids for e in first] == [
+        PROMPT[i * BLOCK : (i + 1) * BLOCK] for i in range(FULL // BLOCK)
+    ]
+    hashes = [e.block_hashes[0] for e in first]
+    assert [e.parent_block_hash for e in first] == [None, *hashes[:-1]]
+    assert all(e.block_size == BLOCK for e in first)
+    on_disk = {e.block_hashes[0] for e in stored if e.medium == "DISK"}
+    assert set(hashes) <= on_disk
+    dropped = {h for e in removed if e.medium == "CPU" for h in e.block_hashes}
+    assert set(hashes) <= dropped  # evicted from DRAM by the second prompt (still on disk)

@@ -1,6 +1,7 @@
-"""Blocks an engine has hashed itself (vLLM's ``Request.block_hashes``), the calls of
-:class:`~tpusync.kv.KVCacheStore` (a base it builds on): the same lookups and saves as by
-tokens, keyed by the engine's hashes under the store's namespace."""
+"""What an engine's connector uses, the calls of :class:`~tpusync.kv.KVCacheStore` (a base it
+builds on): lookups and saves of blocks an engine has hashed itself (vLLM's
+``Request.block_hashes``), keyed by the engine's hashes under the store's namespace, and block
+events (a block stored in or removed from any tier) for the engine's KV-event stream."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from tpusync.errors import InvalidArgumentError
+from tpusync.kv._tier_stack import TierStack
 from tpusync.kv.keys import KeyScheme, Namespace, check_engine_hashes
 from tpusync.kv.results import LookupResult, SaveFuture
 
@@ -22,6 +24,7 @@ class EngineBlockCalls:
 
     scheme: KeyScheme
     block_size: int
+    _stack: TierStack
 
     _check_open: Callable[[], None]
     _namespace: Callable[[Namespace | None], Namespace]
@@ -66,3 +69,27 @@ class EngineBlockCalls:
         keys = self._engine_keys(block_hashes, namespace)
         ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
         return self._start_save(keys, ids)
+
+    def add_block_listener(self, listener: Callable[[str, str, list[bytes]], None]) -> None:
+        """Calls ``listener(kind, tier, keys)`` whenever blocks are stored in (``"stored"``) or
+        removed from (``"removed"``: evicted, dropped as corrupt, purged) a tier of this store
+        (``tier`` is its name: ``"dram"``, ``"disk"``, ...); a block moving between tiers is a
+        store in one and, when it leaves, a removal from the other. Called on the thread that
+        changed the tier, without the store's locks: keep it short (e.g. queue the event). An
+        exception in it is logged and ignored."""
+        if not callable(listener):
+            raise InvalidArgumentError(
+                f"listener: expected a callable, got {type(listener).__name__}"
+            )
+        names = self._stack.names
+
+        def by_name(kind: str, tier: int, keys: list[bytes]) -> None:
+            listener(kind, names[tier], keys)
+
+        by_name.listener = listener  # type: ignore[attr-defined]
+        self._stack.block_listeners.append(by_name)
+
+    def remove_block_listener(self, listener: Callable[[str, str, list[bytes]], None]) -> None:
+        """Stops calling ``listener`` (added with :meth:`add_block_listener`)."""
+        listeners = self._stack.block_listeners
+        listeners[:] = [f for f in listeners if getattr(f, "listener", None) != listener]

@@ -112,6 +112,9 @@ class TierStack:
         self.on_dram_removed: Callable[[list[bytes]], None] | None = None
         # Told of keys a writable lower tier dropped (tier index, keys); called without locks.
         self.on_lower_removed: Callable[[int, list[bytes]], None] | None = None
+        # Block events ("stored" or "removed", tier index, keys): every tier, any number of
+        # listeners (KVCacheStore.add_block_listener); called without locks.
+        self.block_listeners: list[Callable[[str, int, list[bytes]], None]] = []
         self.counters: collections.Counter[str] = collections.Counter(
             dict.fromkeys(POLICY_COUNTERS, 0)
         )
@@ -214,6 +217,18 @@ class TierStack:
     def dram_added(self, keys: Sequence[bytes]) -> None:
         if keys and self.on_dram_added is not None:
             self.on_dram_added(list(keys))
+        self.block_event("stored", 0, keys)
+
+    def block_event(self, kind: str, tier: int, keys: Sequence[bytes]) -> None:
+        """Tells every block listener; a listener that raises is logged, never the caller's
+        failure (a save or an eviction goes on)."""
+        if not keys:
+            return
+        for listener in self.block_listeners:
+            try:
+                listener(kind, tier, list(keys))
+            except Exception:
+                log.exception("tpusync kv: a block listener failed")
 
     def dram_removed(self, keys: Sequence[bytes]) -> None:
         if keys and self.on_dram_removed is not None:
@@ -221,6 +236,7 @@ class TierStack:
 
     def removed(self, tier: int, keys: Sequence[bytes]) -> None:
         """Tells the hooks that ``tier`` dropped ``keys``."""
+        self.block_event("removed", tier, keys)
         if tier == 0:
             self.dram_removed(keys)
         elif keys and self.on_lower_removed is not None:
@@ -499,6 +515,7 @@ class TierStack:
                 self._make_room(tier, len(keys))
                 keys, written = self._put(tier, keys)
         self.touch(tier, keys)
+        self.block_event("stored", tier, keys)
         return written
 
     def _put(self, tier: int, keys: list[bytes]) -> tuple[list[bytes], int]:

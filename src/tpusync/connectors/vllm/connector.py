@@ -95,7 +95,7 @@ class TpuSyncConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
-        self._scheduler.invalid_blocks(set(connector_output.invalid_block_ids or ()))
+        self._scheduler.worker_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -105,7 +105,8 @@ class TpuSyncConnector(KVConnectorBase_V1):
         return False, None
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        assert self._scheduler is not None
+        return self._scheduler.take_events()
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -132,6 +133,10 @@ class TpuSyncConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return None, self._worker.finished_loads() or None
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        assert self._worker is not None
+        return self._worker.events.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -29,6 +29,8 @@ class SaveSpec:
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
+    parent_hash: bytes | None = None  # the block before the first (for KV events)
+    token_ids: list[list[int]] = field(default_factory=list)  # each block's (for KV events)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpusync.connectors.vllm.events import as_list
 from tpusync.connectors.vllm.lookup_service import LookupClient
 from tpusync.connectors.vllm.metadata import LoadSpec, SaveSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
@@ -46,6 +47,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, int]] = []
+        self._events: list[Any] = []  # the worker's KV events, until vLLM takes them
 
     def _ask(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
         worker = local_worker(self.settings.engine_id)
@@ -129,15 +131,28 @@ class SchedulerSide:
         full = min(computed // self.block_size, len(hashes), len(tracked.block_ids))
         if full <= tracked.saved_blocks:
             return
-        first = tracked.saved_blocks
+        first, bs = tracked.saved_blocks, self.block_size
+        tokens = tracked.request.all_token_ids
         meta.saves.append(
             SaveSpec(
                 req_id,
                 [bytes(h) for h in hashes[first:full]],
                 tracked.block_ids[first:full],
+                parent_hash=bytes(hashes[first - 1]) if first else None,
+                token_ids=[list(tokens[i * bs : (i + 1) * bs]) for i in range(first, full)],
             )
         )
         tracked.saved_blocks = full
+
+    def worker_output(self, connector_output: Any) -> None:
+        """vLLM's ``update_connector_output``: blocks that failed to load, the worker's
+        events."""
+        self.invalid_blocks(set(connector_output.invalid_block_ids or ()))
+        self._events.extend(as_list(connector_output.kv_cache_events))
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
 
     def invalid_blocks(self, block_ids: set[int]) -> None:
         """Blocks that failed to load: vLLM recomputes them, so they are saved again after."""

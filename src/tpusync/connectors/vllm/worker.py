@@ -10,6 +10,7 @@ import logging
 import threading
 from typing import Any
 
+from tpusync.connectors.vllm.events import BlockEventLog
 from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
@@ -46,6 +47,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # requests whose load failed this step
         self._durable: set[concurrent.futures.Future[Any]] = set()
+        self.events = BlockEventLog(settings.store.block_size)
 
     # --- setup -------------------------------------------------------------------------
 
@@ -58,6 +60,7 @@ class WorkerSide:
             raise InvalidArgumentError("kv_caches: vLLM registered no KV tensors")
         pools = [TorchPool(tensor, name=name) for name, tensor in kv_caches.items()]
         self.store = KVCacheStore(self.settings.store, pools)
+        self.store.add_block_listener(self.events.heard)
         try:
             self._server = LookupServer(self.settings.socket_path, self.answer, self.release)
         except BaseException:
@@ -84,6 +87,8 @@ class WorkerSide:
         if store is None:
             return 0, False
         result = store.lookup_engine_blocks(block_hashes)
+        if result.num_blocks:  # a block promoted to DRAM is then named in its event
+            self.events.learn(list(result.keys), block_hashes[: result.num_blocks])
         with self._lock:
             old = self._pins.pop(req_id, None)
             if result.num_blocks:
@@ -168,6 +173,9 @@ class WorkerSide:
             if spec.req_id in self._failed_now:
                 continue
             try:
+                keys = store.scheme.engine_keys(store.namespace, spec.block_hashes)  # type: ignore[attr-defined]
+                # before the save: its "stored" event may come before it returns
+                self.events.learn(keys, spec.block_hashes, spec.parent_hash, spec.token_ids or None)
                 started.append(store.save_engine_blocks_async(spec.block_hashes, spec.block_ids))
             except TpuSyncError as error:
                 log.warning("tpusync vllm: save of %s refused: %s", spec.req_id, error)
@@ -216,6 +224,7 @@ class WorkerSide:
         store, self.store = self.store, None
         if store is None:
             return
+        store.remove_block_listener(self.events.heard)
         for future, _ in self._loading.values():
             concurrent.futures.wait([future], timeout=SAVE_COPY_TIMEOUT_S)
         self._loading.clear()
