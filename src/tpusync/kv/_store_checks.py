@@ -18,6 +18,7 @@ from tpusync.errors import DtypeMismatchError, InvalidArgumentError, ShapeMismat
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.tier_specs import ExistingTier
 from tpusync.memory.device_pool import DevicePool
+from tpusync.memory.torch_tensors import TorchPool
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.room import check_room
 
@@ -29,6 +30,32 @@ __all__ = [
 ]
 
 _VLLM_CPU_HINT = "e.g. token_axis=2 for vLLM's CPU layout [num_blocks, kv_heads, block_size, ...]"
+
+
+def check_device_pools(device_pools: Any, axis: int) -> int:
+    """Refuses anything but a non-empty list of DevicePools or TorchPools with one number of
+    blocks on ``axis``; returns that number."""
+    if isinstance(device_pools, DevicePool | TorchPool) or not isinstance(device_pools, Sequence):
+        raise InvalidArgumentError(
+            "device_pools: expected a list of DevicePools (one per KV array), got "
+            f"{type(device_pools).__name__}"
+        )
+    if not device_pools:
+        raise InvalidArgumentError("device_pools: the list is empty; give the KV arrays")
+    for i, pool in enumerate(device_pools):
+        if not isinstance(pool, DevicePool | TorchPool):
+            raise InvalidArgumentError(
+                f"device_pools[{i}]: expected a DevicePool, got {type(pool).__name__}; "
+                "wrap the engine's KV arrays in tpusync.DevicePool (a torch engine's CPU "
+                "KV tensors in tpusync.TorchPool)"
+            )
+        counts = {pool.shape[axis] if axis < len(pool.shape) else -1 for pool in device_pools}
+    if len(counts) != 1 or -1 in counts:
+        raise InvalidArgumentError(
+            f"device_pools: every pool needs the same number of blocks on block_axis={axis}; "
+            f"got {sorted(counts)}"
+        )
+    return counts.pop()
 
 
 def check_token_axis(config: KVStoreConfig, pools: Sequence[DevicePool]) -> None:

@@ -50,6 +50,7 @@ from tpusync.kv._peer_link import PeerLink
 from tpusync.kv._session_calls import SessionCalls
 from tpusync.kv._sessions import SessionManifests
 from tpusync.kv._store_checks import (
+    check_device_pools,
     check_dram_room,
     check_extra_tier_layouts,
     check_tiers,
@@ -115,32 +116,10 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             raise InvalidArgumentError(
                 f"config: expected a KVStoreConfig, got {type(config).__name__}"
             )
-        if isinstance(device_pools, DevicePool | TorchPool) or not isinstance(
-            device_pools, Sequence
-        ):
-            raise InvalidArgumentError(
-                "device_pools: expected a list of DevicePools (one per KV array), got "
-                f"{type(device_pools).__name__}"
-            )
-        if not device_pools:
-            raise InvalidArgumentError("device_pools: the list is empty; give the KV arrays")
-        for i, pool in enumerate(device_pools):
-            if not isinstance(pool, DevicePool | TorchPool):
-                raise InvalidArgumentError(
-                    f"device_pools[{i}]: expected a DevicePool, got {type(pool).__name__}; "
-                    "wrap the engine's KV arrays in tpusync.DevicePool (a torch engine's CPU "
-                    "KV tensors in tpusync.TorchPool)"
-                )
-        axis = config.block_axis
-        counts = {pool.shape[axis] if axis < len(pool.shape) else -1 for pool in device_pools}
-        if len(counts) != 1 or -1 in counts:
-            raise InvalidArgumentError(
-                f"device_pools: every pool needs the same number of blocks on block_axis={axis}; "
-                f"got {sorted(counts)}"
-            )
+        self.num_device_blocks = check_device_pools(device_pools, config.block_axis)
         self.config = config
         self.pools = list(device_pools)
-        self.num_device_blocks = counts.pop()
+        axis = config.block_axis
         check_token_axis(config, self.pools)
         self.layout = PoolLayout.from_pools(config.model_id, self.pools, block_axis=axis)
         check_extra_tier_layouts(config.tiers, self.layout)
