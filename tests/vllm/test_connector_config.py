@@ -16,7 +16,6 @@ from tpusync.errors import InvalidArgumentError
 
 ENGINE = dict(
     model="m", block_size=32, tp_rank=0, tp_size=1, num_blocks=100, engine_id="e1",
-    load_failure_policy="fail",
 )  # fmt: skip
 
 
@@ -58,13 +57,18 @@ def test_extra_config_that_is_not_a_mapping_is_refused() -> None:
         read_settings(["dram"], **ENGINE)  # type: ignore[arg-type]
 
 
-def test_xxhash_without_pythonhashseed_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_xxhash_is_refused_unless_allowed_and_seeded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(InvalidArgumentError, match="not collision resistant"):
+        check_stable_hashing("xxhash", allow_xxhash=False)
     with pytest.raises(InvalidArgumentError, match="export PYTHONHASHSEED"):
-        check_stable_hashing("xxhash")
-    check_stable_hashing("sha256")  # seeded with a constant: the same in every process
+        check_stable_hashing("xxhash", allow_xxhash=True)
+    check_stable_hashing("sha256", allow_xxhash=False)  # seeded with a constant
     monkeypatch.setenv("PYTHONHASHSEED", "7")
-    check_stable_hashing("xxhash_cbor")
+    check_stable_hashing("xxhash_cbor", allow_xxhash=True)
+    assert read_settings({"allow_xxhash": True}, **ENGINE).allow_xxhash
+    with pytest.raises(InvalidArgumentError, match="allow_xxhash: expected true or false"):
+        read_settings({"allow_xxhash": "yes"}, **ENGINE)
 
 
 def test_an_engine_with_a_wrong_key_fails_at_start(tmp_path: Path) -> None:

@@ -51,7 +51,6 @@ class TpuSyncConnector(KVConnectorBase_V1):
                 "'kv_both' (an engine saving and reusing its own KV)"
             )
         cache = vllm_config.cache_config
-        check_stable_hashing(str(cache.prefix_caching_hash_algo))
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise InvalidArgumentError(
@@ -67,15 +66,32 @@ class TpuSyncConnector(KVConnectorBase_V1):
             tp_size=1,
             num_blocks=num_blocks if role == KVConnectorRole.WORKER else None,
             engine_id=str(transfer.engine_id),
-            load_failure_policy=str(transfer.kv_load_failure_policy),
         )
+        check_stable_hashing(
+            str(cache.prefix_caching_hash_algo), allow_xxhash=self._settings.allow_xxhash
+        )
+        if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            # its next step's saves would be built before this step's load errors arrive
+            raise InvalidArgumentError(
+                "async_scheduling: TpuSyncConnector needs it off (async_scheduling=False)"
+            )
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise InvalidArgumentError(
+                f"kv_cache_config: {len(groups)} KV cache groups (a hybrid model); "
+                "TpuSyncConnector serves models with one group of full-attention layers"
+            )
         self._block_size = int(cache.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._settings, self._block_size)
         else:
-            self._worker = WorkerSide(self._settings)
+            self._worker = WorkerSide(self._settings, num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save dropped at preemption is only a later miss
 
     # --- scheduler side ----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ token ids) a store key stands for. Its events reach the scheduler side with the 
 
 from __future__ import annotations
 
+import array
 import collections
 import threading
 from typing import Any
@@ -22,7 +23,9 @@ from vllm.distributed.kv_events import (
 
 __all__ = ["BlockEventLog", "TpuSyncKVEvents", "as_list", "medium_of"]
 
-MAX_KNOWN_BLOCKS = 1 << 20  # store keys remembered with their vLLM hash (least recent dropped)
+# store keys remembered with their vLLM hash, parent and tokens (~350 bytes each; the least
+# recent dropped: a block forgotten has no more events)
+MAX_KNOWN_BLOCKS = 1 << 16
 
 
 def medium_of(tier: str) -> str:
@@ -64,8 +67,8 @@ class BlockEventLog:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._lock = threading.Lock()
-        # store key -> (vLLM hash, parent vLLM hash, token ids or [])
-        self._known: collections.OrderedDict[bytes, tuple[bytes, bytes | None, list[int]]] = (
+        # store key -> (vLLM hash, parent vLLM hash, token ids, empty when not known)
+        self._known: collections.OrderedDict[bytes, tuple[bytes, bytes | None, array.array]] = (
             collections.OrderedDict()
         )
         self._events: list[KVCacheEvent] = []
@@ -82,7 +85,7 @@ class BlockEventLog:
         with self._lock:
             before = parent
             for i, (key, h) in enumerate(zip(keys, hashes, strict=True)):
-                tokens = token_ids[i] if token_ids is not None else []
+                tokens = array.array("I", token_ids[i] if token_ids is not None else ())
                 old = self._known.get(key)
                 if old is not None and not tokens:
                     tokens = old[2]
@@ -109,7 +112,7 @@ class BlockEventLog:
                     BlockStored(
                         block_hashes=[h],
                         parent_block_hash=parent,
-                        token_ids=list(tokens),
+                        token_ids=tokens.tolist(),
                         block_size=self.block_size,
                         lora_id=None,
                         medium=medium,

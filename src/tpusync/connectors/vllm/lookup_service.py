@@ -1,5 +1,5 @@
 """The worker's answer to the scheduler's question "how much of this request does the store
-hold?", across processes (docs/decisions/0008-vllm-store-owner.md).
+hold?", across processes (docs/decisions/0008-vllm-connector-processes.md).
 
 The worker side owns the store and serves lookups on a Unix socket in a directory only its
 user can enter; a connecting process of another uid is refused (``SO_PEERCRED``). A lookup
@@ -9,12 +9,14 @@ most its deadline: no answer in time is a miss (and a release of that lookup's p
 
 Wire format (little-endian), one request then one answer per round trip on a connection:
 
-* request: ``u32 body length``, then the body: ``u8 op``, ``u64 sequence``, ``u16 request-id
-  length`` and the id (UTF-8), ``u32 count`` and that many ``u8 length`` + hash bytes
-  (lookup, op ``L``), or nothing more (release, op ``R``; sequence 0 releases any lookup).
+* request (a lookup): ``u32 body length``, then the body: ``u8 op`` (``L``), ``u64 sequence``,
+  ``u16 request-id length`` and the id (UTF-8), ``u32 count`` and that many ``u8 length`` +
+  hash bytes.
 * answer: ``u32 blocks``, ``u8 asynchronous``.
 
-Bodies are bounded (:data:`MAX_BODY_BYTES`); a malformed one closes the connection.
+Releases travel with the step's metadata instead (in order with the loads). Bodies and counts
+are bounded (:data:`MAX_BODY_BYTES`, :data:`MAX_HASHES`); a malformed body closes the
+connection.
 """
 
 from __future__ import annotations
@@ -32,19 +34,19 @@ from pathlib import Path
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers.files import make_directory
 
-__all__ = ["MAX_BODY_BYTES", "LookupClient", "LookupServer"]
+__all__ = ["MAX_BODY_BYTES", "MAX_HASHES", "LookupClient", "LookupServer"]
 
 log = logging.getLogger("tpusync.connectors.vllm")
 
 MAX_BODY_BYTES = 16 << 20
+MAX_HASHES = 1 << 16  # blocks of one request (1M tokens of 16-token blocks)
 MAX_CONNECTIONS = 8
 _HEAD = struct.Struct("<BQH")
 _ANSWER = struct.Struct("<IB")
-_LOOKUP, _RELEASE = b"L"[0], b"R"[0]
+_LOOKUP = b"L"[0]
 
 # (request id, sequence, hashes) -> (blocks found and pinned, any of them below DRAM)
 Answer = Callable[[str, int, list[bytes]], tuple[int, bool]]
-Release = Callable[[str, int], None]
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -58,52 +60,58 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def encode_request(op: int, req_id: str, sequence: int, hashes: list[bytes]) -> bytes:
+def encode_request(req_id: str, sequence: int, hashes: list[bytes]) -> bytes:
     rid = req_id.encode()
-    parts = [_HEAD.pack(op, sequence, len(rid)), rid]
-    if op == _LOOKUP:
-        parts.append(struct.pack("<I", len(hashes)))
-        for h in hashes:
-            parts.append(bytes((len(h),)) + h)
+    parts = [_HEAD.pack(_LOOKUP, sequence, len(rid)), rid, struct.pack("<I", len(hashes))]
+    parts.extend(bytes((len(h),)) + h for h in hashes)
     body = b"".join(parts)
     return struct.pack("<I", len(body)) + body
 
 
-def decode_request(body: bytes) -> tuple[int, str, int, list[bytes]]:
-    """(op, request id, sequence, hashes); raises ValueError for a malformed body."""
+def decode_request(body: bytes) -> tuple[str, int, list[bytes]]:
+    """(request id, sequence, hashes); raises ValueError for a malformed body."""
     if len(body) < _HEAD.size:
         raise ValueError("short body")
     op, sequence, rid_len = _HEAD.unpack_from(body)
     at = _HEAD.size + rid_len
-    if op not in (_LOOKUP, _RELEASE) or at > len(body):
+    if op != _LOOKUP or at + 4 > len(body):
         raise ValueError("bad op or request id")
     req_id = body[_HEAD.size : at].decode()
+    (count,) = struct.unpack_from("<I", body, at)
+    at += 4
+    if count > MAX_HASHES:
+        raise ValueError(f"{count} hashes, more than {MAX_HASHES}")
     hashes: list[bytes] = []
-    if op == _LOOKUP:
-        if at + 4 > len(body):
-            raise ValueError("no count")
-        (count,) = struct.unpack_from("<I", body, at)
-        at += 4
-        if count > len(body):  # each hash takes at least one byte
-            raise ValueError("count past the body")
-        for _ in range(count):
-            if at >= len(body):
-                raise ValueError("truncated hash")
-            n = body[at]
-            if not n or at + 1 + n > len(body):
-                raise ValueError("bad hash length")
-            hashes.append(body[at + 1 : at + 1 + n])
-            at += 1 + n
+    for _ in range(count):
+        if at >= len(body):
+            raise ValueError("truncated hash")
+        n = body[at]
+        if not n or at + 1 + n > len(body):
+            raise ValueError("bad hash length")
+        hashes.append(body[at + 1 : at + 1 + n])
+        at += 1 + n
     if at != len(body):
         raise ValueError("trailing bytes")
-    return op, req_id, sequence, hashes
+    return req_id, sequence, hashes
+
+
+def _served_by_someone(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(os.fspath(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 class LookupServer:
     """Serves lookups and releases for the worker on ``path`` (its directory is made 0700
     and checked; a stale socket of an earlier worker is replaced) until :meth:`close`."""
 
-    def __init__(self, path: Path, answer: Answer, release: Release) -> None:
+    def __init__(self, path: Path, answer: Answer) -> None:
         make_directory(path.parent)
         try:
             info = os.lstat(path)
@@ -115,15 +123,17 @@ class LookupServer:
                     f"socket_dir: {path} exists and is not a socket; remove it or choose "
                     "another socket_dir"
                 )
+            if _served_by_someone(path):
+                raise InvalidArgumentError(
+                    f"socket_dir: another worker serves lookups on {path} (the same engine_id "
+                    "twice?); give each engine its own kv_transfer_config.engine_id"
+                )
             path.unlink()  # an earlier worker's, which is gone: this engine's id names it
         self.path = path
-        self._answer, self._release = answer, release
+        self._answer = answer
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_mask = os.umask(0o177)  # the socket file itself: this user only
-        try:
-            self._sock.bind(os.fspath(path))
-        finally:
-            os.umask(old_mask)
+        self._sock.bind(os.fspath(path))
+        os.chmod(path, 0o600)  # the directory (0700, checked) already keeps others out
         self._sock.listen(MAX_CONNECTIONS)
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -167,15 +177,11 @@ class LookupServer:
                 if body is None:
                     return
                 try:
-                    op, req_id, sequence, hashes = decode_request(body)
+                    req_id, sequence, hashes = decode_request(body)
                 except (ValueError, UnicodeDecodeError) as error:
                     log.warning("tpusync vllm: a malformed lookup was refused (%s)", error)
                     return
-                if op == _LOOKUP:
-                    blocks, is_async = self._answer(req_id, sequence, hashes)
-                else:
-                    self._release(req_id, sequence)
-                    blocks, is_async = 0, False
+                blocks, is_async = self._answer(req_id, sequence, hashes)
                 conn.sendall(_ANSWER.pack(blocks, is_async))
         except OSError:
             return
@@ -235,10 +241,7 @@ class LookupClient:
         return blocks, bool(is_async)
 
     def lookup(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
-        return self._round_trip(encode_request(_LOOKUP, req_id, sequence, hashes))
-
-    def release(self, req_id: str, sequence: int = 0) -> bool:
-        return self._round_trip(encode_request(_RELEASE, req_id, sequence, [])) is not None
+        return self._round_trip(encode_request(req_id, sequence, hashes))
 
     def close(self) -> None:
         if self._sock is not None:

@@ -48,6 +48,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, int]] = []
         self._events: list[Any] = []  # the worker's KV events, until vLLM takes them
+        self._issued: dict[str, int] = {}  # req_id -> its last lookup's sequence
 
     def _ask(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
         worker = local_worker(self.settings.engine_id)
@@ -67,10 +68,11 @@ class SchedulerSide:
         if usable <= local:
             return 0, False
         sequence = next(self._sequence)
+        self._issued[req_id] = sequence
         hashes = [bytes(h) for h in request.block_hashes[local:usable]]
         answer = self._ask(req_id, sequence, hashes)
         if answer is None:  # no answer in time: a miss; whatever it pinned is released
-            self._releases.append((req_id, sequence))
+            self._release(req_id, sequence)
             return 0, False
         blocks, is_async = answer
         if not blocks:
@@ -81,7 +83,16 @@ class SchedulerSide:
     def _forget_lookup(self, req_id: str) -> None:
         old = self._lookups.pop(req_id, None)
         if old is not None:
-            self._releases.append((req_id, old.sequence))
+            self._release(req_id, old.sequence)
+
+    def _release(self, req_id: str, sequence: int) -> None:
+        """Releases ``req_id``'s lookups up to ``sequence``: at once in one process, else with
+        the next step's metadata (in order with its loads)."""
+        worker = local_worker(self.settings.engine_id)
+        if worker is not None:
+            worker.release(req_id, sequence)
+        else:
+            self._releases.append((req_id, sequence))
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``: the blocks to load the hit into."""
@@ -92,7 +103,7 @@ class SchedulerSide:
             return
         n = min(num_external_tokens // self.block_size, lookup.blocks)
         if n <= 0:
-            self._releases.append((req_id, lookup.sequence))
+            self._release(req_id, lookup.sequence)
             return
         ids = blocks.get_block_ids()[0][lookup.local_blocks : lookup.local_blocks + n]
         self._loads.append(LoadSpec(req_id, lookup.sequence, list(ids), lookup.is_async))
@@ -168,7 +179,10 @@ class SchedulerSide:
         of its blocks: the worker waits for that within the step)."""
         req_id = request.request_id
         self._tracked.pop(req_id, None)
-        self._forget_lookup(req_id)
+        self._lookups.pop(req_id, None)
+        last = self._issued.pop(req_id, None)
+        if last is not None:  # every lookup of it, also one that answers late
+            self._release(req_id, last)
 
     def close(self) -> None:
         self._client.close()

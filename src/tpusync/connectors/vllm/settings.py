@@ -28,6 +28,7 @@ __all__ = ["CONNECTOR_KEYS", "ConnectorSettings", "check_stable_hashing", "read_
 CONNECTOR_KEYS = {
     "lookup_timeout_s": "how long the scheduler waits for the worker's answer (then a miss)",
     "socket_dir": "the private directory of the scheduler-worker lookup socket",
+    "allow_xxhash": "accept vLLM's xxhash block hashes (see check_stable_hashing)",
 }
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
@@ -44,14 +45,14 @@ class ConnectorSettings:
       engine_id: the engine's ``kv_transfer_config.engine_id`` (names the lookup socket).
       lookup_timeout_s: the scheduler's deadline for a lookup answer.
       socket_path: the worker's lookup socket (in a directory only this user can enter).
-      load_failure_policy: vLLM's ``kv_load_failure_policy`` ("fail" or "recompute").
+      allow_xxhash: whether vLLM's xxhash block hashes are accepted.
     """
 
     store: KVStoreConfig
     engine_id: str
     lookup_timeout_s: float
     socket_path: Path
-    load_failure_policy: str
+    allow_xxhash: bool
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
@@ -102,7 +103,6 @@ def read_settings(
     tp_size: int,
     num_blocks: int | None,
     engine_id: str,
-    load_failure_policy: str,
 ) -> ConnectorSettings:
     """The settings ``extra`` (``kv_connector_extra_config``) describes for this engine.
 
@@ -137,15 +137,32 @@ def read_settings(
         engine_id=engine_id,
         lookup_timeout_s=_timeout(own.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
         socket_path=_socket_path(own.get("socket_dir"), engine_id),
-        load_failure_policy=load_failure_policy,
+        allow_xxhash=_flag(own.get("allow_xxhash", False), "allow_xxhash"),
     )
 
 
-def check_stable_hashing(hash_algo: str) -> None:
-    """Refuses block hashes that differ between processes: vLLM seeds its xxhash ``NONE_HASH``
-    at random per process unless ``PYTHONHASHSEED`` is set, so a prefix saved by one process
-    would never be found by another."""
-    if hash_algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{WHERE}.{key}: expected true or false, got {value!r}")
+    return value
+
+
+def check_stable_hashing(hash_algo: str, *, allow_xxhash: bool) -> None:
+    """Refuses block hashes a store shared across processes cannot trust. vLLM's xxhash is
+    not collision resistant: one who chooses prompts can make another prompt's hash and plant
+    KV under it in a store that outlives the engine; and it is seeded at random per process
+    unless ``PYTHONHASHSEED`` is set, so no other process would find the blocks. The sha256
+    algorithms (vLLM's default) have neither problem."""
+    if not hash_algo.startswith("xxhash"):
+        return
+    if not allow_xxhash:
+        raise InvalidArgumentError(
+            f"prefix_caching_hash_algo: {hash_algo!r} is not collision resistant, so a client "
+            "choosing prompts could plant KV under another prompt's hash in the shared store; "
+            "use the default 'sha256' (or 'sha256_cbor'), or set "
+            f'"allow_xxhash": true in {WHERE} if every client is trusted'
+        )
+    if not os.environ.get("PYTHONHASHSEED"):
         raise InvalidArgumentError(
             f"prefix_caching_hash_algo: {hash_algo!r} seeds vLLM's block hashes at random in "
             "every process unless PYTHONHASHSEED is set, so no other process would find this "

@@ -1,9 +1,10 @@
 """The worker side of the vLLM connector: it owns the KV store over vLLM's KV tensors, answers
 the scheduler's lookups (pinning what it found), and loads and saves blocks as each step's
-metadata says (docs/decisions/0008-vllm-store-owner.md)."""
+metadata says (docs/decisions/0008-vllm-connector-processes.md)."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -22,7 +23,8 @@ __all__ = ["WorkerSide", "local_worker"]
 
 log = logging.getLogger("tpusync.connectors.vllm")
 
-SAVE_COPY_TIMEOUT_S = 60.0
+CLOSE_TIMEOUT_S = 60.0
+MAX_RELEASED = 1 << 16
 # engine id -> the worker side in this process (scheduler and worker in one process)
 _LOCAL: dict[str, WorkerSide] = {}
 _LOCAL_LOCK = threading.Lock()
@@ -37,15 +39,19 @@ def local_worker(engine_id: str) -> WorkerSide | None:
 class WorkerSide:
     """Owns the store of one engine's worker (one tensor-parallel rank)."""
 
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, num_blocks: int | None = None) -> None:
         self.settings = settings
+        self.num_blocks = num_blocks  # vLLM's, when it said (every KV tensor must have them)
         self.store: KVCacheStore | None = None
         self._server: LookupServer | None = None
         self._lock = threading.Lock()
         self._pins: dict[str, tuple[int, LookupResult]] = {}  # req_id -> (sequence, handle)
-        self._loading: dict[str, tuple[concurrent.futures.Future[Any], list[int]]] = {}
+        # req_id -> the highest lookup sequence released (bounded: least recent dropped)
+        self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # req_id -> (its background load, the block ids, the handle it consumes)
+        self._loading: dict[str, tuple[concurrent.futures.Future[Any], list[int], Any]] = {}
         self._load_errors: set[int] = set()
-        self._failed_now: set[str] = set()  # requests whose load failed this step
+        self._sync_failure = False  # a load this step's forward reads failed
         self._durable: set[concurrent.futures.Future[Any]] = set()
         self.events = BlockEventLog(settings.store.block_size)
 
@@ -58,11 +64,20 @@ class WorkerSide:
             raise InvalidArgumentError("kv_caches: this connector's KV tensors are registered")
         if not kv_caches:
             raise InvalidArgumentError("kv_caches: vLLM registered no KV tensors")
+        for name, tensor in kv_caches.items():
+            if self.num_blocks is not None and (
+                not tensor.dim() or int(tensor.shape[0]) != self.num_blocks
+            ):
+                raise InvalidArgumentError(
+                    f"kv_caches[{name!r}]: shape {tuple(tensor.shape)} does not index vLLM's "
+                    f"{self.num_blocks} blocks on axis 0; TpuSyncConnector knows vLLM's CPU "
+                    "layout [num_blocks, kv_heads, block_size, 2*head_dim]"
+                )
         pools = [TorchPool(tensor, name=name) for name, tensor in kv_caches.items()]
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
         try:
-            self._server = LookupServer(self.settings.socket_path, self.answer, self.release)
+            self._server = LookupServer(self.settings.socket_path, self.answer)
         except BaseException:
             self.store.close()
             self.store = None
@@ -82,29 +97,46 @@ class WorkerSide:
 
     def answer(self, req_id: str, sequence: int, block_hashes: list[bytes]) -> tuple[int, bool]:
         """Pins the leading blocks of ``block_hashes`` the store holds, under ``req_id``
-        (replacing an earlier lookup of it); returns (blocks, whether any is below DRAM)."""
+        (replacing an earlier lookup of it); returns (blocks, whether any is below DRAM).
+
+        Answers arrive in any order (a lookup the scheduler gave up on may finish after its
+        next one): the highest sequence of a request wins, and a lookup already released (or
+        overtaken) pins nothing. A failing lookup is a miss."""
         store = self.store
         if store is None:
             return 0, False
-        result = store.lookup_engine_blocks(block_hashes)
-        if result.num_blocks:  # a block promoted to DRAM is then named in its event
-            self.events.learn(list(result.keys), block_hashes[: result.num_blocks])
-        with self._lock:
-            old = self._pins.pop(req_id, None)
-            if result.num_blocks:
-                self._pins[req_id] = (sequence, result)
-        if old is not None:
-            self._drop(old[1])
+        try:
+            result = store.lookup_engine_blocks(block_hashes)
+        except (TpuSyncError, OSError) as error:
+            log.warning("tpusync vllm: lookup of %s failed (a miss): %s", req_id, error)
+            return 0, False
         if not result.num_blocks:
             store.release(result)
             return 0, False
-        return result.num_blocks, any(tier != "dram" for tier in result.tiers)
-
-    def release(self, req_id: str, sequence: int = 0) -> None:
-        """Drops the pins of ``req_id``'s lookup ``sequence`` (0: whichever it holds)."""
         with self._lock:
             held = self._pins.get(req_id)
-            if held is None or (sequence and held[0] != sequence):
+            stale = self._released.get(req_id, 0) >= sequence or (
+                held is not None and held[0] > sequence
+            )
+            if not stale:
+                self._pins[req_id] = (sequence, result)
+        if stale:
+            self._drop(result)
+            return 0, False
+        if held is not None:
+            self._drop(held[1])
+        self.events.learn(list(result.keys), block_hashes[: result.num_blocks])
+        return result.num_blocks, any(tier != "dram" for tier in result.tiers)
+
+    def release(self, req_id: str, sequence: int) -> None:
+        """Drops the pins of ``req_id``'s lookups up to ``sequence``; a lookup up to it that
+        answers later pins nothing."""
+        with self._lock:
+            self._released[req_id] = max(sequence, self._released.pop(req_id, 0))
+            while len(self._released) > MAX_RELEASED:
+                self._released.popitem(last=False)
+            held = self._pins.get(req_id)
+            if held is None or held[0] > sequence:
                 return
             del self._pins[req_id]
         self._drop(held[1])
@@ -128,24 +160,23 @@ class WorkerSide:
     def start_load(self, meta: TpuSyncMetadata) -> None:
         """Releases what the scheduler gave up, then runs this step's loads: a DRAM hit now
         (before the forward that reads it), a hit below DRAM in the background."""
-        self._failed_now.clear()
+        self._sync_failure = False
         for req_id, sequence in meta.releases:
             self.release(req_id, sequence)
         store = self.store
         for spec in meta.loads:
             result = self._take(spec) if store is not None else None
             if result is None:  # lost the pins (no answer in time, a restart): recompute
-                self._failed(spec.req_id, spec.block_ids)
+                self._failed(spec, spec.block_ids)
                 if spec.is_async:
-                    self._loading[spec.req_id] = (_done(None), [])
+                    self._loading[spec.req_id] = (_done(None), [], None)
                 continue
             assert store is not None
             ids = spec.block_ids[: result.num_blocks]
-            missing = spec.block_ids[len(ids) :]
-            if missing:
-                self._failed(spec.req_id, missing)
+            if len(ids) < len(spec.block_ids):
+                self._failed(spec, spec.block_ids[len(ids) :])
             if spec.is_async:
-                self._loading[spec.req_id] = (store.load_async(result, ids), ids)
+                self._loading[spec.req_id] = (store.load_async(result, ids), ids, result)
                 continue
             try:
                 loaded = store.load(result, ids).loaded_blocks
@@ -154,24 +185,33 @@ class WorkerSide:
                 self._drop(result)
                 loaded = 0
             if loaded < len(ids):
-                self._failed(spec.req_id, ids[loaded:])
+                self._failed(spec, ids[loaded:])
 
-    def _failed(self, req_id: str, block_ids: list[int]) -> None:
-        self._failed_now.add(req_id)
+    def _failed(self, spec: LoadSpec, block_ids: list[int]) -> None:
         self._load_errors.update(block_ids)
+        if not spec.is_async:
+            self._sync_failure = True
 
     def save(self, meta: TpuSyncMetadata) -> None:
         """Saves the blocks that became full this step, and returns once they are copied out
-        of vLLM's tensors (vLLM may reuse the blocks after the step); the writes to DRAM's
-        index and the lower tiers finish in the background. A request whose load failed this
-        step saves nothing: its KV was computed over blocks it did not have."""
+        of vLLM's tensors (vLLM may reuse the blocks after the step: no deadline, a torn copy
+        would be a wrong block); the writes to DRAM's index and the lower tiers finish in the
+        background.
+
+        After a failed load that this step's forward read, the step saves nothing: other
+        requests of the step may have read the failed blocks too (vLLM's own prefix cache
+        shares them at once), and their KV would be wrong. vLLM recomputes those requests, and
+        the scheduler side saves their blocks again."""
         store = self.store
         if store is None or not meta.saves:
             return
+        if self._sync_failure:
+            log.info(
+                "tpusync vllm: a load failed this step; its %d saves are skipped", len(meta.saves)
+            )
+            return
         started = []
         for spec in meta.saves:
-            if spec.req_id in self._failed_now:
-                continue
             try:
                 keys = store.scheme.engine_keys(store.namespace, spec.block_hashes)  # type: ignore[attr-defined]
                 # before the save: its "stored" event may come before it returns
@@ -181,7 +221,7 @@ class WorkerSide:
                 log.warning("tpusync vllm: save of %s refused: %s", spec.req_id, error)
         for future in started:
             try:
-                future.released.result(timeout=SAVE_COPY_TIMEOUT_S)
+                future.released.result()
             except Exception as error:  # the save failed: those blocks are simply not stored
                 log.warning("tpusync vllm: a save failed: %s", error)
             if not future.done():
@@ -192,17 +232,17 @@ class WorkerSide:
         """Requests whose background loads are done (good or not) since the last call; failed
         blocks are in :meth:`take_load_errors` no later than this."""
         done = set()
-        for req_id, (future, ids) in list(self._loading.items()):
+        for req_id, (future, ids, result) in list(self._loading.items()):
             if not future.done():
                 continue
             del self._loading[req_id]
             done.add(req_id)
             error = future.exception()
-            loaded = (
-                0 if error is not None or future.result() is None else future.result().loaded_blocks
-            )
             if error is not None:
                 log.warning("tpusync vllm: background load of %s failed: %s", req_id, error)
+                if result is not None:
+                    self._drop(result)  # a load that raises leaves its pins
+            loaded = 0 if error is not None or result is None else future.result().loaded_blocks
             if loaded < len(ids):
                 self._load_errors.update(ids[loaded:])
         return done
@@ -225,15 +265,17 @@ class WorkerSide:
         if store is None:
             return
         store.remove_block_listener(self.events.heard)
-        for future, _ in self._loading.values():
-            concurrent.futures.wait([future], timeout=SAVE_COPY_TIMEOUT_S)
+        for future, _, result in self._loading.values():
+            concurrent.futures.wait([future], timeout=CLOSE_TIMEOUT_S)
+            if result is not None and result.open:  # a load that raised left its pins
+                store.release(result)
         self._loading.clear()
         with self._lock:
             pins, self._pins = list(self._pins.values()), {}
         for _, result in pins:
             if result.open:
                 store.release(result)
-        store.flush(timeout=SAVE_COPY_TIMEOUT_S)
+        store.flush(timeout=CLOSE_TIMEOUT_S)
         store.close()
 
 

@@ -1,0 +1,163 @@
+"""The scheduler-worker lookup service on its own: a real Unix socket, real processes of this
+and of another uid, a real store under the worker side (vLLM-shaped CPU KV tensors)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpusync.connectors.vllm.lookup_service import (
+    MAX_HASHES,
+    LookupClient,
+    LookupServer,
+    encode_request,
+)
+from tpusync.connectors.vllm.settings import read_settings
+from tpusync.connectors.vllm.worker import WorkerSide
+
+BLOCK = 32
+
+
+@pytest.fixture
+def worker(tmp_path: Path):
+    settings = read_settings(
+        {"dram": {"capacity_blocks": 16}, "socket_dir": str(tmp_path / "s")},
+        model="m", block_size=BLOCK, tp_rank=0, tp_size=1, num_blocks=8, engine_id="e",
+    )  # fmt: skip
+    buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
+    side = WorkerSide(settings, num_blocks=8)
+    side.register({f"layer{i}": buffer[i] for i in range(2)})
+    yield side
+    side.close()
+
+
+def _saved(worker: WorkerSide, n: int) -> list[bytes]:
+    hashes = [os.urandom(32) for _ in range(n)]
+    worker.store.save_engine_blocks_async(hashes, list(range(n))).result()
+    return hashes
+
+
+def test_a_lookup_pins_and_answers_over_the_socket(worker) -> None:
+    hashes = _saved(worker, 3)
+    client = LookupClient(worker.settings.socket_path, timeout_s=5)
+    try:
+        assert client.lookup("r1", 1, [*hashes, os.urandom(32)]) == (3, False)
+        assert client.lookup("r2", 2, [os.urandom(32)]) == (0, False)
+    finally:
+        client.close()
+    assert worker.store.stats()["store"]["open_handles"] == 1  # r1's pins
+    worker.release("r1", 1)
+    assert worker.store.stats()["store"]["open_handles"] == 0
+
+
+def test_answers_in_any_order_the_highest_sequence_wins(worker) -> None:
+    hashes = _saved(worker, 2)
+    assert worker.answer("r", 2, hashes) == (2, False)
+    assert worker.answer("r", 1, hashes) == (0, False)  # late: overtaken, pins nothing
+    assert worker._pins["r"][0] == 2
+    worker.release("r", 1)  # an older lookup's release leaves the newer pins
+    assert "r" in worker._pins
+    worker.release("r", 2)
+    assert worker.answer("r", 2, hashes) == (0, False)  # released before it answered
+    assert worker.store.stats()["store"]["open_handles"] == 0
+
+
+def test_a_slow_worker_is_a_miss_within_the_deadline(tmp_path: Path) -> None:
+    def slow(req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool]:
+        if sequence == 1:
+            time.sleep(1.0)
+        return 5, sequence == 1
+
+    server = LookupServer(tmp_path / "s" / "x.sock", slow)
+    client = LookupClient(server.path, timeout_s=0.2)
+    try:
+        started = time.monotonic()
+        assert client.lookup("r", 1, [b"h"]) is None
+        assert time.monotonic() - started < 0.8
+        # a new connection: never the stale answer of the first (which said True)
+        assert client.lookup("r", 2, [b"h"]) == (5, False)
+    finally:
+        client.close()
+        server.close()
+    assert not server.path.exists()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"X" + bytes(12),
+        encode_request("r", 1, [b"h"])[4:-2],  # truncated
+        encode_request("r", 1, [b"h"])[4:] + b"\0",  # trailing
+        struct.pack("<BQH", ord("L"), 1, 1) + b"r" + struct.pack("<I", MAX_HASHES + 1),
+        struct.pack("<BQH", ord("L"), 1, 1) + b"r" + struct.pack("<I", 1) + b"\0",
+        struct.pack("<BQH", ord("L"), 1, 2) + b"\xff\xfe" + struct.pack("<I", 0),
+    ],
+)
+def test_a_malformed_frame_closes_the_connection_and_the_server_goes_on(
+    tmp_path: Path, body: bytes
+) -> None:
+    calls = []
+    server = LookupServer(tmp_path / "s" / "x.sock", lambda *a: calls.append(a) or (1, False))
+    try:
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.settimeout(5)
+            raw.connect(os.fspath(server.path))
+            raw.sendall(struct.pack("<I", len(body)) + body)
+            assert raw.recv(16) == b""  # closed, no answer
+        with socket.socket(socket.AF_UNIX) as raw:  # a frame larger than the bound
+            raw.settimeout(5)
+            raw.connect(os.fspath(server.path))
+            raw.sendall(struct.pack("<I", 1 << 30))
+            assert raw.recv(16) == b""
+        client = LookupClient(server.path, timeout_s=5)
+        assert client.lookup("r", 1, [b"h"]) == (1, False)
+        client.close()
+        assert len(calls) == 1
+    finally:
+        server.close()
+
+
+def test_a_worker_already_serving_the_path_is_not_replaced(tmp_path: Path) -> None:
+    server = LookupServer(tmp_path / "s" / "x.sock", lambda *a: (0, False))
+    try:
+        with pytest.raises(Exception, match="another worker serves lookups"):
+            LookupServer(server.path, lambda *a: (0, False))
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another uid")
+def test_a_process_of_another_user_gets_no_answer(tmp_path: Path) -> None:
+    """Even where the directory and socket let it in, a peer of another uid is refused
+    (SO_PEERCRED) and its lookup never reaches the worker."""
+    calls = []
+    directory = tmp_path / "s"
+    server = LookupServer(directory / "x.sock", lambda *a: calls.append(a) or (1, False))
+    try:
+        for path in (tmp_path, directory):
+            path.chmod(0o711)
+        server.path.chmod(0o666)
+        code = (  # imports first: this user cannot read the interpreter's files
+            "import os, pathlib; "
+            "from tpusync.connectors.vllm.lookup_service import LookupClient; "
+            "os.setgid(65534); os.setuid(65534); "
+            f"c = LookupClient(pathlib.Path({str(server.path)!r}), 5); "
+            "print(c.lookup('r', 1, [b'h']))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "None"
+        assert calls == []
+    finally:
+        server.close()
