@@ -1,4 +1,5 @@
-"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|all] [--quick] [--json] [--plot DIR]``:
+"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|vllm_ttft|all] [--quick] [--json]
+[--plot DIR]`` (``vllm_ttft`` where vLLM is installed):
 runs the benchmarks against their physical limits, writes each result in the scheme
 ``<results>/<bench>/<commit>-<machine>.json`` and regenerates ``RESULTS.md`` beside them."""
 
@@ -32,6 +33,10 @@ BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, .
     "network": (network.main, network.QUICK, ("--total-mib", "--repeats", "--peers-dir")),
     "mac_cost": (mac_cost.main, mac_cost.QUICK, ("--total-mib", "--repeats")),
 }
+if importlib.util.find_spec("vllm") is not None:  # the vLLM environment (.venv-vllm)
+    from tpusync.bench import vllm_ttft
+
+    BENCHES["vllm_ttft"] = (vllm_ttft.main, vllm_ttft.QUICK, ("--repeats",))
 
 
 def peers(peers_dir: str | Path | None = None) -> dict[str, str]:
@@ -48,6 +53,11 @@ def peers(peers_dir: str | Path | None = None) -> dict[str, str]:
     }
     for key, peer in PEERS.items():
         found[peer.title] = peer_state(key, peers_dir)
+    vllm = importlib.util.find_spec("vllm") is not None
+    found["vLLM's prefix cache and ExampleConnector (vllm_ttft)"] = (
+        "runs" if vllm else "skipped: needs vLLM (run tpusync bench in .venv-vllm)"
+    )
+    found["LMCache (vllm_ttft)"] = "skipped: its vLLM connector needs CUDA"
     return found
 
 

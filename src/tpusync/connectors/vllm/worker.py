@@ -54,6 +54,8 @@ class WorkerSide:
         self._sync_failure = False  # a load this step's forward reads failed
         self._durable: set[concurrent.futures.Future[Any]] = set()
         self.events = BlockEventLog(settings.store.block_size)
+        # the last loads (the store's LoadResults): for logs, stats and benchmarks
+        self.recent_loads: collections.deque[Any] = collections.deque(maxlen=1024)
 
     # --- setup -------------------------------------------------------------------------
 
@@ -179,7 +181,9 @@ class WorkerSide:
                 self._loading[spec.req_id] = (store.load_async(result, ids), ids, result)
                 continue
             try:
-                loaded = store.load(result, ids).loaded_blocks
+                done = store.load(result, ids)
+                self.recent_loads.append(done)
+                loaded = done.loaded_blocks
             except TpuSyncError as error:
                 log.warning("tpusync vllm: load of %s failed: %s", spec.req_id, error)
                 self._drop(result)
@@ -242,7 +246,10 @@ class WorkerSide:
                 log.warning("tpusync vllm: background load of %s failed: %s", req_id, error)
                 if result is not None:
                     self._drop(result)  # a load that raises leaves its pins
-            loaded = 0 if error is not None or result is None else future.result().loaded_blocks
+            loaded = 0
+            if error is None and result is not None:
+                self.recent_loads.append(future.result())
+                loaded = future.result().loaded_blocks
             if loaded < len(ids):
                 self._load_errors.update(ids[loaded:])
         return done

