@@ -177,6 +177,7 @@ def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fail
         # counters say what was loaded: the blocks before the damaged one
         assert stats["tiers"]["disk"]["checksum_failures"] == 1
         assert 0 < stats["store"]["loaded_blocks"] < FULL // BLOCK
+        assert stats["store"]["saved_blocks"] >= 1  # the recomputed block, saved again
     _damage_one_block(disk)  # the recomputed block was saved again
     other = rng.integers(1, 1000, 100).tolist()
     with engine(models["main"], transfer_config(kv, policy="fail")) as llm:

@@ -130,8 +130,11 @@ def _worker(llm: Any) -> Any:
 
 
 def _prompts(tokens: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts of ``tokens + 2`` tokens: ``tokens`` in full blocks before the last token. (Not
+    ``tokens + 1``: ExampleConnector saves ``len - 1`` tokens' blocks but looks up ``len - 2``
+    tokens' blocks, so a prompt of one token past a block boundary never hits it.)"""
     rng = np.random.default_rng(seed)
-    return [rng.integers(1, 4096, tokens + 1).tolist() for _ in range(n)]
+    return [rng.integers(1, 4096, tokens + 2).tolist() for _ in range(n)]
 
 
 def _hits(

@@ -153,10 +153,15 @@ class TorchPool:
         """The numpy dtype the tensor's bytes move as."""
         return self._dtype
 
+    def in_place(self) -> bool:
+        """Whether the tensor still has the memory, shape and strides the pool was made with
+        (a plan kept for the pool, e.g. by a HostPool, stays valid while it does)."""
+        return self._address(self._tensor) == self._where
+
     def host_view(self, argument: str = "dst") -> np.ndarray:
         """A writable numpy view of the tensor's memory; refuses a tensor that was resized or
         re-pointed since the pool was made."""
-        if self._address(self._tensor) != self._where:
+        if not self.in_place():
             raise InvalidArgumentError(
                 f"{argument}: the pool's tensor was resized or re-pointed (resize_, set_) since "
                 "the TorchPool was made; make a new TorchPool for it"

@@ -35,6 +35,7 @@ class _Tracked:
     request: Any  # vLLM's Request (its block_hashes grow as tokens are appended)
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks already sent to be saved
+    loaded: range = range(0)  # blocks loaded from the store: not saved again
 
 
 class SchedulerSide:
@@ -107,6 +108,9 @@ class SchedulerSide:
             return
         ids = blocks.get_block_ids()[0][lookup.local_blocks : lookup.local_blocks + n]
         self._loads.append(LoadSpec(req_id, lookup.sequence, list(ids), lookup.is_async))
+        tracked = self._tracked[req_id]
+        tracked.block_ids = list(blocks.get_block_ids()[0])  # invalid_blocks looks here
+        tracked.loaded = range(lookup.local_blocks, lookup.local_blocks + n)
 
     def build_meta(self, scheduler_output: Any) -> TpuSyncMetadata:
         """vLLM's ``build_connector_meta``: this step's loads, releases, and the saves of the
@@ -119,6 +123,9 @@ class SchedulerSide:
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
+            # vLLM computes what failed to load: only blocks before that came from the store
+            valid = new.num_computed_tokens // self.block_size
+            tracked.loaded = range(tracked.loaded.start, min(tracked.loaded.stop, valid))
             self._add_save(
                 meta, new.req_id, tracked, new.num_computed_tokens + scheduled[new.req_id]
             )
@@ -144,15 +151,19 @@ class SchedulerSide:
             return
         first, bs = tracked.saved_blocks, self.block_size
         tokens = tracked.request.all_token_ids
-        meta.saves.append(
-            SaveSpec(
-                req_id,
-                [bytes(h) for h in hashes[first:full]],
-                tracked.block_ids[first:full],
-                parent_hash=bytes(hashes[first - 1]) if first else None,
-                token_ids=[list(tokens[i * bs : (i + 1) * bs]) for i in range(first, full)],
+        skip = tracked.loaded  # the store holds them: it just served them
+        for lo, hi in ((first, min(full, skip.start)), (max(first, skip.stop), full)):
+            if lo >= hi:
+                continue
+            meta.saves.append(
+                SaveSpec(
+                    req_id,
+                    [bytes(h) for h in hashes[lo:hi]],
+                    tracked.block_ids[lo:hi],
+                    parent_hash=bytes(hashes[lo - 1]) if lo else None,
+                    token_ids=[list(tokens[i * bs : (i + 1) * bs]) for i in range(lo, hi)],
+                )
             )
-        )
         tracked.saved_blocks = full
 
     def worker_output(self, connector_output: Any) -> None:
@@ -173,6 +184,7 @@ class SchedulerSide:
             bad = [i for i, b in enumerate(tracked.block_ids) if b in block_ids]
             if bad:
                 tracked.saved_blocks = min(tracked.saved_blocks, bad[0])
+                tracked.loaded = range(0)  # what failed to load is saved once recomputed
 
     def finished(self, request: Any) -> None:
         """vLLM's ``request_finished``: forget the request (its saves are already copied out

@@ -12,6 +12,7 @@ import numpy as np
 
 from tpusync.engines import native
 from tpusync.memory.device_pool import DevicePool
+from tpusync.memory.torch_tensors import TorchPool
 
 __all__ = ["KeptPools", "PoolLocks", "native_ready", "num_blocks", "slot_major"]
 
@@ -21,10 +22,16 @@ def num_blocks(pool: DevicePool | jax.Array, block_axis: int) -> int:
     return int(array.shape[block_axis])
 
 
-def native_ready(pools: Sequence[DevicePool], write: bool) -> bool:
+def native_ready(pools: Sequence[DevicePool | TorchPool], write: bool) -> bool:
     """Whether the native engine can read (or write) every pool's current array (its layout
-    may change between calls, unlike its shape); called with the pools locked."""
-    return all(native.pool_unavailable_reason(pool, write) is None for pool in pools)
+    may change between calls, unlike its shape; a TorchPool's tensor must still be where it
+    was); called with the pools locked."""
+    return all(
+        pool.in_place()
+        if isinstance(pool, TorchPool)
+        else native.pool_unavailable_reason(pool, write) is None
+        for pool in pools
+    )
 
 
 def slot_major(digests: list[np.ndarray]) -> np.ndarray:
@@ -67,7 +74,8 @@ class KeptPools:
         self._ids = tuple(map(id, pools))
         self.locks = PoolLocks(pools)
         # each pool once, in order (the donated identity step runs once a pool)
-        self.unique: list[DevicePool] = list({id(p): p for p in pools}.values())
+        self.unique: list[DevicePool | TorchPool] = list({id(p): p for p in pools}.values())
+        self.devices = [p for p in self.unique if isinstance(p, DevicePool)]  # donated on writes
         self.plans: dict[bool, native.BlockPlan] = {}
 
     def matches(self, pools: Sequence[Any]) -> bool:

@@ -485,7 +485,7 @@ class HostPool(SlotRecords):
         if kept is not None:  # DevicePools only
             with kept.locks:
                 if to_device:  # its wait overlaps the checks below
-                    start_donation(kept.unique)
+                    start_donation(kept.devices)
                 # planning reads buffer addresses: native pools only
                 if native_ready(pools, write=to_device):
                     plan = self._kept_plan(kept, pools, to_device)
@@ -574,11 +574,12 @@ class HostPool(SlotRecords):
 
     def _kept_for(self, pools: Sequence[Any]) -> KeptPools | None:
         """What is kept for moves with ``pools`` (the same list as last time, usually); None
-        unless they are all DevicePools (nothing is kept for other arrays, nor are they held)."""
+        unless they are all DevicePools or TorchPools (nothing is kept for other arrays, nor
+        are they held)."""
         kept = self._kept
         if kept is not None and kept.matches(pools):
             return kept
-        if not all(isinstance(pool, DevicePool) for pool in pools):
+        if not all(isinstance(pool, DevicePool | TorchPool) for pool in pools):
             return None
         kept = self._kept = KeptPools(pools)
         return kept

@@ -1,0 +1,62 @@
+"""A KV store over torch tensors (TorchPools), as the vLLM connector opens it: blocks keyed by
+an engine's hashes round-trip bit-exact, and a tensor moved since its pool was made is refused
+by the store's kept plans too (never written at its old address)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tpusync import TorchPool
+from tpusync.errors import InvalidArgumentError
+from tpusync.kv import KVCacheStore, KVStoreConfig
+
+BLOCK = 32
+
+
+def _store(buffer: torch.Tensor) -> tuple[KVCacheStore, list[TorchPool]]:
+    pools = [TorchPool(buffer[i], name=f"layer{i}") for i in range(buffer.shape[0])]
+    config = KVStoreConfig.from_dict(
+        {"model_id": "m", "block_size": BLOCK, "token_axis": 2, "dram": {"capacity_blocks": 16}}
+    )
+    return KVCacheStore(config, pools), pools
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_engine_keyed_blocks_round_trip_bit_exact(dtype: torch.dtype) -> None:
+    buffer = (torch.randn(3, 12, 2, BLOCK, 64) * 4).to(dtype)
+    store, _ = _store(buffer)
+    try:
+        hashes = [os.urandom(32) for _ in range(4)]
+        store.save_engine_blocks_async(hashes, [1, 3, 5, 7]).result()
+        before = buffer.clone()
+        for _ in range(2):  # the second load runs the plan the pool keeps
+            result = store.lookup_engine_blocks([*hashes, os.urandom(32)])
+            assert result.num_blocks == 4
+            assert store.load(result, [8, 9, 10, 11]).loaded_blocks == 4
+        same = buffer[:, [8, 9, 10, 11]].view(torch.uint8)
+        assert torch.equal(same, before[:, [1, 3, 5, 7]].view(torch.uint8))
+        assert torch.equal(buffer[:, :8].view(torch.uint8), before[:, :8].view(torch.uint8))
+    finally:
+        store.close()
+
+
+def test_a_tensor_re_pointed_after_the_plan_was_kept_is_refused() -> None:
+    buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
+    store, pools = _store(buffer)
+    try:
+        hashes = [os.urandom(32) for _ in range(2)]
+        store.save_engine_blocks_async(hashes, [0, 1]).result()
+        store.load(store.lookup_engine_blocks(hashes), [2, 3])  # keeps its plan
+        old = buffer.clone()
+        layer = pools[0].tensor
+        layer.set_(torch.zeros_like(layer))  # the pool's tensor now has other memory
+        result = store.lookup_engine_blocks(hashes)
+        with pytest.raises(InvalidArgumentError, match="re-pointed"):
+            store.load(result, [4, 5])
+        store.release(result)
+        assert torch.equal(buffer.view(torch.int16), old.view(torch.int16))  # nothing written
+    finally:
+        store.close()
