@@ -299,3 +299,36 @@ def test_kv_events_name_vllms_hashes_with_a_medium_per_tier(models, tmp_path, so
     assert set(hashes) <= on_disk
     dropped = {h for e in removed if e.medium == "CPU" for h in e.block_hashes}
     assert set(hashes) <= dropped  # evicted from DRAM by the second prompt (still on disk)
+
+
+def test_a_request_aborted_while_its_blocks_load_leaks_nothing(
+    models, reference, tmp_path, sockets
+) -> None:
+    """A request whose hit loads from disk in the background is aborted before the load ends:
+    the engine goes on, nothing stays pinned or held, and the prompt is served right after."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kv = {
+        "dram": {"capacity_blocks": 64},
+        "disk": {"directory": str(tmp_path / "disk"), "capacity_blocks": 64, "create": True},
+        "socket_dir": sockets,
+    }
+    with engine(models["main"], transfer_config(kv)) as llm:
+        generate(llm, [PROMPT])
+        settle(worker_of(llm))
+    with engine(models["main"], transfer_config(kv)) as llm:
+        core = llm.llm_engine
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        core.add_request("aborted", TokensPrompt(prompt_token_ids=PROMPT), params)
+        core.step()  # scheduled: its hit is on disk, so it waits for a background load
+        assert worker_of(llm)._loading, "the load was meant to be in the background"
+        core.abort_request(["aborted"])
+        deadline = time.monotonic() + 20
+        while core.has_unfinished_requests() and time.monotonic() < deadline:
+            core.step()
+        assert not core.has_unfinished_requests()
+        settle(worker_of(llm))
+        assert not worker_of(llm)._loading
+        assert generate(llm, [PROMPT]) == [(reference, FULL)]
+        settle(worker_of(llm))

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = ["latest_results", "write_results_md"]
 
 Table = tuple[list[str], list[list[str]]]
@@ -140,6 +142,46 @@ def _mac_cost(record: dict[str, Any]) -> Table:
     return ["what", "GB/s", "x limit", "x peer"], rows
 
 
+def _vllm_ttft(record: dict[str, Any]) -> Table:
+    headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit)",
+               "DRAM load x limit", "tpusync disk ms", "tpusync node ms",
+               "x Example (over hit): shm / disk"]  # fmt: skip
+    rows = []
+    for r in record.get("results", []):
+        med = {k: float(np.median(v)) for k, v in _ttft_runs(r).items() if v}
+        hit = med.get("prefix")
+        if not hit:
+            continue
+        over = {k: v - hit for k, v in med.items()}
+        loads = (r.get("tpusync DRAM") or {}).get("load_s_runs") or []
+        load = float(np.median(loads)) if loads else None
+        dram_gbps = r["kv_bytes"] / load / 1e9 if load else None
+
+        rows.append([
+            str(r.get("tokens")), _num(med.get("cold", 0) * 1e3, 1), _num(hit * 1e3, 1),
+            f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f})",
+            _ratio(dram_gbps, r.get("limit_gbps")), _num(med.get("tpusync disk", 0) * 1e3, 1),
+            _num(med.get("tpusync store node", 0) * 1e3, 1),
+            f"{_faster(over, 'tpusync DRAM', 'Example /dev/shm')} / "
+            f"{_faster(over, 'tpusync disk', 'Example disk')}",
+        ])  # fmt: skip
+    return headers, rows
+
+
+def _faster(over: dict[str, float], ours: str, theirs: str) -> str:
+    """How many times ``theirs`` takes ``ours``'s time over the prefix hit."""
+    mine, other = over.get(ours), over.get(theirs)
+    return f"{other / mine:.1f}x" if mine and other and mine > 0 else "-"
+
+
+def _ttft_runs(r: dict[str, Any]) -> dict[str, list[float]]:
+    runs = {"cold": r.get("cold_ttft_s_runs") or [], "prefix": r.get("prefix_ttft_s_runs") or []}
+    for row in ("tpusync DRAM", "tpusync disk", "tpusync store node", "Example /dev/shm",
+                "Example disk"):  # fmt: skip
+        runs[row] = (r.get(row) or {}).get("ttft_s_runs") or []
+    return runs
+
+
 def _generic(record: dict[str, Any]) -> Table:
     rows = [[k, _num(v)] for k, v in record.items() if isinstance(v, int | float)]
     return ["figure", "value"], rows
@@ -151,6 +193,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "prefix": _prefix,
     "network": _network,
     "mac_cost": _mac_cost,
+    "vllm_ttft": _vllm_ttft,
 }
 
 

@@ -15,7 +15,9 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``), set beside the
 memory limit of the same bytes measured in the same run (one contiguous copy on all cores, the
-best of memcpy and non-temporal stores). "over hit ms" is TTFT minus the vLLM prefix hit's: what
+best of memcpy and non-temporal stores). Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector
+saves the first chunk's KV under the whole prompt's name and then fails to load it. "over hit
+ms" is TTFT minus the vLLM prefix hit's: what
 loading costs beyond computing the last token, the one figure that exists for every row. Goals:
 a DRAM hit's TTFT within 1.3x of vLLM's prefix hit; its load at >= 0.6x the limit; loads at least
 5x faster than ExampleConnector's on the same medium (over-hit time). LMCache's vLLM connector
@@ -103,6 +105,8 @@ def _engine(
         model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
         block_size=BLOCK, max_model_len=max_len, distributed_executor_backend="uni",
         enable_prefix_caching=True, num_gpu_blocks_override=2 * (max_len // BLOCK) + 16,
+        # no chunked prefill: ExampleConnector saves a chunk's KV under the whole prompt's name
+        max_num_batched_tokens=max_len,
         kv_transfer_config=kv,
     )  # fmt: skip
     try:
