@@ -15,9 +15,12 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``), set beside the
 memory limit of the same bytes measured in the same run (one contiguous copy on all cores, the
-best of memcpy and non-temporal stores). Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector
-saves the first chunk's KV under the whole prompt's name and then fails to load it. "over hit
-ms" is TTFT minus the vLLM prefix hit's: what
+best of memcpy and non-temporal stores). Before each hit of a disk row the page cache is
+dropped (as root; the JSON says whether it was): the disk tier reads with O_DIRECT,
+ExampleConnector through the page cache, so a warm cache would compare memory with a disk.
+Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
+the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
+TTFT minus the vLLM prefix hit's: what
 loading costs beyond computing the last token, the one figure that exists for every row. Goals:
 a DRAM hit's TTFT within 1.3x of vLLM's prefix hit; its load at >= 0.6x the limit; loads at least
 5x faster than ExampleConnector's on the same medium (over-hit time). LMCache's vLLM connector
@@ -141,8 +144,24 @@ def _prompts(tokens: int, n: int, seed: int) -> list[list[int]]:
     return [rng.integers(1, 4096, tokens + 2).tolist() for _ in range(n)]
 
 
+def drop_page_cache() -> bool:
+    """Empties the page cache (root only), so that a read from a disk reads the disk: ours
+    reads with O_DIRECT, ExampleConnector through the page cache. False where it cannot."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
 def _hits(
-    llm: Any, prompts: list[list[int]], repeats: int, expected: dict[int, int]
+    llm: Any,
+    prompts: list[list[int]],
+    repeats: int,
+    expected: dict[int, int],
+    *,
+    cold_page_cache: bool = False,
 ) -> dict[str, Any]:
     """Serves ``prompts`` once (cold: the saves), then ``repeats`` hits cycling through them,
     vLLM's own prefix cache reset before each: TTFTs, the connector's loads, same tokens."""
@@ -151,10 +170,12 @@ def _hits(
     worker = _worker(llm)
     if worker is not None:
         worker.store.flush(timeout=120)
-    ttfts, loads, equal = [], [], True
+    ttfts, loads, equal, dropped = [], [], True, cold_page_cache
     for r in range(repeats):
         prompt = prompts[r % len(prompts)]
         llm.reset_prefix_cache()
+        if cold_page_cache:
+            dropped &= drop_page_cache()
         if worker is not None:
             worker.recent_loads.clear()
         seconds, token = _ttft(llm, prompt)
@@ -164,7 +185,12 @@ def _hits(
             done = list(worker.recent_loads)
             loads.append(sum(d.seconds for d in done) if done else float("nan"))
             equal &= bool(done) and all(d.loaded_blocks == len(prompt) // BLOCK for d in done)
-    return {"ttft_s_runs": ttfts, "load_s_runs": loads, "outputs_equal": bool(equal)}
+    return {
+        "ttft_s_runs": ttfts,
+        "load_s_runs": loads,
+        "outputs_equal": bool(equal),
+        "page_cache_dropped": bool(dropped),
+    }
 
 
 def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int) -> dict[str, Any]:
@@ -215,7 +241,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
                 extra = {**extra, "socket_dir": sockets}
             settle()
             with _engine(model, max_len, connector, extra) as llm:
-                result[row] = _hits(llm, used, repeats, expected)
+                result[row] = _hits(llm, used, repeats, expected, cold_page_cache="disk" in row)
     finally:
         if node is not None:
             stop_process(node)
