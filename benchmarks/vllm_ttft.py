@@ -5,9 +5,15 @@ vllm_ttft`` in the vLLM environment); the command line is the same.
     .venv-vllm/bin/python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 5]
 """
 
+import importlib.util
 import sys
 
-from tpusync.bench.vllm_ttft import main
-
 if __name__ == "__main__":
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit(
+            "vllm_ttft: needs vLLM; run it in the vLLM environment (scripts/test.sh makes "
+            ".venv-vllm): .venv-vllm/bin/python benchmarks/vllm_ttft.py"
+        )
+    from tpusync.bench.vllm_ttft import main
+
     sys.exit(main())

@@ -29,7 +29,8 @@ does not run here (it needs CUDA; on CPU only its storage path runs, with a mock
     python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 5] [--json FILE]
         [--disk-dir /var/tmp]
 
-Runs only where vLLM is installed (``scripts/test.sh`` makes ``.venv-vllm``).
+Runs only where vLLM is installed (``scripts/test.sh`` makes ``.venv-vllm``): importing this
+module imports vLLM (``tpusync bench`` lists it only there).
 """
 
 from __future__ import annotations
@@ -47,8 +48,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import MemoryLimit
 from tpusync.testing.processes import start_store_node, stop_process
 
@@ -59,21 +66,7 @@ LMCACHE = "does not run here: its vLLM connector needs CUDA"
 ROWS = ("tpusync DRAM", "tpusync disk", "tpusync store node", "Example /dev/shm", "Example disk")
 
 
-def _vllm() -> Any:
-    try:
-        import vllm
-    except ImportError:
-        raise SystemExit(
-            "vllm_ttft: needs vLLM; run it in the vLLM environment (scripts/test.sh makes "
-            ".venv-vllm): .venv-vllm/bin/python benchmarks/vllm_ttft.py"
-        ) from None
-    return vllm
-
-
 def build_model(path: Path, max_len: int) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         num_hidden_layers=8, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
         intermediate_size=2816, vocab_size=4096, max_position_embeddings=max_len,
@@ -88,9 +81,6 @@ def build_model(path: Path, max_len: int) -> Path:
 def _engine(
     model: Path, max_len: int, connector: str | None, extra: dict[str, Any]
 ) -> Iterator[Any]:
-    vllm = _vllm()
-    from vllm.config import KVTransferConfig
-
     kv = None
     if connector is not None:
         kv = KVTransferConfig(
@@ -104,7 +94,7 @@ def _engine(
                 else {}
             ),
         )
-    llm = vllm.LLM(
+    llm = LLM(
         model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
         block_size=BLOCK, max_model_len=max_len, distributed_executor_backend="uni",
         enable_prefix_caching=True, num_gpu_blocks_override=2 * (max_len // BLOCK) + 16,
@@ -121,9 +111,6 @@ def _engine(
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
@@ -131,8 +118,6 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 
 def _worker(llm: Any) -> Any:
-    from tpusync.connectors.vllm.worker import local_worker
-
     return local_worker(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
 
 
@@ -323,7 +308,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    _vllm()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     run = Run("vllm_ttft")
