@@ -9,7 +9,8 @@ import importlib.util
 import sys
 
 if __name__ == "__main__":
-    if importlib.util.find_spec("vllm") is None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
         sys.exit(
             "vllm_ttft: needs vLLM; run it in the vLLM environment (scripts/test.sh makes "
             ".venv-vllm): .venv-vllm/bin/python benchmarks/vllm_ttft.py"

@@ -23,7 +23,7 @@ from tpusync.bench.plot import INSTALL_HINT, have_matplotlib, plot_results
 from tpusync.bench.results import write_results_md
 from tpusync.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter
 
-__all__ = ["BENCHES", "main", "peers"]
+__all__ = ["BENCHES", "have_vllm", "main", "peers"]
 
 # name -> (entry point taking argv, the --quick arguments, which shared flags it takes)
 BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, ...]]] = {
@@ -33,7 +33,16 @@ BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, .
     "network": (network.main, network.QUICK, ("--total-mib", "--repeats", "--peers-dir")),
     "mac_cost": (mac_cost.main, mac_cost.QUICK, ("--total-mib", "--repeats")),
 }
-if importlib.util.find_spec("vllm") is not None:  # the vLLM environment (.venv-vllm)
+
+
+def have_vllm() -> bool:
+    """Whether vLLM is installed (a directory named vllm on the path, e.g. tests/vllm, is a
+    namespace package without an origin: not vLLM)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+if have_vllm():  # the vLLM environment (.venv-vllm)
     from tpusync.bench import vllm_ttft
 
     BENCHES["vllm_ttft"] = (vllm_ttft.main, vllm_ttft.QUICK, ("--repeats",))
@@ -53,9 +62,8 @@ def peers(peers_dir: str | Path | None = None) -> dict[str, str]:
     }
     for key, peer in PEERS.items():
         found[peer.title] = peer_state(key, peers_dir)
-    vllm = importlib.util.find_spec("vllm") is not None
     found["vLLM's prefix cache and ExampleConnector (vllm_ttft)"] = (
-        "runs" if vllm else "skipped: needs vLLM (run tpusync bench in .venv-vllm)"
+        "runs" if have_vllm() else "skipped: needs vLLM (run tpusync bench in .venv-vllm)"
     )
     found["LMCache (vllm_ttft)"] = "skipped: its vLLM connector needs CUDA"
     return found
