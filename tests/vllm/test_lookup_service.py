@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tools import skip_or_fail
 
 from tpusync.connectors.vllm.lookup_service import (
     MAX_HASHES,
@@ -135,10 +136,11 @@ def test_a_worker_already_serving_the_path_is_not_replaced(tmp_path: Path) -> No
         server.close()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another uid")
 def test_a_process_of_another_user_gets_no_answer(tmp_path: Path) -> None:
     """Even where the directory and socket let it in, a peer of another uid is refused
     (SO_PEERCRED) and its lookup never reaches the worker."""
+    if os.geteuid() != 0:
+        skip_or_fail("needs root to run a child as another uid")
     calls = []
     directory = tmp_path / "s"
     server = LookupServer(directory / "x.sock", lambda *a: calls.append(a) or (1, False))
