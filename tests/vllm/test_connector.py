@@ -23,7 +23,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import shm_admin
-from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE
+from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, decode_header
 from tpusync.tiers.dram import pool_path
 
 PAGE = 4096
@@ -75,8 +75,17 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
     assert pool_path(shm_name).exists()  # the engine is gone, its DRAM tier stays
     with engine(models["main"], transfer_config(kv)) as llm:
         assert generate(llm, [PROMPT]) == [(reference, FULL)]
-        stats = settle(worker_of(llm))
+        worker = worker_of(llm)
+        stats = settle(worker)
         assert stats["store"]["loaded_blocks"] == FULL // BLOCK
+        assert worker.layer_loads == 1 and not worker.unknown_layers  # layer by layer
+    # and whole before the forward, where asked
+    whole = {**kv, "load_by_layer": False}
+    with engine(models["main"], transfer_config(whole)) as llm:
+        assert generate(llm, [PROMPT]) == [(reference, FULL)]
+        worker = worker_of(llm)
+        assert settle(worker)["store"]["loaded_blocks"] == FULL // BLOCK
+        assert worker.layer_loads == 0
 
 
 def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
@@ -179,6 +188,53 @@ def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fail
         assert 0 < stats["store"]["loaded_blocks"] < FULL // BLOCK
         assert stats["store"]["saved_blocks"] >= 1  # the recomputed block, saved again
     _damage_one_block(disk)  # the recomputed block was saved again
+    other = rng.integers(1, 1000, 100).tolist()
+    with engine(models["main"], transfer_config(kv, policy="fail")) as llm:
+        ((tokens, _),) = generate(llm, [PROMPT])
+        assert tokens == []  # the request failed (vLLM finishes it with an error)
+        assert generate(llm, [other])[0][0]  # and the engine serves the next one
+        settle(worker_of(llm))
+
+
+def _damage_one_dram_block(name: str) -> None:
+    """Overwrites the payload of one committed block of the named DRAM pool ``name`` (its
+    /dev/shm file, no engine holding it) with random bytes: every layer's KV of that block
+    wrong, so a forward that used it would give other tokens."""
+    path = pool_path(name)
+    data = path.read_bytes()
+    header = decode_header(data, len(data))
+    records = np.frombuffer(
+        data, RECORD_DTYPE, count=header.n_slots, offset=header.records_offset
+    )
+    slots = np.flatnonzero(records["state"] == COMMITTED)
+    assert len(slots) >= 4, slots
+    with open(path, "r+b") as f:
+        f.seek(header.data_offset + int(slots[len(slots) // 2]) * header.slot_bytes)
+        f.write(rng.bytes(header.layout.payload_bytes))
+
+
+def test_a_damaged_dram_block_loaded_layer_by_layer_is_recomputed_or_fails(
+    models, reference, shm_name, sockets
+) -> None:
+    """A DRAM hit loads layer by layer while the forward runs, so attention reads a block
+    before its checksum is compared; the failure, reported after the step, makes vLLM discard
+    what the step computed: "recompute" gives the reference tokens, "fail" fails the
+    request."""
+    kv = {"dram": {"capacity_blocks": 64, "name": shm_name}, "socket_dir": sockets}
+    with engine(models["main"], transfer_config(kv)) as llm:
+        generate(llm, [PROMPT])
+        settle(worker_of(llm))
+    _damage_one_dram_block(shm_name)
+    with engine(models["main"], transfer_config(kv, policy="recompute")) as llm:
+        ((tokens, _),) = generate(llm, [PROMPT])
+        assert tokens == reference
+        worker = worker_of(llm)
+        stats = settle(worker)
+        assert worker.layer_loads >= 1 and not worker.unknown_layers
+        assert stats["tiers"]["dram"]["checksum_failures"] == 1
+        assert 0 < stats["store"]["loaded_blocks"] < FULL // BLOCK
+        assert stats["store"]["saved_blocks"] >= 1  # the recomputed block, saved again
+    _damage_one_dram_block(shm_name)
     other = rng.integers(1, 1000, 100).tolist()
     with engine(models["main"], transfer_config(kv, policy="fail")) as llm:
         ((tokens, _),) = generate(llm, [PROMPT])

@@ -8,13 +8,14 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 * cold: a prompt no cache holds;
 * vLLM prefix hit: the same prompt again in the same engine (vLLM's own cache: the bound);
 * tpusync DRAM: vLLM's own prefix cache reset before each repeat, the prompt served from the
-  connector's DRAM tier (loaded before the forward);
+  connector's DRAM tier, loaded layer by layer while the forward runs (the default);
+* tpusync DRAM whole: the same, loaded whole before the forward (``"load_by_layer": false``);
 * tpusync disk / tpusync store node: DRAM holds one prompt, two prompts alternate, so every hit
   comes from the disk tier or a store node (``tpusync serve``, loopback), in the background;
 * ExampleConnector on /dev/shm and on the disk tier's filesystem (its safetensors files).
 
-"load ms" is the connector's own load (the store's ``LoadResult.seconds``), set beside the
-memory limit of the same bytes measured in the same run (one contiguous copy on all cores, the
+"load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
+runs beside the forward, sharing the cores with it), set beside the memory limit of the same bytes measured in the same run (one contiguous copy on all cores, the
 best of memcpy and non-temporal stores). Before each hit of a disk row the page cache is
 dropped (as root; the JSON says whether it was): the disk tier reads with O_DIRECT,
 ExampleConnector through the page cache, so a warm cache would compare memory with a disk.
@@ -63,7 +64,14 @@ QUICK = ["--tokens", "1024,4096", "--repeats", "3"]
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
-ROWS = ("tpusync DRAM", "tpusync disk", "tpusync store node", "Example /dev/shm", "Example disk")
+ROWS = (
+    "tpusync DRAM",
+    "tpusync DRAM whole",
+    "tpusync disk",
+    "tpusync store node",
+    "Example /dev/shm",
+    "Example disk",
+)
 
 
 def build_model(path: Path, max_len: int) -> Path:
@@ -203,6 +211,10 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         disk = {"directory": str(work / "disk"), "capacity_blocks": 2 * blocks + 8, "create": True}
         configs = {
             "tpusync DRAM": ("TpuSyncConnector", {"dram": {"capacity_blocks": 2 * blocks + 8}}),
+            "tpusync DRAM whole": (
+                "TpuSyncConnector",
+                {"dram": {"capacity_blocks": 2 * blocks + 8}, "load_by_layer": False},
+            ),
             "tpusync disk": (
                 "TpuSyncConnector",
                 {"dram": {"capacity_blocks": blocks}, "disk": disk},
@@ -278,7 +290,7 @@ def table(results: list[dict[str, Any]]) -> None:
                 over[row] * 1e3,
                 "-" if load != load else load * 1e3,
                 "-" if gbps != gbps else gbps,
-                "-" if gbps != gbps or row != "tpusync DRAM" else gbps / r["limit_gbps"],
+                gbps / r["limit_gbps"] if gbps == gbps and row.startswith("tpusync DRAM") else "-",
                 f"{over[peer] / over[row]:.1f}x {peer}" if peer and over[row] > 0 else "-",
                 "equal" if data["outputs_equal"] else "DIFFERENT",
             ])  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -282,7 +283,9 @@ class BlockPlan:
         nbytes, pair_of_row, first = [], [], []
         self._host_bases: list[int | None] = []  # per pair and side: fixed, or None (device)
         pair = 0
+        rows_of_move = []
         for move in moves:
+            rows_of_move.append(0)
             itemsize = move.src.dtype.itemsize
             src_regions = _regions(move.src, holds)
             dst_regions = _regions(move.dst, holds, written=True)
@@ -296,6 +299,7 @@ class BlockPlan:
                     src_rel.append(outer_s)
                     dst_rel.append(outer_d)
                     rows = len(outer_s)
+                    rows_of_move[-1] += rows
                     src_step.append(np.full(rows, s.strides[move.block_axis], np.int64))
                     dst_step.append(np.full(rows, d.strides[move.block_axis], np.int64))
                     nbytes.append(np.full(rows, block_bytes(s.shape, itemsize, move.block_axis)))
@@ -317,6 +321,8 @@ class BlockPlan:
             pair,
         )
         self._first_rows = np.flatnonzero(join(first, bool)).astype(np.int64)
+        # where each move's rows start in a call's table (times the blocks listed)
+        self._move_bounds = [0, *np.cumsum(rows_of_move).tolist()]
         self.pieces = len(self._first_rows)  # piece checksums per block
         # the pools these moves write (device destinations), for the donated identity step
         pools = {id(m.dst.pool): m.dst.pool for m in moves if isinstance(m.dst, DeviceSide)}
@@ -396,16 +402,26 @@ def _device_bases(side: DeviceSide, holds: list[Any], written: bool) -> list[lis
 
 
 def run_hashed_plan(
-    plan: BlockPlan, src_blocks: np.ndarray, dst_blocks: np.ndarray, *, donated: bool = False
+    plan: BlockPlan,
+    src_blocks: np.ndarray,
+    dst_blocks: np.ndarray,
+    *,
+    donated: bool = False,
+    after_move: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Runs the plan's moves with these block lists and returns each block's checksum: XXH64 of
     its pieces' checksums (``_core.sum64`` of the bytes copied) in (move, shard group, outer
     index) order, the first replica of each group (a slot's order: see slot_checksums).
     ``donated``: the caller already started the destination pools' donation (under the locks
-    it still holds); only its wait is left."""
-    if not len(src_blocks):
+    it still holds); only its wait is left. ``after_move``: the moves run one after another,
+    in order, and ``after_move(i)`` is called once move ``i``'s bytes are in place (a reader
+    of that destination may start while the later moves run)."""
+    n = len(src_blocks)
+    if not n:
         if donated:
             wait_for_readers(plan.destination_pools, started=True)
+        for i in range(len(plan.moves) if after_move is not None else 0):
+            after_move(i)  # type: ignore[misc]
         return np.zeros(0, np.uint64)
     wait_for_readers(plan.destination_pools, started=donated)
     holds = Holds()
@@ -413,10 +429,19 @@ def run_hashed_plan(
         table = plan.table(src_blocks, dst_blocks, holds)
         if overlaps(table):
             raise ValueError("hashed copies need sources and destinations that do not overlap")
-        digests = _copy_hashed(table, holds) if len(table) else np.zeros(0, np.uint64)
+        if after_move is None:
+            digests = _copy_hashed(table, holds) if len(table) else np.zeros(0, np.uint64)
+        else:
+            parts = []
+            bounds = plan._move_bounds
+            for i in range(len(plan.moves)):
+                rows = table[bounds[i] * n : bounds[i + 1] * n]
+                parts.append(_copy_hashed(rows, holds) if len(rows) else np.zeros(0, np.uint64))
+                after_move(i)
+            digests = np.concatenate(parts)
     finally:
         del holds
-    return _core.xxh64_gathered(digests, plan._first_rows, len(src_blocks))
+    return _core.xxh64_gathered(digests, plan._first_rows, n)
 
 
 def overlaps(table: np.ndarray) -> bool:

@@ -11,6 +11,7 @@ from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace
 from tpusync.kv.secret import load_secret
 from tpusync.kv.store import (
     KVCacheStore,
+    LayerLoad,
     LoadResult,
     LookupResult,
     SaveFuture,
@@ -27,6 +28,7 @@ __all__ = [
     "KVCacheStore",
     "KVStoreConfig",
     "KeyScheme",
+    "LayerLoad",
     "LoadResult",
     "LookupResult",
     "Namespace",

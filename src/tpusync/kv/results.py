@@ -1,18 +1,28 @@
 """What :class:`~tpusync.kv.KVCacheStore`'s calls answer: a lookup's handle
-(:class:`LookupResult`, with pins on its blocks), a load's and a save's results, a save's future
-and a restored session."""
+(:class:`LookupResult`, with pins on its blocks), a load's and a save's results, a layer-by-layer
+load's and a save's futures and a restored session."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["LoadResult", "LookupResult", "SaveFuture", "SaveResult", "SessionRestore"]
+from tpusync.errors import InvalidArgumentError
+
+__all__ = [
+    "LayerLoad",
+    "LoadResult",
+    "LookupResult",
+    "SaveFuture",
+    "SaveResult",
+    "SessionRestore",
+]
 
 _handle_ids = itertools.count(1)
 
@@ -71,6 +81,63 @@ class LoadResult:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class LayerLoad:
+    """A load running in the background that fills the store's device pools one after another
+    (in the order the store was given them: an engine's layers), so that a reader of pool
+    ``i`` (attention on layer ``i``) may start while the later pools are copied.
+
+    Blocks become readable before their checksums are compared: only :meth:`result` says which
+    blocks are valid (a block that failed is reported as not loaded, never read again from a
+    lower tier into the same device block). A caller that read a failed block must discard
+    what it computed from it: vLLM does for the blocks the connector reports after the step."""
+
+    def __init__(self, pools: int) -> None:
+        self._pools = pools
+        self._written = 0  # pools 0 .. _written - 1 hold their blocks
+        self._finished = False
+        self._changed = threading.Condition()
+        self._future: concurrent.futures.Future[LoadResult] = concurrent.futures.Future()
+
+    def _pool_written(self, index: int) -> None:
+        with self._changed:
+            self._written = max(self._written, index + 1)
+            self._changed.notify_all()
+
+    def _finish(self, result: LoadResult | None, error: BaseException | None) -> None:
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(result)  # type: ignore[arg-type]
+        with self._changed:
+            self._finished = True
+            self._changed.notify_all()
+
+    def wait_for(self, pool_index: int, timeout: float | None = None) -> bool:
+        """Waits until pool ``pool_index`` holds this load's blocks (or the load has ended,
+        loaded or not); returns False if ``timeout`` seconds passed first."""
+        if not 0 <= pool_index < self._pools:
+            raise InvalidArgumentError(
+                f"pool_index: {pool_index} is not one of the store's {self._pools} device pools"
+            )
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self._finished or self._written > pool_index, timeout
+            )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until the load has ended (loaded or not); False if ``timeout`` passed first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._finished, timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> LoadResult:
+        """The finished load (as :meth:`~tpusync.kv.KVCacheStore.load` returns it); raises
+        what the load raised, or ``TimeoutError``."""
+        return self._future.result(timeout)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ import numpy as np
 from tpusync import _core
 from tpusync.errors import (
     BlockIndexError,
-    BlocksMissingError,
     InvalidArgumentError,
     NamespaceMismatchError,
     StaleHandleError,
@@ -46,6 +45,7 @@ from tpusync.errors import (
 )
 from tpusync.kv._engine_calls import EngineBlockCalls
 from tpusync.kv._handles import OpenHandles, warn_still_open
+from tpusync.kv._loads import load_keys, run_layer_load
 from tpusync.kv._peer_link import PeerLink
 from tpusync.kv._session_calls import SessionCalls
 from tpusync.kv._sessions import SessionManifests
@@ -56,11 +56,12 @@ from tpusync.kv._store_checks import (
     check_tiers,
     check_token_axis,
 )
-from tpusync.kv._streaming import load_through_dram, reload_from_below, save_through_dram, streams
+from tpusync.kv._streaming import save_through_dram, streams
 from tpusync.kv._tier_stack import TierStack, present
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace, check_tokens
 from tpusync.kv.results import (
+    LayerLoad,
     LoadResult,
     LookupResult,
     SaveFuture,
@@ -77,6 +78,7 @@ from tpusync.tiers.spec import OpenedTier
 
 __all__ = [
     "KVCacheStore",
+    "LayerLoad",
     "LoadResult",
     "LookupResult",
     "SaveFuture",
@@ -192,6 +194,8 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         for record in self._sessions.all():
             self._stack.keep(record.keys)
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tpusync-kv")
+        # layer-by-layer loads start at once: never queued behind saves
+        self._layer_calls = concurrent.futures.ThreadPoolExecutor(1, "tpusync-kv-layers")
 
     # --- validation ------------------------------------------------------------------------
 
@@ -386,6 +390,14 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         fails) is read from the next tier that has it. Returns how many tokens were loaded: all
         cached ones, unless blocks were lost or failed their checksum in every tier holding them
         (a miss, counted; the blocks after the first miss are not loaded)."""
+        return self._load(result, device_block_ids, None)
+
+    def _load(
+        self,
+        result: LookupResult,
+        device_block_ids: Any,
+        after_pool: Callable[[int], None] | None,
+    ) -> LoadResult:
         self._check_open()
         self._check_handle(result)
         ids = self._check_block_ids(device_block_ids, result.num_blocks, at_most=True)
@@ -394,7 +406,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         start = time.perf_counter()
         keys = list(result.keys[: len(ids)])
         try:
-            loaded, promoted = self._load_keys(keys, ids)
+            loaded, promoted = self._load_keys(keys, ids, after_pool)
         except BaseException:
             with self._handles_lock:
                 result._state = "open"  # a failed load leaves the handle and its pins
@@ -417,28 +429,24 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         self._check_handle(result)
         return self._submit(self.load, result, device_block_ids)
 
-    def _load_keys(self, keys: list[bytes], ids: np.ndarray) -> tuple[int, int]:
-        """Promotes and loads pinned ``keys`` into ``ids``; returns (leading blocks loaded,
-        blocks promoted from lower tiers)."""
-        if not keys:
-            return 0, 0
-        if streams(self, len(keys), save=False):
-            return load_through_dram(self, keys, ids)
-        stack = self._stack
-        in_dram, promoted = stack.promote(keys)
-        prefix = next((i for i, ok in enumerate(in_dram) if not ok), len(keys))
-        if not prefix:
-            return 0, promoted
-        try:
-            # keys, pools and ids were checked by this store (load): not again per tier
-            self.dram._get_checked(keys[:prefix], self.pools, ids[:prefix], self.config.path)
-            loaded = prefix
-        except BlocksMissingError as missing:
-            # DRAM dropped the blocks that failed their checksum: a lower tier may hold them
-            loaded, again = reload_from_below(self, keys[:prefix], ids[:prefix], missing.loaded)
-            promoted += again
-        stack.touch(0, keys[:loaded])
-        return loaded, promoted
+    def _load_keys(
+        self, keys: list[bytes], ids: np.ndarray, after_pool: Callable[[int], None] | None = None
+    ) -> tuple[int, int]:
+        return load_keys(self, keys, ids, after_pool)
+
+    def load_by_layer(self, result: LookupResult, device_block_ids: Any) -> LayerLoad:
+        """:meth:`load` in the background, filling the device pools one after another (in the
+        order this store was given them: an engine's layers) so that a reader of pool ``i``
+        may start before the later ones are written (:meth:`LayerLoad.wait_for`). Blocks are
+        readable before their checksums are compared; :meth:`LayerLoad.result` says which are
+        valid, and a failed block is not read again from a lower tier (recompute it)."""
+        self._check_open()
+        self._check_handle(result)
+        load = LayerLoad(len(self.pools))
+        self._layer_calls.submit(
+            run_layer_load, load, lambda after: self._load(result, device_block_ids, after)
+        )
+        return load
 
     # --- save ------------------------------------------------------------------------------
 
@@ -743,6 +751,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         self._closed = True
         if self._server is not None:
             self._server.close()  # no peer reads while the tiers close
+        self._layer_calls.shutdown(wait=True)
         self._calls.shutdown(wait=True)
         self._stack.flush()
         self._release_open_handles()

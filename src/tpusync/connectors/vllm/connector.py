@@ -135,7 +135,8 @@ class TpuSyncConnector(KVConnectorBase_V1):
         self._worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a DRAM hit is loaded before the forward starts (start_load_kv)
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

@@ -29,6 +29,7 @@ CONNECTOR_KEYS = {
     "lookup_timeout_s": "how long the scheduler waits for the worker's answer (then a miss)",
     "socket_dir": "the private directory of the scheduler-worker lookup socket",
     "allow_xxhash": "accept vLLM's xxhash block hashes (see check_stable_hashing)",
+    "load_by_layer": "load a DRAM hit layer by layer, overlapping attention (default true)",
 }
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
@@ -46,6 +47,8 @@ class ConnectorSettings:
       lookup_timeout_s: the scheduler's deadline for a lookup answer.
       socket_path: the worker's lookup socket (in a directory only this user can enter).
       allow_xxhash: whether vLLM's xxhash block hashes are accepted.
+      load_by_layer: whether a DRAM hit is loaded layer by layer while the forward runs
+        (attention on layer i waits only for layer i), or whole before the forward.
     """
 
     store: KVStoreConfig
@@ -53,6 +56,7 @@ class ConnectorSettings:
     lookup_timeout_s: float
     socket_path: Path
     allow_xxhash: bool
+    load_by_layer: bool = True
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
@@ -138,6 +142,7 @@ def read_settings(
         lookup_timeout_s=_timeout(own.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
         socket_path=_socket_path(own.get("socket_dir"), engine_id),
         allow_xxhash=_flag(own.get("allow_xxhash", False), "allow_xxhash"),
+        load_by_layer=_flag(own.get("load_by_layer", True), "load_by_layer"),
     )
 
 

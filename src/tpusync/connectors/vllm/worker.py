@@ -16,7 +16,7 @@ from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
 from tpusync.errors import InvalidArgumentError, TpuSyncError
-from tpusync.kv import KVCacheStore, LookupResult
+from tpusync.kv import KVCacheStore, LayerLoad, LookupResult
 from tpusync.memory import TorchPool
 
 __all__ = ["WorkerSide", "local_worker"]
@@ -50,6 +50,11 @@ class WorkerSide:
         self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
         # req_id -> (its background load, the block ids, the handle it consumes)
         self._loading: dict[str, tuple[concurrent.futures.Future[Any], list[int], Any]] = {}
+        # this step's DRAM hits loading layer by layer: (spec, block ids, handle, load)
+        self._layer_loads: list[tuple[LoadSpec, list[int], LookupResult, LayerLoad]] = []
+        self._layer_index: dict[str, int] = {}  # vLLM layer name -> the store's pool index
+        self.layer_loads = 0  # layer-by-layer loads ended (for stats and tests)
+        self.unknown_layers: set[str] = set()  # layer names waited for that no pool has
         self._load_errors: set[int] = set()
         self._sync_failure = False  # a load this step's forward reads failed
         self._durable: set[concurrent.futures.Future[Any]] = set()
@@ -76,6 +81,7 @@ class WorkerSide:
                     "layout [num_blocks, kv_heads, block_size, 2*head_dim]"
                 )
         pools = [TorchPool(tensor, name=name) for name, tensor in kv_caches.items()]
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
         try:
@@ -162,6 +168,7 @@ class WorkerSide:
     def start_load(self, meta: TpuSyncMetadata) -> None:
         """Releases what the scheduler gave up, then runs this step's loads: a DRAM hit now
         (before the forward that reads it), a hit below DRAM in the background."""
+        self.finish_layer_loads()  # a step that never asked for its errors: end its loads
         self._sync_failure = False
         for req_id, sequence in meta.releases:
             self.release(req_id, sequence)
@@ -180,16 +187,56 @@ class WorkerSide:
             if spec.is_async:
                 self._loading[spec.req_id] = (store.load_async(result, ids), ids, result)
                 continue
+            if self.settings.load_by_layer:
+                self._layer_loads.append((spec, ids, result, store.load_by_layer(result, ids)))
+                continue
             try:
                 done = store.load(result, ids)
-                self.recent_loads.append(done)
-                loaded = done.loaded_blocks
             except TpuSyncError as error:
-                log.warning("tpusync vllm: load of %s failed: %s", spec.req_id, error)
-                self._drop(result)
-                loaded = 0
-            if loaded < len(ids):
-                self._failed(spec, ids[loaded:])
+                self._load_failed(spec, ids, result, error)
+                continue
+            self._loaded(spec, ids, done)
+
+    def _loaded(self, spec: LoadSpec, ids: list[int], done: Any) -> None:
+        self.recent_loads.append(done)
+        if done.loaded_blocks < len(ids):
+            self._failed(spec, ids[done.loaded_blocks :])
+
+    def _load_failed(
+        self, spec: LoadSpec, ids: list[int], result: LookupResult, error: BaseException
+    ) -> None:
+        log.warning("tpusync vllm: load of %s failed: %s", spec.req_id, error)
+        self._drop(result)  # a load that raises leaves its pins
+        self._failed(spec, ids)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Returns once this step's DRAM hits have written layer ``layer_name`` (no deadline: a
+        load still writing the blocks must not meet a forward, or a later request, reading
+        them); a layer the store does not know waits for the whole loads."""
+        if not self._layer_loads:
+            return
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            self.unknown_layers.add(layer_name)
+        for _, _, _, load in self._layer_loads:
+            if index is None:
+                load.wait()
+            else:
+                load.wait_for(index)
+
+    def finish_layer_loads(self) -> None:
+        """Ends this step's layer-by-layer loads: waits for them, then counts the blocks that
+        failed their checksum as load errors (vLLM discards what the step computed from
+        them). Safe to call more than once a step."""
+        loads, self._layer_loads = self._layer_loads, []
+        self.layer_loads += len(loads)
+        for spec, ids, result, load in loads:
+            try:
+                done = load.result()
+            except TpuSyncError as error:
+                self._load_failed(spec, ids, result, error)
+                continue
+            self._loaded(spec, ids, done)
 
     def _failed(self, spec: LoadSpec, block_ids: list[int]) -> None:
         self._load_errors.update(block_ids)
@@ -206,6 +253,7 @@ class WorkerSide:
         requests of the step may have read the failed blocks too (vLLM's own prefix cache
         shares them at once), and their KV would be wrong. vLLM recomputes those requests, and
         the scheduler side saves their blocks again."""
+        self.finish_layer_loads()
         store = self.store
         if store is None or not meta.saves:
             return
@@ -255,6 +303,7 @@ class WorkerSide:
         return done
 
     def take_load_errors(self) -> set[int]:
+        self.finish_layer_loads()  # vLLM may ask before the step's save (defer_finalize)
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -268,6 +317,7 @@ class WorkerSide:
         if self._server is not None:
             self._server.close()
             self._server = None
+        self.finish_layer_loads()  # before the store goes: a failed one releases its pins
         store, self.store = self.store, None
         if store is None:
             return

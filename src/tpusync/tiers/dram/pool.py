@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -415,23 +415,31 @@ class HostPool(SlotRecords):
         self._get_checked(keys, pools, block_ids, path)
 
     def _get_checked(
-        self, keys: list[bytes], pools: Sequence[DevicePool], block_ids: np.ndarray, path: str
+        self,
+        keys: list[bytes],
+        pools: Sequence[DevicePool],
+        block_ids: np.ndarray,
+        path: str,
+        after_array: Callable[[int], None] | None = None,
     ) -> None:
         """:meth:`get_to_device` of arguments already checked: keys as :func:`check_keys`
         answers them, the layout's pools, and unique int64 block ids in range (the KV store
-        checks its own once per load)."""
+        checks its own once per load). ``after_array(i)``: called once pool ``i``'s blocks are
+        written, before their checksums are compared (a layer-by-layer load)."""
         pinned = self._pin_checked(keys)
         present = pinned.present
         loaded = present.copy()
         corrupt = 0
         try:
             if pinned.all_present:  # the usual load: no masks to apply
-                got = self._copy_out(pools, block_ids, pinned.slots, path)
+                got = self._copy_out(pools, block_ids, pinned.slots, path, after_array)
                 # one C compare, where numpy's != and any() cost ~10 us each after a step
                 expected = pinned.checksums
                 bad = None if got.tobytes() == expected.tobytes() else got != expected
             elif present.any():
-                got = self._copy_out(pools, block_ids[present], pinned.slots[present], path)
+                got = self._copy_out(
+                    pools, block_ids[present], pinned.slots[present], path, after_array
+                )
                 bad = got != pinned.checksums[present]
             else:
                 bad = None
@@ -463,9 +471,14 @@ class HostPool(SlotRecords):
             )
 
     def _copy_out(
-        self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
+        self,
+        pools: Sequence[Any],
+        block_ids: np.ndarray,
+        slots: np.ndarray,
+        path: str,
+        after_array: Callable[[int], None] | None = None,
     ) -> np.ndarray:
-        return self._move_blocks(pools, block_ids, slots, path, to_device=True)
+        return self._move_blocks(pools, block_ids, slots, path, to_device=True, after=after_array)
 
     def _move_blocks(
         self,
@@ -475,10 +488,13 @@ class HostPool(SlotRecords):
         path: str,
         *,
         to_device: bool,
+        after: Callable[[int], None] | None = None,
     ) -> np.ndarray:
         """Moves device blocks ``block_ids`` to or from ``slots`` (one transfer per array) and
         returns the blocks' checksums over the bytes moved: computed in the copy pass on the
-        native path, in a separate pass over the (pinned or reserved) slots on the JAX path."""
+        native path, in a separate pass over the (pinned or reserved) slots on the JAX path.
+        ``after(i)``: called once array ``i`` is moved (array by array on the kept native
+        plan, all at the end otherwise)."""
         fork_guard.check_device_use("pools")  # before the pools' locks: see memory.fork_guard
         self._ensure_populated(slots)
         kept = self._kept_for(pools) if path != "jax" else None
@@ -493,7 +509,22 @@ class HostPool(SlotRecords):
                         for pool, array in zip(pools, self.layout.arrays, strict=True):
                             pool._check_writable(block_ids, array.block_axis, "block_ids")
                     src, dst = (slots, block_ids) if to_device else (block_ids, slots)
-                    return native.run_hashed_plan(plan, src, dst, donated=to_device)
+                    return native.run_hashed_plan(
+                        plan, src, dst, donated=to_device, after_move=after
+                    )
+        checksums = self._move_unplanned(pools, block_ids, slots, path, to_device)
+        for i in range(len(pools) if after is not None else 0):
+            after(i)  # type: ignore[misc]
+        return checksums
+
+    def _move_unplanned(
+        self,
+        pools: Sequence[Any],
+        block_ids: np.ndarray,
+        slots: np.ndarray,
+        path: str,
+        to_device: bool,
+    ) -> np.ndarray:
         items = []
         for pool, view, array in zip(pools, self.views(), self.layout.arrays, strict=True):
             if to_device:
