@@ -20,6 +20,7 @@ from engines import BLOCK, build_model, engine, generate, settle, transfer_confi
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from tpusync.connectors.vllm import TpuSyncConnector
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import shm_admin
@@ -203,9 +204,7 @@ def _damage_one_dram_block(name: str) -> None:
     path = pool_path(name)
     data = path.read_bytes()
     header = decode_header(data, len(data))
-    records = np.frombuffer(
-        data, RECORD_DTYPE, count=header.n_slots, offset=header.records_offset
-    )
+    records = np.frombuffer(data, RECORD_DTYPE, count=header.n_slots, offset=header.records_offset)
     slots = np.flatnonzero(records["state"] == COMMITTED)
     assert len(slots) >= 4, slots
     with open(path, "r+b") as f:
@@ -312,6 +311,50 @@ def test_a_store_node_serves_a_new_engine_and_a_node_gone_is_a_miss(
             stats = settle(worker_of(llm))
             assert stats["store"]["loaded_blocks"] == FULL // BLOCK  # the first load only
             assert stats["store"]["lower_tier_errors"] >= 1  # the node's lookup: a miss
+    finally:
+        stop_process(node)
+
+
+def test_a_stopped_store_node_never_holds_the_scheduler(
+    models, tmp_path, sockets, monkeypatch
+) -> None:
+    """A store node that accepts and never answers (SIGSTOP): a lookup through it does not
+    answer within ``lookup_timeout_s``, so vLLM is told to ask again later (``None``) until
+    then, and then it is a miss; no scheduler call waits for the node's 3 s timeout, and the
+    request is computed as without the store."""
+    calls: list[float] = []
+    asked = TpuSyncConnector.get_num_new_matched_tokens
+
+    def timed(self, request, num_computed_tokens):  # the connector's own call, timed
+        started = time.monotonic()
+        try:
+            return asked(self, request, num_computed_tokens)
+        finally:
+            calls.append(time.monotonic() - started)
+
+    monkeypatch.setattr(TpuSyncConnector, "get_num_new_matched_tokens", timed)
+    secret = bytes(range(1, 33))
+    node, ready = start_store_node(tmp_path, secret, 64 << 20)
+    try:
+        kv = {
+            "dram": {"capacity_blocks": 64},
+            "store_node": {"address": ready["address"], "timeout_s": 3.0},
+            "secret_file": str(tmp_path / "secret"),
+            "socket_dir": sockets,
+            "lookup_timeout_s": 1.0,
+        }
+        prompt = rng.integers(1, 1000, len(PROMPT)).tolist()
+        with engine(models["main"], transfer_config(kv)) as llm:
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                ((tokens, cached),) = generate(llm, [prompt])
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            assert cached == 0 and tokens
+            assert calls and max(calls) < 0.5, sorted(calls)[-3:]  # never the node's 3 s
+            llm.reset_prefix_cache()
+            assert generate(llm, [prompt]) == [(tokens, FULL)]  # the same tokens, from DRAM
+            settle(worker_of(llm))
     finally:
         stop_process(node)
 

@@ -4,8 +4,10 @@ where, and which blocks became full and are to be saved, step by step."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,10 @@ __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("tpusync.connectors.vllm")
 
+# how long a scheduling step waits for a new lookup's answer before asking again next step
+# (local tiers answer well within it; a store node's lookup over the network may not)
+FIRST_WAIT_S = 0.01
+
 
 @dataclass
 class _Lookup:
@@ -26,6 +32,17 @@ class _Lookup:
     local_blocks: int  # vLLM's own prefix hit, in blocks
     blocks: int  # what the store holds after it (pinned by the worker)
     is_async: bool
+
+
+@dataclass
+class _Asking:
+    """A lookup sent to the worker side and not answered yet."""
+
+    sequence: int
+    local_blocks: int
+    usable_blocks: int
+    answer: concurrent.futures.Future[tuple[int, bool] | None]
+    deadline: float  # time.monotonic() after which it is a miss
 
 
 @dataclass
@@ -50,6 +67,10 @@ class SchedulerSide:
         self._releases: list[tuple[str, int]] = []
         self._events: list[Any] = []  # the worker's KV events, until vLLM takes them
         self._issued: dict[str, int] = {}  # req_id -> its last lookup's sequence
+        self._asking: dict[str, _Asking] = {}
+        # one thread asks (the socket client is one connection): a stuck lookup delays the
+        # next ones, which become misses at their deadlines, never the scheduler
+        self._asker = concurrent.futures.ThreadPoolExecutor(1, "tpusync-vllm-lookup")
 
     def _ask(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
         worker = local_worker(self.settings.engine_id)
@@ -57,29 +78,61 @@ class SchedulerSide:
             return worker.answer(req_id, sequence, hashes)
         return self._client.lookup(req_id, sequence, hashes)
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: the tokens after ``num_computed_tokens`` the
         store holds in full blocks, leaving the last token to vLLM; asynchronous when any is
-        below DRAM."""
+        below DRAM. ``None`` while the worker side has not answered yet (vLLM asks again next
+        step); no answer within ``lookup_timeout_s`` is a miss."""
         req_id = request.request_id
-        self._forget_lookup(req_id)
         bs = self.block_size
         local = num_computed_tokens // bs
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        if usable <= local:
-            return 0, False
-        sequence = next(self._sequence)
-        self._issued[req_id] = sequence
-        hashes = [bytes(h) for h in request.block_hashes[local:usable]]
-        answer = self._ask(req_id, sequence, hashes)
-        if answer is None:  # no answer in time: a miss; whatever it pinned is released
-            self._release(req_id, sequence)
+        asking = self._asking.get(req_id)
+        if asking is not None and (asking.local_blocks, asking.usable_blocks) != (local, usable):
+            del self._asking[req_id]  # asked about other blocks: that answer is of no use
+            self._release(req_id, asking.sequence)
+            asking = None
+        wait = 0.0
+        if asking is None:
+            self._forget_lookup(req_id)
+            if usable <= local:
+                return 0, False
+            asking = self._start_lookup(request, local, usable)
+            wait = FIRST_WAIT_S
+        try:
+            answer = asking.answer.result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() < asking.deadline:
+                return None, False
+            answer = None
+            log.info("tpusync vllm: no lookup answer for %s in time: a miss", req_id)
+        except Exception as error:  # a lookup that failed is a miss, never a scheduler crash
+            answer = None
+            log.warning("tpusync vllm: the lookup of %s failed (a miss): %s", req_id, error)
+        del self._asking[req_id]
+        if answer is None:  # a miss; whatever it pinned (or pins later) is released
+            self._release(req_id, asking.sequence)
             return 0, False
         blocks, is_async = answer
         if not blocks:
             return 0, False
-        self._lookups[req_id] = _Lookup(sequence, local, blocks, is_async)
+        self._lookups[req_id] = _Lookup(asking.sequence, local, blocks, is_async)
         return blocks * bs, is_async
+
+    def _start_lookup(self, request: Any, local: int, usable: int) -> _Asking:
+        req_id = request.request_id
+        sequence = next(self._sequence)
+        self._issued[req_id] = sequence
+        hashes = [bytes(h) for h in request.block_hashes[local:usable]]
+        asking = _Asking(
+            sequence,
+            local,
+            usable,
+            self._asker.submit(self._ask, req_id, sequence, hashes),
+            time.monotonic() + self.settings.lookup_timeout_s,
+        )
+        self._asking[req_id] = asking
+        return asking
 
     def _forget_lookup(self, req_id: str) -> None:
         old = self._lookups.pop(req_id, None)
@@ -192,9 +245,11 @@ class SchedulerSide:
         req_id = request.request_id
         self._tracked.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._asking.pop(req_id, None)
         last = self._issued.pop(req_id, None)
         if last is not None:  # every lookup of it, also one that answers late
             self._release(req_id, last)
 
     def close(self) -> None:
+        self._asker.shutdown(wait=True, cancel_futures=True)
         self._client.close()
