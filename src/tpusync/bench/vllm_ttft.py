@@ -15,9 +15,10 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 * ExampleConnector on /dev/shm and on the disk tier's filesystem (its safetensors files).
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
-runs beside the forward, sharing the cores with it), set beside the memory limit of the same bytes measured in the same run (one contiguous copy on all cores, the
-best of memcpy and non-temporal stores). Before each hit of a disk row the page cache is
-dropped (as root; the JSON says whether it was): the disk tier reads with O_DIRECT,
+runs beside the forward, sharing the cores with it), set beside the memory limit of the same
+bytes measured in the same run (one contiguous copy on all cores, the best of memcpy and
+non-temporal stores). Before each hit of a disk row the page cache is dropped (as root; the
+JSON says whether it was): the disk tier reads with O_DIRECT,
 ExampleConnector through the page cache, so a warm cache would compare memory with a disk.
 Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
 the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
