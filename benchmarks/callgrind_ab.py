@@ -228,8 +228,12 @@ def main() -> None:
             print(f"{kind:<8} {process:<8} {a / 1e6:>12.2f} {b / 1e6:>12.2f} {change:>+15.1f}%")
     document = {
         "benchmark": "callgrind_ab",
-        "args": {"mib": args.mib, "ops": list(ops), "before": str(args.before),
-                 "after": str(args.after)},
+        "args": {
+            "mib": args.mib,
+            "ops": list(ops),
+            "before": str(args.before),
+            "after": str(args.after),
+        },
         "results": results,
     }
     if args.json is not None:
