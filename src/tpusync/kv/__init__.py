@@ -8,9 +8,7 @@ cached prefix straight into the engine's ``DevicePool``.
 
 from tpusync.kv.config import DiskTier, DramTier, KVStoreConfig, SharedFsTier
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace
-from tpusync.kv.secret import load_secret
-from tpusync.kv.store import (
-    KVCacheStore,
+from tpusync.kv.results import (
     LayerLoad,
     LoadResult,
     LookupResult,
@@ -18,6 +16,8 @@ from tpusync.kv.store import (
     SaveResult,
     SessionRestore,
 )
+from tpusync.kv.secret import load_secret
+from tpusync.kv.store import KVCacheStore
 from tpusync.kv.tier_specs import ExistingTier
 
 __all__ = [

@@ -66,7 +66,6 @@ from tpusync.kv.results import (
     LookupResult,
     SaveFuture,
     SaveResult,
-    SessionRestore,
 )
 from tpusync.memory.device_pool import DevicePool
 from tpusync.memory.fork_guard import check_same_process
@@ -76,15 +75,7 @@ from tpusync.tiers.files import check_directory
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.spec import OpenedTier
 
-__all__ = [
-    "KVCacheStore",
-    "LayerLoad",
-    "LoadResult",
-    "LookupResult",
-    "SaveFuture",
-    "SaveResult",
-    "SessionRestore",
-]
+__all__ = ["KVCacheStore"]
 
 log = logging.getLogger("tpusync.kv")
 T = TypeVar("T")
