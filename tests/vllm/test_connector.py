@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -276,21 +278,36 @@ def test_concurrent_requests_with_shared_prefixes_and_preemption(
         assert stats["store"]["loaded_blocks"] > 0
 
 
+@contextlib.contextmanager
+def store_node_config(
+    tmp_path: Path, sockets: str, **extra: Any
+) -> Iterator[tuple[subprocess.Popen, dict[str, Any]]]:
+    """A store node (``tpusync serve``, its own process) and the connector configuration that
+    writes back to it (DRAM of 64 blocks, the node's 3 s timeout, ``extra`` on top); the node
+    is stopped by its pid at the end."""
+    node, ready = start_store_node(tmp_path, bytes(range(1, 33)), 64 << 20)
+    try:
+        yield (
+            node,
+            {
+                "dram": {"capacity_blocks": 64},
+                "store_node": {"address": ready["address"], "timeout_s": 3.0},
+                "secret_file": str(tmp_path / "secret"),
+                "socket_dir": sockets,
+                **extra,
+            },
+        )
+    finally:
+        stop_process(node)
+
+
 def test_a_store_node_serves_a_new_engine_and_a_node_gone_is_a_miss(
     models, reference, tmp_path, sockets
 ) -> None:
     """Blocks written back to a store node (``tpusync serve``) serve an engine whose own DRAM
     is empty; once the node is gone, the same request is recomputed within the deadlines,
     never hanging the engine."""
-    secret = bytes(range(1, 33))
-    node, ready = start_store_node(tmp_path, secret, 64 << 20)
-    try:
-        kv = {
-            "dram": {"capacity_blocks": 64},
-            "store_node": {"address": ready["address"], "timeout_s": 3.0},
-            "secret_file": str(tmp_path / "secret"),
-            "socket_dir": sockets,
-        }
+    with store_node_config(tmp_path, sockets) as (node, kv):
         with engine(models["main"], transfer_config(kv)) as llm:
             assert generate(llm, [PROMPT]) == [(reference, 0)]
             settle(worker_of(llm))
@@ -311,8 +328,6 @@ def test_a_store_node_serves_a_new_engine_and_a_node_gone_is_a_miss(
             stats = settle(worker_of(llm))
             assert stats["store"]["loaded_blocks"] == FULL // BLOCK  # the first load only
             assert stats["store"]["lower_tier_errors"] >= 1  # the node's lookup: a miss
-    finally:
-        stop_process(node)
 
 
 def test_a_stopped_store_node_never_holds_the_scheduler(
@@ -333,16 +348,7 @@ def test_a_stopped_store_node_never_holds_the_scheduler(
             calls.append(time.monotonic() - started)
 
     monkeypatch.setattr(TpuSyncConnector, "get_num_new_matched_tokens", timed)
-    secret = bytes(range(1, 33))
-    node, ready = start_store_node(tmp_path, secret, 64 << 20)
-    try:
-        kv = {
-            "dram": {"capacity_blocks": 64},
-            "store_node": {"address": ready["address"], "timeout_s": 3.0},
-            "secret_file": str(tmp_path / "secret"),
-            "socket_dir": sockets,
-            "lookup_timeout_s": 1.0,
-        }
+    with store_node_config(tmp_path, sockets, lookup_timeout_s=1.0) as (node, kv):
         prompt = rng.integers(1, 1000, len(PROMPT)).tolist()
         with engine(models["main"], transfer_config(kv)) as llm:
             os.kill(node.pid, signal.SIGSTOP)
@@ -355,8 +361,6 @@ def test_a_stopped_store_node_never_holds_the_scheduler(
             llm.reset_prefix_cache()
             assert generate(llm, [prompt]) == [(tokens, FULL)]  # the same tokens, from DRAM
             settle(worker_of(llm))
-    finally:
-        stop_process(node)
 
 
 def test_kv_events_name_vllms_hashes_with_a_medium_per_tier(models, tmp_path, sockets) -> None:
