@@ -21,27 +21,13 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 1024
 
 def build_model(path: Path, seed: int) -> Path:
     """A 2-layer Llama (head_dim 32) with random weights, scaled up so that greedy decoding
-    has no ties; saved with ``save_pretrained`` (bf16)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    has no ties."""
+    from tpusync.testing.hf_llama import build_random_llama
 
-    config = LlamaConfig(
-        num_hidden_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        intermediate_size=256,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-        torch_dtype="bfloat16",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.mul_(8.0)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    return build_random_llama(
+        path, layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, intermediate=256,
+        vocab=VOCAB, max_len=4096, seed=seed, scale=8.0,
+    )  # fmt: skip
 
 
 def transfer_config(extra: dict[str, Any] | None, policy: str = "fail", **kw: Any) -> Any:

@@ -50,8 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
@@ -59,6 +57,7 @@ from vllm.inputs import TokensPrompt
 from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import MemoryLimit
+from tpusync.testing.hf_llama import build_random_llama
 from tpusync.testing.processes import start_store_node, stop_process
 
 QUICK = ["--tokens", "1024,4096", "--repeats", "3"]
@@ -76,14 +75,10 @@ ROWS = (
 
 
 def build_model(path: Path, max_len: int) -> Path:
-    config = LlamaConfig(
-        num_hidden_layers=8, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-        intermediate_size=2816, vocab_size=4096, max_position_embeddings=max_len,
-        torch_dtype="bfloat16",
+    return build_random_llama(
+        path, layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=4096,
+        max_len=max_len,
     )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 @contextlib.contextmanager
