@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import collections
+import logging
 import threading
 from typing import Any
 
@@ -23,8 +24,11 @@ from vllm.distributed.kv_events import (
 
 __all__ = ["BlockEventLog", "TpuSyncKVEvents", "as_list", "medium_of"]
 
-# store keys remembered with their vLLM hash, parent and tokens (~350 bytes each; the least
-# recent dropped: a block forgotten has no more events)
+log = logging.getLogger("tpusync.connectors.vllm")
+
+# store keys remembered with their vLLM hash, parent and tokens (~350 bytes each), at least
+# this many or as many as the store's tiers hold (the least recent dropped: a block forgotten
+# has no more events)
 MAX_KNOWN_BLOCKS = 1 << 16
 
 
@@ -64,8 +68,10 @@ class BlockEventLog:
     """The worker side's events: what store keys stand for, and the events since the last
     :meth:`take`. Thread-safe (the store calls :meth:`heard` from its own threads)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_blocks: int = MAX_KNOWN_BLOCKS) -> None:
         self.block_size = block_size
+        self.max_blocks = max(MAX_KNOWN_BLOCKS, int(max_blocks))
+        self.forgotten = 0  # blocks dropped from what is known (their later events are lost)
         self._lock = threading.Lock()
         # store key -> (vLLM hash, parent vLLM hash, token ids, empty when not known)
         self._known: collections.OrderedDict[bytes, tuple[bytes, bytes | None, array.array]] = (
@@ -92,8 +98,15 @@ class BlockEventLog:
                 self._known[key] = (h, before, tokens)
                 self._known.move_to_end(key)
                 before = h
-            while len(self._known) > MAX_KNOWN_BLOCKS:
+            while len(self._known) > self.max_blocks:
                 self._known.popitem(last=False)
+                self.forgotten += 1
+                if self.forgotten == 1:
+                    log.warning(
+                        "tpusync vllm: more than %d blocks known to the KV events; the least "
+                        "recent are forgotten, and their later events are not published",
+                        self.max_blocks,
+                    )
 
     def heard(self, kind: str, tier: str, keys: list[bytes]) -> None:
         """A store block event (see :meth:`~tpusync.kv.KVCacheStore.add_block_listener`)."""

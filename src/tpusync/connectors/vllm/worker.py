@@ -16,7 +16,7 @@ from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
 from tpusync.errors import InvalidArgumentError, TpuSyncError
-from tpusync.kv import KVCacheStore, LayerLoad, LookupResult
+from tpusync.kv import KVCacheStore, KVStoreConfig, LayerLoad, LookupResult
 from tpusync.memory import TorchPool
 
 __all__ = ["WorkerSide", "local_worker"]
@@ -58,7 +58,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._sync_failure = False  # a load this step's forward reads failed
         self._durable: set[concurrent.futures.Future[Any]] = set()
-        self.events = BlockEventLog(settings.store.block_size)
+        self.events = BlockEventLog(settings.store.block_size, _capacity_blocks(settings.store))
         # the last loads (the store's LoadResults): for logs, stats and benchmarks
         self.recent_loads: collections.deque[Any] = collections.deque(maxlen=1024)
 
@@ -340,3 +340,11 @@ def _done(value: Any) -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_result(value)
     return future
+
+
+def _capacity_blocks(config: KVStoreConfig) -> int:
+    """The blocks the store's own tiers hold at most (DRAM and every lower tier that says its
+    capacity; a store node's or an unbounded shared filesystem's count as none)."""
+    specs = [config.dram, *config.tiers]
+    capacities = [getattr(spec, "capacity_blocks", None) for spec in specs]
+    return sum(c for c in capacities if isinstance(c, int))
