@@ -8,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,16 +16,21 @@ import pytest
 import torch
 from tools import skip_or_fail
 
+from tpusync.connectors.vllm.events import MAX_KNOWN_BLOCKS, BlockEventLog
 from tpusync.connectors.vllm.lookup_service import (
     MAX_HASHES,
     LookupClient,
     LookupServer,
     encode_request,
 )
-from tpusync.connectors.vllm.settings import read_settings
+from tpusync.connectors.vllm.settings import default_socket_dir, read_settings
 from tpusync.connectors.vllm.worker import WorkerSide
+from tpusync.errors import UnsafeFileError
 
 BLOCK = 32
+ENGINE = dict(
+    model="m", block_size=BLOCK, tp_rank=0, tp_size=1, num_blocks=8, engine_id="e",
+)  # fmt: skip
 
 
 @pytest.fixture
@@ -163,3 +169,59 @@ def test_a_process_of_another_user_gets_no_answer(tmp_path: Path) -> None:
         assert calls == []
     finally:
         server.close()
+
+
+def test_a_socket_dir_another_user_made_first_is_refused_naming_socket_dir(
+    tmp_path: Path,
+) -> None:
+    """A squatter's directory where the socket goes (as another uid could make
+    ``/tmp/tpusync-vllm-<uid>`` first): the worker refuses to serve there, names the key and
+    the way out, and touches nothing in it."""
+    if os.geteuid() != 0:
+        skip_or_fail("needs root to make a directory of another uid")
+    squatted = tmp_path / "squatted"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)
+    with pytest.raises(UnsafeFileError, match=r"socket_dir: .*owned by uid 65534.*socket_dir"):
+        LookupServer(squatted / "x.sock", lambda *a: (0, False))
+    assert list(squatted.iterdir()) == []
+
+
+def test_the_default_socket_dir_is_one_no_other_user_can_make_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime, home = tmp_path / "run", tmp_path / "home"
+    runtime.mkdir(mode=0o700)
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert default_socket_dir() == runtime / f"tpusync-vllm-{os.getuid()}"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_socket_dir() == home / ".cache" / "tpusync-vllm"
+    settings = read_settings({"dram": {"capacity_blocks": 4}}, **ENGINE)
+    assert settings.socket_path.parent == home / ".cache" / "tpusync-vllm"
+    if os.geteuid() == 0:  # a home of another uid (or one too long): the temporary directory
+        os.chown(home, 65534, 65534)
+        assert default_socket_dir() == Path(tempfile.gettempdir()) / f"tpusync-vllm-{os.getuid()}"
+    monkeypatch.setenv("HOME", "/" + "h" * 90)
+    assert default_socket_dir().parent == Path(tempfile.gettempdir())
+
+
+def test_the_kv_events_remember_as_many_blocks_as_the_tiers_hold(tmp_path: Path) -> None:
+    """A block evicted long after it was saved still has its removal published: the event log
+    knows at least as many blocks as DRAM and the disk tier hold, and says when it forgets."""
+    extra = {
+        "dram": {"capacity_blocks": 50_000},
+        "disk": {"directory": str(tmp_path / "d"), "capacity_blocks": 100_000, "create": True},
+        "socket_dir": str(tmp_path / "s"),
+    }
+    side = WorkerSide(read_settings(extra, **ENGINE), num_blocks=8)
+    assert side.events.max_blocks == 150_000
+    log = BlockEventLog(BLOCK, max_blocks=10)
+    assert log.max_blocks == MAX_KNOWN_BLOCKS  # never fewer than the floor
+    keys = [os.urandom(16) for _ in range(MAX_KNOWN_BLOCKS + 3)]
+    log.learn(keys, [os.urandom(32) for _ in keys])
+    assert log.forgotten == 3
+    log.heard("removed", "dram", keys[:3])  # forgotten: no event
+    log.heard("removed", "dram", keys[-1:])
+    assert len(log.take().get_all_events()) == 1

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, UnsafeFileError
 from tpusync.tiers.files import make_directory
 
 __all__ = ["MAX_BODY_BYTES", "MAX_HASHES", "LookupClient", "LookupServer"]
@@ -112,7 +112,13 @@ class LookupServer:
     and checked; a stale socket of an earlier worker is replaced) until :meth:`close`."""
 
     def __init__(self, path: Path, answer: Answer) -> None:
-        make_directory(path.parent)
+        try:
+            make_directory(path.parent)
+        except UnsafeFileError as error:
+            raise UnsafeFileError(
+                f"socket_dir: {error} (give kv_connector_extra_config a socket_dir of this "
+                "user's own, or set XDG_RUNTIME_DIR)"
+            ) from None
         try:
             info = os.lstat(path)
         except FileNotFoundError:

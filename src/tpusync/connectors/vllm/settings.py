@@ -10,6 +10,7 @@ refused, never guessed). Every error names the key and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -78,11 +79,27 @@ def _timeout(value: Any) -> float:
     return float(value)
 
 
+def default_socket_dir() -> Path:
+    """Where the lookup socket goes without ``socket_dir``: a directory no other user can make
+    first. ``$XDG_RUNTIME_DIR`` (the user's own, 0700), else under the home directory when this
+    uid owns it, else (a short path is needed) ``/tmp/tpusync-vllm-<uid>``, which another user
+    could make first: the engine then refuses to start and says to give ``socket_dir``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / f"tpusync-vllm-{os.getuid()}"
+    home = Path(os.path.expanduser("~"))
+    with contextlib.suppress(OSError):
+        # the socket's name is 29 bytes more; sun_path holds 107
+        if home.is_absolute() and os.stat(home).st_uid == os.geteuid():
+            below = home / ".cache" / "tpusync-vllm"
+            if len(os.fsencode(below)) <= 107 - 29:
+                return below
+    return Path(tempfile.gettempdir()) / f"tpusync-vllm-{os.getuid()}"
+
+
 def _socket_path(directory: Any, engine_id: str) -> Path:
     if directory is None:
-        runtime = os.environ.get("XDG_RUNTIME_DIR")
-        base = Path(runtime) if runtime and os.path.isdir(runtime) else Path(tempfile.gettempdir())
-        directory = base / f"tpusync-vllm-{os.getuid()}"
+        directory = default_socket_dir()
     elif not isinstance(directory, str) or not directory:
         raise InvalidArgumentError(
             f"{WHERE}.socket_dir: expected a directory path, got {directory!r}"
