@@ -1,6 +1,7 @@
 """Serves one prompt with vLLM's default multi-process engine (an engine-core process and a
 worker process beside this one) and the connector, then prints its greedy tokens and cached
-token count as JSON. Run by tests/vllm/test_connector.py as a child process."""
+token count as JSON. Run by tests/vllm/test_connector.py as a child process, started early:
+it imports vLLM, prints ``ready``, then reads its request (one JSON line) from stdin."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import json
 import os
 import sys
 
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+
+# the imports this process spends most of its time in, done before the request comes
+from engines import engine, generate, transfer_config
+from vllm import LLM  # noqa: F401
+from vllm.v1.engine.core_client import EngineCoreClient  # noqa: F401
+
 
 def main() -> None:
-    request = json.loads(sys.argv[1])
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    from engines import engine, generate, transfer_config
-
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return  # the test ended without a request
+    request = json.loads(line)
     kv = transfer_config(request["kv"])
     with engine(request["model"], kv, distributed_executor_backend=request.get("executor")) as llm:
         ((tokens, cached),) = generate(llm, [request["prompt"]])

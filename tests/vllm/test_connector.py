@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -89,45 +90,6 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
         worker = worker_of(llm)
         assert settle(worker)["store"]["loaded_blocks"] == FULL // BLOCK
         assert worker.layer_loads == 0
-
-
-def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
-    models, reference, shm_name, sockets, tmp_path
-) -> None:
-    """The scheduler (engine-core process) asks the worker (its own process) over the lookup
-    socket; the store is the named DRAM tier an engine of this process left in /dev/shm."""
-    kv = {"dram": {"capacity_blocks": 64, "name": shm_name}, "socket_dir": sockets}
-    with engine(models["main"], transfer_config(kv)) as llm:
-        generate(llm, [PROMPT])
-        settle(worker_of(llm))
-    # the worker in its own process ("mp"): the lookups cross the socket. Three processes each
-    # import vLLM (about 11 s apiece here): the one test of this suite that takes ~55 s
-    request = json.dumps(
-        {"model": str(models["main"]), "kv": kv, "prompt": PROMPT, "executor": "mp"}
-    )
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    scratch = tmp_path / "scratch"  # vLLM's IPC sockets (it leaves them) and temp files
-    scratch.mkdir()
-    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "serve_once.py"), request],
-        cwd=HERE,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = child.communicate(timeout=110)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(timeout=10)
-    assert child.returncode == 0
-    answer = json.loads(out.strip().splitlines()[-1])
-    assert answer == {"tokens": reference, "cached": FULL}
-    assert not list(Path(sockets).glob("*.sock"))  # the worker removed its socket
 
 
 def test_kv_computed_by_other_weights_changes_the_output(
@@ -440,3 +402,67 @@ def test_a_request_aborted_while_its_blocks_load_leaks_nothing(
         assert generate(llm, [PROMPT]) == [(reference, FULL)]
         settle(worker)
         assert not worker._loading
+
+
+@pytest.fixture(scope="module")
+def multi_process_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """``serve_once.py``, started when this module starts so that its import of vLLM (about
+    11 s here) overlaps the tests before the one that uses it; stopped by its pid group."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
+    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "serve_once.py")],
+        cwd=HERE,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+
+
+def _line_before(child: subprocess.Popen, deadline: float) -> str | None:
+    """The child's next stdout line, or None when it closes or the deadline passes."""
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    line = child.stdout.readline() if ready else ""
+    return line.strip() if line else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_the_front_early(multi_process_front: subprocess.Popen) -> None:
+    """Starts :func:`multi_process_front` with the module's first test."""
+
+
+def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
+    models, reference, shm_name, sockets, multi_process_front
+) -> None:
+    """The scheduler (engine-core process) asks the worker (its own process) over the lookup
+    socket; the store is the named DRAM tier an engine of this process left in /dev/shm."""
+    kv = {"dram": {"capacity_blocks": 64, "name": shm_name}, "socket_dir": sockets}
+    with engine(models["main"], transfer_config(kv)) as llm:
+        generate(llm, [PROMPT])
+        settle(worker_of(llm))
+    # the worker in its own process ("mp"): the lookups cross the socket. The front imported
+    # vLLM while the tests before this one ran; its engine-core and worker processes import it
+    # now (spawned: vLLM's CPU platform forces spawn)
+    request = json.dumps(
+        {"model": str(models["main"]), "kv": kv, "prompt": PROMPT, "executor": "mp"}
+    )
+    child = multi_process_front
+    deadline = time.monotonic() + 110
+    while (line := _line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
+        assert line is not None, "serve_once.py ended or hung before it was ready"
+    out, _ = child.communicate(request + "\n", timeout=110)
+    assert child.returncode == 0
+    answer = json.loads(out.strip().splitlines()[-1])
+    assert answer == {"tokens": reference, "cached": FULL}
+    assert not list(Path(sockets).glob("*.sock"))  # the worker removed its socket
