@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from tools import skip_or_fail
 
+from tpusync import _core
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -619,6 +620,32 @@ def test_target_too_small_reads_nothing(directory: Path, source: HostPool) -> No
         assert disk.used == 6 and disk.delete(KEYS[:6]) == 6  # nothing left pinned
 
 
+def runs_failing(real: Callable[..., np.ndarray], fails: Callable[..., tuple[int, int]]):
+    """The native ``file_runs``, run by run, with faults: ``fails(write, offset, lengths)``
+    says how many of a run's buffers really move first and the errno the run then fails with
+    (0: none). A write stops at the first failure, as the real call does."""
+
+    def file_runs(fds, offsets, firsts, counts, addresses, lengths, write, threads, stop):
+        codes = np.zeros(len(fds), np.int32)
+        for r in range(len(fds)):
+            at = slice(int(firsts[r]), int(firsts[r]) + int(counts[r]))
+            moved, code = fails(bool(write), int(offsets[r]), np.asarray(lengths[at]))
+            if moved:
+                done = real(
+                    fds[r : r + 1], offsets[r : r + 1], np.zeros(1, np.int32),
+                    np.array([moved], np.int32), addresses[at][:moved], lengths[at][:moved],
+                    write, 1, stop,
+                )  # fmt: skip
+                code = code or int(done[0])
+            codes[r] = code
+            if code and stop:
+                codes[r + 1 :] = errno.ECANCELED
+                break
+        return codes
+
+    return file_runs
+
+
 @pytest.mark.parametrize(
     ("code", "error"), [(errno.EIO, TransferFailedError), (errno.ENOSPC, TierFullError)]
 )
@@ -628,27 +655,24 @@ def test_write_error_commits_nothing(
     fill(source, KEYS[:12])
     with open_pool(directory) as disk:
         disk.put(KEYS[:4], source)
-        real = disk_pool_module._transfer_run
-        written = []  # blocks written before the failure
+        real = _core.file_runs
+        written = [0]  # blocks written before the failure
 
-        def failing(call: Callable[..., int], fd: int, memories: list, at: int) -> None:
-            if call is os.pwritev:  # the third block of the put fails, after two were written
-                room = max(0, 2 - len(written))
-                real(call, fd, memories[:room], at)
-                written.extend(memories[:room])
-                if len(memories) > room:
-                    raise OSError(code, os.strerror(code))
-                return
-            real(call, fd, memories, at)
+        def third_write_fails(write: bool, offset: int, lengths: np.ndarray) -> tuple[int, int]:
+            if not write:
+                return len(lengths), 0
+            room = max(0, 2 - written[0])  # the third block of the put fails, after two
+            written[0] += min(room, len(lengths))
+            return min(room, len(lengths)), (code if len(lengths) > room else 0)
 
-        monkeypatch.setattr(disk_pool_module, "_transfer_run", failing)
+        monkeypatch.setattr(_core, "file_runs", runs_failing(real, third_write_fails))
         with pytest.raises(error) as info:
             disk.put(KEYS[4:12], source)
         assert isinstance(info.value.__cause__, OSError)
         assert os.strerror(code) in str(info.value)
         assert disk.keys() == KEYS[:4] and disk.free == CAPACITY - 4
-        assert written  # some blocks reached the disk before the failure
-        monkeypatch.setattr(disk_pool_module, "_transfer_run", real)
+        assert written[0]  # some blocks reached the disk before the failure
+        monkeypatch.setattr(_core, "file_runs", real)
         load_and_check(disk, KEYS[:4])
         assert source.delete(KEYS[:12]) == 12  # unpinned
         fill(source, KEYS[:12])
@@ -665,15 +689,13 @@ def test_read_error_is_a_miss(
     with open_pool(directory) as disk, HostPool(layout, 6) as target:
         disk.put(KEYS[:6], source)
         _, bad_offset = on_disk(directory, KEYS[2], layout)
-        real = disk_pool_module._transfer_run
 
-        def failing(call: Callable[..., int], fd: int, memories: list, at: int) -> None:
-            end = at + sum(len(m) for m in memories)
-            if call is os.preadv and at <= bad_offset < end:  # a run holding block 2 fails
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            real(call, fd, memories, at)
+        def block_2_fails(write: bool, offset: int, lengths: np.ndarray) -> tuple[int, int]:
+            if not write and offset <= bad_offset < offset + int(lengths.sum()):
+                return 0, errno.EIO  # a run holding block 2 fails
+            return len(lengths), 0
 
-        monkeypatch.setattr(disk_pool_module, "_transfer_run", failing)
+        monkeypatch.setattr(_core, "file_runs", runs_failing(_core.file_runs, block_2_fails))
         with pytest.raises(BlocksMissingError, match="1 unreadable") as info:
             disk.get(KEYS[:6], target)
         assert info.value.loaded == [i != 2 for i in range(6)]

@@ -19,6 +19,8 @@ from tpusync._native.copy import BlockRows as BlockRows
 from tpusync._native.copy import CopyEngine as CopyEngine
 from tpusync._native.copy import block_segments as block_segments
 from tpusync._native.copy import table_bounds as table_bounds
+from tpusync._native.fileio import MAX_IOVS_PER_RUN as MAX_IOVS_PER_RUN
+from tpusync._native.fileio import file_runs as file_runs
 from tpusync._native.limits import copy_seconds as copy_seconds
 from tpusync._native.limits import have_streaming as have_streaming
 from tpusync._native.net import FRAME_HEADER_BYTES as FRAME_HEADER_BYTES
@@ -46,6 +48,7 @@ __all__ = [
     "FRAMES_SILENT",
     "FRAMES_TIMEOUT",
     "FRAME_HEADER_BYTES",
+    "MAX_IOVS_PER_RUN",
     "PAGE_SIZE",
     "PJRT_EXTENSION_TYPE_RAW_BUFFER",
     "BlockRows",
@@ -69,6 +72,7 @@ __all__ = [
     "collapse_huge_pages",
     "copy_seconds",
     "crc32c",
+    "file_runs",
     "have_streaming",
     "pin_slots",
     "pjrt_minimum_version",

@@ -3,7 +3,7 @@
 
 This module holds the memory (page-aligned mappings, huge pages) and the slot pool's pin and id
 checks, and re-exports the native extensions of each job (tpusync._native: copy, checksum, net,
-pjrt), so that ``tpusync._core`` answers every name of the native core."""
+fileio, pjrt), so that ``tpusync._core`` answers every name of the native core."""
 
 from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -27,6 +27,7 @@ from tpusync._native.checksum import (
     sum64_regions, xxh64, xxh64_gathered, xxh64_rows,
 )
 from tpusync._native.copy import BlockRows, CopyEngine, block_segments, table_bounds
+from tpusync._native.fileio import MAX_IOVS_PER_RUN, file_runs
 from tpusync._native.limits import copy_seconds, have_streaming
 from tpusync._native.net import (
     FRAME_HEADER_BYTES, FRAMES_DONE, FRAMES_HEADER, FRAMES_SILENT, FRAMES_TIMEOUT, FrameReceiver,
@@ -39,12 +40,12 @@ from tpusync._native.pjrt import (
 
 # Every name of the native core: this module's and those of tpusync._native it re-exports.
 __all__ = [
-    "FRAMES_DONE", "FRAMES_HEADER", "FRAMES_SILENT", "FRAMES_TIMEOUT", "FRAME_HEADER_BYTES",
+    "FRAMES_DONE", "FRAMES_HEADER", "MAX_IOVS_PER_RUN", "FRAMES_SILENT", "FRAMES_TIMEOUT", "FRAME_HEADER_BYTES",
     "PAGE_SIZE", "PJRT_EXTENSION_TYPE_RAW_BUFFER", "BlockRows", "CopyEngine", "FrameReceiver",
     "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
-    "collapse_huge_pages", "copy_seconds", "crc32c", "have_streaming", "pin_slots", "pjrt_minimum_version", "recv_exact", "send_all",
+    "collapse_huge_pages", "copy_seconds", "crc32c", "file_runs", "have_streaming", "pin_slots", "pjrt_minimum_version", "recv_exact", "send_all",
     "sum64", "sum64_regions", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
     "xxh64_rows",
 ]

@@ -19,7 +19,7 @@ preallocated with ``posix_fallocate``) when the pool first needs their slots.
 Commit order of :meth:`DiskPool.put`, per batch:
 
 1. each block's record is set to WRITING with its key (a buffered write, not synced);
-2. the payloads are written from the DRAM slots (``pwritev``, worker threads, O_DIRECT where
+2. the payloads are written from the DRAM slots (``pwritev``, native threads, O_DIRECT where
    the filesystem allows it);
 3. ``durability="commit"``: ``fdatasync`` of every slab file written;
 4. each record gets its checksum, length and sequence and the state COMMITTED, in one 64-byte
@@ -57,16 +57,17 @@ uid's and not writable by group or others. Files are created 0600; a failure to 
 rewrite one while opening is a :class:`~tpusync.errors.TierFullError` or
 :class:`~tpusync.errors.TierIOError` naming it, with no temporary file left.
 
-Threads: I/O runs on a small thread pool (``io_threads``); ``pwritev``/``preadv`` release the
-GIL, so several blocks are in flight. Calls from several threads are safe: an internal lock
-guards the index, I/O runs outside it, and blocks being read are pinned (:meth:`delete` skips
-them).
+Threads: a get's or a put's block I/O is one native call (``_core.file_runs``) that runs its
+``preadv``/``pwritev`` calls on ``io_threads`` C threads with the GIL released throughout, so
+several blocks are in flight and a busy Python thread (an engine's step loop) cannot hold up
+each one's return; ``fdatasync`` runs on a small thread pool. Calls from several threads are
+safe: an internal lock guards the index, I/O runs outside it, and blocks being read are pinned
+(:meth:`delete` skips them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import sys
@@ -79,6 +80,7 @@ from typing import Any
 
 import numpy as np
 
+from tpusync import _core
 from tpusync.errors import InvalidArgumentError, PoolClosedError, TierFullError
 from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._files import check_directory
@@ -372,16 +374,7 @@ class DiskPool(DiskFiles, BlockTier):
             fd, offset = self._locate(dst)
             jobs.append((fd, src, offset))
         runs = _slab_runs(jobs, self.layout.slot_bytes)
-
-        def write(run: list[int]) -> None:
-            memories = [source.slot_memory(jobs[i][1]) for i in run]
-            try:
-                _transfer_run(os.pwritev, jobs[run[0]][0], memories, jobs[run[0]][2])
-            finally:
-                for memory in memories:
-                    memory.release()
-
-        errors = self._run(write, runs, stop_on_error=True)
+        errors = self._transfer(source, jobs, runs, write=True)
         if errors:
             exc = next(iter(errors.values()))
             raise self._io_error(exc, f"writing {len(jobs)} blocks") from exc
@@ -391,6 +384,33 @@ class DiskPool(DiskFiles, BlockTier):
             if sync_errors:
                 exc = next(iter(sync_errors.values()))
                 raise self._io_error(exc, "syncing slab files") from exc
+
+    def _transfer(
+        self,
+        pool: HostPool,
+        jobs: list[tuple[int, int, int]],
+        runs: list[list[int]],
+        *,
+        write: bool,
+    ) -> dict[int, OSError]:
+        """Writes (or reads) the DRAM slots of ``jobs`` ((slab fd, DRAM slot, offset) each) to
+        (from) the slabs, one ``pwritev`` (``preadv``) per run, all runs in one native call on
+        the I/O threads with the GIL released; returns the OSErrors by run index. A write stops
+        at its first error (the runs not started fail with ECANCELED)."""
+        order = [i for run in runs for i in run]
+        firsts = np.cumsum([0] + [len(run) for run in runs[:-1]])
+        fds = [jobs[run[0]][0] for run in runs]
+        offsets = [jobs[run[0]][2] for run in runs]
+        with pool.slot_addresses(np.array([jobs[i][1] for i in order], np.int64)) as addresses:
+            codes = _core.file_runs(
+                np.array(fds, np.int32), np.array(offsets, np.int64), firsts.astype(np.int32),
+                np.array([len(run) for run in runs], np.int32), addresses,
+                np.full(len(order), self.layout.slot_bytes, np.uint64), write,
+                self.io_threads, write,
+            )  # fmt: skip
+        return {
+            r: OSError(int(code), os.strerror(int(code))) for r, code in enumerate(codes) if code
+        }
 
     def _commit(self, keys: list[bytes], slots: list[int], checksums: np.ndarray) -> None:
         with self._lock:
@@ -494,27 +514,13 @@ class DiskPool(DiskFiles, BlockTier):
             jobs.append((fd, dst, offset))
         runs = _slab_runs(jobs, self.layout.slot_bytes)
         failed: dict[int, OSError] = {}  # job index -> error
-
-        def read(run: list[int]) -> None:
-            fd, _, offset = jobs[run[0]]
-            memories = [target.slot_memory(jobs[i][1]) for i in run]
-            try:
-                try:
-                    _transfer_run(os.preadv, fd, memories, offset)
-                except OSError:
-                    if len(run) == 1:
-                        raise
-                    for i, memory in zip(run, memories, strict=True):  # which ones fail
-                        try:
-                            _transfer_run(os.preadv, fd, [memory], jobs[i][2])
-                        except OSError as exc:
-                            failed[i] = exc
-            finally:
-                for memory in memories:
-                    memory.release()
-
-        for r, exc in self._run(read, runs, stop_on_error=False).items():
-            failed.update((i, exc) for i in runs[r])
+        errors = self._transfer(target, jobs, runs, write=False)
+        alone = [i for r in errors for i in runs[r]]  # which slots of a failed run fail
+        if alone and any(len(runs[r]) > 1 for r in errors):
+            errors_alone = self._transfer(target, jobs, [[i] for i in alone], write=False)
+            failed.update((alone[r], exc) for r, exc in errors_alone.items())
+        else:
+            failed.update((i, exc) for r, exc in errors.items() for i in runs[r])
         return [
             Load(LoadStatus.ERROR, error=failed[i], reason=str(failed[i]))
             if i in failed
@@ -688,27 +694,6 @@ def _slab_runs(jobs: list[tuple[int, int, int]], slot_bytes: int) -> list[list[i
                 continue
         runs.append([i])
     return runs
-
-
-def _transfer_run(call: Callable[..., int], fd: int, memories: list[memoryview], at: int) -> None:
-    """Reads (``os.preadv``) or writes (``os.pwritev``) all of ``memories`` as one contiguous
-    file range from ``at``, going on after short transfers (both release the GIL)."""
-    views = list(memories)
-    while views:
-        n = call(fd, views, at)
-        if n <= 0:
-            raise OSError(
-                errno.EIO,
-                "unexpected end of the slab file"
-                if call is os.preadv
-                else "the write made no progress",
-            )
-        at += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
 
 
 def _choose_direct_io(directory: Path, wanted: bool | str) -> tuple[bool, str]:

@@ -15,13 +15,14 @@ dropped), never data.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import numbers
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,19 @@ class HostPool(SlotRecords):
         self._ensure_populated(np.array([int(slot)]))
         start = self.geometry.data_offset + int(slot) * self.layout.slot_bytes
         return memoryview(self._open_base())[start : start + self.layout.slot_bytes]
+
+    @contextlib.contextmanager
+    def slot_addresses(self, slots: np.ndarray) -> Iterator[np.ndarray]:
+        """The memory addresses (uint64) of ``slots`` (``layout.slot_bytes`` each, page-aligned)
+        for native file I/O, valid inside the ``with``: :meth:`close` refuses while it is
+        open, as for :meth:`slot_memory`."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
+            raise InvalidArgumentError(f"slots: out of range 0..{self.capacity - 1}")
+        self._ensure_populated(slots)
+        with memoryview(self._open_base()):  # keeps the mapping open (see slot_memory)
+            base = self._mapping.address + self.geometry.data_offset
+            yield (base + slots * self.layout.slot_bytes).astype(np.uint64)
 
     def hash_slots(self, slots: np.ndarray | Sequence[int], *, inline: bool = False) -> np.ndarray:
         """Each slot's block checksum, computed from its bytes in memory; ``inline`` hashes on
