@@ -18,7 +18,8 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
 bytes measured in the same run (one contiguous copy on all cores, the best of memcpy and
 non-temporal stores). Before each hit of a disk row the page cache is dropped (as root; the
-JSON says whether it was): the disk tier reads with O_DIRECT,
+JSON says whether it was), and the disk's own limit is fio's O_DIRECT read with the disk
+tier's threads and request size, measured in the same run: the disk tier reads with O_DIRECT,
 ExampleConnector through the page cache, so a warm cache would compare memory with a disk.
 Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
 the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import os
 import shutil
 import sys
@@ -55,14 +57,20 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.bench.tiers import fio_limit
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import MemoryLimit
 from tpusync.testing.hf_llama import build_random_llama
 from tpusync.testing.processes import start_store_node, stop_process
+from tpusync.tiers import DiskPool
+from tpusync.tiers.disk.pool import MAX_RUN_BYTES
 
 QUICK = ["--tokens", "1024,4096", "--repeats", "3"]
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
+DISK_REQUEST_BYTES = MAX_RUN_BYTES  # the disk tier's largest read
+# the disk tier's I/O threads (the connector's disk tier has the default)
+DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
 ROWS = (
     "tpusync DRAM",
@@ -253,7 +261,18 @@ def _ms(values: Sequence[float]) -> str:
     return spread([v * 1e3 for v in values], 1)
 
 
-def table(results: list[dict[str, Any]]) -> None:
+def _x_limit(row: str, gbps: float, memory_gbps: float, disk_gbps: float | None) -> Any:
+    if gbps != gbps:
+        return "-"
+    if row.startswith("tpusync DRAM"):
+        return gbps / memory_gbps
+    if row == "tpusync disk" and disk_gbps:
+        return gbps / disk_gbps
+    return "-"
+
+
+def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
+    disk_gbps = disk.get("fio_read_gbps")
     rows = []
     for r in results:
         prefix = median(r["prefix_ttft_s_runs"])
@@ -286,14 +305,15 @@ def table(results: list[dict[str, Any]]) -> None:
                 over[row] * 1e3,
                 "-" if load != load else load * 1e3,
                 "-" if gbps != gbps else gbps,
-                gbps / r["limit_gbps"] if gbps == gbps and row.startswith("tpusync DRAM") else "-",
+                _x_limit(row, gbps, r["limit_gbps"], disk_gbps),
                 f"{over[peer] / over[row]:.1f}x {peer}" if peer and over[row] > 0 else "-",
                 "equal" if data["outputs_equal"] else "DIFFERENT",
             ])  # fmt: skip
     print(
         "\nTTFT of a one-token generate (wall, medians (min-max)); x hit = TTFT / vLLM's own "
         "prefix hit; over hit = TTFT - the prefix hit's; load = the connector's own load; x "
-        f"limit = load GB/s / the memory limit of the same bytes; LMCache: {LMCACHE}"
+        "limit = load GB/s / the limit of its medium (DRAM rows: memory, the same bytes; disk: "
+        f"fio's O_DIRECT read); LMCache: {LMCACHE}"
     )
     print_table(
         ["tokens", "served by", "TTFT ms", "x hit", "over hit ms", "load ms", "load GB/s",
@@ -301,6 +321,21 @@ def table(results: list[dict[str, Any]]) -> None:
         rows,
         limit_columns=(7,),
     )  # fmt: skip
+    if disk_gbps:
+        print(
+            f"disk limit: fio read {disk_gbps:.2f} GB/s ({disk['fio_read_method']}, "
+            f"{disk['fio_numjobs']} jobs of {DISK_REQUEST_BYTES >> 20} MiB requests, O_DIRECT, "
+            "the disk tier's I/O threads and largest read)"
+        )
+        for r in results:
+            over = median(r["Example disk"]["ttft_s_runs"]) - median(r["prefix_ttft_s_runs"])
+            if over > 0:
+                example = r["kv_bytes"] / over / 1e9
+                print(
+                    f"  {r['tokens']} tokens: ExampleConnector's disk hit moves the KV at "
+                    f"{example:.2f} GB/s (over hit): no loader can be more than "
+                    f"{disk_gbps / example:.1f}x faster on this disk"
+                )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -324,13 +359,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tpusync-bench-model-") as directory:
         model = build_model(Path(directory) / "model", max_len)
         results = [measure(model, n, args.repeats, Path(args.disk_dir), max_len) for n in sizes]
-    table(results)
+    notes: list[str] = []
+    disk = fio_limit(
+        args.disk_dir, max(sizes) * KV_BYTES_PER_TOKEN, DISK_REQUEST_BYTES, DISK_IO_THREADS,
+        True, notes,
+    )  # fmt: skip
+    disk["notes"] = notes
+    table(results, disk)
     run.write(
         args.json,
         {
             "repeats": args.repeats,
             "disk_dir": args.disk_dir,
             "lmcache": LMCACHE,
+            "disk_limit": disk,
             "results": results,
         },
     )
