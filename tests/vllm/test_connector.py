@@ -77,19 +77,20 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
         stats = settle(worker_of(llm))
         assert stats["store"]["saved_blocks"] == len(PROMPT) // BLOCK
     assert pool_path(shm_name).exists()  # the engine is gone, its DRAM tier stays
-    with engine(models["main"], transfer_config(kv)) as llm:
+    layered = {**kv, "load_by_layer": True}
+    with engine(models["main"], transfer_config(layered)) as llm:
         assert generate(llm, [PROMPT]) == [(reference, FULL)]
         worker = worker_of(llm)
         stats = settle(worker)
         assert stats["store"]["loaded_blocks"] == FULL // BLOCK
         assert worker.layer_loads == 1 and not worker.unknown_layers  # layer by layer
-    # and whole before the forward, where asked
-    whole = {**kv, "load_by_layer": False}
-    with engine(models["main"], transfer_config(whole)) as llm:
-        assert generate(llm, [PROMPT]) == [(reference, FULL)]
-        worker = worker_of(llm)
-        assert settle(worker)["store"]["loaded_blocks"] == FULL // BLOCK
-        assert worker.layer_loads == 0
+    # and whole before the forward: asked, or by default where the KV is in CPU memory
+    for whole in ({**kv, "load_by_layer": False}, kv):
+        with engine(models["main"], transfer_config(whole)) as llm:
+            assert generate(llm, [PROMPT]) == [(reference, FULL)]
+            worker = worker_of(llm)
+            assert settle(worker)["store"]["loaded_blocks"] == FULL // BLOCK
+            assert worker.layer_loads == 0 and not worker.by_layer
 
 
 def test_kv_computed_by_other_weights_changes_the_output(
@@ -183,7 +184,11 @@ def test_a_damaged_dram_block_loaded_layer_by_layer_is_recomputed_or_fails(
     before its checksum is compared; the failure, reported after the step, makes vLLM discard
     what the step computed: "recompute" gives the reference tokens, "fail" fails the
     request."""
-    kv = {"dram": {"capacity_blocks": 64, "name": shm_name}, "socket_dir": sockets}
+    kv = {
+        "dram": {"capacity_blocks": 64, "name": shm_name},
+        "socket_dir": sockets,
+        "load_by_layer": True,
+    }
     with engine(models["main"], transfer_config(kv)) as llm:
         generate(llm, [PROMPT])
         settle(worker_of(llm))
@@ -427,6 +432,9 @@ def multi_process_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[su
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def _line_before(child: subprocess.Popen, deadline: float) -> str | None:

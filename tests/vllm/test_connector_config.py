@@ -26,7 +26,7 @@ def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
     assert store.dram.capacity_blocks == 100  # as many blocks as the engine's KV cache
     assert settings.socket_path.parent == tmp_path
     assert settings.lookup_timeout_s == 2.0
-    assert settings.load_by_layer
+    assert settings.load_by_layer == "auto"
 
 
 @pytest.mark.parametrize(
@@ -41,7 +41,8 @@ def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
         ({"token_axis": 1}, "token_axis: 1 contradicts the engine's CPU KV layout"),
         ({"lookup_timeout_s": 0}, r"lookup_timeout_s: expected seconds in \(0, 60\]"),
         ({"lookup_timeout_s": "1"}, "lookup_timeout_s"),
-        ({"load_by_layer": 1}, "load_by_layer: expected true or false"),
+        ({"load_by_layer": 1}, 'load_by_layer: expected true, false or "auto"'),
+        ({"load_by_layer": "yes"}, 'load_by_layer: expected true, false or "auto"'),
         ({"secret_file": "/nonexistent/secret"}, "secret_file: cannot read"),
         ({"salt": "xyz"}, "salt: expected a hex string"),
         ({"socket_dir": ""}, "socket_dir: expected a directory path"),

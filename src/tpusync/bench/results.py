@@ -144,9 +144,10 @@ def _mac_cost(record: dict[str, Any]) -> Table:
 
 def _vllm_ttft(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit)",
-               "DRAM load x limit", "tpusync disk ms", "tpusync node ms",
+               "DRAM load x limit", "tpusync disk ms", "disk load x limit", "tpusync node ms",
                "x Example (over hit): shm / disk"]  # fmt: skip
     rows = []
+    fio = (record.get("disk_limit") or {}).get("fio_read_gbps")
     for r in record.get("results", []):
         med = {k: float(np.median(v)) for k, v in _ttft_runs(r).items() if v}
         hit = med.get("prefix")
@@ -156,11 +157,15 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
         loads = (r.get("tpusync DRAM") or {}).get("load_s_runs") or []
         load = float(np.median(loads)) if loads else None
         dram_gbps = r["kv_bytes"] / load / 1e9 if load else None
+        disk_loads = (r.get("tpusync disk") or {}).get("load_s_runs") or []
+        disk_load = float(np.median(disk_loads)) if disk_loads else None
+        disk_gbps = r["kv_bytes"] / disk_load / 1e9 if disk_load else None
 
         rows.append([
             str(r.get("tokens")), _num(med.get("cold", 0) * 1e3, 1), _num(hit * 1e3, 1),
             f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f})",
             _ratio(dram_gbps, r.get("limit_gbps")), _num(med.get("tpusync disk", 0) * 1e3, 1),
+            _ratio(disk_gbps, fio) if fio else "-",
             _num(med.get("tpusync store node", 0) * 1e3, 1),
             f"{_faster(over, 'tpusync DRAM', 'Example /dev/shm')} / "
             f"{_faster(over, 'tpusync disk', 'Example disk')}",
@@ -176,7 +181,7 @@ def _faster(over: dict[str, float], ours: str, theirs: str) -> str:
 
 def _ttft_runs(r: dict[str, Any]) -> dict[str, list[float]]:
     runs = {"cold": r.get("cold_ttft_s_runs") or [], "prefix": r.get("prefix_ttft_s_runs") or []}
-    for row in ("tpusync DRAM", "tpusync DRAM whole", "tpusync disk", "tpusync store node",
+    for row in ("tpusync DRAM", "tpusync DRAM by layer", "tpusync disk", "tpusync store node",
                 "Example /dev/shm", "Example disk"):  # fmt: skip
         runs[row] = (r.get(row) or {}).get("ttft_s_runs") or []
     return runs

@@ -8,8 +8,9 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 * cold: a prompt no cache holds;
 * vLLM prefix hit: the same prompt again in the same engine (vLLM's own cache: the bound);
 * tpusync DRAM: vLLM's own prefix cache reset before each repeat, the prompt served from the
-  connector's DRAM tier, loaded layer by layer while the forward runs (the default);
-* tpusync DRAM whole: the same, loaded whole before the forward (``"load_by_layer": false``);
+  connector's DRAM tier with its defaults (on a CPU: loaded whole before the forward);
+* tpusync DRAM by layer: the same, loaded layer by layer while the forward runs
+  (``"load_by_layer": true``, the default where the KV is not in CPU memory);
 * tpusync disk / tpusync store node: DRAM holds one prompt, two prompts alternate, so every hit
   comes from the disk tier or a store node (``tpusync serve``, loopback), in the background;
 * ExampleConnector on /dev/shm and on the disk tier's filesystem (its safetensors files).
@@ -74,7 +75,7 @@ DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
 ROWS = (
     "tpusync DRAM",
-    "tpusync DRAM whole",
+    "tpusync DRAM by layer",
     "tpusync disk",
     "tpusync store node",
     "Example /dev/shm",
@@ -215,9 +216,9 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         disk = {"directory": str(work / "disk"), "capacity_blocks": 2 * blocks + 8, "create": True}
         configs = {
             "tpusync DRAM": ("TpuSyncConnector", {"dram": {"capacity_blocks": 2 * blocks + 8}}),
-            "tpusync DRAM whole": (
+            "tpusync DRAM by layer": (
                 "TpuSyncConnector",
-                {"dram": {"capacity_blocks": 2 * blocks + 8}, "load_by_layer": False},
+                {"dram": {"capacity_blocks": 2 * blocks + 8}, "load_by_layer": True},
             ),
             "tpusync disk": (
                 "TpuSyncConnector",

@@ -30,7 +30,10 @@ CONNECTOR_KEYS = {
     "lookup_timeout_s": "how long the scheduler waits for the worker's answer (then a miss)",
     "socket_dir": "the private directory of the scheduler-worker lookup socket",
     "allow_xxhash": "accept vLLM's xxhash block hashes (see check_stable_hashing)",
-    "load_by_layer": "load a DRAM hit layer by layer, overlapping attention (default true)",
+    "load_by_layer": (
+        'load a DRAM hit layer by layer, overlapping attention: true, false, or "auto" (the '
+        "default: only where the KV is not in CPU memory)"
+    ),
 }
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
@@ -49,7 +52,10 @@ class ConnectorSettings:
       socket_path: the worker's lookup socket (in a directory only this user can enter).
       allow_xxhash: whether vLLM's xxhash block hashes are accepted.
       load_by_layer: whether a DRAM hit is loaded layer by layer while the forward runs
-        (attention on layer i waits only for layer i), or whole before the forward.
+        (attention on layer i waits only for layer i), or whole before the forward; ``"auto"``:
+        layer by layer only where vLLM's KV tensors are not in CPU memory (on a CPU the load
+        and attention share the cores: whole loads measured faster, see
+        docs/connectors/vllm.md).
     """
 
     store: KVStoreConfig
@@ -57,7 +63,7 @@ class ConnectorSettings:
     lookup_timeout_s: float
     socket_path: Path
     allow_xxhash: bool
-    load_by_layer: bool = True
+    load_by_layer: bool | str = "auto"
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
@@ -159,7 +165,15 @@ def read_settings(
         lookup_timeout_s=_timeout(own.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
         socket_path=_socket_path(own.get("socket_dir"), engine_id),
         allow_xxhash=_flag(own.get("allow_xxhash", False), "allow_xxhash"),
-        load_by_layer=_flag(own.get("load_by_layer", True), "load_by_layer"),
+        load_by_layer=_by_layer(own.get("load_by_layer", "auto")),
+    )
+
+
+def _by_layer(value: Any) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise InvalidArgumentError(
+        f'{WHERE}.load_by_layer: expected true, false or "auto", got {value!r}'
     )
 
 

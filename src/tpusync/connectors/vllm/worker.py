@@ -53,6 +53,7 @@ class WorkerSide:
         # this step's DRAM hits loading layer by layer: (spec, block ids, handle, load)
         self._layer_loads: list[tuple[LoadSpec, list[int], LookupResult, LayerLoad]] = []
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> the store's pool index
+        self.by_layer = False  # whether DRAM hits load layer by layer (set at register)
         self.layer_loads = 0  # layer-by-layer loads ended (for stats and tests)
         self.unknown_layers: set[str] = set()  # layer names waited for that no pool has
         self._load_errors: set[int] = set()
@@ -81,6 +82,9 @@ class WorkerSide:
                     "layout [num_blocks, kv_heads, block_size, 2*head_dim]"
                 )
         pools = [TorchPool(tensor, name=name) for name, tensor in kv_caches.items()]
+        wanted = self.settings.load_by_layer
+        on_cpu = all(tensor.device.type == "cpu" for tensor in kv_caches.values())
+        self.by_layer = (not on_cpu) if wanted == "auto" else bool(wanted)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
@@ -187,7 +191,7 @@ class WorkerSide:
             if spec.is_async:
                 self._loading[spec.req_id] = (store.load_async(result, ids), ids, result)
                 continue
-            if self.settings.load_by_layer:
+            if self.by_layer:
                 self._layer_loads.append((spec, ids, result, store.load_by_layer(result, ids)))
                 continue
             try:
