@@ -76,6 +76,7 @@ __all__ = [
     "have_streaming",
     "pin_slots",
     "pjrt_minimum_version",
+    "populate_range",
     "recv_exact",
     "send_all",
     "sum64",
@@ -90,6 +91,7 @@ __all__ = [
 PAGE_SIZE: int
 
 def collapse_huge_pages(address: int, length: int) -> int: ...
+def populate_range(address: int, length: int) -> None: ...
 def pin_slots(
     index: dict[bytes, int], keys: list[bytes], pins: np.ndarray, checksums: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, bool]: ...

@@ -45,7 +45,7 @@ __all__ = [
     "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
-    "collapse_huge_pages", "copy_seconds", "crc32c", "file_runs", "have_streaming", "pin_slots", "pjrt_minimum_version", "recv_exact", "send_all",
+    "collapse_huge_pages", "copy_seconds", "crc32c", "file_runs", "have_streaming", "pin_slots", "pjrt_minimum_version", "populate_range", "recv_exact", "send_all",
     "sum64", "sum64_regions", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
     "xxh64_rows",
 ]
@@ -68,6 +68,29 @@ cdef int MADV_POPULATE_WRITE_ = 23
 # Linux >= 6.1: back a range with huge pages now, copying its small pages (EINVAL before).
 cdef int MADV_COLLAPSE_ = 25
 cdef size_t HUGE_PAGE = 2 << 20
+
+
+def populate_range(uintptr_t address, size_t length):
+    """Maps every page of the memory at [address, address + length) for writing, contents
+    unchanged (``MADV_POPULATE_WRITE``; on older kernels a write of each page's first byte with
+    itself, so nothing may write the range meanwhile), so that later copies into memory another
+    library allocated do not pay its first-touch page faults. GIL released."""
+    cdef size_t page = PAGE_SIZE
+    cdef uintptr_t first = address - address % page
+    cdef uintptr_t end = address + length
+    cdef volatile char *p
+    cdef uintptr_t i
+    cdef int done = 0
+    if length == 0:
+        return
+    with nogil:
+        done = madvise(<void *> first, end - first, MADV_POPULATE_WRITE_) == 0
+        if not done:
+            i = address
+            while i < end:
+                p = <volatile char *> i
+                p[0] = p[0]
+                i = (i - i % page) + page
 
 
 def collapse_huge_pages(uintptr_t address, size_t length):

@@ -42,6 +42,7 @@ def worker(tmp_path: Path):
     buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
     side = WorkerSide(settings, num_blocks=8)
     side.register({f"layer{i}": buffer[i] for i in range(2)})
+    assert side.prefaulted_bytes == buffer.untyped_storage().nbytes()  # one buffer, mapped once
     yield side
     side.close()
 

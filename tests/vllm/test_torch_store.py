@@ -4,6 +4,7 @@ by the store's kept plans too (never written at its old address)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from tpusync import TorchPool
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVCacheStore, KVStoreConfig
+from tpusync.memory import prefault_cpu_tensors
 
 BLOCK = 32
 
@@ -60,3 +62,33 @@ def test_a_tensor_re_pointed_after_the_plan_was_kept_is_refused() -> None:
         assert torch.equal(buffer.view(torch.int16), old.view(torch.int16))  # nothing written
     finally:
         store.close()
+
+
+def _resident_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """(resident pages, pages) of the whole pages inside [address, address + nbytes), from
+    mincore(2)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = -(-address // page) * page
+    count = (address + nbytes - first) // page
+    vector = (ctypes.c_ubyte * count)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(first), count * page, vector) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector), count
+
+
+def test_prefaulting_vllms_kv_memory_maps_it_once_and_keeps_its_bytes() -> None:
+    """vLLM allocates its CPU KV cache and touches a block first when it writes it; the
+    connector maps it all at registration, so a load into a fresh block pays no page faults:
+    every page becomes resident, each storage is counted once (the layers are views of one
+    buffer) and no byte changes."""
+    buffer = torch.empty(2, 64, 4, 32, 256, dtype=torch.bfloat16)  # 16 MiB, never touched
+    buffer[0, 0].normal_()  # a few pages hold data already
+    before = buffer[0, 0].clone()
+    address, nbytes = buffer.data_ptr(), buffer.untyped_storage().nbytes()
+    resident, pages = _resident_pages(address, nbytes)
+    assert resident < pages // 2
+    assert prefault_cpu_tensors([buffer[0], buffer[1], buffer[1]]) == nbytes
+    assert _resident_pages(address, nbytes) == (pages, pages)
+    assert torch.equal(buffer[0, 0], before)
+    assert prefault_cpu_tensors([]) == 0

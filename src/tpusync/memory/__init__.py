@@ -8,6 +8,6 @@ from __future__ import annotations
 
 from tpusync.memory.device_pool import DevicePool
 from tpusync.memory.host_buffer import HostBuffer
-from tpusync.memory.torch_tensors import TorchPool
+from tpusync.memory.torch_tensors import TorchPool, prefault_cpu_tensors
 
-__all__ = ["DevicePool", "HostBuffer", "TorchPool"]
+__all__ = ["DevicePool", "HostBuffer", "TorchPool", "prefault_cpu_tensors"]

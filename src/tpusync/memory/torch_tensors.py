@@ -24,6 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from tpusync import _core
 from tpusync.errors import InvalidArgumentError, UnsupportedTensorError
 from tpusync.memory.block_holds import BlockHolds
 
@@ -185,3 +186,20 @@ class TorchPool:
 
     def __repr__(self) -> str:
         return f"TorchPool({self.name!r}, shape={self.shape}, dtype={self._dtype})"
+
+
+def prefault_cpu_tensors(tensors: Any) -> int:
+    """Maps every page of the CPU memory under ``tensors`` for writing (each distinct storage
+    once; contents unchanged; other devices' tensors are left alone), so that the first load
+    into an engine's KV block does not pay the page faults of memory the engine allocated but
+    never touched. Call it before the engine uses the tensors. Returns the bytes mapped."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        address, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+        storages[address] = max(nbytes, storages.get(address, 0))
+    for address, nbytes in storages.items():
+        _core.populate_range(address, nbytes)
+    return sum(storages.values())

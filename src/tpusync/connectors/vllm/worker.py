@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 from tpusync.connectors.vllm.events import BlockEventLog
@@ -17,7 +18,7 @@ from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 from tpusync.kv import KVCacheStore, KVStoreConfig, LayerLoad, LookupResult
-from tpusync.memory import TorchPool
+from tpusync.memory import TorchPool, prefault_cpu_tensors
 
 __all__ = ["WorkerSide", "local_worker"]
 
@@ -54,6 +55,7 @@ class WorkerSide:
         self._layer_loads: list[tuple[LoadSpec, list[int], LookupResult, LayerLoad]] = []
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> the store's pool index
         self.by_layer = False  # whether DRAM hits load layer by layer (set at register)
+        self.prefaulted_bytes = 0  # of vLLM's CPU KV memory, mapped at register
         self.layer_loads = 0  # layer-by-layer loads ended (for stats and tests)
         self.unknown_layers: set[str] = set()  # layer names waited for that no pool has
         self._load_errors: set[int] = set()
@@ -86,6 +88,15 @@ class WorkerSide:
         on_cpu = all(tensor.device.type == "cpu" for tensor in kv_caches.values())
         self.by_layer = (not on_cpu) if wanted == "auto" else bool(wanted)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        started = time.monotonic()
+        touched = prefault_cpu_tensors(kv_caches.values())  # vLLM allocates, never touches
+        self.prefaulted_bytes = touched
+        if touched:
+            log.info(
+                "tpusync vllm: %d bytes of vLLM's CPU KV memory mapped in %.2f s",
+                touched,
+                time.monotonic() - started,
+            )
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
         try:
