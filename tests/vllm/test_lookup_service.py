@@ -191,21 +191,28 @@ def test_a_socket_dir_another_user_made_first_is_refused_naming_socket_dir(
 def test_the_default_socket_dir_is_one_no_other_user_can_make_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runtime, home = tmp_path / "run", tmp_path / "home"
+    runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     assert default_socket_dir() == runtime / f"tpusync-vllm-{os.getuid()}"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert default_socket_dir() == home / ".cache" / "tpusync-vllm"
-    settings = read_settings({"dram": {"capacity_blocks": 4}}, **ENGINE)
-    assert settings.socket_path.parent == home / ".cache" / "tpusync-vllm"
-    if os.geteuid() == 0:  # a home of another uid (or one too long): the temporary directory
-        os.chown(home, 65534, 65534)
-        assert default_socket_dir() == Path(tempfile.gettempdir()) / f"tpusync-vllm-{os.getuid()}"
-    monkeypatch.setenv("HOME", "/" + "h" * 90)
-    assert default_socket_dir().parent == Path(tempfile.gettempdir())
+    fallback = Path(tempfile.gettempdir()) / f"tpusync-vllm-{os.getuid()}"
+    with tempfile.TemporaryDirectory(prefix="h", dir="/tmp") as short:  # a short home
+        home = Path(short)
+        monkeypatch.setenv("HOME", str(home))
+        assert default_socket_dir() == home / ".cache" / "tpusync-vllm"
+        settings = read_settings({"dram": {"capacity_blocks": 4}}, **ENGINE)
+        assert settings.socket_path.parent == home / ".cache" / "tpusync-vllm"
+        if os.geteuid() == 0:  # a home of another uid: the temporary directory
+            os.chown(home, 65534, 65534)
+            assert default_socket_dir() == fallback
+            os.chown(home, 0, 0)
+    long_home = tmp_path / ("h" * 80)  # too long for a socket path below it
+    long_home.mkdir()
+    monkeypatch.setenv("HOME", str(long_home))
+    assert default_socket_dir() == fallback
+    monkeypatch.setenv("HOME", str(tmp_path / "missing"))
+    assert default_socket_dir() == fallback
 
 
 def test_the_kv_events_remember_as_many_blocks_as_the_tiers_hold(tmp_path: Path) -> None:

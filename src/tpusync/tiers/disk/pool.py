@@ -397,6 +397,8 @@ class DiskPool(DiskFiles, BlockTier):
         (from) the slabs, one ``pwritev`` (``preadv``) per run, all runs in one native call on
         the I/O threads with the GIL released; returns the OSErrors by run index. A write stops
         at its first error (the runs not started fail with ECANCELED)."""
+        if not runs:
+            return {}
         order = [i for run in runs for i in run]
         firsts = np.cumsum([0] + [len(run) for run in runs[:-1]])
         fds = [jobs[run[0]][0] for run in runs]
