@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from pathlib import Path
 
@@ -109,6 +110,8 @@ def test_a_run_past_the_end_or_on_a_bad_descriptor_fails_alone(tmp_path: Path) -
         ({"fds": [3, 4]}, "equal lengths"),
         ({"lengths": [1, 2]}, "equal lengths"),
         ({"threads": 0}, "threads"),
+        ({"lengths": [0]}, "buffer 0 has 0 bytes"),
+        ({"first_iov": [2**31 - 1]}, "outside the 1 buffers"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_io(change: dict, message: str) -> None:
@@ -125,3 +128,18 @@ def test_bad_arguments_are_refused_before_any_io(change: dict, message: str) -> 
 
 def test_the_disk_tiers_longest_run_fits_one_native_run() -> None:
     assert _core.MAX_IOVS_PER_RUN >= disk_pool._MAX_RUN_SLOTS
+
+
+def test_populating_memory_the_kernel_refuses_leaves_it_alone() -> None:
+    """``_core.populate_range`` (the vLLM connector's prefault) on read-only memory: no write,
+    no crash; on writable memory every byte is kept."""
+    readonly = mmap.mmap(-1, 1 << 20, prot=mmap.PROT_READ)
+    view = np.frombuffer(readonly, np.uint8)
+    _core.populate_range(view.ctypes.data, view.size)
+    assert not view.any()
+    del view
+    readonly.close()
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
+    before = data.copy()
+    _core.populate_range(data.ctypes.data + 5, data.size - 9)
+    assert np.array_equal(data, before)

@@ -20,9 +20,9 @@ typedef struct {
 /* Reads (write == 0: preadv) or writes (pwritev) every run, going on after short transfers and
  * EINTR, on `threads` threads (the caller's one of them) that each take the next run not yet
  * taken. errs[r] becomes 0, or the errno of run r (EIO: the file ended, or a write made no
- * progress; ECANCELED: skipped because another run failed and stop_on_error is set). Returns
- * the number of runs that failed or were skipped, or -1 with errno set when a thread could not
- * be started (then nothing is in flight). */
+ * progress; ECANCELED: skipped because another run failed and stop_on_error is set). Threads
+ * that cannot be started are done without (the caller's thread always runs). Returns the number
+ * of runs that failed or were skipped. */
 int tps_file_runs(const tps_file_run *runs, int n_runs, const struct iovec *iovs, int write,
                   int threads, int stop_on_error, int *errs);
 

@@ -56,6 +56,12 @@ cnp.import_array()
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
+cdef extern from *:
+    """
+    #define TPS_ATOMIC_TOUCH(p) __atomic_fetch_or((char *)(p), 0, __ATOMIC_RELAXED)
+    """
+    void TPS_ATOMIC_TOUCH(void *p) nogil
+
 cdef extern from "sys/mman.h" nogil:
     int madvise(void *addr, size_t length, int advice)
     int MADV_HUGEPAGE
@@ -70,26 +76,45 @@ cdef int MADV_COLLAPSE_ = 25
 cdef size_t HUGE_PAGE = 2 << 20
 
 
+cdef int _populate_write = -1  # whether this kernel has MADV_POPULATE_WRITE (-1: not asked)
+
+
+cdef bint _populate_write_supported():
+    """Asks once, on a private page of our own: the kernel answers EINVAL both for advice it
+    lacks and for memory it will not populate, so only a page known writable tells them apart."""
+    global _populate_write
+    cdef void *page
+    if _populate_write < 0:
+        page = mmap(NULL, PAGE_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if page == MAP_FAILED:
+            return True  # cannot tell: never touch foreign memory by hand
+        _populate_write = madvise(page, PAGE_SIZE, MADV_POPULATE_WRITE_) == 0
+        munmap(page, PAGE_SIZE)
+    return _populate_write == 1
+
+
 def populate_range(uintptr_t address, size_t length):
     """Maps every page of the memory at [address, address + length) for writing, contents
-    unchanged (``MADV_POPULATE_WRITE``; on older kernels a write of each page's first byte with
-    itself, so nothing may write the range meanwhile), so that later copies into memory another
-    library allocated do not pay its first-touch page faults. GIL released."""
+    unchanged (``MADV_POPULATE_WRITE``; on older kernels an atomic or of 0 into each page's
+    first byte), so that later copies into memory another library allocated do not pay its
+    first-touch page faults. Memory the kernel refuses to populate is left untouched. GIL
+    released."""
     cdef size_t page = PAGE_SIZE
     cdef uintptr_t first = address - address % page
     cdef uintptr_t end = address + length
-    cdef volatile char *p
     cdef uintptr_t i
     cdef int done = 0
     if length == 0:
         return
+    cdef bint fallback = not _populate_write_supported()
     with nogil:
         done = madvise(<void *> first, end - first, MADV_POPULATE_WRITE_) == 0
-        if not done:
+        # only a kernel without MADV_POPULATE_WRITE: where it has it, a failure (memory not
+        # writable, not mapped: EINVAL as well) is left alone, never touched
+        if not done and fallback:
             i = address
             while i < end:
-                p = <volatile char *> i
-                p[0] = p[0]
+                TPS_ATOMIC_TOUCH(<void *> i)  # a write that keeps the byte
                 i = (i - i % page) + page
 
 

@@ -3,10 +3,8 @@
 of ``preadv``/``pwritev`` on a few threads, so that no Python thread holding the GIL (an
 engine's step loop) delays each I/O's return."""
 
-from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport strerror
 
 import numpy as np
 
@@ -50,10 +48,16 @@ def file_runs(fds, offsets, first_iov, iov_counts, addresses, lengths, bint writ
         raise InvalidArgumentError("addresses, lengths: expected equal lengths")
     for r in range(n):
         if (count_v[r] < 1 or count_v[r] > TPS_FILE_RUN_MAX_IOVS or first_v[r] < 0
-                or first_v[r] + count_v[r] > m or off_v[r] < 0 or fd_v[r] < 0):
+                or <Py_ssize_t>first_v[r] + <Py_ssize_t>count_v[r] > m or off_v[r] < 0
+                or fd_v[r] < 0):
             raise InvalidArgumentError(
                 f"runs: run {r} (fd {fd_v[r]}, offset {off_v[r]}, buffers {first_v[r]} + "
                 f"{count_v[r]}) is outside the {m} buffers given"
+            )
+    for i in range(m):
+        if len_v[i] == 0 or len_v[i] > (1 << 40):
+            raise InvalidArgumentError(
+                f"lengths: buffer {i} has {len_v[i]} bytes; expected 1 to 2**40"
             )
     if threads < 1:
         raise InvalidArgumentError(f"threads: expected a positive int, got {threads}")
@@ -63,7 +67,6 @@ def file_runs(fds, offsets, first_iov, iov_counts, addresses, lengths, bint writ
         return errs
     cdef tps_file_run *runs = <tps_file_run *>malloc(n * sizeof(tps_file_run))
     cdef iovec *iovs = <iovec *>malloc(max(m, 1) * sizeof(iovec))
-    cdef int got
     try:
         if runs == NULL or iovs == NULL:
             raise MemoryError()
@@ -76,9 +79,7 @@ def file_runs(fds, offsets, first_iov, iov_counts, addresses, lengths, bint writ
             iovs[i].iov_base = <void *><size_t>addr_v[i]
             iovs[i].iov_len = <size_t>len_v[i]
         with nogil:
-            got = tps_file_runs(runs, <int>n, iovs, write, threads, stop_on_error, <int *>&err_v[0])
-        if got < 0:
-            raise OSError(errno, f"starting the file I/O threads: {strerror(errno).decode()}")
+            tps_file_runs(runs, <int>n, iovs, write, threads, stop_on_error, <int *>&err_v[0])
         return errs
     finally:
         free(runs)

@@ -26,10 +26,11 @@ __all__ = ["BlockEventLog", "TpuSyncKVEvents", "as_list", "medium_of"]
 
 log = logging.getLogger("tpusync.connectors.vllm")
 
-# store keys remembered with their vLLM hash, parent and tokens (~350 bytes each), at least
-# this many or as many as the store's tiers hold (the least recent dropped: a block forgotten
-# has no more events)
+# store keys remembered with their vLLM hash, parent and tokens (~350 bytes each): as many as
+# the store's tiers hold, at least the first and at most the second (the least recent dropped:
+# a block forgotten has no more events)
 MAX_KNOWN_BLOCKS = 1 << 16
+MAX_KNOWN_BLOCKS_CAP = 1 << 21  # ~700 MB at most, however large the tiers
 
 
 def medium_of(tier: str) -> str:
@@ -70,7 +71,7 @@ class BlockEventLog:
 
     def __init__(self, block_size: int, max_blocks: int = MAX_KNOWN_BLOCKS) -> None:
         self.block_size = block_size
-        self.max_blocks = max(MAX_KNOWN_BLOCKS, int(max_blocks))
+        self.max_blocks = min(max(MAX_KNOWN_BLOCKS, int(max_blocks)), MAX_KNOWN_BLOCKS_CAP)
         self.forgotten = 0  # blocks dropped from what is known (their later events are lost)
         self._lock = threading.Lock()
         # store key -> (vLLM hash, parent vLLM hash, token ids, empty when not known)

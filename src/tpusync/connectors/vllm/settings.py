@@ -10,9 +10,9 @@ refused, never guessed). Every error names the key and the fix.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -91,16 +91,26 @@ def default_socket_dir() -> Path:
     uid owns it, else (a short path is needed) ``/tmp/tpusync-vllm-<uid>``, which another user
     could make first: the engine then refuses to start and says to give ``socket_dir``."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
+    if runtime and _private(Path(runtime)):
         return Path(runtime) / f"tpusync-vllm-{os.getuid()}"
     home = Path(os.path.expanduser("~"))
-    with contextlib.suppress(OSError):
-        # the socket's name is 29 bytes more; sun_path holds 107
-        if home.is_absolute() and os.stat(home).st_uid == os.geteuid():
-            below = home / ".cache" / "tpusync-vllm"
-            if len(os.fsencode(below)) <= 107 - 29:
-                return below
+    below = home / ".cache" / "tpusync-vllm"
+    # the socket's name is 29 bytes more; sun_path holds 107
+    if home.is_absolute() and len(os.fsencode(below)) <= 107 - 29 and _private(home):
+        cache = home / ".cache"
+        if not os.path.lexists(cache) or _private(cache):
+            return below
     return Path(tempfile.gettempdir()) / f"tpusync-vllm-{os.getuid()}"
+
+
+def _private(path: Path) -> bool:
+    """Whether ``path`` is a directory (not a symlink) of this uid that its group and others
+    cannot write: nobody else can make or swap what is below it."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _socket_path(directory: Any, engine_id: str) -> Path:

@@ -207,6 +207,8 @@ class DiskPool(DiskFiles, BlockTier):
         self.attach_seconds = 0.0
         self._lock = threading.Lock()
         self._closed = False
+        self._in_flight = 0  # native block I/O calls running (close waits for them)
+        self._idle = threading.Condition(self._lock)
         self._opened_by = os.getpid()
         self._lock_fd = -1
         self._index_fd = -1
@@ -403,13 +405,21 @@ class DiskPool(DiskFiles, BlockTier):
         firsts = np.cumsum([0] + [len(run) for run in runs[:-1]])
         fds = [jobs[run[0]][0] for run in runs]
         offsets = [jobs[run[0]][2] for run in runs]
-        with pool.slot_addresses(np.array([jobs[i][1] for i in order], np.int64)) as addresses:
-            codes = _core.file_runs(
-                np.array(fds, np.int32), np.array(offsets, np.int64), firsts.astype(np.int32),
-                np.array([len(run) for run in runs], np.int32), addresses,
-                np.full(len(order), self.layout.slot_bytes, np.uint64), write,
-                self.io_threads, write,
-            )  # fmt: skip
+        with self._lock:  # close() waits for this call before it closes the slab files
+            self._check_not_closed()
+            self._in_flight += 1
+        try:
+            with pool.slot_addresses(np.array([jobs[i][1] for i in order], np.int64)) as addresses:
+                codes = _core.file_runs(
+                    np.array(fds, np.int32), np.array(offsets, np.int64),
+                    firsts.astype(np.int32), np.array([len(run) for run in runs], np.int32),
+                    addresses, np.full(len(order), self.layout.slot_bytes, np.uint64), write,
+                    self.io_threads, write,
+                )  # fmt: skip
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._idle.notify_all()
         return {
             r: OSError(int(code), os.strerror(int(code))) for r, code in enumerate(codes) if code
         }
@@ -589,9 +599,12 @@ class DiskPool(DiskFiles, BlockTier):
     def close(self) -> None:
         """Waits for I/O in flight, closes the files and releases ownership. The pool stays in
         its directory for the next process."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._in_flight:  # native block I/O still uses the slab files
+                self._idle.wait()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
