@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVStoreConfig
+from tpusync.tiers.files import check_directory
 
 __all__ = ["CONNECTOR_KEYS", "ConnectorSettings", "check_stable_hashing", "read_settings"]
 
@@ -87,9 +87,10 @@ def _timeout(value: Any) -> float:
 
 def default_socket_dir() -> Path:
     """Where the lookup socket goes without ``socket_dir``: a directory no other user can make
-    first. ``$XDG_RUNTIME_DIR`` (the user's own, 0700), else under the home directory when this
-    uid owns it, else (a short path is needed) ``/tmp/tpusync-vllm-<uid>``, which another user
-    could make first: the engine then refuses to start and says to give ``socket_dir``."""
+    first. ``$XDG_RUNTIME_DIR``, else ``~/.cache/tpusync-vllm``, each only where the directory
+    (and ``~/.cache``) is this uid's and no one else may write it and the path is short enough
+    for a socket; else ``/tmp/tpusync-vllm-<uid>``, which another user could make first: the
+    engine then refuses to start and says to give ``socket_dir``."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and _private(Path(runtime)):
         return Path(runtime) / f"tpusync-vllm-{os.getuid()}"
@@ -105,12 +106,13 @@ def default_socket_dir() -> Path:
 
 def _private(path: Path) -> bool:
     """Whether ``path`` is a directory (not a symlink) of this uid that its group and others
-    cannot write: nobody else can make or swap what is below it."""
+    cannot write (:func:`~tpusync.tiers.files.check_directory`): nobody else can make or swap
+    what is below it."""
     try:
-        info = os.lstat(path)
-    except OSError:
+        check_directory(path)
+    except OSError:  # UnsafeFileError is one, as is a missing directory
         return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+    return True
 
 
 def _socket_path(directory: Any, engine_id: str) -> Path:

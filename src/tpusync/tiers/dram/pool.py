@@ -361,9 +361,7 @@ class HostPool(SlotRecords):
         """The memory addresses (uint64) of ``slots`` (``layout.slot_bytes`` each, page-aligned)
         for native file I/O, valid inside the ``with``: :meth:`close` refuses while it is
         open, as for :meth:`slot_memory`."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
-            raise InvalidArgumentError(f"slots: out of range 0..{self.capacity - 1}")
+        slots = self._slots_in_range(slots)
         self._ensure_populated(slots)
         with memoryview(self._open_base()):  # keeps the mapping open (see slot_memory)
             base = self._mapping.address + self.geometry.data_offset
@@ -373,13 +371,16 @@ class HostPool(SlotRecords):
         """Each slot's block checksum, computed from its bytes in memory; ``inline`` hashes on
         the calling thread instead of the copy engine's (for a block or two, from several
         threads at once: the engine runs one job at a time)."""
+        return self._hash_slots(self._slots_in_range(slots), inline=inline)
+
+    def _slots_in_range(self, slots: np.ndarray | Sequence[int]) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size and (slots.min() < 0 or slots.max() >= self.capacity):
             raise InvalidArgumentError(
                 f"slots: out of range 0..{self.capacity - 1} ({int(slots.min())}..."
                 f"{int(slots.max())})"
             )
-        return self._hash_slots(slots, inline=inline)
+        return slots
 
     def _copy_in(
         self, pools: Sequence[Any], block_ids: np.ndarray, slots: np.ndarray, path: str
