@@ -14,7 +14,7 @@ from pathlib import Path
 import tpusync
 from tpusync.bench.common import LIMIT_BEATEN, format_table
 from tpusync.bench.plot import plot_results
-from tpusync.bench.results import write_results_md
+from tpusync.bench.results import vllm_loaded_bytes, write_results_md
 
 ROOT = Path(__file__).resolve().parents[1]
 # the children import the tpusync under test (a relative PYTHONPATH breaks in another cwd)
@@ -122,6 +122,18 @@ def test_results_md_takes_the_latest_file_and_flags_beaten_limits(tmp_path: Path
     assert "load average 1.50 at start, 2.50 at end" in text
     assert "1.25 (limit beaten: the limit is wrong)" in text and "0.70" in text
     assert "## tiers" in text
+
+
+def test_vllm_ttft_rates_divide_the_bytes_loaded_not_the_prompts_kv() -> None:
+    per_token = 16384
+    # a record that says its block size and loaded bytes is taken at its word
+    said = {"tokens": 1024, "kv_bytes": 1024 * per_token, "block_size": 16, "loaded_bytes": 7}
+    assert vllm_loaded_bytes(said) == 7
+    # 1024 tokens in 32-token blocks: the last token's block is vLLM's, 31 blocks load
+    old = {"tokens": 1024, "kv_bytes": 1024 * per_token}
+    assert vllm_loaded_bytes(old) == 31 * 32 * per_token
+    odd = {"tokens": 1000, "kv_bytes": 31 * 32 * per_token, "block_size": 32}
+    assert vllm_loaded_bytes(odd) == 31 * 32 * per_token
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:

@@ -142,6 +142,20 @@ def _mac_cost(record: dict[str, Any]) -> Table:
     return ["what", "GB/s", "x limit", "x peer"], rows
 
 
+# vllm_ttft records made before they said their block size used 32-token blocks
+VLLM_TTFT_OLD_BLOCK = 32
+
+
+def vllm_loaded_bytes(result: dict[str, Any]) -> int:
+    """The bytes a warm hit of a vllm_ttft prompt loads: its full blocks before the last token
+    (the connector leaves that one to vLLM), not the whole prompt's KV."""
+    if "loaded_bytes" in result:
+        return int(result["loaded_bytes"])
+    block = int(result.get("block_size", VLLM_TTFT_OLD_BLOCK))
+    tokens = int(result["tokens"])
+    return int(result["kv_bytes"]) // (tokens // block) * ((tokens - 1) // block)
+
+
 def _vllm_ttft(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit)",
                "DRAM load x limit", "tpusync disk ms", "disk load x limit", "tpusync node ms",
@@ -156,10 +170,11 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
         over = {k: v - hit for k, v in med.items()}
         loads = (r.get("tpusync DRAM") or {}).get("load_s_runs") or []
         load = float(np.median(loads)) if loads else None
-        dram_gbps = r["kv_bytes"] / load / 1e9 if load else None
+        loaded = vllm_loaded_bytes(r)
+        dram_gbps = loaded / load / 1e9 if load else None
         disk_loads = (r.get("tpusync disk") or {}).get("load_s_runs") or []
         disk_load = float(np.median(disk_loads)) if disk_loads else None
-        disk_gbps = r["kv_bytes"] / disk_load / 1e9 if disk_load else None
+        disk_gbps = loaded / disk_load / 1e9 if disk_load else None
 
         rows.append([
             str(r.get("tokens")), _num(med.get("cold", 0) * 1e3, 1), _num(hit * 1e3, 1),

@@ -58,6 +58,7 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.bench.results import vllm_loaded_bytes
 from tpusync.bench.tiers import fio_limit
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import MemoryLimit
@@ -195,7 +196,15 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
     prompts = _prompts(tokens, 2, seed=tokens)
     blocks = tokens // BLOCK
     kv_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
-    result: dict[str, Any] = {"tokens": tokens, "kv_bytes": kv_bytes}
+    result: dict[str, Any] = {
+        "tokens": tokens,
+        "kv_bytes": kv_bytes,
+        "block_size": BLOCK,
+        "loaded_bytes": (tokens - 1)
+        // BLOCK
+        * BLOCK
+        * KV_BYTES_PER_TOKEN,  # the last token: vLLM's
+    }
     expected: dict[int, int] = {}
     with _engine(model, max_len, None, {}) as llm:
         _ttft(llm, _prompts(tokens, 1, seed=99)[0])  # warm-up
@@ -299,7 +308,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
                 continue
             data = r[row]
             load = median(data["load_s_runs"]) if data["load_s_runs"] else float("nan")
-            gbps = r["kv_bytes"] / load / 1e9 if load == load else float("nan")
+            gbps = vllm_loaded_bytes(r) / load / 1e9 if load == load else float("nan")
             peer = same_medium.get(row)
             rows.append([
                 r["tokens"], row, _ms(data["ttft_s_runs"]), median(data["ttft_s_runs"]) / prefix,
@@ -331,7 +340,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         for r in results:
             over = median(r["Example disk"]["ttft_s_runs"]) - median(r["prefix_ttft_s_runs"])
             if over > 0:
-                example = r["kv_bytes"] / over / 1e9
+                example = vllm_loaded_bytes(r) / over / 1e9
                 print(
                     f"  {r['tokens']} tokens: ExampleConnector's disk hit moves the KV at "
                     f"{example:.2f} GB/s (over hit): no loader can be more than "
