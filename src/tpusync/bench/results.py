@@ -202,6 +202,16 @@ def _ttft_runs(r: dict[str, Any]) -> dict[str, list[float]]:
     return runs
 
 
+def _vllm_load_contention(record: dict[str, Any]) -> Table:
+    rows = []
+    for r in record.get("results", []):
+        limit = r.get("limit_gbps")
+        for name, gbps in r.items():
+            if ", copy threads " in name:
+                rows.append([str(r.get("tokens")), name, _num(gbps), _ratio(gbps, limit)])
+    return ["tokens", "load", "GB/s", "x limit"], rows
+
+
 def _generic(record: dict[str, Any]) -> Table:
     rows = [[k, _num(v)] for k, v in record.items() if isinstance(v, int | float)]
     return ["figure", "value"], rows
@@ -214,6 +224,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "network": _network,
     "mac_cost": _mac_cost,
     "vllm_ttft": _vllm_ttft,
+    "vllm_load_contention": _vllm_load_contention,
 }
 
 
