@@ -30,8 +30,10 @@ CASES = ("quiet", "after OpenMP")
 
 
 def _measure(repeats: int) -> dict[str, dict[str, float]]:
+    """GB/s of each case and the bytes loaded, by prompt size."""
     import torch
 
+    from tpusync.bench.common import median
     from tpusync.kv import KVCacheStore, KVStoreConfig
     from tpusync.memory import TorchPool, prefault_cpu_tensors
 
@@ -63,8 +65,8 @@ def _measure(repeats: int) -> dict[str, dict[str, float]]:
                     times.append(time.perf_counter() - start)
                     if done.loaded_blocks != n:
                         raise SystemExit(f"{tokens} tokens: {done.loaded_blocks} of {n} loaded")
-                seconds = sorted(times)[len(times) // 2]
-                out.setdefault(str(tokens), {})[case] = n * store.layout.payload_bytes / seconds
+                loaded = n * store.layout.payload_bytes
+                out.setdefault(str(tokens), {"loaded_bytes": loaded})[case] = loaded / median(times)
     return out
 
 
@@ -93,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         rates[threads] = json.loads(done.stdout.strip().splitlines()[-1])
     rows, results = [], []
     for tokens in TOKENS:
-        loaded = (tokens - 1) // BLOCK * BLOCK * LAYERS * 2 * 8 * 64 * 2
+        loaded = int(rates["default"][str(tokens)]["loaded_bytes"])
         limit = MemoryLimit(loaded)
         limit.sample(repeats=7)
         gbps = limit.result().gbps
         limit.close()
         record = {"tokens": tokens, "loaded_bytes": loaded, "limit_gbps": gbps}
         for threads, by_size in rates.items():
-            for case, rate in by_size[str(tokens)].items():
+            for case in CASES:
+                rate = by_size[str(tokens)][case]
                 name = f"{case}, copy threads {threads}"
                 record[name] = rate / 1e9
                 rows.append([tokens, name, rate / 1e9, rate / 1e9 / gbps])

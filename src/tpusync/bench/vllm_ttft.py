@@ -196,14 +196,12 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
     prompts = _prompts(tokens, 2, seed=tokens)
     blocks = tokens // BLOCK
     kv_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
+    loaded_blocks = (tokens - 1) // BLOCK  # the block of the last token is vLLM's to compute
     result: dict[str, Any] = {
         "tokens": tokens,
         "kv_bytes": kv_bytes,
         "block_size": BLOCK,
-        "loaded_bytes": (tokens - 1)
-        // BLOCK
-        * BLOCK
-        * KV_BYTES_PER_TOKEN,  # the last token: vLLM's
+        "loaded_bytes": loaded_blocks * BLOCK * KV_BYTES_PER_TOKEN,
     }
     expected: dict[int, int] = {}
     with _engine(model, max_len, None, {}) as llm:
