@@ -4,9 +4,11 @@ The connector's store over 8 CPU tensors in vLLM's layout (``[num_blocks, 8 KV h
 tokens, 128]`` bf16, the ``vllm_ttft`` model's), random bytes; the full blocks of a 1k, 4k and
 8k-token prompt are saved once, then looked up and loaded into other blocks, timed (medians).
 Cases: a quiet process; right after a torch matmul on 2 OpenMP threads (whose workers spin
-after it, as they do after each op of a vLLM step); and each with the copy engine on one
-thread (``TPUSYNC_COPY_THREADS=1``, in a child process). Beside each size: the memory limit
-(one contiguous streaming copy on all cores) of the same bytes, measured in the same run.
+after it, as they do after each op of a vLLM step); the same with the copy on the caller's
+OpenMP team (``tpusync.memory.openmp_team``, as the connector loads by default); and each
+with the copy engine on one thread (``TPUSYNC_COPY_THREADS=1``, in a child process). Beside
+each size: the memory limit (one contiguous streaming copy on all cores) of the same bytes,
+measured in the same run.
 
     .venv-vllm/bin/python benchmarks/vllm_load_contention.py [--repeats 15] [--json FILE]
 
@@ -16,6 +18,7 @@ Needs torch (the vLLM environment has it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +29,7 @@ import time
 BLOCK = 32
 LAYERS = 8
 TOKENS = (1024, 4096, 8192)
-CASES = ("quiet", "after OpenMP")
+CASES = ("quiet", "after OpenMP", "after OpenMP, on its team")
 
 
 def _measure(repeats: int) -> dict[str, dict[str, float]]:
@@ -36,6 +39,7 @@ def _measure(repeats: int) -> dict[str, dict[str, float]]:
     from tpusync.bench.common import median
     from tpusync.kv import KVCacheStore, KVStoreConfig
     from tpusync.memory import TorchPool, prefault_cpu_tensors
+    from tpusync.memory.openmp_team import openmp_team
 
     num_blocks = 2 * max(TOKENS) // BLOCK + 16
     buffer = torch.empty((LAYERS, num_blocks, 8, BLOCK, 128), dtype=torch.bfloat16)
@@ -57,12 +61,13 @@ def _measure(repeats: int) -> dict[str, dict[str, float]]:
             for case in CASES:
                 times = []
                 for _ in range(repeats):
-                    if case == "after OpenMP":
+                    if case != "quiet":
                         float((matrix @ matrix).sum())
                     found = store.lookup_engine_blocks(hashes)
-                    start = time.perf_counter()
-                    done = store.load(found, list(range(n, 2 * n)))
-                    times.append(time.perf_counter() - start)
+                    with openmp_team() if case.endswith("team") else contextlib.nullcontext():
+                        start = time.perf_counter()
+                        done = store.load(found, list(range(n, 2 * n)))
+                        times.append(time.perf_counter() - start)
                     if done.loaded_blocks != n:
                         raise SystemExit(f"{tokens} tokens: {done.loaded_blocks} of {n} loaded")
                 loaded = n * store.layout.payload_bytes

@@ -51,6 +51,27 @@ uint64_t tps_engine_copy_hashed(tps_engine *engine, const tps_segment *segments,
 void tps_engine_hash(tps_engine *engine, const tps_segment *segments, size_t n_segments,
                      uint64_t *digests, uint64_t min_parallel_bytes);
 
+/* Jobs on the caller's OpenMP team.
+ *
+ * A process whose compute runs on an OpenMP runtime (PyTorch's CPU operators, vLLM on CPU) keeps
+ * that runtime's workers spinning on their cores after every parallel region; the engine's own
+ * threads then share those cores with them. tps_openmp_install hands the engine the runtime's
+ * entry points of GNU's OpenMP ABI (GOMP_parallel, omp_get_thread_num, omp_get_num_threads:
+ * libgomp exports them, and so do LLVM's and Intel's runtimes). tps_openmp_here(1) then makes
+ * the calling thread's parallel jobs run as one parallel region of that thread's own team (the
+ * team the runtime keeps for it, whose workers are the spinning ones) instead of on the
+ * engine's threads; tps_openmp_here(0) turns that off again. It is per thread and returns the
+ * previous setting. Engines with one thread, and engines inherited through fork(), still run
+ * every job on the calling thread alone. */
+typedef void (*tps_gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
+                                     unsigned flags);
+typedef int (*tps_omp_query_fn)(void);
+void tps_openmp_install(tps_gomp_parallel_fn parallel, tps_omp_query_fn thread_num,
+                        tps_omp_query_fn num_threads);
+int tps_openmp_here(int on);
+/* Whether tps_openmp_install has been given a runtime. */
+int tps_openmp_installed(void);
+
 #ifdef __cplusplus
 }
 #endif

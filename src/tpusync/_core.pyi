@@ -18,6 +18,9 @@ from tpusync._native.checksum import xxh64_rows as xxh64_rows
 from tpusync._native.copy import BlockRows as BlockRows
 from tpusync._native.copy import CopyEngine as CopyEngine
 from tpusync._native.copy import block_segments as block_segments
+from tpusync._native.copy import openmp_here as openmp_here
+from tpusync._native.copy import openmp_install as openmp_install
+from tpusync._native.copy import openmp_installed as openmp_installed
 from tpusync._native.copy import table_bounds as table_bounds
 from tpusync._native.fileio import MAX_IOVS_PER_RUN as MAX_IOVS_PER_RUN
 from tpusync._native.fileio import file_runs as file_runs
@@ -74,6 +77,9 @@ __all__ = [
     "crc32c",
     "file_runs",
     "have_streaming",
+    "openmp_here",
+    "openmp_install",
+    "openmp_installed",
     "pin_slots",
     "pjrt_minimum_version",
     "populate_range",

@@ -26,7 +26,10 @@ from tpusync._native.checksum import (
     _crc32c_shift, _force_portable_checksum, blake2b, blake2b_chain, crc32c, sum64,
     sum64_regions, xxh64, xxh64_gathered, xxh64_rows,
 )
-from tpusync._native.copy import BlockRows, CopyEngine, block_segments, table_bounds
+from tpusync._native.copy import (
+    BlockRows, CopyEngine, block_segments, openmp_here, openmp_install, openmp_installed,
+    table_bounds,
+)
 from tpusync._native.fileio import MAX_IOVS_PER_RUN, file_runs
 from tpusync._native.limits import copy_seconds, have_streaming
 from tpusync._native.net import (
@@ -45,7 +48,8 @@ __all__ = [
     "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
-    "collapse_huge_pages", "copy_seconds", "crc32c", "file_runs", "have_streaming", "pin_slots", "pjrt_minimum_version", "populate_range", "recv_exact", "send_all",
+    "collapse_huge_pages", "copy_seconds", "crc32c", "file_runs", "have_streaming", "openmp_here",
+    "openmp_install", "openmp_installed", "pin_slots", "pjrt_minimum_version", "populate_range", "recv_exact", "send_all",
     "sum64", "sum64_regions", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
     "xxh64_rows",
 ]

@@ -84,13 +84,16 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
         stats = settle(worker)
         assert stats["store"]["loaded_blocks"] == FULL // BLOCK
         assert worker.layer_loads == 1 and not worker.unknown_layers  # layer by layer
-    # and whole before the forward: asked, or by default where the KV is in CPU memory
-    for whole in ({**kv, "load_by_layer": False}, kv):
+    # and whole before the forward: asked (on tpusync's copy threads), or by default where the
+    # KV is in CPU memory (on the forward thread's OpenMP team, PyTorch's)
+    own_threads = {**kv, "load_by_layer": False, "copy_on_openmp_team": False}
+    for whole, team_loads in ((own_threads, 0), (kv, 1)):
         with engine(models["main"], transfer_config(whole)) as llm:
             assert generate(llm, [PROMPT]) == [(reference, FULL)]
             worker = worker_of(llm)
             assert settle(worker)["store"]["loaded_blocks"] == FULL // BLOCK
             assert worker.layer_loads == 0 and not worker.by_layer
+            assert worker.team_loads == team_loads
 
 
 def test_kv_computed_by_other_weights_changes_the_output(

@@ -27,6 +27,7 @@ def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
     assert settings.socket_path.parent == tmp_path
     assert settings.lookup_timeout_s == 2.0
     assert settings.load_by_layer == "auto"
+    assert settings.copy_on_openmp_team
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,7 @@ def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
         ({"lookup_timeout_s": "1"}, "lookup_timeout_s"),
         ({"load_by_layer": 1}, 'load_by_layer: expected true, false or "auto"'),
         ({"load_by_layer": "yes"}, 'load_by_layer: expected true, false or "auto"'),
+        ({"copy_on_openmp_team": "no"}, "copy_on_openmp_team: expected true or false"),
         ({"secret_file": "/nonexistent/secret"}, "secret_file: cannot read"),
         ({"salt": "xyz"}, "salt: expected a hex string"),
         ({"socket_dir": ""}, "socket_dir: expected a directory path"),

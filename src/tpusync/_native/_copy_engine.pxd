@@ -21,3 +21,11 @@ cdef extern from "tpusync/copy_engine.h" nogil:
                                     uint64_t min_parallel_bytes)
     void tps_engine_hash(tps_engine *engine, const tps_segment *segments, size_t n_segments,
                          uint64_t *digests, uint64_t min_parallel_bytes)
+
+    ctypedef void (*tps_gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
+                                          unsigned flags)
+    ctypedef int (*tps_omp_query_fn)()
+    void tps_openmp_install(tps_gomp_parallel_fn parallel, tps_omp_query_fn thread_num,
+                            tps_omp_query_fn num_threads)
+    int tps_openmp_here(int on)
+    int tps_openmp_installed()

@@ -12,7 +12,8 @@ cimport numpy as cnp
 from tpusync._native._checksum cimport tps_checksum_share_path_flag
 from tpusync._native._copy_engine cimport (
     tps_engine, tps_engine_copy, tps_engine_copy_hashed, tps_engine_create, tps_engine_destroy,
-    tps_engine_hash, tps_engine_threads, tps_segment,
+    tps_engine_hash, tps_engine_threads, tps_gomp_parallel_fn, tps_omp_query_fn,
+    tps_openmp_here, tps_openmp_install, tps_openmp_installed, tps_segment,
 )
 from tpusync._native.checksum cimport shared_path_flag
 
@@ -136,6 +137,28 @@ def table_bounds(const uint64_t[:, ::1] table):
             if end > dst_hi:
                 dst_hi = end
     return src_lo, src_hi, dst_lo, dst_hi
+
+
+def openmp_install(uint64_t parallel, uint64_t thread_num, uint64_t num_threads):
+    """Gives the copy engine an OpenMP runtime: the addresses of its ``GOMP_parallel``,
+    ``omp_get_thread_num`` and ``omp_get_num_threads`` (GNU's ABI), as a loaded library
+    exports them (include/tpusync/copy_engine.h). They must stay loaded for the process's life."""
+    if not (parallel and thread_num and num_threads):
+        raise ValueError("openmp_install needs the three entry points' addresses")
+    tps_openmp_install(<tps_gomp_parallel_fn> <void *> parallel,
+                       <tps_omp_query_fn> <void *> thread_num,
+                       <tps_omp_query_fn> <void *> num_threads)
+
+
+def openmp_installed():
+    """Whether :func:`openmp_install` gave the engine a runtime."""
+    return bool(tps_openmp_installed())
+
+
+def openmp_here(bint on):
+    """Makes this thread's parallel copy jobs run on its OpenMP team (or, ``False``, on the
+    engine's threads again); returns the previous setting of this thread."""
+    return bool(tps_openmp_here(on))
 
 
 cdef cnp.ndarray segment_table(cnp.ndarray segments):

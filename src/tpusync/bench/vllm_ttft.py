@@ -9,6 +9,9 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 * vLLM prefix hit: the same prompt again in the same engine (vLLM's own cache: the bound);
 * tpusync DRAM: vLLM's own prefix cache reset before each repeat, the prompt served from the
   connector's DRAM tier with its defaults (on a CPU: loaded whole before the forward);
+* tpusync DRAM own threads: the same, the load on tpusync's copy threads instead of the
+  forward thread's OpenMP team (``"copy_on_openmp_team": false``; the team's workers spin on
+  the cores after each operator);
 * tpusync DRAM by layer: the same, loaded layer by layer while the forward runs
   (``"load_by_layer": true``, the default where the KV is not in CPU memory);
 * tpusync disk / tpusync store node: DRAM holds one prompt, two prompts alternate, so every hit
@@ -76,6 +79,7 @@ DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
 ROWS = (
     "tpusync DRAM",
+    "tpusync DRAM own threads",
     "tpusync DRAM by layer",
     "tpusync disk",
     "tpusync store node",
@@ -223,6 +227,10 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         disk = {"directory": str(work / "disk"), "capacity_blocks": 2 * blocks + 8, "create": True}
         configs = {
             "tpusync DRAM": ("TpuSyncConnector", {"dram": {"capacity_blocks": 2 * blocks + 8}}),
+            "tpusync DRAM own threads": (
+                "TpuSyncConnector",
+                {"dram": {"capacity_blocks": 2 * blocks + 8}, "copy_on_openmp_team": False},
+            ),
             "tpusync DRAM by layer": (
                 "TpuSyncConnector",
                 {"dram": {"capacity_blocks": 2 * blocks + 8}, "load_by_layer": True},

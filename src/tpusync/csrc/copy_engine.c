@@ -361,6 +361,49 @@ void tps_engine_destroy(tps_engine *e) {
 
 int tps_engine_threads(const tps_engine *e) { return e->n_threads; }
 
+/* The OpenMP runtime's entry points (tps_openmp_install), set once and read by any thread, and
+ * whether this thread's jobs go to its OpenMP team (tps_openmp_here). */
+typedef struct tps_openmp {
+  tps_gomp_parallel_fn parallel;
+  tps_omp_query_fn thread_num;
+  tps_omp_query_fn num_threads;
+} tps_openmp;
+static _Atomic(tps_openmp *) openmp_runtime;
+static _Thread_local int openmp_here;
+
+void tps_openmp_install(tps_gomp_parallel_fn parallel, tps_omp_query_fn thread_num,
+                        tps_omp_query_fn num_threads) {
+  tps_openmp *runtime = malloc(sizeof(*runtime));
+  if (!runtime) return; /* the engine's own threads keep the jobs */
+  runtime->parallel = parallel;
+  runtime->thread_num = thread_num;
+  runtime->num_threads = num_threads;
+  /* the entry points of a loaded library never move: an earlier record stays valid for a
+   * thread still reading it, so it is leaked rather than freed */
+  atomic_store(&openmp_runtime, runtime);
+}
+
+int tps_openmp_installed(void) { return atomic_load(&openmp_runtime) != NULL; }
+
+int tps_openmp_here(int on) {
+  int previous = openmp_here;
+  openmp_here = on != 0;
+  return previous;
+}
+
+typedef struct tps_team_job {
+  const tps_job *job;
+  const tps_openmp *runtime;
+} tps_team_job;
+
+/* One member of the team: the job split into as many parts as the team has threads. */
+static void run_team_part(void *arg) {
+  const tps_team_job *team = arg;
+  tps_job job = *team->job;
+  job.n_parts = team->runtime->num_threads();
+  run_part(&job, team->runtime->thread_num());
+}
+
 static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_segments,
                         uint64_t min_parallel_bytes, uint64_t *digests, int hash_only) {
   atomic_size_t next_segment;
@@ -376,6 +419,12 @@ static uint64_t run_job(tps_engine *e, const tps_segment *segments, size_t n_seg
   }
   if (e->n_threads == 1 || job.total_bytes < min_parallel_bytes || inherited(e)) {
     run_part(&job, 0);
+    return job.total_bytes;
+  }
+  const tps_openmp *runtime = openmp_here ? atomic_load(&openmp_runtime) : NULL;
+  if (runtime) {
+    tps_team_job team = {&job, runtime};
+    runtime->parallel(run_team_part, &team, 0, 0); /* 0 threads: the team's own size */
     return job.total_bytes;
   }
   job.n_parts = e->n_threads;

@@ -34,6 +34,10 @@ CONNECTOR_KEYS = {
         'load a DRAM hit layer by layer, overlapping attention: true, false, or "auto" (the '
         "default: only where the KV is not in CPU memory)"
     ),
+    "copy_on_openmp_team": (
+        "run a load the forward waits for on the engine's own OpenMP threads (true, the "
+        "default) or on tpusync's copy threads (false)"
+    ),
 }
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
@@ -56,6 +60,10 @@ class ConnectorSettings:
         layer by layer only where vLLM's KV tensors are not in CPU memory (on a CPU the load
         and attention share the cores: whole loads measured faster, see
         docs/connectors/vllm.md).
+      copy_on_openmp_team: whether a load the forward waits for runs on the forward thread's
+        OpenMP team (PyTorch's, whose workers spin right after each operator) rather than on
+        tpusync's copy threads, which would share the cores with them
+        (:mod:`tpusync.memory.openmp_team`).
     """
 
     store: KVStoreConfig
@@ -64,6 +72,7 @@ class ConnectorSettings:
     socket_path: Path
     allow_xxhash: bool
     load_by_layer: bool | str = "auto"
+    copy_on_openmp_team: bool = True
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
@@ -178,6 +187,7 @@ def read_settings(
         socket_path=_socket_path(own.get("socket_dir"), engine_id),
         allow_xxhash=_flag(own.get("allow_xxhash", False), "allow_xxhash"),
         load_by_layer=_by_layer(own.get("load_by_layer", "auto")),
+        copy_on_openmp_team=_flag(own.get("copy_on_openmp_team", True), "copy_on_openmp_team"),
     )
 
 

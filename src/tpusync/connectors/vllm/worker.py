@@ -19,6 +19,7 @@ from tpusync.connectors.vllm.settings import ConnectorSettings
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 from tpusync.kv import KVCacheStore, KVStoreConfig, LayerLoad, LookupResult
 from tpusync.memory import TorchPool, prefault_cpu_tensors
+from tpusync.memory.openmp_team import openmp_team
 
 __all__ = ["WorkerSide", "local_worker"]
 
@@ -57,6 +58,7 @@ class WorkerSide:
         self.by_layer = False  # whether DRAM hits load layer by layer (set at register)
         self.prefaulted_bytes = 0  # of vLLM's CPU KV memory, mapped at register
         self.layer_loads = 0  # layer-by-layer loads ended (for stats and tests)
+        self.team_loads = 0  # loads copied on the forward thread's OpenMP team
         self.unknown_layers: set[str] = set()  # layer names waited for that no pool has
         self._load_errors: set[int] = set()
         self._sync_failure = False  # a load this step's forward reads failed
@@ -206,11 +208,20 @@ class WorkerSide:
                 self._layer_loads.append((spec, ids, result, store.load_by_layer(result, ids)))
                 continue
             try:
-                done = store.load(result, ids)
+                with self._copy_threads() as on_team:
+                    done = store.load(result, ids)
+                self.team_loads += on_team
             except TpuSyncError as error:
                 self._load_failed(spec, ids, result, error)
                 continue
             self._loaded(spec, ids, done)
+
+    def _copy_threads(self) -> contextlib.AbstractContextManager[bool]:
+        """Where a load on the forward's thread copies: on that thread's OpenMP team (PyTorch's
+        workers, spinning after the last operator) unless the settings say otherwise."""
+        if self.settings.copy_on_openmp_team:
+            return openmp_team()
+        return contextlib.nullcontext(False)
 
     def _loaded(self, spec: LoadSpec, ids: list[int], done: Any) -> None:
         self.recent_loads.append(done)
