@@ -156,8 +156,16 @@ def vllm_loaded_bytes(result: dict[str, Any]) -> int:
     return int(result["kv_bytes"]) // (tokens // block) * ((tokens - 1) // block)
 
 
+def paired_ratio(row: dict[str, Any]) -> Any:
+    """The median of a row's TTFTs over vLLM's own prefix hit right after each, in the same
+    engine ("-" for records made before the pairs were)."""
+    own = row.get("own_hit_ttft_s_runs") or []
+    pairs = [t / o for t, o in zip(row["ttft_s_runs"], own, strict=False) if o > 0]
+    return float(np.median(pairs)) if pairs else "-"
+
+
 def _vllm_ttft(record: dict[str, Any]) -> Table:
-    headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit)",
+    headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit; paired)",
                "DRAM load x limit", "tpusync disk ms", "disk load x limit", "tpusync node ms",
                "x Example (over hit): shm / disk"]  # fmt: skip
     rows = []
@@ -178,7 +186,8 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
 
         rows.append([
             str(r.get("tokens")), _num(med.get("cold", 0) * 1e3, 1), _num(hit * 1e3, 1),
-            f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f})",
+            f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f}"
+            f"{_paired(r.get('tpusync DRAM') or {})})",
             _ratio(dram_gbps, r.get("limit_gbps")), _num(med.get("tpusync disk", 0) * 1e3, 1),
             _ratio(disk_gbps, fio) if fio else "-",
             _num(med.get("tpusync store node", 0) * 1e3, 1),
@@ -186,6 +195,11 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
             f"{_faster(over, 'tpusync disk', 'Example disk')}",
         ])  # fmt: skip
     return headers, rows
+
+
+def _paired(row: dict[str, Any]) -> str:
+    ratio = paired_ratio(row) if row.get("ttft_s_runs") else "-"
+    return f"; {ratio:.2f}" if isinstance(ratio, float) else ""
 
 
 def _faster(over: dict[str, float], ours: str, theirs: str) -> str:

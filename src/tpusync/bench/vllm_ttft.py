@@ -18,6 +18,12 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
   comes from the disk tier or a store node (``tpusync serve``, loopback), in the background;
 * ExampleConnector on /dev/shm and on the disk tier's filesystem (its safetensors files).
 
+Each hit of a row is followed at once by the same prompt again, a hit of vLLM's own prefix cache
+in the same engine (the connector attached): "x own hit, paired" is the median of the ratios of
+these pairs. This machine's speed drifts from minute to minute (other tenants), and the pairs,
+moments apart, drift less than the row's median against the prefix-hit row measured minutes
+before in another engine ("x hit").
+
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
 bytes measured in the same run (one contiguous copy on all cores, the best of memcpy and
@@ -61,7 +67,7 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
-from tpusync.bench.results import vllm_loaded_bytes
+from tpusync.bench.results import paired_ratio, vllm_loaded_bytes
 from tpusync.bench.tiers import fio_limit
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import MemoryLimit
@@ -167,13 +173,16 @@ def _hits(
     cold_page_cache: bool = False,
 ) -> dict[str, Any]:
     """Serves ``prompts`` once (cold: the saves), then ``repeats`` hits cycling through them,
-    vLLM's own prefix cache reset before each: TTFTs, the connector's loads, same tokens."""
+    vLLM's own prefix cache reset before each: TTFTs, the connector's loads, same tokens. Each
+    hit is followed by the same prompt again, now a hit of vLLM's own prefix cache in this
+    engine: a pair measured moments apart, whose ratio drifts less with the machine's load
+    than medians taken minutes apart."""
     for p in prompts:
         _ttft(llm, p)
     worker = _worker(llm)
     if worker is not None:
         worker.store.flush(timeout=120)
-    ttfts, loads, equal, dropped = [], [], True, cold_page_cache
+    ttfts, own, loads, equal, dropped = [], [], [], True, cold_page_cache
     for r in range(repeats):
         prompt = prompts[r % len(prompts)]
         llm.reset_prefix_cache()
@@ -188,8 +197,12 @@ def _hits(
             done = list(worker.recent_loads)
             loads.append(sum(d.seconds for d in done) if done else float("nan"))
             equal &= bool(done) and all(d.loaded_blocks == len(prompt) // BLOCK for d in done)
+        seconds, token = _ttft(llm, prompt)  # vLLM's own prefix hit, in this engine
+        own.append(seconds)
+        equal &= token == expected[id(prompt)]
     return {
         "ttft_s_runs": ttfts,
+        "own_hit_ttft_s_runs": own,
         "load_s_runs": loads,
         "outputs_equal": bool(equal),
         "page_cache_dropped": bool(dropped),
@@ -297,20 +310,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         for row in ("cold", "vLLM prefix hit", *ROWS):
             if row in ("cold", "vLLM prefix hit"):
                 runs = r["cold_ttft_s_runs" if row == "cold" else "prefix_ttft_s_runs"]
-                rows.append(
-                    [
-                        r["tokens"],
-                        row,
-                        _ms(runs),
-                        median(runs) / prefix,
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                    ]
-                )
+                rows.append([r["tokens"], row, _ms(runs), median(runs) / prefix, *["-"] * 7])
                 continue
             data = r[row]
             load = median(data["load_s_runs"]) if data["load_s_runs"] else float("nan")
@@ -318,7 +318,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
             peer = same_medium.get(row)
             rows.append([
                 r["tokens"], row, _ms(data["ttft_s_runs"]), median(data["ttft_s_runs"]) / prefix,
-                over[row] * 1e3,
+                paired_ratio(data), over[row] * 1e3,
                 "-" if load != load else load * 1e3,
                 "-" if gbps != gbps else gbps,
                 _x_limit(row, gbps, r["limit_gbps"], disk_gbps),
@@ -327,15 +327,16 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
             ])  # fmt: skip
     print(
         "\nTTFT of a one-token generate (wall, medians (min-max)); x hit = TTFT / vLLM's own "
-        "prefix hit; over hit = TTFT - the prefix hit's; load = the connector's own load; x "
-        "limit = load GB/s / the limit of its medium (DRAM rows: memory, the same bytes; disk: "
-        f"fio's O_DIRECT read); LMCache: {LMCACHE}"
+        "prefix hit; x own hit, paired = the median of TTFT / vLLM's own prefix hit right after "
+        "it in the same engine; over hit = TTFT - the prefix hit's; load = the connector's own "
+        "load; x limit = load GB/s / the limit of its medium (DRAM rows: memory, the same "
+        f"bytes; disk: fio's O_DIRECT read); LMCache: {LMCACHE}"
     )
     print_table(
-        ["tokens", "served by", "TTFT ms", "x hit", "over hit ms", "load ms", "load GB/s",
-         "x limit", "x peer (over hit)", "outputs"],
+        ["tokens", "served by", "TTFT ms", "x hit", "x own hit, paired", "over hit ms",
+         "load ms", "load GB/s", "x limit", "x peer (over hit)", "outputs"],
         rows,
-        limit_columns=(7,),
+        limit_columns=(8,),
     )  # fmt: skip
     if disk_gbps:
         print(

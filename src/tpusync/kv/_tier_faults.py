@@ -6,6 +6,13 @@ tiers beside it go on taking the blocks. Logging each failure would bury the log
 would hide it. So the first failure of a run is logged with the tier's name, where it lives and
 the error; repeats within ``interval_s`` are only counted and summed up in the next line; the
 first success after a run says the tier works again.
+
+A tier that cannot be reached (a store node or peer that is down, stopped or too slow: a
+connection error or a timeout) also rests: it is not asked again for a while (one second,
+doubling with each failure that follows, at most a minute), so each operation does not wait out
+its timeout again. Only the background work (write-back, lookups, loads) asks it once a rest is
+over; the path a save waits for (making room in DRAM) leaves it alone until one of those finds
+it working again.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Any
 log = logging.getLogger("tpusync.kv")
 
 DEFAULT_INTERVAL_S = 60.0
+REST_FIRST_S = 1.0
+REST_LONGEST_S = 60.0
 
 
 def tier_location(tier: Any) -> str:
@@ -47,6 +56,8 @@ class TierFaults:
         self._total = [0] * len(names)  # failures ever
         self._unlogged = [0] * len(names)  # failures since the last line about the tier
         self._logged_at: list[float | None] = [None] * len(names)  # None: the tier works
+        self._rest_s = [0.0] * len(names)  # the last rest's length; 0: the tier is reachable
+        self._rest_until = [0.0] * len(names)
 
     def label(self, tier: int) -> str:
         """The tier's name and where it lives, e.g. ``disk (/mnt/ssd/kv)``."""
@@ -57,6 +68,7 @@ class TierFaults:
         when it starts a run of failures or the last line is ``interval_s`` old."""
         now = time.monotonic()
         with self._lock:
+            self._rest_after(tier, error, now)
             self._total[tier] += 1
             last = self._logged_at[tier]
             if last is not None and now - last < self._interval:
@@ -75,11 +87,41 @@ class TierFaults:
             self._interval,
         )
 
-    def worked(self, tier: int) -> None:
-        """Notes a success of ``tier``: ends a run of failures (and says so)."""
-        if self._logged_at[tier] is None:  # the usual case: no run to end (a racy read is fine)
-            return
+    def unreachable(self, tier: int, error: BaseException) -> None:
+        """Notes a failure that its caller reports itself: the tier rests when ``error`` says
+        it cannot be reached."""
         with self._lock:
+            self._rest_after(tier, error, time.monotonic())
+
+    def _rest_after(self, tier: int, error: BaseException, now: float) -> None:
+        if not isinstance(error, ConnectionError | TimeoutError):
+            return
+        rest = self._rest_s[tier]
+        rest = min(rest * 2, REST_LONGEST_S) if rest else REST_FIRST_S
+        self._rest_s[tier], self._rest_until[tier] = rest, now + rest
+
+    def resting(self, tier: int) -> bool:
+        """Whether ``tier`` could not be reached and its rest is not over: ask it nothing."""
+        return bool(self._rest_s[tier]) and time.monotonic() < self._rest_until[tier]
+
+    def unreached(self, tier: int) -> bool:
+        """Whether ``tier`` could not be reached and nothing has reached it since (the path a
+        save waits for asks it nothing then, even after its rest)."""
+        return bool(self._rest_s[tier])
+
+    def reached(self, tier: int) -> None:
+        """Notes that ``tier`` answered (a lookup or a read): ends its rest, not a run of
+        failures (a full disk answers lookups, and still fails writes)."""
+        if self._rest_s[tier]:
+            with self._lock:
+                self._rest_s[tier] = 0.0
+
+    def worked(self, tier: int) -> None:
+        """Notes a success of ``tier``: ends a run of failures (and says so) and its rest."""
+        if self._logged_at[tier] is None and not self._rest_s[tier]:
+            return  # the usual case: no run to end (a racy read is fine)
+        with self._lock:
+            self._rest_s[tier] = 0.0
             if self._logged_at[tier] is None:
                 return
             repeats, self._unlogged[tier] = self._unlogged[tier], 0

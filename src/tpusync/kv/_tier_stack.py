@@ -70,6 +70,7 @@ POLICY_COUNTERS = (
     "writeback_lost",  # blocks DRAM dropped before write-back wrote them to a tier
     "saves_streamed",  # saves of more blocks than DRAM holds, written down chunk by chunk
     "save_unstored_blocks",  # blocks of streamed saves not stored: no lower tier took a chunk
+    "lower_tier_rested",  # blocks not asked of or written to a tier resting after a failure
 )
 _WRITEBACK_WAIT_S = 30.0  # how long making room waits for write-back to free busy slots
 
@@ -245,11 +246,14 @@ class TierStack:
     def pinned(self, key: bytes) -> bool:
         return self._pins.get(key, 0) > 0
 
-    def locate(self, keys: Sequence[bytes], *, prefix: bool, local: bool = False) -> list[int]:
+    def locate(
+        self, keys: Sequence[bytes], *, prefix: bool, local: bool = False, probe: bool = True
+    ) -> list[int]:
         """The first tier holding each key (-1: none). With ``prefix``, stops at the first key
         held nowhere (the list is then that long); with ``local``, read-only tiers (other
         nodes') are not asked. A lower tier that cannot answer (a peer that is gone) holds
-        nothing. Call with ``lock`` held to pin the result."""
+        nothing, and so does one resting after that (without ``probe``: until something else
+        reached it again; see ``TierFaults``). Call with ``lock`` held to pin the result."""
         where = [-1] * len(keys)
         todo = list(range(len(keys)))
         for t in range(len(self.tiers)):
@@ -257,7 +261,7 @@ class TierStack:
                 break
             if local and self.read_only[t]:
                 continue
-            found = self._contains(t, [keys[i] for i in todo])
+            found = self._contains(t, [keys[i] for i in todo], probe=probe)
             rest = []
             for i, hit in zip(todo, found, strict=True):
                 if hit:
@@ -270,15 +274,26 @@ class TierStack:
             return where[:n]
         return where
 
-    def _contains(self, tier: int, keys: list[bytes]) -> list[bool]:
+    def _contains(self, tier: int, keys: list[bytes], *, probe: bool = True) -> list[bool]:
         if tier == 0:
             return self.dram.contains(keys)
+        if self._rests(tier, probe=probe):
+            self.bump("lower_tier_rested", len(keys))
+            return [False] * len(keys)
         try:
-            return self.tiers[tier].contains(keys)
+            found = self.tiers[tier].contains(keys)
         except (TpuSyncError, OSError) as error:
             self.bump("lower_tier_errors", 1)
+            self.faults.unreachable(tier, error)
             log.warning("tpusync kv: tier %s cannot answer: %s", self.names[tier], error)
             return [False] * len(keys)
+        self.faults.reached(tier)
+        return found
+
+    def _rests(self, tier: int, *, probe: bool) -> bool:
+        """Whether to leave ``tier`` alone now: it could not be reached, and its rest is not
+        over or (without ``probe``: the path a save waits for) nothing has reached it since."""
+        return self.faults.unreached(tier) if not probe else self.faults.resting(tier)
 
     # --- room ------------------------------------------------------------------------------
 
@@ -425,7 +440,7 @@ class TierStack:
         for tier in self._writable_lower:
             if not todo:
                 break
-            found = self._contains(tier, todo)
+            found = self._contains(tier, todo, probe=False)
             held.update(k for k, hit in zip(todo, found, strict=True) if hit)
             todo = [k for k, hit in zip(todo, found, strict=True) if not hit]
         return held
@@ -439,6 +454,10 @@ class TierStack:
         for tier in self._writable_lower:
             if not todo:
                 break
+            if self._rests(tier, probe=False):
+                failed.add(tier)
+                self.bump("lower_tier_rested", len(todo))
+                continue
             store = self.tiers[tier]
             try:
                 missing = absent(store, todo)
@@ -472,6 +491,9 @@ class TierStack:
         """Writes the DRAM blocks of ``keys`` that lower ``tier`` lacks into it. A failure is
         counted (``writeback_failed``) and logged, never raised: the other tiers still get the
         blocks. ``on_demote``: DRAM is evicting them (counted in ``writeback_on_demote``)."""
+        if self._rests(tier, probe=not on_demote):
+            self.bump("lower_tier_rested", len(keys))
+            return
         missing = keys
         try:
             missing = absent(self.tiers[tier], keys)
@@ -583,12 +605,19 @@ class TierStack:
     def _get_up(self, tier: int, keys: list[bytes]) -> list[bytes]:
         """Reads ``keys`` from lower ``tier`` into DRAM; returns the ones DRAM got (the others
         are counted as misses of the tier)."""
+        if self.faults.resting(tier):
+            self.bump("lower_tier_rested", len(keys))
+            self.bump("lower_tier_misses", len(keys))
+            return []
         try:
             self.tiers[tier].get(keys, self.dram)
+            self.faults.reached(tier)
             return keys
         except BlocksMissingError as missing:
+            self.faults.reached(tier)
             loaded = [k for k, ok in zip(keys, missing.loaded, strict=True) if ok]
         except (TpuSyncError, OSError) as error:  # e.g. a peer that is gone
+            self.faults.unreachable(tier, error)
             log.warning("tpusync kv: tier %s failed: %s", self.faults.label(tier), error)
             held = self.dram.contains(keys)  # whatever it committed first
             loaded = [k for k, ok in zip(keys, held, strict=True) if ok]

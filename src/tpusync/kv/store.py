@@ -494,7 +494,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         try:
             with stack.lock:
                 # another node's copy does not count: it may go away at any time
-                where = stack.locate(keys, prefix=False, local=True)
+                where = stack.locate(keys, prefix=False, local=True, probe=False)
             fresh = [i for i, t in enumerate(where) if t < 0]
             for t in set(where) - {-1}:
                 stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
