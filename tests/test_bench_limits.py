@@ -24,6 +24,7 @@ from tpusync.bench.limits import (
     reserved_huge_pages,
 )
 from tpusync.errors import InvalidArgumentError
+from tpusync.memory.copy_limit import last_level_cache_bytes
 
 METHODS = sorted(native.COPY_METHODS)
 
@@ -65,6 +66,24 @@ def test_copy_is_exact_for_any_size_and_alignment(
         dst[dst_offset : dst_offset + nbytes], src[src_offset : src_offset + nbytes]
     )
     assert not dst[:dst_offset].any() and not dst[dst_offset + nbytes :].any()
+
+
+def test_a_cold_limit_empties_the_caches_before_each_copy() -> None:
+    """A region that fits in the last-level cache: copied back to back, the source comes from
+    the cache; with the caches emptied before each copy it cannot, so the cold limit is lower."""
+    nbytes = min(4 << 20, last_level_cache_bytes() // 4)
+    warm, cold = MemoryLimit(nbytes, threads=1), MemoryLimit(nbytes, threads=1, cold=True)
+    try:
+        assert warm._evict is None and cold._evict is not None
+        assert cold._evict.nbytes >= 4 * last_level_cache_bytes()
+        for _ in range(5):
+            warm.sample(repeats=3)
+            cold.sample(repeats=3)
+        assert cold.verify()
+        assert cold.result().gbps < warm.result().gbps
+    finally:
+        warm.close()
+        cold.close()
 
 
 def test_memory_limit_reports_every_method_and_copies_right() -> None:

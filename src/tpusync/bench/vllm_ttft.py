@@ -27,10 +27,13 @@ before in another engine ("x hit").
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
 bytes measured in the same run (one contiguous copy on all cores, the best of memcpy and
-non-temporal stores). Before each hit of a disk row the page cache is dropped (as root; the
-JSON says whether it was), and the disk's own limit is fio's O_DIRECT read with the disk
-tier's threads and request size, measured in the same run: the disk tier reads with O_DIRECT,
-ExampleConnector through the page cache, so a warm cache would compare memory with a disk.
+non-temporal stores, the caches emptied before each copy: the hits' source was written before
+model steps that streamed the weights through the caches, and a repeated copy of a region that
+fits in the last-level cache would read it from there). Before each hit of a disk row the
+page cache is dropped (as root; the JSON says whether it was), and the disk's own limit is
+fio's O_DIRECT read with the disk tier's threads and request size, measured in the same run:
+the disk tier reads with O_DIRECT, ExampleConnector through the page cache, so a warm cache
+would compare memory with a disk.
 Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
 the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
 TTFT minus the vLLM prefix hit's: what
@@ -277,7 +280,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
             stop_process(node)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    limit = MemoryLimit(kv_bytes)
+    limit = MemoryLimit(kv_bytes, cold=True)  # the hits' source: written before model steps
     for _ in range(repeats):
         limit.sample(repeats=3)
     found = limit.result()

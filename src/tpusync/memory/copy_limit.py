@@ -2,7 +2,12 @@
 glibc ``memcpy`` and non-temporal stores (one stream, or four pages interleaved), timed in C
 between barriers so that no thread start or dispatch is in it. ``np.copyto`` on a thread per
 core is measured beside it and never used as the limit. The demo and ``tpusync bench`` divide
-their host-side figures by it."""
+their host-side figures by it.
+
+With ``cold=True`` the caches are emptied before each timed copy: for a region that fits in the
+last-level cache, back-to-back copies read a source the previous copy left in the cache, which
+a load of blocks written long ago (a KV hit after model steps that streamed the weights through
+the cache) never finds there."""
 
 from __future__ import annotations
 
@@ -13,13 +18,20 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from tpusync import _core
 from tpusync.errors import InvalidArgumentError
 
-__all__ = ["STREAMING_METHODS", "LimitResult", "MemoryLimit", "memory_limit_gbps"]
+__all__ = [
+    "STREAMING_METHODS",
+    "LimitResult",
+    "MemoryLimit",
+    "last_level_cache_bytes",
+    "memory_limit_gbps",
+]
 
 STREAMING_METHODS = ("stream", "stream_pages")
 
@@ -52,14 +64,33 @@ def _huge_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     return region, array
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 64 MiB where it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=64 << 20)
+
+
 class MemoryLimit:
     """The memory-copy limit for ``nbytes``: one contiguous region to another, on ``threads``
-    threads (default: every core this process may run on).
+    threads (default: every core this process may run on); ``cold``: the caches emptied before
+    each timed copy (see the module's docstring).
 
     :meth:`sample` times each method once (so that calls alternate with the figures they
     bound); :meth:`result` gives the medians so far and the best method."""
 
-    def __init__(self, nbytes: int, threads: int | None = None, *, seed: int = 0) -> None:
+    def __init__(
+        self, nbytes: int, threads: int | None = None, *, seed: int = 0, cold: bool = False
+    ) -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise InvalidArgumentError(
                 f"nbytes: expected a positive number of bytes, got {nbytes!r}"
@@ -77,13 +108,26 @@ class MemoryLimit:
         self._slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self._pool = ThreadPoolExecutor(self.threads)
         self._runs: dict[str, list[float]] = {m: [] for m in [*self.methods, "np.copyto"]}
+        # written over before each timed copy: four times the largest cache evicts it all
+        self._evict = np.ones(4 * last_level_cache_bytes(), np.uint8) if cold else None
+
+    def _empty_caches(self) -> None:
+        if self._evict is not None:
+            self._evict += 1
 
     def sample(self, repeats: int = 1) -> None:
         """Times every method ``repeats`` times (the best repeat counts: the limit is what the
         machine can do) and ``np.copyto`` once."""
         for method in self.methods:
-            seconds = _core.copy_seconds(self.dst, self.src, self.threads, method, repeats)
+            if self._evict is None:
+                seconds = _core.copy_seconds(self.dst, self.src, self.threads, method, repeats)
+            else:
+                seconds = []
+                for _ in range(repeats):
+                    self._empty_caches()
+                    seconds += _core.copy_seconds(self.dst, self.src, self.threads, method, 1)
             self._runs[method].append(min(seconds))
+        self._empty_caches()
         start = time.perf_counter()
         list(self._pool.map(lambda s: np.copyto(self.dst[s], self.src[s]), self._slices))
         self._runs["np.copyto"].append(time.perf_counter() - start)
@@ -112,6 +156,7 @@ class MemoryLimit:
 
     def close(self) -> None:
         self._pool.shutdown()
+        self._evict = None
         del self.src, self.dst
         self._src_region.close()
         self._dst_region.close()
