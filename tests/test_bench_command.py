@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tpusync
 from tpusync.bench.common import LIMIT_BEATEN, format_table
 from tpusync.bench.plot import plot_results
-from tpusync.bench.results import vllm_loaded_bytes, write_results_md
+from tpusync.bench.results import paired_over_hit, vllm_loaded_bytes, write_results_md
 
 ROOT = Path(__file__).resolve().parents[1]
 # the children import the tpusync under test (a relative PYTHONPATH breaks in another cwd)
@@ -134,6 +136,18 @@ def test_vllm_ttft_rates_divide_the_bytes_loaded_not_the_prompts_kv() -> None:
     assert vllm_loaded_bytes(old) == 31 * 32 * per_token
     odd = {"tokens": 1000, "kv_bytes": 31 * 32 * per_token, "block_size": 32}
     assert vllm_loaded_bytes(odd) == 31 * 32 * per_token
+
+
+def test_vllm_ttft_over_hit_pairs_each_hit_with_vllms_own_right_after_it() -> None:
+    result = {
+        "tokens": 1024,
+        "tpusync DRAM": {"ttft_s_runs": [0.030, 0.020, 0.050],
+                         "own_hit_ttft_s_runs": [0.027, 0.019, 0.040]},
+        "Example disk": {"ttft_s_runs": [0.5]},  # an old record: no pairs, left out
+    }  # fmt: skip
+    over = paired_over_hit(result)
+    assert over.keys() == {"tpusync DRAM"}
+    assert over["tpusync DRAM"] == pytest.approx(0.003)  # the median of 3, 1 and 10 ms
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:

@@ -1595,3 +1595,62 @@ def test_serve_lists_dram_and_disk_and_serves_disk_blocks_to_peers(
     serving.serve(again, registry, "owner", secret=secret, ttl_s=30)
     assert listed(first) == [True] * 3  # published at start: disk blocks included
     assert again.dram.contains(keys_of(again, first)) == [False] * 3
+
+
+# --- other pools of the store's layout (an engine's staging buffer) --------------------------
+
+
+def _hashes(rng: np.random.Generator, n: int) -> list[bytes]:
+    return [rng.bytes(32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("case", ["dram", "through a disk tier"])
+def test_save_from_and_load_into_other_pools_of_the_layout(arrays, rng, stores, tmp_path, case):
+    kv = Kv(arrays, rng)
+    staging = Kv(arrays, rng, blocks=12)  # fewer blocks than the store's pools
+    config = make_config(dram=16) if case == "dram" else make_config(tmp_path, dram=4, disk=64)
+    store = stores(config, kv.pools)
+    hashes = _hashes(rng, 10)
+    saved_ids = [11, 3, 0, 7, 5, 1, 9, 2, 10, 4]
+    expected = staging.blocks(saved_ids)
+    own_before = kv.snapshot()
+    result = store.save_engine_blocks_async(hashes, saved_ids, pools=staging.pools).result(TIMEOUT)
+    assert result.stored_blocks == 10
+    assert staging.held() == [[]] * N_POOLS
+    kv.check([], [b[:0] for b in own_before], own_before)  # the store's own pools: unchanged
+    # into the store's own pools
+    hit = store.lookup_engine_blocks(hashes)
+    assert hit.num_blocks == 10
+    assert store.load(hit, list(range(20, 30))).loaded_blocks == 10
+    kv.check(range(20, 30), expected)
+    # and into other pools again
+    target = Kv(arrays, rng, blocks=10)
+    before = target.snapshot()
+    hit = store.lookup_engine_blocks(hashes[:6])
+    assert store.load(hit, [5, 4, 3, 2, 1, 0], pools=target.pools).loaded_blocks == 6
+    target.check([5, 4, 3, 2, 1, 0], [b[:6] for b in expected], before)
+
+
+def test_other_pools_of_another_layout_are_refused(arrays, rng, stores):
+    kv = Kv(arrays, rng)
+    store = stores(make_config(dram=16), kv.pools)
+    hashes = _hashes(rng, 2)
+    store.save_engine_blocks_async(hashes, [0, 1]).result(TIMEOUT)
+    wrong_dtype = Kv(arrays, rng, np.float32, blocks=4)
+    wrong_shape = Kv(arrays, rng, blocks=4, bs=8)
+    for other in (wrong_dtype, wrong_shape):
+        with pytest.raises(InvalidArgumentError, match=r"pools: their blocks are not this"):
+            store.save_engine_blocks_async(_hashes(rng, 2), [0, 1], pools=other.pools)
+        hit = store.lookup_engine_blocks(hashes)
+        before = other.snapshot()
+        with pytest.raises(InvalidArgumentError, match=r"pools: their blocks are not this"):
+            store.load(hit, [0, 1], pools=other.pools)
+        assert hit.open  # refused before anything moved: the handle is still the caller's
+        store.release(hit)
+        assert same(other.snapshot(), before)
+    small = Kv(arrays, rng, blocks=4)
+    with pytest.raises(BlockIndexError, match=r"0\.\.3"):
+        store.save_engine_blocks_async(_hashes(rng, 2), [0, 4], pools=small.pools)
+    with pytest.raises(InvalidArgumentError, match=r"pools: .*list"):
+        store.save_engine_blocks_async(_hashes(rng, 1), [0], pools=small.pools[0])
+    assert counters(store)["saves"] == 1

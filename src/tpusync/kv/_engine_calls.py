@@ -30,7 +30,8 @@ class EngineBlockCalls:
     _namespace: Callable[[Namespace | None], Namespace]
     _lookup_keys: Callable[[list[bytes], int, int], LookupResult]
     _check_block_ids: Callable[..., np.ndarray]
-    _start_save: Callable[[list[bytes], np.ndarray], SaveFuture]
+    _start_save: Callable[..., SaveFuture]
+    _other_pools: Callable[[Any], tuple[list[Any], int]]
 
     def lookup_engine_blocks(
         self, block_hashes: Sequence[bytes], *, namespace: Namespace | None = None
@@ -61,14 +62,20 @@ class EngineBlockCalls:
         device_block_ids: Any,
         *,
         namespace: Namespace | None = None,
+        pools: Any = None,
     ) -> SaveFuture:
         """:meth:`save_async` for blocks the engine has hashed itself (see
         :meth:`lookup_engine_blocks`): ``device_block_ids[i]`` holds the block of
-        ``block_hashes[i]``; blocks already stored are skipped."""
+        ``block_hashes[i]``; blocks already stored are skipped. ``pools``: other pools of
+        this store's block layout to save from (e.g. a staging buffer); default: the
+        store's own."""
         self._check_open()
         keys = self._engine_keys(block_hashes, namespace)
-        ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
-        return self._start_save(keys, ids)
+        count = None
+        if pools is not None:
+            pools, count = self._other_pools(pools)
+        ids = self._check_block_ids(device_block_ids, len(keys), at_most=False, num_blocks=count)
+        return self._start_save(keys, ids, pools)
 
     def add_block_listener(self, listener: Callable[[str, str, list[bytes]], None]) -> None:
         """Calls ``listener(kind, tier, keys)`` whenever blocks are stored in (``"stored"``) or

@@ -5,7 +5,7 @@ layer-by-layer load (:class:`~tpusync.kv.results.LayerLoad`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,9 +24,10 @@ def load_keys(
     keys: list[bytes],
     ids: np.ndarray,
     after_pool: Callable[[int], None] | None = None,
+    pools: list[Any] | None = None,
 ) -> tuple[int, int]:
-    """Promotes and loads pinned ``keys`` into ``ids``; returns (leading blocks loaded, blocks
-    promoted from lower tiers).
+    """Promotes and loads pinned ``keys`` into ``ids`` of ``pools`` (default: the store's);
+    returns (leading blocks loaded, blocks promoted from lower tiers).
 
     ``after_pool(i)``: called once device pool ``i`` holds the blocks copied out of DRAM,
     before their checksums are compared. A reader may then have used them, so a block that
@@ -34,8 +35,9 @@ def load_keys(
     reported as not loaded (the caller recomputes it)."""
     if not keys:
         return 0, 0
+    pools = store.pools if pools is None else pools
     if streams(store, len(keys), save=False):
-        done = load_through_dram(store, keys, ids)
+        done = load_through_dram(store, keys, ids, pools)
         _all_written(store, after_pool)
         return done
     stack = store._stack
@@ -45,15 +47,15 @@ def load_keys(
         return 0, promoted
     try:
         # keys, pools and ids were checked by this store (load): not again per tier
-        store.dram._get_checked(
-            keys[:prefix], store.pools, ids[:prefix], store.config.path, after_pool
-        )
+        store.dram._get_checked(keys[:prefix], pools, ids[:prefix], store.config.path, after_pool)
         loaded = prefix
     except BlocksMissingError as missing:
         if after_pool is not None:
             loaded = next((i for i, ok in enumerate(missing.loaded) if not ok), prefix)
         else:  # DRAM dropped the blocks that failed their checksum: a lower tier may hold them
-            loaded, again = reload_from_below(store, keys[:prefix], ids[:prefix], missing.loaded)
+            loaded, again = reload_from_below(
+                store, keys[:prefix], ids[:prefix], missing.loaded, pools
+            )
             promoted += again
     stack.touch(0, keys[:loaded])
     return loaded, promoted

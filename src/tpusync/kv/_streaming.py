@@ -19,7 +19,7 @@ longer than DRAM passes through it in chunks:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,7 +40,7 @@ def streams(store: KVCacheStore, blocks: int, *, save: bool) -> bool:
 
 
 def save_through_dram(
-    store: KVCacheStore, keys: list[bytes], ids: np.ndarray
+    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, pools: list[Any]
 ) -> tuple[int, int | None]:
     """Saves the leading blocks of a save larger than DRAM, chunk by chunk, each written into
     the lower tiers before the next (see the module docstring). Returns the blocks stored and
@@ -54,7 +54,7 @@ def save_through_dram(
         part = slice(start, start + chunk)
         try:
             with stack.room(0, len(keys[part])):
-                dram.put_from_device(keys[part], store.pools, ids[part], path=store.config.path)
+                dram.put_from_device(keys[part], pools, ids[part], path=store.config.path)
         except TierFullError:
             if chunk == 1:
                 raise
@@ -72,9 +72,11 @@ def save_through_dram(
     return stored_blocks, start
 
 
-def load_through_dram(store: KVCacheStore, keys: list[bytes], ids: np.ndarray) -> tuple[int, int]:
-    """Loads pinned ``keys`` (more than DRAM holds) into device blocks ``ids`` (see the module
-    docstring); returns (leading blocks loaded, blocks promoted from lower tiers)."""
+def load_through_dram(
+    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, pools: list[Any]
+) -> tuple[int, int]:
+    """Loads pinned ``keys`` (more than DRAM holds) into blocks ``ids`` of ``pools`` (see the
+    module docstring); returns (leading blocks loaded, blocks promoted from lower tiers)."""
     stack, dram = store._stack, store.dram
     n = len(keys)
     loaded = np.zeros(n, dtype=bool)
@@ -82,7 +84,7 @@ def load_through_dram(store: KVCacheStore, keys: list[bytes], ids: np.ndarray) -
     loosened: list[bytes] = []
     try:
         in_dram = np.flatnonzero(dram.contains(keys))
-        _to_device(store, keys, ids, in_dram, loaded)
+        _to_device(store, pools, keys, ids, in_dram, loaded)
         loosened += [keys[i] for i in in_dram]
         stack.loosen(loosened)
         # the rest, and the blocks DRAM failed to serve (dropped: a lower tier may hold them)
@@ -99,7 +101,9 @@ def load_through_dram(store: KVCacheStore, keys: list[bytes], ids: np.ndarray) -
                 chunk = max(1, chunk // 2)
                 continue
             promoted += moved
-            _to_device(store, keys, ids, np.array(part)[np.asarray(held, dtype=bool)], loaded)
+            _to_device(
+                store, pools, keys, ids, np.array(part)[np.asarray(held, dtype=bool)], loaded
+            )
             stack.loosen(part_keys)
             loosened += part_keys
             start += len(part)
@@ -112,7 +116,11 @@ def load_through_dram(store: KVCacheStore, keys: list[bytes], ids: np.ndarray) -
 
 
 def reload_from_below(
-    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, served: list[bool]
+    store: KVCacheStore,
+    keys: list[bytes],
+    ids: np.ndarray,
+    served: list[bool],
+    pools: list[Any],
 ) -> tuple[int, int]:
     """After DRAM failed to serve some of pinned ``keys`` (``served`` False: DRAM dropped them
     as corrupt), reads those from the lower tiers and copies them to the device. Returns
@@ -122,12 +130,17 @@ def reload_from_below(
     promoted = 0
     if len(store._stack.tiers) > 1:
         held, promoted = store._stack.promote([keys[i] for i in failed])
-        _to_device(store, keys, ids, failed[np.asarray(held, dtype=bool)], loaded)
+        _to_device(store, pools, keys, ids, failed[np.asarray(held, dtype=bool)], loaded)
     return (int(np.argmin(loaded)) if not loaded.all() else len(keys)), promoted
 
 
 def _to_device(
-    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, which: np.ndarray, loaded: np.ndarray
+    store: KVCacheStore,
+    pools: list[Any],
+    keys: list[bytes],
+    ids: np.ndarray,
+    which: np.ndarray,
+    loaded: np.ndarray,
 ) -> None:
     """Copies the DRAM blocks of ``keys[which]`` into device blocks ``ids[which]``; marks the
     ones served in ``loaded`` (a block that fails its checksum is dropped from DRAM)."""
@@ -135,7 +148,7 @@ def _to_device(
         return
     subset = [keys[i] for i in which]
     try:
-        store.dram._get_checked(subset, store.pools, ids[which], store.config.path)
+        store.dram._get_checked(subset, pools, ids[which], store.config.path)
         loaded[which] = True
     except BlocksMissingError as missing:
         loaded[which] = missing.loaded

@@ -224,9 +224,12 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         toks = check_tokens(tokens)
         return toks, self.scheme.block_keys(self._namespace(namespace), toks, self.block_size)
 
-    def _check_block_ids(self, block_ids: Any, needed: int, *, at_most: bool) -> np.ndarray:
-        """Device block ids as int64: in range, unique, and ``needed`` of them (or, with
-        ``at_most``, 1..needed; without, at least ``needed`` — extra ids are ignored)."""
+    def _check_block_ids(
+        self, block_ids: Any, needed: int, *, at_most: bool, num_blocks: int | None = None
+    ) -> np.ndarray:
+        """Device block ids as int64: in range (``num_blocks``, default the store's pools'),
+        unique, and ``needed`` of them (or, with ``at_most``, 1..needed; without, at least
+        ``needed`` — extra ids are ignored)."""
         argument = "device_block_ids"
         if isinstance(block_ids, str | bytes) or block_ids is None:
             raise InvalidArgumentError(
@@ -254,19 +257,37 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             )
         else:
             ids = ids[:needed]
-        status = _core.block_ids_status(ids, self.num_device_blocks)
+        limit = self.num_device_blocks if num_blocks is None else num_blocks
+        status = _core.block_ids_status(ids, limit)
         if status == 1:
             raise BlockIndexError(
-                f"{argument}: ids must be in 0..{self.num_device_blocks - 1}, got "
-                f"{int(ids.min())}..{int(ids.max())}"
+                f"{argument}: ids must be in 0..{limit - 1}, got {int(ids.min())}..{int(ids.max())}"
             )
         if status == 2:
             raise BlockIndexError(f"{argument}: a block id appears more than once")
         return ids
 
-    def _check_writable(self, ids: np.ndarray) -> None:
-        for pool in self.pools:
+    def _check_writable(self, ids: np.ndarray, pools: list[Any] | None = None) -> None:
+        for pool in self.pools if pools is None else pools:
             pool._check_writable(ids, self.config.block_axis, "device_block_ids")
+
+    def _other_pools(self, pools: Any) -> tuple[list[Any], int]:
+        """``pools`` checked to hold blocks of this store's layout (any number of them):
+        the pools and their number of blocks."""
+        axis = self.config.block_axis
+        try:
+            count = check_device_pools(pools, axis)
+            layout = PoolLayout.from_pools(self.config.model_id, list(pools), block_axis=axis)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"pools: {error}") from None
+        if layout.fingerprint != self.layout.fingerprint:
+            raise InvalidArgumentError(
+                "pools: their blocks are not this store's (each pool needs the dtype and the "
+                "block shape of the store's pool at its index, in the same order); got "
+                f"{[(a.dtype, a.shard_block_shape) for a in layout.arrays]}, the store has "
+                f"{[(a.dtype, a.shard_block_shape) for a in self.layout.arrays]}"
+            )
+        return list(pools), count
 
     def _check_handle(self, result: Any) -> LookupResult:
         if not isinstance(result, LookupResult):
@@ -372,32 +393,41 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             self._handles.remove(result)
         self._stack.unpin(list(result.keys))
 
-    def load(self, result: LookupResult, device_block_ids: Any) -> LoadResult:
+    def load(self, result: LookupResult, device_block_ids: Any, *, pools: Any = None) -> LoadResult:
         """Loads the hit's blocks into ``device_block_ids`` (one per cached block, in order;
         fewer loads only the first ones) and consumes the handle.
+
+        ``pools``: other pools of this store's block layout to load into (e.g. an engine's
+        staging buffer; any number of blocks); default: the store's own.
 
         Blocks found only in lower tiers are promoted into DRAM first (a hit longer than DRAM
         holds passes through it in chunks); a block that one tier fails to serve (its checksum
         fails) is read from the next tier that has it. Returns how many tokens were loaded: all
         cached ones, unless blocks were lost or failed their checksum in every tier holding them
         (a miss, counted; the blocks after the first miss are not loaded)."""
-        return self._load(result, device_block_ids, None)
+        return self._load(result, device_block_ids, None, pools)
 
     def _load(
         self,
         result: LookupResult,
         device_block_ids: Any,
         after_pool: Callable[[int], None] | None,
+        pools: Any = None,
     ) -> LoadResult:
         self._check_open()
         self._check_handle(result)
-        ids = self._check_block_ids(device_block_ids, result.num_blocks, at_most=True)
-        self._check_writable(ids)
+        count = None
+        if pools is not None:
+            pools, count = self._other_pools(pools)
+        ids = self._check_block_ids(
+            device_block_ids, result.num_blocks, at_most=True, num_blocks=count
+        )
+        self._check_writable(ids, pools)
         self._claim(result)
         start = time.perf_counter()
         keys = list(result.keys[: len(ids)])
         try:
-            loaded, promoted = self._load_keys(keys, ids, after_pool)
+            loaded, promoted = self._load_keys(keys, ids, after_pool, pools)
         except BaseException:
             with self._handles_lock:
                 result._state = "open"  # a failed load leaves the handle and its pins
@@ -421,9 +451,13 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         return self._submit(self.load, result, device_block_ids)
 
     def _load_keys(
-        self, keys: list[bytes], ids: np.ndarray, after_pool: Callable[[int], None] | None = None
+        self,
+        keys: list[bytes],
+        ids: np.ndarray,
+        after_pool: Callable[[int], None] | None = None,
+        pools: list[Any] | None = None,
     ) -> tuple[int, int]:
-        return load_keys(self, keys, ids, after_pool)
+        return load_keys(self, keys, ids, after_pool, pools)
 
     def load_by_layer(self, result: LookupResult, device_block_ids: Any) -> LayerLoad:
         """:meth:`load` in the background, filling the device pools one after another (in the
@@ -462,17 +496,20 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         ids = self._check_block_ids(device_block_ids, len(keys), at_most=False)
         return self._start_save(keys, ids)
 
-    def _start_save(self, keys: list[bytes], ids: np.ndarray) -> SaveFuture:
+    def _start_save(
+        self, keys: list[bytes], ids: np.ndarray, pools: list[Any] | None = None
+    ) -> SaveFuture:
+        pools = self.pools if pools is None else pools
         future = SaveFuture()
-        for pool in self.pools:
+        for pool in pools:
             pool.hold_blocks(ids, self.config.block_axis)
         with self._handles_lock:
             self._saving.add(future)
         future.add_done_callback(self._save_done)
         try:
-            self._calls.submit(self._run_save, keys, ids, future)
+            self._calls.submit(self._run_save, keys, ids, future, pools)
         except BaseException as error:
-            self._release_blocks(ids, future)
+            self._release_blocks(ids, future, pools)
             future.set_exception(error)
             raise
         return future
@@ -481,13 +518,15 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         with self._handles_lock:
             self._saving.discard(future)
 
-    def _release_blocks(self, ids: np.ndarray, future: SaveFuture) -> None:
-        for pool in self.pools:
+    def _release_blocks(self, ids: np.ndarray, future: SaveFuture, pools: list[Any]) -> None:
+        for pool in pools:
             pool.release_blocks(ids, self.config.block_axis)
         if not future.released.done():
             future.released.set_result(None)
 
-    def _run_save(self, keys: list[bytes], ids: np.ndarray, future: SaveFuture) -> None:
+    def _run_save(
+        self, keys: list[bytes], ids: np.ndarray, future: SaveFuture, pools: list[Any]
+    ) -> None:
         start = time.perf_counter()
         stack = self._stack
         admitted = streamed = 0
@@ -500,7 +539,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
                 stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
             new_keys, new_ids = [keys[i] for i in fresh], ids[fresh]
             if streams(self, len(new_keys), save=True):  # more than DRAM holds: chunk by chunk
-                streamed, rest = save_through_dram(self, new_keys, new_ids)
+                streamed, rest = save_through_dram(self, new_keys, new_ids, pools)
                 rest = len(new_keys) if rest is None else rest
                 new_keys, new_ids = new_keys[rest:], new_ids[rest:]
             if stack.writeback_admit(len(new_keys)):
@@ -508,17 +547,17 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             stored = []
             if new_keys:
                 with stack.room(0, len(new_keys)):
-                    self.dram.put_from_device(new_keys, self.pools, new_ids, path=self.config.path)
+                    self.dram.put_from_device(new_keys, pools, new_ids, path=self.config.path)
                 stored = present(self.dram, new_keys)
                 stack.touch(0, stored)
                 stack.dram_added(stored)
         except BaseException as error:
-            self._release_blocks(ids, future)
+            self._release_blocks(ids, future, pools)
             if admitted:
                 stack.writeback_enqueue([], admitted)
             future.set_exception(error)
             return
-        self._release_blocks(ids, future)
+        self._release_blocks(ids, future, pools)
         if admitted:
             stack.writeback_enqueue(stored, admitted)
         n_stored = streamed + len(stored)
