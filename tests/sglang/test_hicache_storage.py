@@ -1,0 +1,212 @@
+"""TpuSyncHiCacheStorage against SGLang 0.5.23's real host pools and storage factory on CPU:
+byte-exact round trips through the zero-copy (v1) and the generic paths in every host layout,
+MHA and MLA; prefix semantics of batch_exists; damaged pages; bad configurations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.sglang.conftest import CASES, Case, host_pool, indices, keys, page_bytes, randomize
+from tpusync.errors import InvalidArgumentError
+from tpusync.kv import KVCacheStore
+from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE
+
+PAGE = 4096  # the disk tier's index and slab headers
+
+IDS = [f"{c.kind}-{c.layout}" for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_v1_pages_round_trip_byte_exact(backends, case: Case):
+    pool = host_pool(case.kind, case.layout)
+    backend = backends(pool, case.kind)
+    assert isinstance(backend.store, KVCacheStore)
+    source = [3, 7, 1, 12, 5]
+    target = [20, 21, 30, 9, 40]
+    names = keys(len(source))
+    expected = [page_bytes(pool, p) for p in source]
+    assert backend.batch_set_v1(names, indices(source, pool.page_size)) == [True] * 5
+    before = [page_bytes(pool, p) for p in target]
+    assert all(b != e for b, e in zip(before, expected, strict=True))
+    assert backend.batch_get_v1(names, indices(target, pool.page_size)) == [True] * 5
+    assert [page_bytes(pool, p) for p in target] == expected
+    assert backend.stats()["store"]["loaded_blocks"] == 5
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.layout != "page_unified"], ids=IDS[:4] + IDS[5:]
+)
+def test_generic_pages_round_trip_and_match_the_v1_pages(backends, case: Case):
+    pool = host_pool(case.kind, case.layout)
+    backend = backends(pool, case.kind)
+    ps = pool.page_size
+    names = keys(3)
+    values = [pool.get_data_page(p * ps, flat=True) for p in (2, 4, 6)]
+    expected = [page_bytes(pool, p) for p in (2, 4, 6)]
+    assert backend.batch_set(names, values)
+    # the generic path's flat pages are the v1 path's pages: read them back into the pool
+    assert backend.batch_get_v1(names, indices([10, 11, 12], ps)) == [True] * 3
+    assert [page_bytes(pool, p) for p in (10, 11, 12)] == expected
+    # and through the generic path, into SGLang's dummy pages, then set into the pool
+    targets = [pool.get_dummy_flat_data_page() for _ in names]
+    got = backend.batch_get(names, targets)
+    for page, flat in zip((13, 14, 15), got, strict=True):
+        assert flat is not None
+        pool.set_from_flat_data_page(page * ps, flat)
+    assert [page_bytes(pool, p) for p in (13, 14, 15)] == expected
+    # single keys, and a value v1 stored read through the generic path
+    assert backend.set(names[0], values[0]) and backend.exists(names[0])
+    other = keys(1)
+    assert backend.batch_set_v1(other, indices([1], ps)) == [True]
+    flat = backend.get(other[0])
+    assert flat.contiguous().view(torch.uint8).numpy().tobytes() == page_bytes(pool, 1)
+    assert backend.get(keys(1)[0]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])  # fmt: skip
+def test_every_kv_dtype_round_trips(backends, dtype):
+    pool = host_pool("mha", "page_first", dtype=dtype)
+    backend = backends(pool, "mha")
+    names = keys(4)
+    expected = [page_bytes(pool, p) for p in range(4)]
+    assert backend.batch_set_v1(names, indices(list(range(4)), 4)) == [True] * 4
+    assert backend.batch_get_v1(names, indices([8, 9, 10, 11], 4)) == [True] * 4
+    assert [page_bytes(pool, p) for p in (8, 9, 10, 11)] == expected
+
+
+def test_batch_exists_counts_the_leading_pages_held(backends):
+    pool = host_pool("mha", "page_first")
+    backend = backends(pool, "mha")
+    held = keys(4)
+    assert backend.batch_set_v1(held, indices([0, 1, 2, 3], 4)) == [True] * 4
+    missing = keys(1)
+    assert backend.batch_exists(held) == 4
+    assert backend.batch_exists([*held[:2], *missing, *held[2:]]) == 2
+    assert backend.batch_exists([*missing, *held]) == 0
+    assert backend.batch_exists([]) == 0
+    # a get past a missing page loads only the leading run, and says so page by page
+    before = page_bytes(pool, 22)
+    got = backend.batch_get_v1([*held[:2], *missing, held[2]], indices([20, 21, 22, 23], 4))
+    assert got == [True, True, False, False]
+    assert page_bytes(pool, 22) == before
+    stats = backend.stats()
+    assert stats["store"]["lookups"] >= 4
+
+
+def test_pages_stored_again_are_skipped_and_count_as_stored(backends):
+    pool = host_pool("mha", "page_head")
+    backend = backends(pool, "mha")
+    names = keys(3)
+    assert backend.batch_set_v1(names, indices([0, 1, 2], 4)) == [True] * 3
+    assert backend.batch_set_v1(names, indices([5, 6, 7], 4)) == [True] * 3
+    assert backend.stats()["store"]["saved_blocks"] == 3
+
+
+def _damage_disk_page(directory: Path) -> None:
+    """Flips a byte in the payload of one committed page of the disk tier at ``directory``."""
+    records = np.frombuffer((directory / "tpusync-disk.index").read_bytes(), RECORD_DTYPE,
+                            offset=PAGE)  # fmt: skip
+    slots = np.flatnonzero(records["state"] == COMMITTED)
+    slab = directory / "slab-000000.tpd"
+    slot_bytes = (slab.stat().st_size - PAGE) // len(records)
+    with open(slab, "r+b") as f:
+        f.seek(PAGE + int(slots[len(slots) // 2]) * slot_bytes + 10)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_damaged_page_on_disk_is_a_miss_never_a_wrong_byte(backends, tmp_path):
+    disk = tmp_path / "disk"
+    extra = {"dram": {"capacity_blocks": 8},
+             "disk": {"directory": str(disk), "capacity_blocks": 64, "create": True}}  # fmt: skip
+    pool = host_pool("mha", "layer_first")
+    backend = backends(pool, "mha", extra)
+    names = keys(6)
+    expected = [page_bytes(pool, p) for p in range(6)]
+    assert backend.batch_set_v1(names, indices(list(range(6)), 4)) == [True] * 6
+    assert backend.store.flush(30)
+    backend.close()
+    # a new engine: DRAM empty, the pages on disk, one of them damaged
+    _damage_disk_page(disk)
+    fresh = host_pool("mha", "layer_first")
+    second = backends(fresh, "mha", extra)
+    assert second.batch_exists(names) == 6  # the index holds them; the bytes are checked on load
+    got = second.batch_get_v1(names, indices([30, 31, 32, 33, 34, 35], 4))
+    n = got.index(False)
+    assert 0 < n < 6 and got == [True] * n + [False] * (6 - n)
+    assert [page_bytes(fresh, p) for p in range(30, 30 + n)] == expected[:n]
+    assert second.stats()["store"]["load_misses"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "fields", "match"),
+    [
+        ({"dram_blocks": 4}, {}, r"dram_blocks: unknown key"),
+        ({"dram": {"capacity": 4}}, {}, r"dram\.capacity: unknown key"),
+        ({"block_size": 16}, {}, r"block_size: set by SGLang's --page-size"),
+        ({"shard_rank": 1}, {}, r"shard_rank: set by SGLang's ranks"),
+        ({"model_id": "other"}, {}, r"model_id: 'other' contradicts SGLang's model_name"),
+        ({"disk": {"directory": 7, "capacity_blocks": 1}}, {}, r"disk"),
+        ({}, {"model_name": None}, r"model_id: SGLang gave no model_name"),
+        ({}, {"should_split_heads": True}, r"should_split_heads"),
+        ({"secret_file": "/nonexistent/secret"}, {}, r"secret_file: cannot read"),
+    ],
+)
+def test_a_bad_configuration_is_refused_when_sglang_makes_the_backend(extra, fields, match):
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    from tests.sglang.conftest import storage_config
+
+    pool = host_pool("mha", "page_first")
+    with pytest.raises(InvalidArgumentError, match=match):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config("mha", "page_first", extra, **fields), pool
+        )
+
+
+def test_a_layout_or_pool_it_does_not_know_is_refused(backends):
+    pool = host_pool("mha", "page_first")
+    pool.layout = "page_first_kv_split"
+    with pytest.raises(InvalidArgumentError, match=r"layout 'page_first_kv_split' is not"):
+        backends(pool, "mha")
+    backend = backends(host_pool("mha", "page_first"), "mha")
+    with pytest.raises(InvalidArgumentError, match=r"'mamba' pools of hybrid models"):
+        backend.register_mem_host_pool_v2(pool, "mamba")
+    with pytest.raises(InvalidArgumentError, match=r"hybrid \(v2\) pools"):
+        backend.batch_get_v2([])
+    with pytest.raises(InvalidArgumentError, match=r"host_indices: a page must start"):
+        backend.batch_set_v1(keys(1), torch.arange(1, 5))
+    with pytest.raises(InvalidArgumentError, match=r"values\[0\]: a flat page"):
+        backend.batch_set(keys(1), [torch.zeros(3, dtype=torch.bfloat16)])
+    assert backend.stats()["store"]["saves"] == 0
+
+
+def test_mla_pages_are_keyed_without_the_tensor_parallel_rank(backends):
+    """MLA pages are the same on every rank: rank 1 finds what rank 0 stored, and only the
+    writer rank (SGLang's tp_rank == dcp_rank) stores."""
+    shm = {"dram": {"capacity_blocks": 64, "name": None}}
+    del shm  # one store per backend here: the key, not the tier, is what is checked
+    writer_pool = host_pool("mla", "page_first")
+    writer = backends(writer_pool, "mla", tp_size=2, tp_rank=0)
+    reader_pool = host_pool("mla", "page_first")
+    reader = backends(reader_pool, "mla", tp_size=2, tp_rank=1)
+    assert writer.store.namespace == reader.store.namespace
+    assert writer.settings.writes and not reader.settings.writes
+    assert reader.batch_set_v1(keys(2), indices([0, 1], 4)) == [True, True]
+    assert reader.stats()["store"]["saves"] == 0  # not the writer: nothing stored
+    mha = [backends(host_pool("mha", "page_first"), "mha", tp_size=2, tp_rank=r) for r in (0, 1)]
+    assert mha[0].store.namespace != mha[1].store.namespace
+
+
+def test_fresh_random_pages_differ_from_stored_ones():
+    """The check the round trips rely on: a fresh pool's pages are random, not equal."""
+    pool = host_pool("mha", "page_first")
+    first = page_bytes(pool, 0)
+    randomize(pool)
+    assert page_bytes(pool, 0) != first
