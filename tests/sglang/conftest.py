@@ -40,14 +40,19 @@ def _pointers(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def host_pool(
-    kind: str, layout: str, page_size: int = 4, dtype: torch.dtype = torch.bfloat16
+    kind: str,
+    layout: str,
+    page_size: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    device_tokens: int = DEVICE_TOKENS,
 ) -> Any:
     """SGLang's own host pool (``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost``) for a
-    device pool of ``DEVICE_TOKENS`` tokens on CPU, its buffer filled with random bits."""
+    device pool of ``device_tokens`` tokens on CPU (the host pool holds twice as many), its
+    buffer filled with random bits."""
     cpu = torch.device("cpu")
     if kind == "mha":
-        k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-        v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        k = tuple(torch.zeros(device_tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+        v = tuple(torch.zeros(device_tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
         buffers = KVBuffers(k=k, v=v, k_data_ptrs=_pointers(k), v_data_ptrs=_pointers(v),
                             layout=KVBufferLayout.NHD)  # fmt: skip
         info = MHABufferInfo(
@@ -56,10 +61,10 @@ def host_pool(
         )  # fmt: skip
         pool = MHATokenToKVPoolHost(
             info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+            device_capacity_tokens=device_tokens, start_layer=0, end_layer=LAYERS,
         )  # fmt: skip
     else:
-        rows = tuple(torch.zeros(DEVICE_TOKENS, 1, MLA_DIM, dtype=dtype) for _ in range(LAYERS))
+        rows = tuple(torch.zeros(device_tokens, 1, MLA_DIM, dtype=dtype) for _ in range(LAYERS))
         info = MLABufferInfo(
             buffers=rows, data_ptrs=_pointers(rows), layer_indices=tuple(range(LAYERS)),
             device_layer_num=LAYERS, page_size=page_size, kv_lora_rank=MLA_DIM - 4,
@@ -67,7 +72,7 @@ def host_pool(
         )  # fmt: skip
         pool = MLATokenToKVPoolHost(
             info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-            device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+            device_capacity_tokens=device_tokens, start_layer=0, end_layer=LAYERS,
             target_layer_num=LAYERS,
         )  # fmt: skip
     randomize(pool)

