@@ -33,7 +33,9 @@ SEED = int(os.environ.get("TPUSYNC_TEST_SEED") or secrets.randbits(32))
 # tests/vllm needs torch and vLLM: scripts/test.sh runs it in the vLLM environment it makes.
 collect_ignore = [] if importlib.util.find_spec("torch") is not None else ["vllm"]
 # tests/sglang needs SGLang: scripts/test.sh runs it in the SGLang environment it makes.
-if importlib.util.find_spec("sglang") is None:
+# (tests/sglang itself is a namespace package named sglang: SGLang's spec has an origin)
+_sglang = importlib.util.find_spec("sglang")
+if _sglang is None or _sglang.origin is None:
     collect_ignore.append("sglang")
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -1,5 +1,6 @@
-"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|vllm_ttft|all] [--quick] [--json]
-[--plot DIR]`` (``vllm_ttft`` where vLLM is installed):
+"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|vllm_ttft|sglang_hicache|all]
+[--quick] [--json] [--plot DIR]`` (``vllm_ttft`` where vLLM is installed, ``sglang_hicache``
+where SGLang is):
 runs the benchmarks against their physical limits, writes each result in the scheme
 ``<results>/<bench>/<commit>-<machine>.json`` and regenerates ``RESULTS.md`` beside them."""
 
@@ -23,7 +24,7 @@ from tpusync.bench.plot import INSTALL_HINT, have_matplotlib, plot_results
 from tpusync.bench.results import write_results_md
 from tpusync.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter
 
-__all__ = ["BENCHES", "have_vllm", "main", "peers"]
+__all__ = ["BENCHES", "have_sglang", "have_vllm", "main", "peers"]
 
 # name -> (entry point taking argv, the --quick arguments, which shared flags it takes)
 BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, ...]]] = {
@@ -48,6 +49,19 @@ if have_vllm():  # the vLLM environment (.venv-vllm)
     BENCHES["vllm_ttft"] = (vllm_ttft.main, vllm_ttft.QUICK, ("--repeats",))
 
 
+def have_sglang() -> bool:
+    """Whether SGLang is installed (a directory named sglang on the path, e.g. tests/sglang, is
+    a namespace package without an origin: not SGLang)."""
+    spec = importlib.util.find_spec("sglang")
+    return spec is not None and spec.origin is not None
+
+
+if have_sglang():  # the SGLang environment (.venv-sglang)
+    from tpusync.bench import sglang_hicache
+
+    BENCHES["sglang_hicache"] = (sglang_hicache.main, sglang_hicache.QUICK, ("--repeats",))
+
+
 def peers(peers_dir: str | Path | None = None) -> dict[str, str]:
     """Each peer a benchmark compares with: "runs" or why it is skipped."""
     redis_ok = importlib.util.find_spec("redis") is not None and shutil.which("redis-server")
@@ -66,6 +80,10 @@ def peers(peers_dir: str | Path | None = None) -> dict[str, str]:
         "runs" if have_vllm() else "skipped: needs vLLM (run tpusync bench in .venv-vllm)"
     )
     found["LMCache (vllm_ttft)"] = "skipped: its vLLM connector needs CUDA"
+    found["SGLang's file backend (sglang_hicache)"] = (
+        "runs" if have_sglang() else "skipped: needs SGLang (run tpusync bench in .venv-sglang)"
+    )
+    found["SGLang's shm backend (sglang_hicache)"] = "skipped: stores nothing in SGLang 0.5.23"
     return found
 
 
