@@ -17,7 +17,8 @@ fi
 caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
 mkdir -p "$caches/rpc"
 stage=$(date +%s)
-(source "$repo/scripts/_vllm_venv.sh" && source "$repo/scripts/_sglang_venv.sh") \
+# (sourced one after the other, not with &&: errexit holds inside each, set by its first line)
+(source "$repo/scripts/_vllm_venv.sh"; source "$repo/scripts/_sglang_venv.sh") \
     >"$caches/vllm-env.log" 2>&1 &
 vllm_env_pid=$!
 trap 'kill "$vllm_env_pid" 2>/dev/null || true; rm -rf "$caches"' EXIT

@@ -4,6 +4,7 @@ MHA and MLA; prefix semantics of batch_exists; damaged pages; bad configurations
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from tests.sglang.conftest import CASES, Case, host_pool, indices, keys, page_by
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVCacheStore
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE
+from tpusync.tiers.dram import pool_path, sessions_path
 
 PAGE = 4096  # the disk tier's index and slab headers
 
@@ -180,26 +182,34 @@ def test_a_layout_or_pool_it_does_not_know_is_refused(backends):
         backend.register_mem_host_pool_v2(pool, "mamba")
     with pytest.raises(InvalidArgumentError, match=r"hybrid \(v2\) pools"):
         backend.batch_get_v2([])
-    with pytest.raises(InvalidArgumentError, match=r"host_indices: a page must start"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"host_indices: each page must be 4 slots in a row"
+    ):
         backend.batch_set_v1(keys(1), torch.arange(1, 5))
     with pytest.raises(InvalidArgumentError, match=r"values\[0\]: a flat page"):
         backend.batch_set(keys(1), [torch.zeros(3, dtype=torch.bfloat16)])
     assert backend.stats()["store"]["saves"] == 0
 
 
-def test_mla_pages_are_keyed_without_the_tensor_parallel_rank(backends):
-    """MLA pages are the same on every rank: rank 1 finds what rank 0 stored, and only the
-    writer rank (SGLang's tp_rank == dcp_rank) stores."""
-    shm = {"dram": {"capacity_blocks": 64, "name": None}}
-    del shm  # one store per backend here: the key, not the tier, is what is checked
+def test_mla_pages_are_keyed_without_the_tensor_parallel_rank(backends, tmp_path):
+    """MLA pages are the same on every rank: with a tier the ranks share (here a shared FS),
+    only the writer rank (SGLang's tp_rank == dcp_rank) stores, and rank 1 finds its pages."""
+    extra = {"shared_fs": {"directory": str(tmp_path / "shared"), "create": True}}
     writer_pool = host_pool("mla", "page_first")
-    writer = backends(writer_pool, "mla", tp_size=2, tp_rank=0)
+    writer = backends(writer_pool, "mla", extra, tp_size=2, tp_rank=0)
     reader_pool = host_pool("mla", "page_first")
-    reader = backends(reader_pool, "mla", tp_size=2, tp_rank=1)
+    reader = backends(reader_pool, "mla", extra, tp_size=2, tp_rank=1)
     assert writer.store.namespace == reader.store.namespace
     assert writer.settings.writes and not reader.settings.writes
-    assert reader.batch_set_v1(keys(2), indices([0, 1], 4)) == [True, True]
+    names = keys(3)
+    assert reader.batch_set_v1(names, indices([0, 1, 2], 4)) == [True] * 3
     assert reader.stats()["store"]["saves"] == 0  # not the writer: nothing stored
+    expected = [page_bytes(writer_pool, p) for p in (5, 6, 7)]
+    assert writer.batch_set_v1(names, indices([5, 6, 7], 4)) == [True] * 3
+    assert writer.store.flush(30)  # written back to the shared FS
+    assert reader.batch_exists(names) == 3
+    assert reader.batch_get_v1(names, indices([10, 11, 12], 4)) == [True] * 3
+    assert [page_bytes(reader_pool, p) for p in (10, 11, 12)] == expected
     mha = [backends(host_pool("mha", "page_first"), "mha", tp_size=2, tp_rank=r) for r in (0, 1)]
     assert mha[0].store.namespace != mha[1].store.namespace
 
@@ -210,3 +220,51 @@ def test_fresh_random_pages_differ_from_stored_ones():
     first = page_bytes(pool, 0)
     randomize(pool)
     assert page_bytes(pool, 0) != first
+
+
+def test_pools_keeping_part_of_a_page_elsewhere_and_dcp_are_refused(backends):
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    class ScalesElsewhere(MHATokenToKVPoolHost):  # as SGLang's MXFP8 pool keeps its scales
+        pass
+
+    pool = host_pool("mha", "page_first")
+    pool.__class__ = ScalesElsewhere
+    with pytest.raises(InvalidArgumentError, match=r"ScalesElsewhere is not supported"):
+        backends(pool, "mha")
+    mla = host_pool("mla", "page_first")
+    with pytest.raises(InvalidArgumentError, match=r"dcp_size: .*decode context parallel"):
+        backends(mla, "mla", tp_size=2, tp_rank=0, dcp_size=2, dcp_rank=0, logical_page_size=8)
+    backend = backends(host_pool("mha", "page_first"), "mha")
+    scattered = torch.tensor([0, 1, 3, 2])  # one page's slots out of order
+    with pytest.raises(InvalidArgumentError, match=r"4 slots in a row"):
+        backend.batch_get_v1(keys(1), scattered)
+
+
+def test_each_rank_opens_its_own_named_dram_and_disk_directory(backends, shm_names, tmp_path):
+    """Every rank of an engine reads the same extra config; a named DRAM pool and a disk
+    directory have one owner, so each rank gets its own (named after its ranks)."""
+    name = shm_names()
+    extra = {"dram": {"capacity_blocks": 8, "name": name},
+             "disk": {"directory": str(tmp_path), "capacity_blocks": 16}}  # fmt: skip
+    try:
+        ranks = [backends(host_pool("mha", "page_first"), "mha", extra, tp_size=2, tp_rank=r)
+                 for r in (0, 1)]  # fmt: skip
+        for rank, backend in enumerate(ranks):
+            assert backend.store.config.dram.name == f"{name}-tp{rank}"
+            assert Path(backend.store.config.tiers[0].directory) == tmp_path / f"tp{rank}"
+            assert backend.batch_set_v1(keys(2), indices([0, 1], 4)) == [True, True]
+            backend.close()
+    finally:
+        for rank in (0, 1):
+            pool_path(f"{name}-tp{rank}").unlink(missing_ok=True)
+            shutil.rmtree(sessions_path(f"{name}-tp{rank}"), ignore_errors=True)
+
+
+def test_mla_ranks_without_a_shared_tier_each_store_their_copy(backends):
+    pools = [host_pool("mla", "layer_first") for _ in range(2)]
+    ranks = [backends(p, "mla", tp_size=2, tp_rank=r) for r, p in enumerate(pools)]
+    assert all(b.settings.writes for b in ranks)
+    names = keys(2)
+    assert ranks[1].batch_set_v1(names, indices([0, 1], 4)) == [True, True]
+    assert ranks[1].batch_exists(names) == 2

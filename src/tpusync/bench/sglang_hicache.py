@@ -39,7 +39,7 @@ from tpusync.bench.common import Run, median, print_table, spread
 from tpusync.connectors.sglang import TpuSyncHiCacheStorage
 from tpusync.connectors.sglang.host_pages import host_pages
 from tpusync.memory.copy_limit import MemoryLimit
-from tpusync.tiers._shm_files import pool_path, sessions_path
+from tpusync.tiers.dram import pool_path, sessions_path
 
 __all__ = ["QUICK", "main"]
 

@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tpusync.errors import DtypeMismatchError, InvalidArgumentError, ShapeMismatchError
+import numpy as np
+
+from tpusync import _core
+from tpusync.errors import (
+    BlockIndexError,
+    DtypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+)
 from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.tier_specs import ExistingTier
 from tpusync.memory.device_pool import DevicePool
@@ -23,8 +31,10 @@ from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.room import check_room
 
 __all__ = [
+    "check_block_ids",
     "check_dram_room",
     "check_extra_tier_layouts",
+    "check_other_pools",
     "check_tiers",
     "check_token_axis",
 ]
@@ -155,3 +165,62 @@ def check_tiers(config: KVStoreConfig) -> None:
     context = config.tier_context
     for spec in config.tiers:
         spec.check(context)
+
+
+def check_block_ids(block_ids: Any, needed: int, *, at_most: bool, limit: int) -> np.ndarray:
+    """Device block ids as int64: in ``0..limit-1``, unique, and ``needed`` of them (or, with
+    ``at_most``, 1..needed; without, at least ``needed`` — extra ids are ignored)."""
+    argument = "device_block_ids"
+    if isinstance(block_ids, str | bytes) or block_ids is None:
+        raise InvalidArgumentError(f"{argument}: expected a list of block ids, got {block_ids!r}")
+    try:
+        ids = np.asarray(block_ids)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(f"{argument}: not a list of block ids ({error})") from None
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # floats, bools, objects
+        raise InvalidArgumentError(
+            f"{argument}: expected a 1-D list of integer block ids, got shape {ids.shape} "
+            f"dtype {ids.dtype}"
+        )
+    ids = ids.astype(np.int64)
+    if at_most:
+        if len(ids) > needed:
+            raise InvalidArgumentError(
+                f"{argument}: {len(ids)} block ids for a hit of {needed} blocks; give at "
+                "most one per cached block"
+            )
+    elif len(ids) < needed:
+        raise InvalidArgumentError(
+            f"{argument}: {len(ids)} block ids for {needed} blocks; give one per block"
+        )
+    else:
+        ids = ids[:needed]
+    status = _core.block_ids_status(ids, limit)
+    if status == 1:
+        raise BlockIndexError(
+            f"{argument}: ids must be in 0..{limit - 1}, got {int(ids.min())}..{int(ids.max())}"
+        )
+    if status == 2:
+        raise BlockIndexError(f"{argument}: a block id appears more than once")
+    return ids
+
+
+def check_other_pools(
+    pools: Any, config: KVStoreConfig, layout: PoolLayout
+) -> tuple[list[Any], int]:
+    """``pools`` checked to hold blocks of ``layout`` (a store's; any number of blocks): the
+    pools and their number of blocks."""
+    axis = config.block_axis
+    try:
+        count = check_device_pools(pools, axis)
+        theirs = PoolLayout.from_pools(config.model_id, list(pools), block_axis=axis)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"pools: {error}") from None
+    if theirs.fingerprint != layout.fingerprint:
+        raise InvalidArgumentError(
+            "pools: their blocks are not this store's (each pool needs the dtype and the "
+            "block shape of the store's pool at its index, in the same order); got "
+            f"{[(a.dtype, a.shard_block_shape) for a in theirs.arrays]}, the store has "
+            f"{[(a.dtype, a.shard_block_shape) for a in layout.arrays]}"
+        )
+    return list(pools), count

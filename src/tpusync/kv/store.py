@@ -35,9 +35,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tpusync import _core
 from tpusync.errors import (
-    BlockIndexError,
     InvalidArgumentError,
     NamespaceMismatchError,
     StaleHandleError,
@@ -50,9 +48,11 @@ from tpusync.kv._peer_link import PeerLink
 from tpusync.kv._session_calls import SessionCalls
 from tpusync.kv._sessions import SessionManifests
 from tpusync.kv._store_checks import (
+    check_block_ids,
     check_device_pools,
     check_dram_room,
     check_extra_tier_layouts,
+    check_other_pools,
     check_tiers,
     check_token_axis,
 )
@@ -227,67 +227,15 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
     def _check_block_ids(
         self, block_ids: Any, needed: int, *, at_most: bool, num_blocks: int | None = None
     ) -> np.ndarray:
-        """Device block ids as int64: in range (``num_blocks``, default the store's pools'),
-        unique, and ``needed`` of them (or, with ``at_most``, 1..needed; without, at least
-        ``needed`` — extra ids are ignored)."""
-        argument = "device_block_ids"
-        if isinstance(block_ids, str | bytes) or block_ids is None:
-            raise InvalidArgumentError(
-                f"{argument}: expected a list of block ids, got {block_ids!r}"
-            )
-        try:
-            ids = np.asarray(block_ids)
-        except (TypeError, ValueError) as error:
-            raise InvalidArgumentError(f"{argument}: not a list of block ids ({error})") from None
-        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # floats, bools, objects
-            raise InvalidArgumentError(
-                f"{argument}: expected a 1-D list of integer block ids, got shape {ids.shape} "
-                f"dtype {ids.dtype}"
-            )
-        ids = ids.astype(np.int64)
-        if at_most:
-            if len(ids) > needed:
-                raise InvalidArgumentError(
-                    f"{argument}: {len(ids)} block ids for a hit of {needed} blocks; give at "
-                    "most one per cached block"
-                )
-        elif len(ids) < needed:
-            raise InvalidArgumentError(
-                f"{argument}: {len(ids)} block ids for {needed} blocks; give one per block"
-            )
-        else:
-            ids = ids[:needed]
         limit = self.num_device_blocks if num_blocks is None else num_blocks
-        status = _core.block_ids_status(ids, limit)
-        if status == 1:
-            raise BlockIndexError(
-                f"{argument}: ids must be in 0..{limit - 1}, got {int(ids.min())}..{int(ids.max())}"
-            )
-        if status == 2:
-            raise BlockIndexError(f"{argument}: a block id appears more than once")
-        return ids
+        return check_block_ids(block_ids, needed, at_most=at_most, limit=limit)
 
     def _check_writable(self, ids: np.ndarray, pools: list[Any] | None = None) -> None:
         for pool in self.pools if pools is None else pools:
             pool._check_writable(ids, self.config.block_axis, "device_block_ids")
 
     def _other_pools(self, pools: Any) -> tuple[list[Any], int]:
-        """``pools`` checked to hold blocks of this store's layout (any number of them):
-        the pools and their number of blocks."""
-        axis = self.config.block_axis
-        try:
-            count = check_device_pools(pools, axis)
-            layout = PoolLayout.from_pools(self.config.model_id, list(pools), block_axis=axis)
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(f"pools: {error}") from None
-        if layout.fingerprint != self.layout.fingerprint:
-            raise InvalidArgumentError(
-                "pools: their blocks are not this store's (each pool needs the dtype and the "
-                "block shape of the store's pool at its index, in the same order); got "
-                f"{[(a.dtype, a.shard_block_shape) for a in layout.arrays]}, the store has "
-                f"{[(a.dtype, a.shard_block_shape) for a in self.layout.arrays]}"
-            )
-        return list(pools), count
+        return check_other_pools(pools, self.config, self.layout)
 
     def _check_handle(self, result: Any) -> LookupResult:
         if not isinstance(result, LookupResult):

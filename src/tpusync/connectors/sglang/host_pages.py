@@ -20,7 +20,7 @@ from tpusync.errors import InvalidArgumentError
 __all__ = ["HostPages", "host_pages", "page_ids"]
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
-MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # page_unified: not yet
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,18 @@ def host_pages(pool: Any, *, is_mla: bool) -> HostPages:
     page_size = getattr(pool, "page_size", None)
     kind = "MLA" if is_mla else "MHA"
     known = MLA_LAYOUTS if is_mla else MHA_LAYOUTS
-    if buffer is None or not isinstance(page_size, int) or page_size < 1:
+    # exactly these classes: a subclass may keep part of a page elsewhere (MXFP8's scales,
+    # K-only pools, asymmetric K and V), which a copy of kv_buffer's pages would leave stale
+    wanted = "MLATokenToKVPoolHost" if is_mla else "MHATokenToKVPoolHost"
+    if type(pool).__name__ != wanted:
         raise InvalidArgumentError(
-            f"mem_pool_host: {type(pool).__name__} has no kv_buffer and page_size; tpusync's "
-            "backend serves SGLang's MHA and MLA host pools (hybrid pools are not supported "
-            "yet)"
+            f"mem_pool_host: {type(pool).__name__} is not supported; tpusync's backend serves "
+            f"SGLang's {wanted} for {kind} models (hybrid, K-only, asymmetric and quantized-"
+            "scale pools not yet)"
+        )
+    if not hasattr(buffer, "is_contiguous") or not isinstance(page_size, int) or page_size < 1:
+        raise InvalidArgumentError(
+            f"mem_pool_host: {type(pool).__name__} has no kv_buffer tensor and page size"
         )
     if layout not in known:
         raise InvalidArgumentError(
@@ -95,6 +102,18 @@ def host_pages(pool: Any, *, is_mla: bool) -> HostPages:
             f"{page_size}"
         )
     page_num = size // page_size
+    per_token = getattr(pool, "get_size_per_token", lambda: -1)()
+    if per_token * size != buffer.numel() * buffer.element_size():
+        raise InvalidArgumentError(
+            f"mem_pool_host: kv_buffer holds {buffer.numel() * buffer.element_size()} bytes, "
+            f"not the pool's {size} tokens of {per_token} bytes: part of a page lives "
+            "elsewhere, which this backend would not store"
+        )
+    if layout == "page_unified" and getattr(pool, "head_group_num", 1) != 1:
+        raise InvalidArgumentError(
+            "mem_pool_host: page_unified pages of more than one head group are not supported "
+            "yet; use head_group_num=1 or another --hicache-mem-layout"
+        )
     regions: list[Any]
     try:
         regions = _regions(buffer, shape, layout, is_mla, page_num, page_size)
@@ -135,12 +154,16 @@ def page_ids(host_indices: Any, page_size: int, pages: int, page_num: int) -> np
         raise InvalidArgumentError(
             f"host_indices: {len(indices)} token slots for {pages} pages of {page_size} tokens"
         )
-    firsts = indices[: pages * page_size : page_size]
+    slots = indices[: pages * page_size].reshape(pages, page_size)
+    firsts = slots[:, 0]
     if pages and (
-        (firsts % page_size).any() or firsts.min() < 0 or firsts.max() >= page_num * page_size
+        (firsts % page_size).any()
+        or firsts.min() < 0
+        or firsts.max() >= page_num * page_size
+        or (slots - firsts[:, None] != np.arange(page_size)).any()
     ):
         raise InvalidArgumentError(
-            f"host_indices: a page must start at a multiple of {page_size} inside the pool's "
-            f"{page_num * page_size} slots"
+            f"host_indices: each page must be {page_size} slots in a row, starting at a "
+            f"multiple of {page_size} inside the pool's {page_num * page_size} slots"
         )
     return firsts // page_size

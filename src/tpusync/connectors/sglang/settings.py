@@ -10,6 +10,7 @@ must agree. Every error names the key and the fix.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,52 @@ class BackendSettings:
             raise InvalidArgumentError(f"{WHERE}: {error}") from None
 
 
+SHARED_SECTIONS = ("store_node", "peer", "shared_fs")  # tiers several processes use at once
+
+
+def _process_tag(config: Any) -> str:
+    """Which of SGLang's processes this is (its ranks), for the names of the tiers only one
+    process may open; empty for a single process."""
+    parts = [
+        f"{tag}{getattr(config, rank, 0) or 0}"
+        for tag, rank, size in (
+            ("tp", "tp_rank", "tp_size"),
+            ("pp", "pp_rank", "pp_size"),
+            ("cp", "attn_cp_rank", "attn_cp_size"),
+        )
+        if (getattr(config, size, 1) or 1) > 1
+    ]
+    if getattr(config, "dp_rank", 0):
+        parts.append(f"dp{config.dp_rank}")
+    return "-".join(parts)
+
+
+def _own_tiers(data: dict[str, Any], tag: str) -> dict[str, Any]:
+    """``data`` with each rank's own named DRAM tier and disk directory: every rank of one
+    engine reads the same extra config, and a named DRAM pool or a disk directory has one
+    owner, so each rank's gets its ranks appended (``name-tp1``, ``directory/tp1``)."""
+    if not tag:
+        return data
+    dram = data.get("dram")
+    if isinstance(dram, Mapping) and isinstance(dram.get("name"), str):
+        data["dram"] = {**dram, "name": f"{dram['name']}-{tag}"}
+    disks = data.get("disk")
+    if isinstance(disks, Mapping | list):
+        entries = [disks] if isinstance(disks, Mapping) else list(disks)
+        own = [_own_directory(d, tag) for d in entries]
+        data["disk"] = own[0] if isinstance(disks, Mapping) else own
+    return data
+
+
+def _own_directory(section: Any, tag: str) -> Any:
+    """A disk section in its rank's subdirectory (made where the given directory exists)."""
+    if not isinstance(section, Mapping) or not isinstance(section.get("directory"), str):
+        return section  # the store's parser says what is wrong with it
+    parent = section["directory"]
+    create = section.get("create", False) or os.path.isdir(parent)
+    return {**section, "directory": os.path.join(parent, tag), "create": create}
+
+
 def _rank(config: Any, name: str, size_name: str) -> tuple[int, int]:
     rank, size = getattr(config, name, 0), getattr(config, size_name, 1)
     rank = 0 if rank is None else rank
@@ -101,6 +148,11 @@ def read_settings(storage_config: Any) -> BackendSettings:
             "should_split_heads: tpusync's backend stores whole pages of one tensor-parallel "
             "rank; pages split by heads across ranks of another size are not supported yet "
             "(use the same --tp-size for every engine sharing the store)"
+        )
+    if (getattr(storage_config, "dcp_size", 1) or 1) > 1:
+        raise InvalidArgumentError(
+            "dcp_size: tpusync's backend does not serve decode context parallelism yet (its "
+            "pages span several ranks' slots); run without --dcp-size"
         )
     data = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
     for key, source in {**_FROM_THE_POOL, **_FROM_THE_RANKS}.items():
@@ -129,8 +181,11 @@ def read_settings(storage_config: Any) -> BackendSettings:
     inner_rank, inner_size = (dcp_rank, dcp_size) if is_mla else (tp_rank, tp_size)
     shard_rank = (pp_rank * cp_size + cp_rank) * inner_size + inner_rank
     shard_count = pp_size * cp_size * inner_size
-    writes = not is_mla or tp_rank == dcp_rank
-    store = dict(data)
+    # MLA pages are the same on every tensor-parallel rank: with a tier the ranks share, one
+    # rank stores them (SGLang's writer); with only tiers of its own, each rank stores its copy
+    shared = any(key in data for key in SHARED_SECTIONS)
+    writes = not is_mla or tp_rank == dcp_rank or not shared
+    store = _own_tiers(dict(data), _process_tag(storage_config))
     settings = BackendSettings(store, model, shard_rank, shard_count, is_mla, writes)
     # every key checked now, at engine start, with placeholders for the host pool's values
     settings.store_config(page_size=1, capacity_pages=1, layout="check")

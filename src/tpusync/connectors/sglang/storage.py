@@ -161,15 +161,15 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         result = None
         try:
             result = store.lookup_engine_blocks(hashes)
-            if not result.num_blocks:
-                store.release(result)
-                return [False] * n
-            loaded = store.load(result, ids[: result.num_blocks], pools=pools).loaded_blocks
+            loaded = 0
+            if result.num_blocks:
+                loaded = store.load(result, ids[: result.num_blocks], pools=pools).loaded_blocks
         except (TpuSyncError, OSError) as error:
             log.warning("tpusync sglang: a load of %d pages failed (a miss): %s", n, error)
-            if result is not None and result.open:  # a failed load leaves its pins
-                store.release(result)
             return [False] * n
+        finally:
+            if result is not None and result.open:  # a miss, or a failed load: its pins
+                store.release(result)
         return [True] * loaded + [False] * (n - loaded)
 
     def _set(self, store: KVCacheStore, hashes: list[bytes], ids: Any, pools: Any) -> list[bool]:
@@ -260,7 +260,7 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
             if target is None:
                 out.append(flat[i])
             else:
-                target.view(-1).copy_(flat[i])
+                target.copy_(flat[i].reshape(target.shape))
                 out.append(target)
         return out
 
