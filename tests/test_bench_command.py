@@ -16,7 +16,12 @@ import pytest
 import tpusync
 from tpusync.bench.common import LIMIT_BEATEN, format_table
 from tpusync.bench.plot import plot_results
-from tpusync.bench.results import paired_over_hit, vllm_loaded_bytes, write_results_md
+from tpusync.bench.results import (
+    hicache_round_trip,
+    paired_over_hit,
+    vllm_loaded_bytes,
+    write_results_md,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # the children import the tpusync under test (a relative PYTHONPATH breaks in another cwd)
@@ -148,6 +153,13 @@ def test_vllm_ttft_over_hit_pairs_each_hit_with_vllms_own_right_after_it() -> No
     over = paired_over_hit(result)
     assert over.keys() == {"tpusync DRAM"}
     assert over["tpusync DRAM"] == pytest.approx(0.003)  # the median of 3, 1 and 10 ms
+
+
+def test_sglang_hicache_round_trip_moves_the_batch_twice_over_set_plus_get() -> None:
+    runs = {"tpusync": {"set": [0.01, 0.03, 0.02], "get": [0.02, 0.01, 0.04]}}
+    result = {"batch_pages": 128, "page_bytes": 1 << 20, "runs": runs}
+    assert hicache_round_trip(result, "tpusync") == pytest.approx(2 * 128 * 2**20 / 0.04 / 1e9)
+    assert hicache_round_trip(result, "sglang file") is None
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,15 @@ def commit_of(directory: str | os.PathLike[str]) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def _commit() -> str:
+    """The commit of the installed package's checkout, else (a wheel installed in an
+    environment) of the checkout holding the running script (``benchmarks/*.py``)."""
+    found = commit_of(PACKAGE_DIR)
+    if found == "unknown" and sys.argv and sys.argv[0]:
+        found = commit_of(Path(sys.argv[0]).resolve().parent)
+    return found
+
+
 def machine_name() -> str:
     """A short name of this machine's kind for result files: ``cpu-2core``, ``gpu-16core``."""
     backend = jax.default_backend()
@@ -194,7 +204,7 @@ class Run:
         target = Path(path) if path else result_path(self.bench)
         record = {
             "benchmark": self.bench,
-            "commit": commit_of(PACKAGE_DIR),
+            "commit": _commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {

@@ -239,6 +239,30 @@ def _vllm_load_contention(record: dict[str, Any]) -> Table:
     return ["tokens", "load", "GB/s", "x limit"], rows
 
 
+def hicache_round_trip(result: dict[str, Any], backend: str) -> float | None:
+    """An sglang_hicache row's round trip in GB/s: the batch's bytes twice over the median set
+    plus the median get time (None where ``backend`` has no runs)."""
+    runs = (result.get("runs") or {}).get(backend) or {}
+    if not runs.get("set") or not runs.get("get"):
+        return None
+    moved = result["batch_pages"] * result["page_bytes"]
+    return 2 * moved / (float(np.median(runs["set"])) + float(np.median(runs["get"]))) / 1e9
+
+
+def _sglang_hicache(record: dict[str, Any]) -> Table:
+    rows = []
+    for r in record.get("results", []):
+        ours, file = hicache_round_trip(r, "tpusync"), hicache_round_trip(r, "sglang file")
+        rows.append([
+            r.get("layout", "?"), str(r.get("page_size")), _num(ours),
+            _ratio(ours, r.get("limit_gbps")), _num(file) if file else "-",
+            f"{ours / file:.1f}x" if ours and file else "-",
+        ])  # fmt: skip
+    headers = ["layout", "page tokens", "tpusync round trip GB/s", "x limit",
+               "SGLang file GB/s", "tpusync x file"]  # fmt: skip
+    return headers, rows
+
+
 def _generic(record: dict[str, Any]) -> Table:
     rows = [[k, _num(v)] for k, v in record.items() if isinstance(v, int | float)]
     return ["figure", "value"], rows
@@ -252,6 +276,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "mac_cost": _mac_cost,
     "vllm_ttft": _vllm_ttft,
     "vllm_load_contention": _vllm_load_contention,
+    "sglang_hicache": _sglang_hicache,
 }
 
 
