@@ -268,3 +268,43 @@ def test_mla_ranks_without_a_shared_tier_each_store_their_copy(backends):
     names = keys(2)
     assert ranks[1].batch_set_v1(names, indices([0, 1], 4)) == [True, True]
     assert ranks[1].batch_exists(names) == 2
+
+
+@pytest.fixture(scope="module")
+def sglang_page_keys(tmp_path_factory):
+    """SGLang's own page keys (``get_hash_str``: its C++ SHA-256 chain, built on first use
+    with the compiler and libssl that .ci/run installs), its build in a temporary directory."""
+    import os
+
+    build = tmp_path_factory.mktemp("torch-extensions")
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(build)
+    try:
+        from sglang.srt.mem_cache.utils import get_hash_str
+
+        yield lambda tokens, page_size: get_hash_str(tokens, None, page_size=page_size)
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
+        shutil.rmtree(build, ignore_errors=True)
+
+
+def test_sglangs_own_page_keys_find_a_shared_prefix_and_nothing_past_it(backends, sglang_page_keys):
+    """Keys from SGLang's own hashing of token ids: a second prompt sharing the first three
+    pages of a stored one finds exactly those three, and loads them byte for byte."""
+    rng = np.random.default_rng()
+    first = rng.integers(0, 150_000, 6 * 4).tolist()
+    second = first[: 3 * 4] + rng.integers(0, 150_000, 3 * 4).tolist()
+    first_keys, second_keys = sglang_page_keys(first, 4), sglang_page_keys(second, 4)
+    assert len(first_keys) == 6 and first_keys[:3] == second_keys[:3]
+    assert first_keys[3:] != second_keys[3:]
+    pool = host_pool("mha", "page_first_direct")
+    backend = backends(pool, "mha")
+    expected = [page_bytes(pool, p) for p in range(6)]
+    assert backend.batch_set_v1(first_keys, indices(list(range(6)), 4)) == [True] * 6
+    assert backend.batch_exists(second_keys) == 3
+    got = backend.batch_get_v1(second_keys, indices(list(range(10, 16)), 4))
+    assert got == [True] * 3 + [False] * 3
+    assert [page_bytes(pool, p) for p in range(10, 13)] == expected[:3]
