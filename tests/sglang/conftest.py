@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head", "page_unified"]
-MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_unified"]
 LAYERS, HEADS, HEAD_DIM, MLA_DIM = 3, 2, 8, 16
 DEVICE_TOKENS = 256  # the device pool SGLang sizes the host pool from (x2)
 DYNAMIC = {

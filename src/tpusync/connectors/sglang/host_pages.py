@@ -20,7 +20,7 @@ from tpusync.errors import InvalidArgumentError
 __all__ = ["HostPages", "host_pages", "page_ids"]
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
-MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # page_unified: not yet
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ def _regions(
     if is_mla:
         if layout == "layer_first":  # [L, tokens, 1, W]
             return [_pages(buffer[layer], page_num, page_size) for layer in range(shape[0])]
-        # page_first [tokens, L, 1, W]; page_first_direct [pages, L, page, 1, W]
+        # page_first [tokens, L, 1, W]; page_first_direct [pages, L, page, 1, W];
+        # page_unified [pages, L, page, W]
         return [_pages(buffer, page_num, page_size)]
     if layout == "page_unified":  # [pages, ...]: a page is one contiguous block
         return [_pages(buffer, page_num, page_size)]
