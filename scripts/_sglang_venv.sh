@@ -13,10 +13,14 @@ source "$repo/scripts/_python311.sh"
 sglang_venv="${TPUSYNC_SGLANG_VENV:-$repo/.venv-sglang}"
 SGLANG="sglang==0.5.23"
 SGLANG_TORCH=("torch==2.14.1" "torchvision==0.29.1")
+# The newest releases, not the ones SGLang pins: with its pins (compressed-tensors 0.18,
+# transformers 5.19, ...) the interpreter crashed at exit (in module teardown) beside torch
+# 2.14.1; pip's notes that these differ from SGLang's pins are expected.
 SGLANG_IMPORTS=(orjson psutil requests packaging starlette pyzmq msgspec pybase64
     apache-tvm-ffi sentencepiece compressed-tensors gguf IPython aiohttp dill)
 if [[ ! -f "$sglang_venv/.sglang-installed" ]]; then
     echo "tpusync: creating $sglang_venv with $SGLANG (about two minutes)"
+    made=$(date +%s)
     rm -rf "$sglang_venv"
     "$(find_python311)" -m venv "$sglang_venv"
     "$sglang_venv/bin/python" -m pip install --quiet --upgrade pip
@@ -24,6 +28,7 @@ if [[ ! -f "$sglang_venv/.sglang-installed" ]]; then
     "$sglang_venv/bin/python" -m pip install --quiet --no-deps "$SGLANG"
     "$sglang_venv/bin/python" -m pip install --quiet "${SGLANG_IMPORTS[@]}"
     echo "$SGLANG" >"$sglang_venv/.sglang-installed"
+    echo "tpusync: $sglang_venv made in $(( $(date +%s) - made )) s"
 fi
 if [[ ! -f "$sglang_venv/.tpusync-installed" || "$(cat "$sglang_venv/.tpusync-installed")" != "$wheel" ]]; then
     echo "tpusync: installing $(basename "$wheel") into $sglang_venv"

