@@ -11,10 +11,13 @@ reproduces a failure.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import importlib.util
 import os
 import secrets
 import shutil
+import tempfile
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -208,3 +211,19 @@ def stores(shm_names: Callable[[], str]) -> Iterator[Callable[..., Any]]:
             errors.append(error)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_vllm_file_store_left() -> Iterator[None]:
+    """Removes the file stores vLLM's engines (tests/vllm) made during this session: its
+    single-process engine rendezvouses through ``vllm_dist_<uuid>`` in the temporary directory
+    and never removes it (the ones there before are someone else's)."""
+
+    def file_stores() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
+
+    before = file_stores()
+    yield
+    for path in file_stores() - before:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
