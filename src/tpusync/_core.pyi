@@ -12,6 +12,7 @@ from tpusync._native.checksum import blake2b_chain as blake2b_chain
 from tpusync._native.checksum import crc32c as crc32c
 from tpusync._native.checksum import sum64 as sum64
 from tpusync._native.checksum import sum64_regions as sum64_regions
+from tpusync._native.checksum import sum64_streams as sum64_streams
 from tpusync._native.checksum import xxh64 as xxh64
 from tpusync._native.checksum import xxh64_gathered as xxh64_gathered
 from tpusync._native.checksum import xxh64_rows as xxh64_rows
@@ -87,6 +88,7 @@ __all__ = [
     "send_all",
     "sum64",
     "sum64_regions",
+    "sum64_streams",
     "table_bounds",
     "unpin_slots",
     "xxh64",

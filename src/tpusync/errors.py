@@ -33,6 +33,8 @@ __all__ = [
     "TransferTimeoutError",
     "UnsafeFileError",
     "UnsupportedTensorError",
+    "VersionUnavailableError",
+    "WeightSyncError",
     "WrongDeviceError",
 ]
 
@@ -194,3 +196,13 @@ class UnsupportedTensorError(InvalidArgumentError):
     """A PyTorch tensor tpusync cannot move as raw memory (a device it has no proven path for,
     an unsupported dtype, a sparse tensor, a pending conjugate); the message names the way
     around."""
+
+
+class WeightSyncError(TpuSyncError, RuntimeError):
+    """A weights pull failed (a chunk that failed its checksum twice, a publisher that went
+    away, a deadline); the message says what failed. The committed version is untouched."""
+
+
+class VersionUnavailableError(WeightSyncError, LookupError):
+    """The asked weights version is not published (yet) or no longer retained; the message
+    names the versions the publisher keeps."""

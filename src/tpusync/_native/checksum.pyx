@@ -18,7 +18,7 @@ from tpusync._native._blake2b cimport (
 )
 from tpusync._native._checksum cimport (
     tps_checksum_force_portable, tps_checksum_path_flag, tps_crc32c, tps_crc32c_shift, tps_sum64,
-    tps_xxh64,
+    tps_sum64_digest, tps_sum64_init, tps_sum64_state, tps_sum64_update, tps_xxh64,
 )
 
 import numpy as np
@@ -136,6 +136,33 @@ def sum64_regions(const uint64_t[::1] starts not None, const uint64_t[::1] lengt
     with nogil:
         for i in range(n):
             digests[i] = tps_sum64(<const void *><uintptr_t>starts[i], <size_t>lengths[i])
+    return out
+
+
+def sum64_streams(const uint64_t[::1] starts not None, const uint64_t[::1] lengths not None,
+                  const int64_t[::1] ends not None):
+    """The piece checksum (``sum64``) of each stream of memory regions: stream ``g`` is the
+    regions ``ends[g-1]:ends[g]`` (from 0 for the first), hashed in order as if they were one
+    contiguous run -- the checksum of a chunk whose bytes were scattered to several places.
+    GIL released, on the calling thread; the caller keeps the memory alive."""
+    cdef Py_ssize_t n = starts.shape[0], groups = ends.shape[0], g, i, first = 0
+    if lengths.shape[0] != n:
+        raise ValueError("starts and lengths differ in length")
+    for g in range(groups):
+        if ends[g] < first or ends[g] > n:
+            raise ValueError("ends must rise from 0 to len(starts)")
+        first = ends[g]
+    out = np.empty(groups, dtype=np.uint64)
+    cdef uint64_t[::1] digests = out
+    cdef tps_sum64_state state
+    first = 0
+    with nogil:
+        for g in range(groups):
+            tps_sum64_init(&state)
+            for i in range(first, ends[g]):
+                tps_sum64_update(&state, <const void *><uintptr_t>starts[i], <size_t>lengths[i])
+            digests[g] = tps_sum64_digest(&state)
+            first = ends[g]
     return out
 
 

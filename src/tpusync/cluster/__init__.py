@@ -16,9 +16,12 @@ DRAM as a writable lower tier of a store); :mod:`tpusync.cluster.serving` (a KV 
 peers and listed in a registry).
 """
 
+from tpusync.cluster._registry_link import RegistryLink
+from tpusync.cluster._tcp_server import BlockServerOptions
 from tpusync.cluster.dataplane import (
     BlockClient,
     BlockServer,
+    HeldBlocks,
     Lease,
     LeaseTable,
     PullResult,
@@ -51,7 +54,9 @@ __all__ = [
     "AuthenticationError",
     "BlockClient",
     "BlockServer",
+    "BlockServerOptions",
     "FrameError",
+    "HeldBlocks",
     "Holder",
     "JaxRegistry",
     "Lease",
@@ -63,6 +68,7 @@ __all__ = [
     "PullResult",
     "RedisRegistry",
     "Registry",
+    "RegistryLink",
     "RegistryPool",
     "RegistryServer",
     "RegistryTier",

@@ -203,6 +203,11 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
                 keys = self._handles.take_dropped()
             self._stack.unpin(keys)
 
+    def set_weight_version(self, weight_version: str) -> None:
+        """Keys name ``weight_version`` from now on (the weights changed): no block saved under
+        another version is found again (stale KV is never served across weights)."""
+        self.namespace = dataclasses.replace(self.namespace, weight_version=weight_version)
+
     def _namespace(self, namespace: Namespace | None) -> Namespace:
         if namespace is None:
             return self.namespace

@@ -39,7 +39,7 @@ With ``tls=ssl.SSLContext`` every connection is encrypted (required off loopback
 """
 
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane.client import BlockClient, PullResult
+from tpusync.cluster.dataplane.client import BlockClient, HeldBlocks, PullResult
 from tpusync.cluster.dataplane.leases import Lease, LeaseTable
 from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
 from tpusync.cluster.dataplane.remote_pool import RemotePool
@@ -55,6 +55,7 @@ __all__ = [
     "BlockClient",
     "BlockServer",
     "FrameError",
+    "HeldBlocks",
     "Lease",
     "LeaseTable",
     "PeerUnavailableError",

@@ -4,11 +4,12 @@ a store node (the protocol: :mod:`tpusync.cluster.dataplane`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 
-__all__ = ["BlockClient", "PullResult"]
+__all__ = ["BlockClient", "HeldBlocks", "PullResult"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,17 @@ class PullResult:
     error: BaseException | None = None
     released: bool = True
     bytes_received: int = field(default=0)
+
+
+@dataclass
+class HeldBlocks:
+    """What :meth:`BlockClient.hold` holds: ``present[i]`` and ``checksums[i]`` for
+    ``keys[i]``; ``lapsed`` turns True when a renewal failed (the server may drop them)."""
+
+    keys: list[bytes]
+    present: list[bool]
+    checksums: list[int]
+    lapsed: bool = False
 
 
 class _Stripe:
@@ -192,6 +204,10 @@ class BlockClient:
             self._check_same_server,
         )  # fmt: skip
         self._closed = False
+        self._new_connection = lambda: Connection(
+            *paths[0], paths_text[0], secret, self._timeout, tls, described,
+            self._check_same_server,
+        )  # fmt: skip
         self.server_id: str | None = None
         try:
             for conn in self._conns:
@@ -251,6 +267,54 @@ class BlockClient:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("this BlockClient is closed")
+
+    # --- hold -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def hold(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> Iterator[HeldBlocks]:
+        """Leases ``keys`` on the server for as long as the ``with`` lasts, renewed every third
+        of the TTL on a connection and thread of its own, so that the server keeps them (a
+        weights publisher drops no version a puller holds). Pulls may run meanwhile."""
+        keys = check_keys(keys)
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise InvalidArgumentError(
+                f"keys: at most {MAX_KEYS_PER_REQUEST} a hold, got {len(keys)}"
+            )
+        self._check_open()
+        conn = self._new_connection()
+        stop = threading.Event()
+        renewer: threading.Thread | None = None
+        try:
+            conn.connect()
+            params: dict[str, Any] = {"keys": [k.hex() for k in keys]}
+            ttl = self._ttl if ttl_s is None else ttl_s
+            if ttl is not None:
+                params["ttl_s"] = ttl
+            lease_id, present, checksums, granted = _check_lease(
+                conn.call("acquire", params), len(keys)
+            )
+            held = HeldBlocks(keys, present.tolist(), checksums.tolist())
+
+            def renew() -> None:
+                while not stop.wait(granted / 3):
+                    try:
+                        ok = conn.call("renew", {"lease": lease_id, "ttl_s": granted}) is True
+                    except (PeerUnavailableError, InvalidArgumentError):
+                        ok = False
+                    if not ok:
+                        held.lapsed = True
+                        return
+
+            renewer = threading.Thread(target=renew, name="tpusync-hold", daemon=True)
+            renewer.start()
+            yield held
+        finally:
+            stop.set()
+            if renewer is not None:
+                renewer.join(timeout=self._timeout)
+                with contextlib.suppress(PeerUnavailableError, InvalidArgumentError, OSError):
+                    conn.call("release", {"lease": lease_id})
+            conn.drop()
 
     # --- pull -------------------------------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""Byte rows between a version's stream and shard buffers, and the per-chunk checksum of the
+bytes that landed.
+
+A row is (stream offset, address, bytes): ``bytes`` of the stream at ``offset`` sit at
+``address``. The publisher's rows read shards into chunks; a subscriber's rows are the runs of
+each reshard piece (:mod:`tpusync.weights.plan`), split where chunks end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tpusync import _core
+from tpusync.tiers.blocks import slot_checksums
+from tpusync.weights.plan import Piece
+
+__all__ = ["Rows", "chunk_digests", "piece_rows", "split_at_chunks"]
+
+
+class Rows:
+    """Parallel int64 arrays: stream offsets, addresses, byte counts."""
+
+    __slots__ = ("address", "nbytes", "offset")
+
+    def __init__(self, offset: np.ndarray, address: np.ndarray, nbytes: np.ndarray) -> None:
+        self.offset = np.asarray(offset, dtype=np.int64)
+        self.address = np.asarray(address, dtype=np.int64)
+        self.nbytes = np.asarray(nbytes, dtype=np.int64)
+
+    @classmethod
+    def join(cls, parts: list[Rows]) -> Rows:
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty, empty)
+        return cls(
+            np.concatenate([p.offset for p in parts]),
+            np.concatenate([p.address for p in parts]),
+            np.concatenate([p.nbytes for p in parts]),
+        )
+
+    def sorted(self) -> Rows:
+        order = np.argsort(self.offset, kind="stable")
+        return Rows(self.offset[order], self.address[order], self.nbytes[order])
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+
+def piece_rows(piece: Piece, stream_start: int, target_address: int) -> Rows:
+    """The rows that carry ``piece`` from its source shard (whose bytes start at
+    ``stream_start`` in the stream) to its target shard (at ``target_address``): both sides'
+    runs cut to the shorter of the two (one always divides the other: each is the piece's
+    trailing extent from some axis on)."""
+    src, src_run = piece.source_offsets()
+    dst, dst_run = piece.target_offsets()
+    run = min(src_run, dst_run)
+    if src_run > run:
+        src = (src[:, None] + np.arange(0, src_run, run, dtype=np.int64)[None, :]).reshape(-1)
+    if dst_run > run:
+        dst = (dst[:, None] + np.arange(0, dst_run, run, dtype=np.int64)[None, :]).reshape(-1)
+    return Rows(stream_start + src, target_address + dst, np.full(len(src), run, np.int64))
+
+
+def split_at_chunks(rows: Rows, chunk_bytes: int) -> Rows:
+    """``rows`` cut where the stream's chunks end, so that each row lies in one chunk."""
+    first = rows.offset // chunk_bytes
+    last = (rows.offset + rows.nbytes - 1) // chunk_bytes
+    spans = last - first + 1
+    if (spans == 1).all():
+        return rows
+    index = np.repeat(np.arange(len(rows)), spans)
+    step = np.arange(len(index)) - np.repeat(np.cumsum(spans) - spans, spans)
+    chunk = first[index] + step
+    start = np.maximum(rows.offset[index], chunk * chunk_bytes)
+    end = np.minimum(rows.offset[index] + rows.nbytes[index], (chunk + 1) * chunk_bytes)
+    return Rows(start, rows.address[index] + (start - rows.offset[index]), end - start)
+
+
+def chunk_digests(
+    rows: Rows, chunks: np.ndarray, chunk_bytes: int, source_of_chunk: np.ndarray
+) -> np.ndarray:
+    """The block checksum of each chunk in ``chunks`` (sorted), hashed from where its bytes are
+    now: the landed bytes of ``rows`` (sorted, each inside one chunk, not overlapping) and,
+    for the bytes no row carries, the chunk itself at ``source_of_chunk[i]``."""
+    chunk_of_row = rows.offset // chunk_bytes
+    bounds = np.searchsorted(chunk_of_row, np.stack([chunks, chunks + 1]))
+    starts: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    ends = np.zeros(len(chunks), dtype=np.int64)
+    total = 0
+    for i, c in enumerate(chunks.tolist()):
+        a, b = int(bounds[0, i]), int(bounds[1, i])
+        off = rows.offset[a:b] - c * chunk_bytes
+        n = rows.nbytes[a:b]
+        stops = off + n
+        gap_start = np.concatenate([[0], stops])
+        gap_len = np.concatenate([off, [chunk_bytes]]) - gap_start
+        # interleave gap_0, row_0, gap_1, row_1, ..., gap_n (empty gaps dropped)
+        s = np.empty(2 * len(off) + 1, dtype=np.int64)
+        ln = np.empty(2 * len(off) + 1, dtype=np.int64)
+        s[0::2] = int(source_of_chunk[i]) + gap_start
+        ln[0::2] = gap_len
+        s[1::2] = rows.address[a:b]
+        ln[1::2] = n
+        keep = ln > 0
+        starts.append(s[keep])
+        lengths.append(ln[keep])
+        total += int(keep.sum())
+        ends[i] = total
+    if not len(chunks):
+        return np.zeros(0, dtype=np.uint64)
+    digests = _core.sum64_streams(
+        np.concatenate(starts).astype(np.uint64),
+        np.concatenate(lengths).astype(np.uint64),
+        ends,
+    )
+    return slot_checksums(digests[:, None])
+
+
+def shard_bytes(box: tuple[tuple[int, int], ...], itemsize: int) -> int:
+    return math.prod(b - a for a, b in box) * itemsize

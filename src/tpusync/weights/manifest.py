@@ -1,0 +1,218 @@
+"""A published weights version's manifest: what a subscriber needs to find, check and reshard
+every byte, and the version's commit record (it is written after every chunk).
+
+A version is one byte stream: every leaf's distinct source shards (C order), each starting on a
+64-byte boundary, cut into chunks of ``chunk_bytes`` (the publisher's pool slots; the last one
+zero-padded). Each chunk carries its checksum here, so a subscriber verifies the bytes that
+land in its own buffers against the trainer's, whichever path they took.
+
+The manifest travels as JSON in the publisher's pool (parts of ``chunk_bytes``, an 8-byte length
+first). A manifest comes from a peer: :meth:`Manifest.from_bytes` bounds and checks every field
+before any of it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpusync.errors import InvalidArgumentError, WeightSyncError
+from tpusync.weights.plan import Box, leaf_plan
+
+__all__ = ["FORMAT", "LeafEntry", "Manifest", "chunk_key", "manifest_key"]
+
+FORMAT = 1
+STREAM_ALIGNMENT = 64
+_MAX_LEAVES = 1 << 16
+_MAX_DIMS = 16
+_MAX_CHUNKS = 1 << 24
+_MAX_MANIFEST_BYTES = 1 << 30
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def _key(kind: bytes, name: str, version: int, index: int) -> bytes:
+    digest = hashlib.blake2b(digest_size=32, person=b"tpusync-w-" + kind)
+    digest.update(f"{name}\0{version}\0{index}".encode())
+    return digest.digest()
+
+
+def chunk_key(name: str, version: int, index: int) -> bytes:
+    """The pool key of chunk ``index`` of ``version`` of the weights called ``name``."""
+    return _key(b"chunk", name, version, index)
+
+
+def manifest_key(name: str, version: int, part: int = 0) -> bytes:
+    """The pool key of part ``part`` of the manifest of ``version`` (part 0 is also the key
+    the registry lists: the version's announcement)."""
+    return _key(b"manif", name, version, part)
+
+
+@dataclass(frozen=True)
+class LeafEntry:
+    """One leaf: its tree path, global shape, dtype name, distinct shard boxes (the
+    publisher's layout) and where each box's bytes start in the version's stream."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    boxes: tuple[Box, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return dtype_of(self.dtype)
+
+    def box_bytes(self, i: int) -> int:
+        return math.prod(b - a for a, b in self.boxes[i]) * self.np_dtype.itemsize
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name (bfloat16 and the float8 types through ml_dtypes)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # jax's own dependency: always there beside jax
+
+        found = getattr(ml_dtypes, name, None)
+        if found is None:
+            raise InvalidArgumentError(f"dtype: {name!r} is not a dtype this build knows") from None
+        return np.dtype(found)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A version's manifest (see the module docstring).
+
+    ``checksums[i]`` is chunk ``i``'s block checksum (the tiers' scheme); ``slots[i]`` is where
+    the publisher's pool holds it, for a subscriber on the same host (``local``: the pool's
+    path, data offset, slot bytes and the host's boot id)."""
+
+    name: str
+    version: int
+    parent: int | None
+    chunk_bytes: int
+    total_bytes: int
+    leaves: tuple[LeafEntry, ...]
+    checksums: np.ndarray
+    slots: np.ndarray
+    local: dict[str, Any]
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.checksums)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "name": self.name,
+            "version": self.version,
+            "parent": self.parent,
+            "chunk_bytes": self.chunk_bytes,
+            "total_bytes": self.total_bytes,
+            "leaves": [
+                {
+                    "path": leaf.path,
+                    "shape": list(leaf.shape),
+                    "dtype": leaf.dtype,
+                    "boxes": [[list(d) for d in box] for box in leaf.boxes],
+                    "offsets": list(leaf.offsets),
+                }
+                for leaf in self.leaves
+            ],
+            "checksums": self.checksums.astype("<u8").tobytes().hex(),
+            "slots": self.slots.astype("<i8").tobytes().hex(),
+            "local": self.local,
+        }
+        text = json.dumps(body, separators=(",", ":")).encode()
+        return len(text).to_bytes(8, "little") + text
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, name: str, version: int) -> Manifest:
+        """A manifest read from a peer, every field checked (``WeightSyncError`` naming the
+        field when one is wrong); it must be the manifest of ``name``'s ``version``."""
+        try:
+            return _parse(data, name, version)
+        except (KeyError, TypeError, ValueError, OverflowError, InvalidArgumentError) as error:
+            raise WeightSyncError(
+                f"the manifest of version {version} of {name!r} is malformed ({error}); "
+                "the publisher and this subscriber may run different tpusync releases"
+            ) from None
+
+
+def _int(value: Any, what: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{what}: expected an integer in [{low}, {high}], got {value!r:.80}")
+    return value
+
+
+def _parse(data: bytes, name: str, version: int) -> Manifest:
+    if len(data) < 8:
+        raise ValueError("shorter than its length field")
+    length = int.from_bytes(data[:8], "little")
+    if not 0 < length <= min(len(data) - 8, _MAX_MANIFEST_BYTES):
+        raise ValueError(f"length field {length} beyond the {len(data) - 8} bytes read")
+    body = json.loads(data[8 : 8 + length])
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise ValueError(f"format: expected {FORMAT}")
+    if body["name"] != name or body["version"] != version:
+        raise ValueError(f"it names {body['name']!r} version {body['version']!r}")
+    parent = body["parent"]
+    if parent is not None:
+        _int(parent, "parent", 0, 2**62)
+    chunk_bytes = _int(body["chunk_bytes"], "chunk_bytes", 4096, 1 << 34)
+    total = _int(body["total_bytes"], "total_bytes", 0, chunk_bytes * _MAX_CHUNKS)
+    n_chunks = -(-total // chunk_bytes)
+    checksums = np.frombuffer(bytes.fromhex(body["checksums"]), dtype="<u8").astype(np.uint64)
+    slots = np.frombuffer(bytes.fromhex(body["slots"]), dtype="<i8").astype(np.int64)
+    if len(checksums) != n_chunks or len(slots) != n_chunks:
+        raise ValueError(f"checksums, slots: expected {n_chunks} each")
+    leaves_in = body["leaves"]
+    if not isinstance(leaves_in, list) or len(leaves_in) > _MAX_LEAVES:
+        raise ValueError("leaves: expected a list")
+    leaves = []
+    for i, item in enumerate(leaves_in):
+        shape = tuple(_int(d, f"leaves[{i}].shape", 0, 1 << 40) for d in item["shape"])
+        if len(shape) > _MAX_DIMS or not _DTYPE.fullmatch(item["dtype"]):
+            raise ValueError(f"leaves[{i}]: a shape or dtype out of bounds")
+        dtype = dtype_of(item["dtype"])
+        boxes = tuple(tuple((int(a), int(b)) for a, b in box) for box in item["boxes"])
+        offsets = tuple(_int(o, f"leaves[{i}].offsets", 0, total) for o in item["offsets"])
+        if len(boxes) != len(offsets) or not isinstance(item["path"], str):
+            raise ValueError(f"leaves[{i}]: one offset per box and a path are required")
+        if math.prod(shape):
+            leaf_plan(shape, dtype.itemsize, boxes, boxes)  # checks the boxes tile the shape
+        entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets)
+        for b, offset in enumerate(offsets):
+            if offset + entry.box_bytes(b) > total:
+                raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")
+        leaves.append(entry)
+    local = body["local"]
+    if not isinstance(local, dict):
+        raise ValueError("local: expected an object")
+    return Manifest(
+        name, version, parent, chunk_bytes, total, tuple(leaves), checksums, slots, local
+    )
+
+
+def check_name(name: Any) -> str:
+    """A weights name: letters, digits, '.', '_' or '-' (it names a /dev/shm file)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgumentError(
+            f"name: {name!r} must be 1 to 64 letters, digits, '.', '_' or '-'"
+        )
+    return name
+
+
+def check_version(version: Any, argument: str = "version") -> int:
+    if type(version) is not int or not 0 <= version < 2**62:
+        raise InvalidArgumentError(
+            f"{argument}: expected a non-negative integer (a training step), got {version!r}"
+        )
+    return version

@@ -1,0 +1,412 @@
+"""The trainer's side of weight sync: :class:`Publisher` stages each version of a pytree of
+(sharded) arrays once in a named host pool in /dev/shm, serves it to subscribers over the data
+plane, and announces it through a registry.
+
+``publish()`` returns once every byte is staged, checksummed and committed, so the trainer may
+overwrite or donate its arrays at once. The manifest is written after the chunks and announced
+last: a version is visible only whole. The last ``keep`` versions stay; an older one is dropped
+when no subscriber holds it (a held one is dropped at a later ``publish``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
+from tpusync.engines import native
+from tpusync.errors import InvalidArgumentError, TierFullError
+from tpusync.tiers import HostPool
+from tpusync.tiers.layout import ArrayLayout, PoolLayout
+from tpusync.tiers.shm_admin import remove_pool
+from tpusync.weights._stream import Rows, split_at_chunks
+from tpusync.weights.manifest import (
+    LeafEntry,
+    Manifest,
+    check_name,
+    check_version,
+    chunk_key,
+    manifest_key,
+)
+from tpusync.weights.plan import shard_boxes
+
+__all__ = ["PublishReport", "Publisher", "chunk_layout", "tree_paths"]
+
+log = logging.getLogger("tpusync.weights")
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+def chunk_layout(name: str, chunk_bytes: int) -> PoolLayout:
+    """The pool layout of a weights stream's chunks (one uint8 array of ``chunk_bytes``)."""
+    return PoolLayout(
+        f"weights:{name}", (ArrayLayout("chunk", "uint8", (int(chunk_bytes),), 0, 1),)
+    )
+
+
+def tree_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """The leaves of ``tree`` with their paths (``jax.tree_util.keystr``) and the treedef."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, _ in with_paths], [x for _, x in with_paths], treedef
+
+
+def boot_id() -> str:
+    """This host's boot id: a subscriber reads /dev/shm directly only on the same boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+@dataclass
+class PublishReport:
+    """What :meth:`Publisher.publish` did: the version, its bytes and chunks, the seconds it
+    took to stage, and the versions kept after it."""
+
+    version: int
+    nbytes: int
+    chunks: int
+    seconds: float
+    kept: list[int] = field(default_factory=list)
+
+
+def _shard_source(data: Any) -> np.ndarray:
+    """One shard's bytes in C order on the host: the device buffer itself where it is host
+    memory (CPU), else a copy."""
+    host = np.asarray(data)
+    return host if host.flags.c_contiguous else np.ascontiguousarray(host)
+
+
+class Publisher:
+    """Publishes numbered versions of a pytree of arrays (see the module docstring).
+
+    Args:
+      name: the weights' name (letters, digits, ``.``, ``_``, ``-``); the pool is
+        ``/dev/shm/tpusync-weights-<name>.pool``.
+      secret: the deployment secret subscribers authenticate with (at least 16 bytes).
+      registry: where versions are announced (any :class:`tpusync.cluster.Registry`); None to
+        let subscribers connect to :attr:`address` directly.
+      keep: versions kept (at least 1); a late joiner may pull any of them.
+      capacity_bytes: the pool's size; default ``keep + 2`` versions of the first one published.
+      chunk_bytes: the verified unit (a multiple of 4096).
+      host, port, tls, insecure, lease_ttl_s: the block server's (see
+        :class:`~tpusync.cluster.BlockServer`); TLS is required off loopback.
+      registry_ttl_s: the registry lease of this publisher's node, renewed by heartbeat.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        secret: bytes,
+        registry: Registry | None = None,
+        keep: int = 2,
+        capacity_bytes: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: ssl.SSLContext | None = None,
+        insecure: bool = False,
+        lease_ttl_s: float = 10.0,
+        registry_ttl_s: float = 10.0,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
+        self.name = check_name(name)
+        if type(keep) is not int or keep < 1:
+            raise InvalidArgumentError(f"keep: expected at least 1 version, got {keep!r}")
+        if type(chunk_bytes) is not int or chunk_bytes < 4096 or chunk_bytes % 4096:
+            raise InvalidArgumentError(
+                f"chunk_bytes: expected a positive multiple of 4096, got {chunk_bytes!r}"
+            )
+        if capacity_bytes is not None and (
+            type(capacity_bytes) is not int or capacity_bytes < chunk_bytes
+        ):
+            raise InvalidArgumentError(
+                f"capacity_bytes: expected at least one chunk ({chunk_bytes}), "
+                f"got {capacity_bytes!r}"
+            )
+        if registry is not None and not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
+            )
+        self.keep = keep
+        self.chunk_bytes = chunk_bytes
+        self.layout = chunk_layout(name, chunk_bytes)
+        # checked now, though the server starts with the pool (at the first publish by default)
+        self._server_options = BlockServerOptions(
+            secret=secret, host=host, port=port, tls=tls, insecure=insecure,
+            lease_ttl_s=lease_ttl_s,
+        )  # fmt: skip
+        self._registry = registry
+        self._registry_ttl = registry_ttl_s
+        self._shm_dir = shm_dir
+        self._lock = threading.Lock()
+        self._versions: dict[int, list[bytes]] = {}  # kept version -> its manifest keys
+        self._chunks: dict[int, int] = {}  # kept version -> its chunk count
+        self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
+        self._latest: int | None = None
+        self.pool: HostPool | None = None
+        self.server: BlockServer | None = None
+        self._link: RegistryLink | None = None
+        self._closed = False
+        if capacity_bytes is not None:
+            self._open(-(-capacity_bytes // chunk_bytes))
+
+    # --- the pool, its server and the registry ---------------------------------------------
+
+    def _open(self, slots: int) -> None:
+        pool = HostPool(
+            self.layout,
+            slots,
+            name=f"weights-{self.name}",
+            shm_dir=self._shm_dir,
+            on_mismatch="recreate",
+        )
+        try:
+            stale = pool.keys()
+            if stale:  # a restarted publisher: versions of a previous life are not announced
+                pool.delete(stale)
+            server = BlockServer(pool, options=self._server_options)
+        except BaseException:
+            pool.close()
+            raise
+        self.pool, self.server = pool, server
+        if self._registry is not None:
+            node = NodeInfo(f"weights-{self.name}", (server.address,), group="weights")
+            try:
+                self._link = RegistryLink(
+                    self._registry, node, self._registry_ttl, self._announced_keys
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    def _announced_keys(self) -> list[bytes]:
+        with self._lock:
+            return [keys[0] for keys in self._versions.values()]
+
+    @property
+    def address(self) -> str | None:
+        """Where subscribers connect (``host:port``); None before the first publish when no
+        ``capacity_bytes`` was given."""
+        return None if self.server is None else self.server.address
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions kept, oldest first."""
+        with self._lock:
+            return sorted(self._versions)
+
+    # --- publish ------------------------------------------------------------------------------
+
+    def publish(self, params: Any, version: int, *, parent: int | None = None) -> PublishReport:
+        """Stages ``params`` (a pytree of ``jax.Array`` / numpy arrays) as ``version`` (an
+        integer above every earlier one, e.g. the training step) and announces it; returns once
+        the bytes are staged, so the arrays may be changed or donated at once.
+
+        Raises InvalidArgumentError (a version not above the last, a leaf that is no array) or
+        TierFullError (the pool cannot hold another version beside those kept and held).
+        """
+        check_version(version)
+        if self._closed:
+            raise InvalidArgumentError("this Publisher is closed")
+        if self._latest is not None and version <= self._latest:
+            raise InvalidArgumentError(
+                f"version: {version} is not above the last one published ({self._latest}); "
+                "versions must rise (use the training step)"
+            )
+        start = time.perf_counter()
+        paths, leaves, _ = tree_paths(params)
+        entries, sources = self._describe(paths, leaves)
+        total = sum(e.box_bytes(b) for e in entries for b in range(len(e.boxes)))
+        n_chunks = -(-total // self.chunk_bytes)
+        if self.pool is None:
+            self._open((self.keep + 2) * (n_chunks + 2))
+        assert self.pool is not None
+        self._retry_drops()
+        keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
+        reservation = self._reserve(keys)
+        try:
+            checksums = self._stage(reservation.slots, sources, total)
+        except BaseException:
+            self.pool.abort(reservation)
+            raise
+        self.pool.commit(reservation, checksums)
+        manifest = Manifest(
+            self.name,
+            version,
+            self._latest if parent is None else parent,
+            self.chunk_bytes,
+            total,
+            tuple(entries),
+            checksums,
+            reservation.slots.astype(np.int64),
+            {
+                "boot_id": boot_id(),
+                "uid": os.getuid(),
+                "pool_path": str(self.pool.path),
+                "data_offset": self.pool.geometry.data_offset,
+                "slot_bytes": self.layout.slot_bytes,
+            },
+        )
+        manifest_keys = self._write_manifest(version, manifest.to_bytes())
+        with self._lock:
+            self._versions[version] = manifest_keys
+            self._chunks[version] = n_chunks
+            self._latest = version
+        if self._link is not None:
+            self._link.added([manifest_keys[0]])  # last: the announcement
+        self._drop_beyond_keep()
+        return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
+
+    def _describe(self, paths: list[str], leaves: list[Any]) -> tuple[list[LeafEntry], list[Any]]:
+        entries: list[LeafEntry] = []
+        sources: list[np.ndarray] = []
+        offset = 0
+        for path, leaf in zip(paths, leaves, strict=True):
+            if isinstance(leaf, jax.Array):
+                shape = tuple(leaf.shape)
+                boxes, of_device = shard_boxes(leaf.sharding, shape)
+                data: list[Any] = [None] * len(boxes)
+                for shard in leaf.addressable_shards:
+                    if data[of_device[shard.device]] is None:
+                        data[of_device[shard.device]] = shard.data
+                if any(d is None for d in data):
+                    raise InvalidArgumentError(
+                        f"params{path}: not every shard is addressable in this process "
+                        "(multi-controller publishing comes in a later part)"
+                    )
+                hosts = [_shard_source(d) for d in data]
+                dtype = np.dtype(leaf.dtype)
+            elif isinstance(leaf, np.ndarray):
+                shape = leaf.shape
+                boxes = (tuple((0, d) for d in shape),)
+                hosts = [np.ascontiguousarray(leaf)]
+                dtype = leaf.dtype
+            else:
+                raise InvalidArgumentError(
+                    f"params{path}: expected a jax.Array or numpy array, got {type(leaf).__name__}"
+                )
+            offsets = []
+            for host in hosts:
+                offsets.append(offset)
+                offset += host.nbytes
+            entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets)))
+            sources.extend(hosts)
+        return entries, sources
+
+    def _reserve(self, keys: list[bytes]) -> Any:
+        assert self.pool is not None
+        try:
+            return self.pool.reserve(keys)
+        except TierFullError:
+            raise TierFullError(
+                f"the weights pool ({self.pool.capacity} chunks of {self.chunk_bytes} bytes) "
+                f"cannot hold {len(keys)} more chunks beside the versions kept "
+                f"({self.versions}) and those subscribers still hold; give a larger "
+                "capacity_bytes or a smaller keep"
+            ) from None
+
+    def _stage(self, slots: np.ndarray, sources: list[np.ndarray], total: int) -> np.ndarray:
+        """Copies every shard into the reserved chunks (one native batch) and checksums them."""
+        assert self.pool is not None
+        sizes = np.array([s.nbytes for s in sources], dtype=np.int64)
+        rows = Rows(
+            np.cumsum(sizes) - sizes,
+            np.array([s.ctypes.data for s in sources], dtype=np.int64),
+            sizes,
+        )
+        rows = split_at_chunks(Rows(rows.offset, rows.address, rows.nbytes), self.chunk_bytes)
+        keep = rows.nbytes > 0
+        with self.pool.slot_addresses(slots) as addresses:
+            chunk = rows.offset[keep] // self.chunk_bytes
+            dst = addresses.astype(np.int64)[chunk] + rows.offset[keep] - chunk * self.chunk_bytes
+            table = np.stack([rows.address[keep], dst, rows.nbytes[keep]], 1).astype(np.uint64)
+            native.engine().copy(np.ascontiguousarray(table))
+            tail = total - (len(slots) - 1) * self.chunk_bytes
+            if len(slots) and tail < self.chunk_bytes:  # deterministic padding
+                with self.pool.slot_memory(int(slots[-1])) as last:
+                    last[tail : self.chunk_bytes] = bytes(self.chunk_bytes - tail)
+        del sources
+        return self.pool.hash_slots(slots)
+
+    def _write_manifest(self, version: int, data: bytes) -> list[bytes]:
+        assert self.pool is not None
+        parts = -(-len(data) // self.chunk_bytes)
+        keys = [manifest_key(self.name, version, p) for p in range(parts)]
+        reservation = self._reserve(keys)
+        try:
+            for p, slot in enumerate(reservation.slots.tolist()):
+                piece = data[p * self.chunk_bytes : (p + 1) * self.chunk_bytes]
+                with self.pool.slot_memory(slot) as memory:
+                    memory[: len(piece)] = piece
+                    memory[len(piece) : self.chunk_bytes] = bytes(self.chunk_bytes - len(piece))
+            checksums = self.pool.hash_slots(reservation.slots)
+        except BaseException:
+            self.pool.abort(reservation)
+            raise
+        self.pool.commit(reservation, checksums)
+        return keys
+
+    # --- dropping old versions ---------------------------------------------------------------
+
+    def _drop_beyond_keep(self) -> None:
+        with self._lock:
+            old = sorted(self._versions)[: -self.keep]
+        for version in old:
+            with self._lock:
+                manifest_keys = self._versions.pop(version)
+                n_chunks = self._chunks.pop(version)
+            if self._link is not None:
+                self._link.removed([manifest_keys[0]])
+            self._dropping[version] = [
+                *manifest_keys,
+                *(chunk_key(self.name, version, i) for i in range(n_chunks)),
+            ]
+        self._retry_drops()
+
+    def _retry_drops(self) -> None:
+        """Drops the versions beyond ``keep`` that no subscriber holds: the manifest's first
+        part goes first (a subscriber holds it for its whole pull), then the rest."""
+        assert self.pool is not None
+        for version, keys in list(self._dropping.items()):
+            if self.pool.contains(keys[:1])[0] and not self.pool.delete(keys[:1]):
+                continue  # held by a subscriber: dropped at a later publish
+            self.pool.delete(keys[1:])
+            del self._dropping[version]
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Withdraws every version, stops serving and removes the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+        if self.server is not None:
+            self.server.close()
+        if self.pool is not None:
+            self.pool.close()
+            with contextlib.suppress(InvalidArgumentError):  # removed by hand meanwhile
+                remove_pool(f"weights-{self.name}", shm_dir=self._shm_dir)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Publisher({self.name!r}, versions={self.versions}, address={self.address})"

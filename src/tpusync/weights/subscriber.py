@@ -1,0 +1,650 @@
+"""The sampler's side of weight sync: :class:`Subscriber` pulls a published version into its
+own layout (any mesh, any sharding), verifies every byte that lands, and switches to it at
+once on :meth:`Subscriber.commit`.
+
+A pull reads only the chunks its own shards need: from the publisher's /dev/shm pool when it
+runs on the same host (read-only, the same user), else over the authenticated data plane. The
+reshard plan (:mod:`tpusync.weights.plan`) cuts each chunk into its runs in the target shards;
+then each chunk's checksum is computed over the bytes where they landed and compared with the
+manifest's, so nothing is trusted between the trainer's arrays and the sampler's. A chunk that
+fails is fetched again over the network; failing twice fails the pull.
+
+Shadow mode (the default): the pull fills new buffers; the committed version is untouched until
+:meth:`commit`, which only swaps references, and a failed pull leaves it as it was. In-place mode
+(``in_place=True``, when memory is short) writes into the committed arrays' own buffers: the
+caller must not run steps on them during the pull, and a failed pull leaves them torn (a mix of
+versions) until a later pull succeeds.
+
+On CPU the shard buffers are this process's memory, handed to JAX without a copy (device memory
+is host memory there); elsewhere each shard is staged in host memory and placed with
+``jax.device_put`` (the pure-JAX path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync import _core
+from tpusync.cluster import BlockClient, Registry
+from tpusync.engines import native
+from tpusync.errors import (
+    DtypeMismatchError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    ShapeMismatchError,
+    TierFullError,
+    TpuSyncError,
+    VersionUnavailableError,
+    WeightSyncError,
+)
+from tpusync.tiers import HostPool
+from tpusync.tiers.files import open_file
+from tpusync.weights._stream import Rows, chunk_digests, piece_rows, split_at_chunks
+from tpusync.weights.manifest import Manifest, check_name, check_version, chunk_key, manifest_key
+from tpusync.weights.plan import leaf_plan, shard_boxes
+from tpusync.weights.publisher import boot_id, chunk_layout, tree_paths
+
+__all__ = ["PullReport", "Subscriber"]
+
+log = logging.getLogger("tpusync.weights")
+
+_PAGE = 4096
+
+
+@dataclass
+class PullReport:
+    """What :meth:`Subscriber.pull` did: the bytes that landed in this process's shards, the
+    chunks read from /dev/shm and over the network, the chunks fetched again after a failed
+    check, and the seconds it took."""
+
+    version: int
+    nbytes: int
+    chunks_local: int
+    chunks_network: int
+    chunks_retried: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Target:
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any
+    boxes: tuple[Any, ...]
+    devices: tuple[Any, ...]  # this process's devices of the sharding
+    box_of: tuple[int, ...]  # per device
+
+    def shard_shape(self, box: int) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.boxes[box])
+
+
+def _target(path: str, leaf: Any) -> _Target:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise InvalidArgumentError(
+            f"target{path}: expected a jax.Array or a jax.ShapeDtypeStruct with a sharding, "
+            f"got {type(leaf).__name__}"
+        )
+    shape = tuple(int(d) for d in leaf.shape)
+    boxes, of_device = shard_boxes(sharding, shape)
+    devices = tuple(d for d in sharding.addressable_devices_indices_map(shape))
+    return _Target(
+        path,
+        shape,
+        np.dtype(leaf.dtype),
+        sharding,
+        boxes,
+        devices,
+        tuple(of_device[d] for d in devices),
+    )
+
+
+class _Buffers:
+    """One page-aligned region per (leaf, device) in one mapping: the shards' memory."""
+
+    def __init__(self, targets: list[_Target]) -> None:
+        self.offsets: list[list[int]] = []
+        total = 0
+        for t in targets:
+            per = []
+            for box in t.box_of:
+                per.append(total)
+                nbytes = int(np.prod(t.shard_shape(box))) * t.dtype.itemsize
+                total += -(-nbytes // _PAGE) * _PAGE
+            self.offsets.append(per)
+        self.mapping = _core.Mapping(max(total, _PAGE), populate=True, huge_pages=True)
+        self.bytes = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.base = int(self.bytes.ctypes.data)
+
+    def view(self, t: _Target, leaf: int, device: int) -> np.ndarray:
+        shape = t.shard_shape(t.box_of[device])
+        start = self.offsets[leaf][device]
+        nbytes = int(np.prod(shape)) * t.dtype.itemsize
+        return self.bytes[start : start + nbytes].view(t.dtype).reshape(shape)
+
+
+@dataclass
+class _Pulled:
+    version: int
+    tree: Any
+    buffers: _Buffers | None
+    zero_copy: bool  # the arrays are the buffers (CPU): in-place writes reach them
+
+
+class Subscriber:
+    """Pulls versions of the weights called ``name`` into the layout of ``target``.
+
+    Args:
+      name: the publisher's weights name.
+      target: a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` (with a ``sharding``): the
+        structure, shapes, dtypes and shardings versions are pulled into.
+      secret: the deployment secret (the publisher's).
+      address: the publisher's ``host:port``; or ``registry``, where versions are announced.
+      tls, insecure, connections, timeout_s: the data plane's (see
+        :class:`~tpusync.cluster.BlockClient`).
+      deadline_s: the longest a pull may take (default for :meth:`pull`).
+      in_place: write into the committed arrays (see the module docstring).
+      kv_stores: KV stores whose ``weight_version`` follows each commit (KV of other weights is
+        never served again).
+      same_host: read the publisher's /dev/shm pool directly when it is on this host.
+      window_chunks: chunks pulled over the network per batch (two batches are staged).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: Any,
+        *,
+        secret: bytes,
+        address: str | None = None,
+        registry: Registry | None = None,
+        tls: Any = None,
+        insecure: bool = False,
+        connections: int = 2,
+        timeout_s: float = 10.0,
+        deadline_s: float = 120.0,
+        in_place: bool = False,
+        kv_stores: Any = (),
+        same_host: bool = True,
+        window_chunks: int = 32,
+    ) -> None:
+        self.name = check_name(name)
+        if (address is None) == (registry is None):
+            raise InvalidArgumentError("address, registry: give exactly one of them")
+        if registry is not None and not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
+            )
+        if not isinstance(deadline_s, int | float) or not deadline_s > 0:
+            raise InvalidArgumentError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
+        if type(window_chunks) is not int or window_chunks < 1:
+            raise InvalidArgumentError(f"window_chunks: expected >= 1, got {window_chunks!r}")
+        paths, leaves, self._treedef = tree_paths(target)
+        self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
+        self._client_args = {
+            "secret": secret,
+            "connections": connections,
+            "timeout_s": timeout_s,
+            "tls": tls,
+            "insecure": insecure,
+        }
+        self._address, self._registry = address, registry
+        self.deadline_s = float(deadline_s)
+        self.in_place = bool(in_place)
+        self.kv_stores = list(kv_stores)
+        for store in self.kv_stores:
+            if not hasattr(store, "set_weight_version"):
+                raise InvalidArgumentError(
+                    f"kv_stores: expected tpusync.KVCacheStore objects, got {type(store).__name__}"
+                )
+        self.same_host = bool(same_host)
+        self.window = window_chunks
+        self._clients: dict[str, BlockClient] = {}
+        self._staging: HostPool | None = None
+        self._rows_cache: dict[Any, Rows] = {}
+        self._executor = ThreadPoolExecutor(
+            max_workers=max(2, native.copy_threads()), thread_name_prefix="tpusync-weights"
+        )
+        self._live: _Pulled | None = None
+        self._shadow: _Pulled | None = None
+        self.torn = False
+        self.last_commit_seconds = 0.0
+
+    # --- what is committed ---------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The committed version (None before the first commit)."""
+        return None if self._live is None else self._live.version
+
+    @property
+    def params(self) -> Any:
+        """The committed version's arrays, in the target's structure."""
+        if self.torn:
+            raise WeightSyncError(
+                "an in-place pull failed: the arrays hold a mix of versions; pull again"
+            )
+        if self._live is None:
+            raise InvalidArgumentError("no version committed yet: pull(version), then commit()")
+        return self._live.tree
+
+    def commit(self) -> Any:
+        """Switches to the last pulled version and returns its arrays (only references move;
+        KV stores given as ``kv_stores`` switch their ``weight_version`` with it)."""
+        start = time.perf_counter()
+        shadow = self._shadow
+        if shadow is None:
+            raise InvalidArgumentError("nothing to commit: pull(version) first")
+        self._shadow = None
+        self._live = shadow
+        self.torn = False
+        for store in self.kv_stores:
+            store.set_weight_version(str(shadow.version))
+        self.last_commit_seconds = time.perf_counter() - start
+        return shadow.tree
+
+    def update(self, version: int, *, deadline_s: float | None = None) -> Any:
+        """:meth:`pull` then :meth:`commit`."""
+        self.pull(version, deadline_s=deadline_s)
+        return self.commit()
+
+    # --- pull -----------------------------------------------------------------------------------
+
+    def pull(self, version: int, *, deadline_s: float | None = None) -> PullReport:
+        """Pulls ``version`` into shadow buffers (or in place); :meth:`commit` switches to it.
+
+        Raises InvalidArgumentError (a version not above the committed one),
+        VersionUnavailableError (not published or no longer kept), ShapeMismatchError /
+        DtypeMismatchError / InvalidArgumentError (the target does not match the version's
+        tree; before any chunk moves), AuthenticationError (a wrong secret) or
+        WeightSyncError (what failed: a chunk failing its checksum twice, the publisher gone,
+        the deadline). The committed version is untouched by a failure (but see in-place)."""
+        check_version(version)
+        current = self.version
+        if current is not None and version <= current:
+            raise InvalidArgumentError(
+                f"version: {version} is not above the committed version {current}"
+            )
+        start = time.perf_counter()
+        limit = self.deadline_s if deadline_s is None else float(deadline_s)
+        deadline = time.monotonic() + limit
+        client = self._client(version)
+        announce = manifest_key(self.name, version, 0)
+        try:
+            with client.hold([announce], ttl_s=max(1.0, min(limit, 60.0))) as held:
+                if not held.present[0]:
+                    raise VersionUnavailableError(
+                        f"version: {version} of {self.name!r} is not published by "
+                        f"{client.label} (or no longer kept)"
+                    )
+                manifest = self._read_manifest(client, version)
+                self._check_targets(manifest)
+                report = self._pull_chunks(client, manifest, deadline, start)
+                if held.lapsed:
+                    raise WeightSyncError(
+                        f"version {version}: the hold on it lapsed during the pull; the "
+                        "publisher may have dropped it"
+                    )
+        except (PeerUnavailableError, OSError) as error:
+            self._drop_client(client)
+            self._fail_in_place()
+            raise WeightSyncError(
+                f"version {version}: the publisher at {client.label} went away ({error})"
+            ) from error
+        except WeightSyncError:
+            self._fail_in_place()
+            raise
+        return report
+
+    def _fail_in_place(self) -> None:
+        if self.in_place and self._live is not None and self._shadow is None:
+            self.torn = True
+
+    def _client(self, version: int) -> BlockClient:
+        if self._address is not None:
+            address = self._address
+        else:
+            assert self._registry is not None
+            key = manifest_key(self.name, version, 0)
+            try:
+                holders = self._registry.holders([key])[0]
+                nodes = {n.node_id: n for n in self._registry.nodes()}
+            except TpuSyncError as error:
+                raise WeightSyncError(f"the registry cannot be read ({error})") from error
+            found = [nodes[h.node_id] for h in holders if h.node_id in nodes]
+            found = [n for n in found if n.addresses]
+            if not found:
+                raise VersionUnavailableError(
+                    f"version: {version} of {self.name!r} is not announced in the registry "
+                    "(not published yet, or no longer kept)"
+                )
+            address = found[0].addresses[0]
+        client = self._clients.get(address)
+        if client is None:
+            client = BlockClient(address, **self._client_args)  # AuthenticationError here
+            self._clients[address] = client
+        return client
+
+    def _drop_client(self, client: BlockClient) -> None:
+        for address, known in list(self._clients.items()):
+            if known is client:
+                del self._clients[address]
+        client.close()
+
+    def _staging_pool(self, chunk_bytes: int) -> HostPool:
+        pool = self._staging
+        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = HostPool(chunk_layout(self.name, chunk_bytes), 2 * self.window + 2)
+            self._staging = pool
+        return pool
+
+    def _read_manifest(self, client: BlockClient, version: int) -> Manifest:
+        chunk_bytes = client.payload_bytes
+        staging = self._staging_pool(chunk_bytes)
+        first = manifest_key(self.name, version, 0)
+        parts = [self._pull_one(client, staging, first)]
+        length = int.from_bytes(parts[0][:8], "little")
+        n_parts = -(-(length + 8) // chunk_bytes)
+        if n_parts > 1 << 16:
+            raise WeightSyncError(f"version {version}: a manifest of {length} bytes is too long")
+        for p in range(1, n_parts):
+            parts.append(self._pull_one(client, staging, manifest_key(self.name, version, p)))
+        return Manifest.from_bytes(b"".join(parts), name=self.name, version=version)
+
+    def _pull_one(self, client: BlockClient, staging: HostPool, key: bytes) -> bytes:
+        staging.delete([key])
+        if not client.pull([key], staging)[0]:
+            raise WeightSyncError(f"a manifest part could not be pulled from {client.label}")
+        slot = staging.slot_of(key)
+        assert slot is not None
+        with staging.slot_memory(slot) as memory:
+            data = bytes(memory[: staging.layout.payload_bytes])
+        staging.delete([key])
+        return data
+
+    def _check_targets(self, manifest: Manifest) -> None:
+        if len(manifest.leaves) != len(self._targets):
+            raise InvalidArgumentError(
+                f"target: {len(self._targets)} leaves, but version {manifest.version} has "
+                f"{len(manifest.leaves)}; the target must have the published tree's structure"
+            )
+        for entry, t in zip(manifest.leaves, self._targets, strict=True):
+            if entry.path != t.path:
+                raise InvalidArgumentError(
+                    f"target{t.path}: the published tree has {entry.path} here; the target "
+                    "must have the published tree's structure"
+                )
+            if entry.shape != t.shape:
+                raise ShapeMismatchError(
+                    f"target{t.path}: shape {t.shape}, published {entry.shape}"
+                )
+            if entry.np_dtype != t.dtype:
+                raise DtypeMismatchError(
+                    f"target{t.path}: dtype {t.dtype}, published {entry.dtype} (dtype changes "
+                    "on the way in come in a later part)"
+                )
+
+    # --- moving the chunks ----------------------------------------------------------------------
+
+    def _rows(self, manifest: Manifest, buffers: _Buffers) -> Rows:
+        """Every run the target shards need (first replica of each box), sorted by stream
+        offset and cut at chunk ends; addresses relative to the buffers' base. Cached per pair
+        of layouts."""
+        key = (
+            manifest.chunk_bytes,
+            tuple((e.shape, e.dtype, e.boxes, e.offsets) for e in manifest.leaves),
+        )
+        rows = self._rows_cache.get(key)
+        if rows is None:
+            parts: list[Rows] = []
+            for i, (entry, t) in enumerate(zip(manifest.leaves, self._targets, strict=True)):
+                if not int(np.prod(t.shape)):
+                    continue
+                plan = leaf_plan(t.shape, t.dtype.itemsize, entry.boxes, t.boxes)
+                first_device: dict[int, int] = {}
+                for d, box in enumerate(t.box_of):
+                    first_device.setdefault(box, d)
+                for box, d in first_device.items():
+                    at = buffers.offsets[i][d]
+                    for piece in plan.pieces[box]:
+                        parts.append(piece_rows(piece, entry.offsets[piece.source], at))
+            rows = split_at_chunks(Rows.join(parts).sorted(), manifest.chunk_bytes)
+            self._rows_cache = {key: rows}  # one layout pair at a time
+        return rows
+
+    def _pull_chunks(
+        self, client: BlockClient, manifest: Manifest, deadline: float, start: float
+    ) -> PullReport:
+        live = self._live
+        if self.in_place and live is not None and live.buffers is not None and live.zero_copy:
+            buffers = live.buffers
+        else:
+            buffers = _Buffers(self._targets)
+        relative = self._rows(manifest, buffers)
+        rows = Rows(relative.offset, relative.address + buffers.base, relative.nbytes)
+        C = manifest.chunk_bytes
+        row_chunk = rows.offset // C
+        chunks = np.unique(row_chunk)
+        report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
+        todo = chunks
+        local = self._open_local(manifest) if self.same_host else None
+        if local is not None:
+            try:
+                source = local[1] + int(manifest.local["data_offset"])
+                sources = source + manifest.slots[chunks] * int(manifest.local["slot_bytes"])
+                bad = self._land(rows, row_chunk, chunks, sources, manifest, deadline)
+                report.chunks_local = len(chunks) - len(bad)
+                report.chunks_retried = len(bad)
+                todo = bad
+            finally:
+                local[0].close()
+        if len(todo):
+            report.chunks_network = self._pull_network(
+                client, manifest, rows, row_chunk, todo, deadline, report
+            )
+        self._replicate(buffers)
+        tree, zero_copy = self._arrays(buffers)
+        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _open_local(self, manifest: Manifest) -> tuple[mmap.mmap, int] | None:
+        """The publisher's pool mapped read-only, with its address, when it is on this host
+        and this user's (else None: pull over the network)."""
+        local = manifest.local
+        try:
+            if local.get("boot_id") != boot_id() or local.get("uid") != os.getuid():
+                return None
+            fd = open_file(str(local["pool_path"]), os.O_RDONLY)
+        except (OSError, TpuSyncError, KeyError):
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            slot_bytes = int(local["slot_bytes"])
+            end = int(local["data_offset"]) + (int(manifest.slots.max(initial=0)) + 1) * slot_bytes
+            if slot_bytes < manifest.chunk_bytes or manifest.slots.min(initial=0) < 0 or end > size:
+                return None
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        address = int(np.frombuffer(mapped, dtype=np.uint8).ctypes.data)
+        return mapped, address
+
+    def _land(
+        self,
+        rows: Rows,
+        row_chunk: np.ndarray,
+        chunks: np.ndarray,
+        sources: np.ndarray,
+        manifest: Manifest,
+        deadline: float,
+    ) -> np.ndarray:
+        """Copies the rows of ``chunks`` (chunk ``chunks[i]`` at address ``sources[i]``) into
+        place and checks each chunk where it landed; returns the chunks that failed."""
+        C = manifest.chunk_bytes
+        bad: list[np.ndarray] = []
+        for w in range(0, len(chunks), self.window):
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"version {manifest.version}: the pull missed its deadline with "
+                    f"{len(chunks) - w} chunks to go"
+                )
+            part, src = chunks[w : w + self.window], sources[w : w + self.window]
+            lo, hi = np.searchsorted(row_chunk, [part[0], part[-1] + 1])
+            sel = slice(int(lo), int(hi))
+            at = np.searchsorted(part, row_chunk[sel])
+            src_addr = src[at] + rows.offset[sel] - row_chunk[sel] * C
+            table = np.stack([src_addr, rows.address[sel], rows.nbytes[sel]], 1)
+            native.engine().copy(np.ascontiguousarray(table, dtype=np.uint64))
+            window_rows = Rows(rows.offset[sel], rows.address[sel], rows.nbytes[sel])
+            digests = self._digests(window_rows, part, C, src)
+            failed = digests != manifest.checksums[part]
+            if failed.any():
+                log.warning(
+                    "tpusync weights: version %d: %d chunks failed their checksum",
+                    manifest.version,
+                    int(failed.sum()),
+                )
+                bad.append(part[failed])
+        return np.concatenate(bad) if bad else np.zeros(0, dtype=np.int64)
+
+    def _digests(self, rows: Rows, chunks: np.ndarray, C: int, sources: np.ndarray) -> np.ndarray:
+        n = self._executor._max_workers
+        if len(chunks) < 2 * n:
+            return chunk_digests(rows, chunks, C, sources)
+        parts = np.array_split(np.arange(len(chunks)), n)
+        jobs = [self._executor.submit(chunk_digests, rows, chunks[p], C, sources[p]) for p in parts]
+        return np.concatenate([j.result() for j in jobs])
+
+    def _pull_network(
+        self,
+        client: BlockClient,
+        manifest: Manifest,
+        rows: Rows,
+        row_chunk: np.ndarray,
+        chunks: np.ndarray,
+        deadline: float,
+        report: PullReport,
+    ) -> int:
+        staging = self._staging_pool(manifest.chunk_bytes)
+        windows = [chunks[w : w + self.window] for w in range(0, len(chunks), self.window)]
+        pending: Future[Any] | None = None
+        try:
+            if windows:
+                pending = self._executor.submit(self._fetch, client, staging, manifest, windows[0])
+            for k, part in enumerate(windows):
+                assert pending is not None
+                keys = pending.result()
+                pending = None
+                if k + 1 < len(windows):
+                    pending = self._executor.submit(
+                        self._fetch, client, staging, manifest, windows[k + 1]
+                    )
+                for attempt in range(2):
+                    slots = np.array([staging.slot_of(key) for key in keys], dtype=np.int64)
+                    with staging.slot_addresses(slots) as addresses:
+                        bad = self._land(
+                            rows, row_chunk, part, addresses.astype(np.int64), manifest, deadline
+                        )
+                    if not len(bad):
+                        break
+                    if attempt:
+                        raise WeightSyncError(
+                            f"version {manifest.version}: chunks {bad.tolist()[:8]} failed "
+                            "their checksum twice; the committed version is untouched"
+                        )
+                    report.chunks_retried += len(bad)
+                    staging.delete([chunk_key(self.name, manifest.version, c) for c in bad])
+                    self._fetch(client, staging, manifest, bad)
+                staging.delete(keys)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(TpuSyncError, OSError):
+                    staging.delete(pending.result())
+        return len(chunks)
+
+    def _fetch(
+        self, client: BlockClient, staging: HostPool, manifest: Manifest, chunks: np.ndarray
+    ) -> list[bytes]:
+        keys = [chunk_key(self.name, manifest.version, int(c)) for c in chunks]
+        try:
+            loaded = client.pull(keys, staging)
+            if not all(loaded):  # once more (a lapsed lease, a block damaged in flight)
+                loaded = client.pull(keys, staging)
+        except TierFullError as error:  # never expected: two windows fit
+            raise WeightSyncError(f"the staging pool is full ({error})") from error
+        if not all(loaded):
+            staging.delete(keys)
+            missing = [int(c) for c, ok in zip(chunks, loaded, strict=True) if not ok]
+            raise WeightSyncError(
+                f"version {manifest.version}: chunks {missing[:8]} could not be pulled from "
+                f"{client.label} (the publisher dropped the version or stopped serving)"
+            )
+        return keys
+
+    def _replicate(self, buffers: _Buffers) -> None:
+        """Copies each box's first replica to its other devices (after it was verified)."""
+        rows = []
+        for i, t in enumerate(self._targets):
+            first: dict[int, int] = {}
+            for d, box in enumerate(t.box_of):
+                if box in first:
+                    nbytes = int(np.prod(t.shard_shape(box))) * t.dtype.itemsize
+                    src = buffers.base + buffers.offsets[i][first[box]]
+                    rows.append((src, buffers.base + buffers.offsets[i][d], nbytes))
+                else:
+                    first[box] = d
+        rows = [r for r in rows if r[2]]
+        if rows:
+            native.engine().copy(np.array(rows, dtype=np.uint64))
+
+    def _arrays(self, buffers: _Buffers) -> tuple[Any, bool]:
+        """The arrays over the buffers, and whether JAX took them without a copy."""
+        live = self._live
+        if live is not None and live.buffers is buffers:
+            return live.tree, True  # the same arrays, written in place
+        leaves = []
+        zero_copy = True
+        for i, t in enumerate(self._targets):
+            shards = []
+            for d, device in enumerate(t.devices):
+                view = buffers.view(t, i, d)
+                shard = jax.device_put(view, device)
+                if view.size and shard.unsafe_buffer_pointer() != view.ctypes.data:
+                    zero_copy = False
+                shards.append(shard)
+            leaves.append(jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards))
+        return jax.tree_util.tree_unflatten(self._treedef, leaves), zero_copy
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the connections and the staging pool (committed arrays stay usable)."""
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
