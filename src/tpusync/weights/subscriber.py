@@ -220,6 +220,7 @@ class Subscriber:
         self._shadow: _Pulled | None = None
         self.torn = False
         self.last_commit_seconds = 0.0
+        self._refetched = 0  # chunks the data plane failed once (counted by a pull's fetches)
 
     # --- what is committed ---------------------------------------------------------------------
 
@@ -453,9 +454,11 @@ class Subscriber:
             finally:
                 local[0].close()
         if len(todo):
+            self._refetched = 0
             report.chunks_network = self._pull_network(
                 client, manifest, rows, row_chunk, todo, deadline, report
             )
+            report.chunks_retried += self._refetched
         self._replicate(buffers)
         tree, zero_copy = self._arrays(buffers)
         self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
@@ -585,6 +588,7 @@ class Subscriber:
         try:
             loaded = client.pull(keys, staging)
             if not all(loaded):  # once more (a lapsed lease, a block damaged in flight)
+                self._refetched += loaded.count(False)
                 loaded = client.pull(keys, staging)
         except TierFullError as error:  # never expected: two windows fit
             raise WeightSyncError(f"the staging pool is full ({error})") from error
@@ -614,10 +618,9 @@ class Subscriber:
             native.engine().copy(np.array(rows, dtype=np.uint64))
 
     def _arrays(self, buffers: _Buffers) -> tuple[Any, bool]:
-        """The arrays over the buffers, and whether JAX took them without a copy."""
-        live = self._live
-        if live is not None and live.buffers is buffers:
-            return live.tree, True  # the same arrays, written in place
+        """The arrays over the buffers, and whether JAX took them without a copy. New array
+        objects even in place: JAX caches an array's host value, which a write beneath it would
+        leave stale."""
         leaves = []
         zero_copy = True
         for i, t in enumerate(self._targets):

@@ -1,0 +1,343 @@
+"""Weight sync in one process over real sockets and a real /dev/shm pool: Publisher (8x1) ->
+Subscriber (2x4, 4x2, 1x8), bit for bit, through the same-host path and the data plane; the
+streaming checksum; damaged chunks (in the pool, in flight); held versions; deadlines; in-place
+pulls; the KV store's weight version following a commit; bad input refused before any chunk
+moves. The multi-process cases are in test_weights_processes.py."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpusync import DevicePool, _core
+from tpusync.cluster import BlockClient, MemoryRegistry
+from tpusync.errors import (
+    AuthenticationError,
+    DtypeMismatchError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    VersionUnavailableError,
+    WeightSyncError,
+)
+from tpusync.kv import DramTier, KVStoreConfig
+from tpusync.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
+from tpusync.weights import Publisher, Subscriber
+from tpusync.weights.manifest import Manifest, chunk_key, manifest_key
+
+SECRET = secrets.token_bytes(32)
+CHUNK = 1 << 16
+
+
+def _mesh(shape: tuple[int, int]) -> Mesh:
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), ("x", "y"))
+
+
+def _spec(shape: tuple[int, ...], mesh: tuple[int, int]) -> P:
+    if mesh == (1, 8):
+        return P()
+    return P("x", "y") if len(shape) == 2 else P("x")
+
+
+def _params(version: int, leaves: int = 24, mesh: tuple[int, int] = (8, 1)) -> dict[str, Any]:
+    m = _mesh(mesh)
+    out = {}
+    for i, (path, shape, dtype) in enumerate(tree_spec(leaves)):
+        raw = np.frombuffer(leaf_bytes(7, version, i, shape, dtype), np_dtype(dtype))
+        out[path] = jax.device_put(raw.reshape(shape), NamedSharding(m, _spec(shape, mesh)))
+    return out
+
+
+def _target(mesh: tuple[int, int], leaves: int = 24) -> dict[str, Any]:
+    m = _mesh(mesh)
+    return {
+        path: jax.ShapeDtypeStruct(
+            shape, np_dtype(dtype), sharding=NamedSharding(m, _spec(shape, mesh))
+        )
+        for path, shape, dtype in tree_spec(leaves)
+    }
+
+
+def _same_bits(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+
+
+@pytest.fixture
+def publisher(shm_names: Any) -> Iterator[Publisher]:
+    with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
+        yield pub
+
+
+@given(
+    data=st.binary(min_size=1, max_size=5000),
+    cuts=st.lists(st.integers(0, 5000), max_size=6),
+)
+@settings(max_examples=60, deadline=None)
+def test_sum64_streams_equals_the_checksum_of_the_joined_regions(data: bytes, cuts: list[int]):
+    buf = np.frombuffer(data, dtype=np.uint8).copy()
+    bounds = sorted({0, len(buf), *(c for c in cuts if c < len(buf))})
+    # the regions copied apart, so that they do not sit next to each other in memory
+    pieces = [buf[a:b].copy() for a, b in zip(bounds, bounds[1:], strict=False)]
+    starts = np.array([p.ctypes.data for p in pieces], dtype=np.uint64)
+    lengths = np.array([len(p) for p in pieces], dtype=np.uint64)
+    got = _core.sum64_streams(starts, lengths, np.array([len(pieces)], dtype=np.int64))
+    assert int(got[0]) == _core.sum64(data)
+
+
+@pytest.mark.parametrize("mesh", [(2, 4), (4, 2), (1, 8)])
+@pytest.mark.parametrize("same_host", [True, False], ids=["shm", "network"])
+def test_a_version_lands_bit_for_bit_in_another_mesh(publisher, mesh, same_host):
+    params = _params(1)
+    publisher.publish(params, 1)
+    target = _target(mesh)
+    with Subscriber(
+        publisher.name, target, secret=SECRET, address=publisher.address, same_host=same_host
+    ) as sub:
+        report = sub.pull(1)
+        assert (report.chunks_local > 0) == same_host
+        assert (report.chunks_network > 0) != same_host
+        assert report.chunks_retried == 0
+        got = sub.commit()
+        _same_bits(got, params)
+        for k in target:
+            assert got[k].sharding == target[k].sharding
+        assert sub.last_commit_seconds < 1e-3
+        params2 = _params(2)
+        publisher.publish(params2, 2)
+        got2 = sub.update(2)
+        _same_bits(got2, params2)
+        _same_bits(got, params)  # the earlier version's arrays are untouched
+
+
+def test_registry_finds_the_publisher_and_kept_versions(shm_names):
+    registry = MemoryRegistry()
+    with Publisher(shm_names(), secret=SECRET, registry=registry, chunk_bytes=CHUNK) as pub:
+        versions = {v: _params(v) for v in (1, 2, 3)}
+        for v, params in versions.items():
+            pub.publish(params, v)
+        assert pub.versions == [2, 3]
+        with Subscriber(pub.name, _target((2, 4)), secret=SECRET, registry=registry) as sub:
+            with pytest.raises(VersionUnavailableError, match="not announced|not published"):
+                sub.pull(1)  # dropped: keep=2
+            _same_bits(sub.update(2), versions[2])  # a late joiner takes an older kept one
+            _same_bits(sub.update(3), versions[3])
+            with pytest.raises(InvalidArgumentError, match="not above the committed"):
+                sub.pull(2)
+            with pytest.raises(VersionUnavailableError):
+                sub.pull(4)
+            assert sub.version == 3
+    assert registry.nodes() == []
+
+
+def test_a_held_version_is_not_dropped(publisher):
+    for v in (1, 2):
+        publisher.publish(_params(v), v)
+    with BlockClient(publisher.address, secret=SECRET) as client:
+        with client.hold([manifest_key(publisher.name, 1)]) as held:
+            assert held.present == [True]
+            publisher.publish(_params(3), 3)  # 1 is beyond keep=2, but held
+            assert publisher.versions == [2, 3]
+            assert client.contains([manifest_key(publisher.name, 1)]) == [True]
+            with Subscriber(publisher.name, _target((4, 2)), secret=SECRET,
+                            address=publisher.address) as sub:  # fmt: skip
+                _same_bits(sub.update(1), _params(1))
+        publisher.publish(_params(4), 4)  # released: dropped now
+        assert client.contains(
+            [manifest_key(publisher.name, 1), chunk_key(publisher.name, 1, 0)]
+        ) == [False, False]  # noqa: E501
+
+
+def test_a_chunk_damaged_in_the_pool_fails_the_pull_and_keeps_the_committed_version(publisher):
+    first = _params(1)
+    publisher.publish(first, 1)
+    sub = Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=publisher.address)
+    with sub:
+        committed = sub.update(1)
+        publisher.publish(_params(2), 2)
+        slot = publisher.pool.slot_of(chunk_key(publisher.name, 2, 1))
+        with publisher.pool.slot_memory(slot) as memory:
+            memory[100] ^= 0x01
+        with pytest.raises(WeightSyncError, match=r"chunks \[1\]"):
+            sub.pull(2)
+        assert sub.version == 1
+        _same_bits(sub.params, first)
+        assert sub.params is committed
+        with pytest.raises(InvalidArgumentError, match="nothing to commit"):
+            sub.commit()
+
+
+class _FlippingProxy:
+    """Forwards TCP to ``target``; when armed, flips one byte of what the server sends once
+    ``after`` more bytes went by (a block damaged in flight)."""
+
+    def __init__(self, target: str, after: int) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.after = after
+        self.armed = threading.Event()
+        self.flipped = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target, timeout=10)
+            self._socks += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if down and self.armed.is_set():
+                    with self._lock:
+                        if self.after < len(data):
+                            data = bytearray(data)
+                            data[self.after] ^= 0x40
+                            self.armed.clear()
+                            self.flipped += 1
+                        else:
+                            self.after -= len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._socks:
+            sock.close()
+
+
+def test_a_chunk_damaged_in_flight_is_fetched_again(publisher):
+    params = _params(1)
+    publisher.publish(params, 1)
+    proxy = _FlippingProxy(publisher.address, after=200_000)
+    try:
+        with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address,
+                        same_host=False, connections=1) as sub:  # fmt: skip
+            proxy.armed.set()
+            report = sub.pull(1)
+            assert proxy.flipped == 1
+            assert report.chunks_retried >= 1
+            _same_bits(sub.commit(), params)
+    finally:
+        proxy.close()
+
+
+def test_a_deadline_fails_the_pull_and_keeps_the_committed_version(publisher):
+    publisher.publish(_params(1), 1)
+    publisher.publish(_params(2), 2)
+    with Subscriber(publisher.name, _target((2, 4)), secret=SECRET,
+                    address=publisher.address) as sub:  # fmt: skip
+        committed = sub.update(1)
+        with pytest.raises(WeightSyncError, match="deadline"):
+            sub.pull(2, deadline_s=1e-6)
+        assert sub.version == 1 and sub.params is committed
+        _same_bits(sub.update(2), _params(2))  # the next try goes through
+
+
+def test_in_place_pulls_write_into_the_committed_arrays(publisher):
+    publisher.publish(_params(1), 1)
+    with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=publisher.address,
+                    in_place=True) as sub:  # fmt: skip
+        first = sub.update(1)
+        pointers = {k: first[k].addressable_shards[0].data.unsafe_buffer_pointer() for k in first}
+        publisher.publish(_params(2), 2)
+        second = sub.update(2)
+        _same_bits(second, _params(2))
+        assert pointers == {
+            k: second[k].addressable_shards[0].data.unsafe_buffer_pointer() for k in second
+        }
+        publisher.publish(_params(3), 3)
+        with pytest.raises(WeightSyncError):
+            sub.pull(3, deadline_s=1e-6)
+        # nothing was written before the deadline here, but an in-place failure is torn
+        with pytest.raises(WeightSyncError, match="mix of versions"):
+            _ = sub.params
+        _same_bits(sub.update(3), _params(3))
+
+
+def _blocks(store: Any, tokens: np.ndarray) -> int:
+    with store.lookup(tokens) as found:
+        return found.num_blocks
+
+
+def test_commit_switches_the_kv_store_weight_version(publisher, stores, rng):
+    kv = jax.device_put(rng.standard_normal((8, 16, 2, 4)).astype(np.float32), jax.devices()[0])
+    config = KVStoreConfig("m", 16, DramTier(8, populate=False), weight_version="1")
+    store = stores(config, [DevicePool(kv)])
+    tokens = np.arange(64, dtype=np.int32)
+    store.save(tokens, np.arange(4))
+    assert _blocks(store, tokens) == 4
+    publisher.publish(_params(2), 2)
+    with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=publisher.address,
+                    kv_stores=[store]) as sub:  # fmt: skip
+        sub.update(2)
+    assert store.namespace.weight_version == "2"
+    assert _blocks(store, tokens) == 0  # KV of the old weights is never served
+
+
+def test_bad_targets_and_secrets_are_refused_before_any_chunk_moves(publisher):
+    publisher.publish(_params(1), 1)
+    cases: list[tuple[Any, type[Exception], str]] = []
+    target = _target((2, 4))
+    del target["layer003"]
+    cases.append((target, InvalidArgumentError, "structure"))
+    target = _target((2, 4))
+    target["layer003"] = jax.ShapeDtypeStruct(
+        (16, 16), np.float32, sharding=target["layer003"].sharding
+    )  # noqa: E501
+    cases.append((target, ShapeMismatchError, "shape"))
+    target = _target((2, 4))
+    t = target["layer001"]
+    target["layer001"] = jax.ShapeDtypeStruct(t.shape, np.int32, sharding=t.sharding)
+    cases.append((target, DtypeMismatchError, "dtype"))
+    for target, error, match in cases:
+        with Subscriber(publisher.name, target, secret=SECRET, address=publisher.address) as sub:
+            with pytest.raises(error, match=match):
+                sub.pull(1)
+            assert sub.version is None and sub._shadow is None
+    with pytest.raises(AuthenticationError):
+        Subscriber(publisher.name, _target((2, 4)), secret=secrets.token_bytes(32),
+                   address=publisher.address).pull(1)  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="target"):
+        Subscriber(publisher.name, {"a": np.zeros(3)}, secret=SECRET, address=publisher.address)
+    with pytest.raises(InvalidArgumentError, match="exactly one"):
+        Subscriber(publisher.name, _target((2, 4)), secret=SECRET)
+    with pytest.raises(InvalidArgumentError, match="not above"):
+        publisher.publish(_params(1), 1)
+    with pytest.raises(InvalidArgumentError, match="name"):
+        Publisher("../x", secret=SECRET)
+    with pytest.raises(InvalidArgumentError, match="params"):
+        publisher.publish({"a": [1, 2]}, 5)
+
+
+def test_a_malformed_manifest_is_refused_naming_the_field():
+    with pytest.raises(WeightSyncError, match="malformed"):
+        Manifest.from_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}xyz", name="w", version=1)
+    with pytest.raises(WeightSyncError, match="length field"):
+        Manifest.from_bytes((1 << 40).to_bytes(8, "little") + b"{}", name="w", version=1)
