@@ -7,6 +7,7 @@ moves. The multi-process cases are in test_weights_processes.py."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import secrets
 import socket
 import threading
@@ -90,7 +91,7 @@ def test_sum64_streams_equals_the_checksum_of_the_joined_regions(data: bytes, cu
     buf = np.frombuffer(data, dtype=np.uint8).copy()
     bounds = sorted({0, len(buf), *(c for c in cuts if c < len(buf))})
     # the regions copied apart, so that they do not sit next to each other in memory
-    pieces = [buf[a:b].copy() for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [buf[a:b].copy() for a, b in itertools.pairwise(bounds)]
     starts = np.array([p.ctypes.data for p in pieces], dtype=np.uint64)
     lengths = np.array([len(p) for p in pieces], dtype=np.uint64)
     got = _core.sum64_streams(starts, lengths, np.array([len(pieces)], dtype=np.int64))
@@ -130,7 +131,7 @@ def test_registry_finds_the_publisher_and_kept_versions(shm_names):
             pub.publish(params, v)
         assert pub.versions == [2, 3]
         with Subscriber(pub.name, _target((2, 4)), secret=SECRET, registry=registry) as sub:
-            with pytest.raises(VersionUnavailableError, match="not announced|not published"):
+            with pytest.raises(VersionUnavailableError, match=r"not announced|not published"):
                 sub.pull(1)  # dropped: keep=2
             _same_bits(sub.update(2), versions[2])  # a late joiner takes an older kept one
             _same_bits(sub.update(3), versions[3])
@@ -157,7 +158,7 @@ def test_a_held_version_is_not_dropped(publisher):
         publisher.publish(_params(4), 4)  # released: dropped now
         assert client.contains(
             [manifest_key(publisher.name, 1), chunk_key(publisher.name, 1, 0)]
-        ) == [False, False]  # noqa: E501
+        ) == [False, False]
 
 
 def test_a_chunk_damaged_in_the_pool_fails_the_pull_and_keeps_the_committed_version(publisher):
@@ -310,7 +311,7 @@ def test_bad_targets_and_secrets_are_refused_before_any_chunk_moves(publisher):
     target = _target((2, 4))
     target["layer003"] = jax.ShapeDtypeStruct(
         (16, 16), np.float32, sharding=target["layer003"].sharding
-    )  # noqa: E501
+    )
     cases.append((target, ShapeMismatchError, "shape"))
     target = _target((2, 4))
     t = target["layer001"]

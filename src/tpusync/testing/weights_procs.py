@@ -120,7 +120,7 @@ def trainer(name: str, registry_address: str, secret: bytes, leaves: int = 100) 
         tree = params(version)
         if command == "stall":
 
-            def stall(*_: Any) -> None:
+            def stall(*_: Any, version: int = version) -> None:
                 _say({"stalled": version})
                 time.sleep(3600)
 
