@@ -101,7 +101,9 @@ def trainer(name: str, registry_address: str, secret: bytes, leaves: int = 100) 
     mesh = _mesh("8x1")
     spec = tree_spec(leaves)
     registry = RemoteRegistry(registry_address, secret=secret)
-    publisher = Publisher(name, secret=secret, registry=registry, keep=2, chunk_bytes=1 << 20)
+    publisher = Publisher(
+        name, secret=secret, registry=registry, keep=2, chunk_bytes=1 << 20, registry_ttl_s=3.0
+    )
 
     def params(version: int) -> dict[str, Any]:
         out = {}
@@ -159,10 +161,10 @@ def sampler(
     stamps = {"one": 0, "mixed": 0, "seen": []}
     stop = threading.Event()
 
-    def first_bytes(leaf: Any) -> int:
+    def first_bytes(leaf: Any) -> int:  # the version's low byte: the array's first byte
         for shard in leaf.addressable_shards:
             if all((s.start or 0) == 0 for s in shard.index):
-                return int.from_bytes(np.asarray(shard.data).tobytes()[:4], "little")
+                return int(np.asarray(shard.data).view(np.uint8).reshape(-1)[0])
         raise AssertionError("no shard holds the first element")
 
     def loop() -> None:
@@ -206,6 +208,8 @@ def sampler(
                 "shardings_ok": all(params[p].sharding == target[p].sharding for p in params),
             })  # fmt: skip
     stop.set()
+    if worker.is_alive():  # a daemon thread inside JAX at exit aborts the interpreter
+        worker.join(timeout=10)
     subscriber.close()
     registry.close()
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from tpusync.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
 from tpusync.engines import native
-from tpusync.errors import InvalidArgumentError, TierFullError
+from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.shm_admin import remove_pool
@@ -265,9 +265,18 @@ class Publisher:
             self._versions[version] = manifest_keys
             self._chunks[version] = n_chunks
             self._latest = version
+        self._drop_beyond_keep()
         if self._link is not None:
             self._link.added([manifest_keys[0]])  # last: the announcement
-        self._drop_beyond_keep()
+            try:  # announced before publish() returns, unless the registry is unreachable
+                self._link.flush_changes()
+            except (TpuSyncError, OSError) as error:
+                log.warning(
+                    "tpusync weights: version %d is staged but not yet announced (%s); the "
+                    "registry link retries at its next heartbeat",
+                    version,
+                    error,
+                )
         return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
 
     def _describe(self, paths: list[str], leaves: list[Any]) -> tuple[list[LeafEntry], list[Any]]:

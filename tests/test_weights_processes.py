@@ -1,0 +1,196 @@
+"""Weight sync across real processes: a trainer (8 CPU devices, mesh 8x1) publishes versions of
+~100 leaves of mixed shapes and dtypes; samplers in other processes (meshes 2x4, 4x2, 1x8)
+pull each into their own layout through a registry server, bit for bit, while a toy step loop
+stamps every step with the versions of the leaves it read: never two in one step, across a
+SIGKILL of the trainer mid-publish, a registry restart and a late joiner asking for an older
+kept version. The children are tpusync.testing.weights_procs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tpusync.cluster import MemoryRegistry, RegistryServer
+from tpusync.testing.weights_procs import digest, leaf_bytes, tree_spec
+from tpusync.tiers.shm_admin import remove_pool
+
+SECRET = secrets.token_bytes(32)
+LEAVES = 100
+MESHES = ("2x4", "4x2", "1x8")
+
+
+class Child:
+    """A weights_procs child: one command a line in, one JSON line out (with a timeout)."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, TPUSYNC_TEST_SECRET=SECRET.hex())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tpusync.testing.weights_procs", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+
+    def answer(self, timeout: float = 60.0) -> dict[str, Any]:
+        try:
+            return json.loads(self._lines.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(f"no answer from {self.process.args} in {timeout} s") from None
+
+    def ask(self, command: str, timeout: float = 60.0) -> dict[str, Any]:
+        self.send(command)
+        return self.answer(timeout)
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.send("quit")
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+def expected(version: int) -> dict[str, str]:
+    return {
+        path: digest(leaf_bytes(0, version, i, shape, dtype))
+        for i, (path, shape, dtype) in enumerate(tree_spec(LEAVES))
+    }
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.name = f"test-w-{uuid.uuid4().hex[:12]}"
+        self.registry = RegistryServer(MemoryRegistry(), secret=SECRET)
+        self.children: list[Child] = []
+        self.trainer = self.start("trainer", self.name, self.registry.address, str(LEAVES))
+        self.samplers = {
+            mesh: self.start("sampler", self.name, self.registry.address, mesh, str(LEAVES))
+            for mesh in MESHES
+        }
+        for child in [self.trainer, *self.samplers.values()]:
+            assert child.answer(timeout=120)["ready"]
+
+    def start(self, *args: str) -> Child:
+        child = Child(*args)
+        self.children.append(child)
+        return child
+
+    def publish(self, version: int) -> dict[str, Any]:
+        answer = self.trainer.ask(f"publish {version}")
+        assert answer["published"] == version, answer
+        return answer
+
+    def pull_everywhere(self, version: int) -> None:
+        for sampler in self.samplers.values():
+            sampler.send(f"pull {version}")
+        want = expected(version)
+        for mesh, sampler in self.samplers.items():
+            answer = sampler.answer()
+            assert answer.get("version") == version, (mesh, answer)
+            assert answer["shardings_ok"], mesh
+            assert answer["digests"] == want, f"{mesh}: leaves differ from the trainer's"
+            assert answer["local"] > 0 and answer["network"] == 0  # same host: /dev/shm
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+        self.registry.close()
+        with contextlib.suppress(Exception):
+            remove_pool(f"weights-{self.name}", force=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    made = Cluster()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_every_sampler_mesh_gets_each_version_bit_for_bit(cluster):
+    for version in (1, 2):
+        cluster.publish(version)
+        cluster.pull_everywhere(version)
+    for sampler in cluster.samplers.values():
+        assert sampler.ask("loop")["looping"]
+    cluster.publish(3)
+    cluster.pull_everywhere(3)
+
+
+def test_a_trainer_killed_mid_publish_leaves_every_sampler_on_its_version(cluster):
+    cluster.publish(4)
+    cluster.pull_everywhere(4)
+    assert cluster.trainer.ask("stall 5")["stalled"] == 5  # chunks staged, no manifest
+    cluster.trainer.kill()
+    for mesh, sampler in cluster.samplers.items():
+        answer = sampler.ask("pull 5")
+        assert answer.get("error") in ("VersionUnavailableError", "WeightSyncError"), answer
+        assert answer["committed"] == 4, mesh
+    cluster.trainer = cluster.start("trainer", cluster.name, cluster.registry.address, str(LEAVES))
+    assert cluster.trainer.answer(timeout=120)["ready"]  # re-attaches the pool the dead one left
+    cluster.publish(6)
+    cluster.pull_everywhere(6)
+
+
+def test_a_registry_restart_and_a_late_joiner(cluster):
+    port = int(cluster.registry.address.rsplit(":", 1)[1])
+    cluster.registry.close()
+    cluster.registry = RegistryServer(MemoryRegistry(), secret=SECRET, port=port)
+    cluster.publish(7)
+    # the trainer's registry link registers again at its next heartbeat
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        answer = cluster.samplers["2x4"].ask("pull 7")
+        if answer.get("version") == 7:
+            break
+        assert answer["committed"] == 6
+        time.sleep(0.5)
+    assert answer.get("version") == 7 and answer["digests"] == expected(7)
+    for mesh in ("4x2", "1x8"):
+        assert cluster.samplers[mesh].ask("pull 7")["digests"] == expected(7)
+    cluster.publish(8)  # keeps 7 and 8
+    late = cluster.start("sampler", cluster.name, cluster.registry.address, "4x2", str(LEAVES))
+    assert late.answer(timeout=120)["ready"]
+    assert late.ask("pull 7")["digests"] == expected(7)  # an older kept version
+    assert late.ask("pull 8")["digests"] == expected(8)
+    for mesh, sampler in cluster.samplers.items():
+        stamps = sampler.ask("stamps")
+        assert stamps["mixed"] == 0, f"{mesh}: a step read two versions"
+        assert stamps["one"] > 0 and {3, 4, 6, 7} <= set(stamps["seen"]), (mesh, stamps)
