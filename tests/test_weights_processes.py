@@ -8,14 +8,7 @@ kept version. The children are tpusync.testing.weights_procs."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import queue
 import secrets
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,66 +17,12 @@ from typing import Any
 import pytest
 
 from tpusync.cluster import MemoryRegistry, RegistryServer
-from tpusync.testing.weights_procs import digest, leaf_bytes, tree_spec
+from tpusync.testing.weights_procs import Child, digest, leaf_bytes, tree_spec
 from tpusync.tiers.shm_admin import remove_pool
 
 SECRET = secrets.token_bytes(32)
 LEAVES = 100
 MESHES = ("2x4", "4x2", "1x8")
-
-
-class Child:
-    """A weights_procs child: one command a line in, one JSON line out (with a timeout)."""
-
-    def __init__(self, *args: str) -> None:
-        env = dict(os.environ, TPUSYNC_TEST_SECRET=SECRET.hex())
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tpusync.testing.weights_procs", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
-
-    def answer(self, timeout: float = 60.0) -> dict[str, Any]:
-        try:
-            return json.loads(self._lines.get(timeout=timeout))
-        except queue.Empty:
-            raise AssertionError(f"no answer from {self.process.args} in {timeout} s") from None
-
-    def ask(self, command: str, timeout: float = 60.0) -> dict[str, Any]:
-        self.send(command)
-        return self.answer(timeout)
-
-    def send(self, command: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.send("quit")
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
 
 
 def expected(version: int) -> dict[str, str]:
@@ -107,7 +46,7 @@ class Cluster:
             assert child.answer(timeout=120)["ready"]
 
     def start(self, *args: str) -> Child:
-        child = Child(*args)
+        child = Child(list(args), {"TPUSYNC_TEST_SECRET": SECRET.hex()})
         self.children.append(child)
         return child
 

@@ -1,4 +1,4 @@
-"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|vllm_ttft|sglang_hicache|all]
+"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|weights|vllm_ttft|sglang_hicache|all]
 [--quick] [--json] [--plot DIR]`` (``vllm_ttft`` where vLLM is installed, ``sglang_hicache``
 where SGLang is):
 runs the benchmarks against their physical limits, writes each result in the scheme
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tpusync.bench import mac_cost, network, prefix, tiers, transfer
+from tpusync.bench import mac_cost, network, prefix, tiers, transfer, weights
 from tpusync.bench.common import default_results_dir, result_path
 from tpusync.bench.external import PEERS, peer_state
 from tpusync.bench.network_procs import jax_transfer
@@ -33,6 +33,7 @@ BENCHES: dict[str, tuple[Callable[[Sequence[str]], int], list[str], tuple[str, .
     "prefix": (prefix.main, prefix.QUICK, ("--repeats",)),
     "network": (network.main, network.QUICK, ("--total-mib", "--repeats", "--peers-dir")),
     "mac_cost": (mac_cost.main, mac_cost.QUICK, ("--total-mib", "--repeats")),
+    "weights": (weights.main, weights.QUICK, ("--repeats",)),
 }
 
 

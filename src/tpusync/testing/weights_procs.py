@@ -6,8 +6,9 @@ The test tree (:func:`tree_spec`, :func:`leaf_bytes`) is random bytes of mixed s
 dtypes, the same in every process for a (seed, version); each leaf's first 4 bytes are the
 version, so a sampler's step can tell which version each leaf it read belongs to.
 
-    python -m tpusync.testing.weights_procs trainer NAME REGISTRY [LEAVES]
-    python -m tpusync.testing.weights_procs sampler NAME REGISTRY MESH [LEAVES]
+    python -m tpusync.testing.weights_procs trainer NAME REGISTRY [LEAVES [SCALE [DTYPE [KEEP]]]]
+    python -m tpusync.testing.weights_procs sampler NAME REGISTRY MESH [LEAVES [SCALE [DTYPE
+        [SAME_HOST]]]]
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -15,9 +16,13 @@ command line where every user sees it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import queue
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -29,17 +34,20 @@ DTYPES = ("bfloat16", "float32", "int8", "float16", "int32", "uint8")
 MESHES = {"8x1": (8, 1), "2x4": (2, 4), "4x2": (4, 2), "1x8": (1, 8)}
 
 
-def tree_spec(leaves: int) -> list[tuple[str, tuple[int, ...], str]]:
+def tree_spec(
+    leaves: int, scale: int = 1, dtype: str | None = None
+) -> list[tuple[str, tuple[int, ...], str]]:
     """``leaves`` (path name, shape, dtype): 2-D shapes divisible by 8 on both axes, a few 1-D
-    and small ones among them."""
+    and small ones among them; ``scale`` multiplies the last axis, ``dtype`` replaces the
+    mix (the benchmark's bf16)."""
     out = []
     for i in range(leaves):
-        dtype = DTYPES[i % len(DTYPES)]
+        kind = dtype or DTYPES[i % len(DTYPES)]
         if i % 10 == 9:
-            shape: tuple[int, ...] = (8 * (1 + i % 5),)
-        else:
-            shape = (8 * (1 + (i * 7) % 24), 8 * (1 + (i * 5) % 16))
-        out.append((f"layer{i:03d}", shape, dtype))
+            shape: tuple[int, ...] = (8 * (1 + i % 5) * scale,)
+        else:  # scaled along the rows' length, as a model's matrices are wide
+            shape = (8 * (1 + (i * 7) % 24), 8 * (1 + (i * 5) % 16) * scale)
+        out.append((f"layer{i:03d}", shape, kind))
     return out
 
 
@@ -88,9 +96,19 @@ def _spec(shape: tuple[int, ...], mesh_name: str) -> Any:
     return P("x", "y") if len(shape) == 2 else P("x")
 
 
-def trainer(name: str, registry_address: str, secret: bytes, leaves: int = 100) -> None:
-    """Publishes versions on command: ``publish V`` (answers the report), ``stall V`` (stages
-    V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``quit``."""
+def trainer(
+    name: str,
+    registry_address: str,
+    secret: bytes,
+    leaves: int = 100,
+    scale: int = 1,
+    dtype: str | None = None,
+    keep: int = 2,
+) -> None:
+    """Publishes versions on command: ``publish V`` (answers the report), ``again V``
+    (publishes the last tree once more as V: the benchmark's versions), ``stall V`` (stages
+    V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``reshard`` (times
+    ``jax.device_put`` of the last tree into the 2x4 layout, in this process), ``quit``."""
     _setup()
     import jax
     from jax.sharding import NamedSharding
@@ -99,11 +117,12 @@ def trainer(name: str, registry_address: str, secret: bytes, leaves: int = 100) 
     from tpusync.weights import Publisher
 
     mesh = _mesh("8x1")
-    spec = tree_spec(leaves)
+    spec = tree_spec(leaves, scale, dtype)
     registry = RemoteRegistry(registry_address, secret=secret)
     publisher = Publisher(
-        name, secret=secret, registry=registry, keep=2, chunk_bytes=1 << 20, registry_ttl_s=3.0
-    )
+        name, secret=secret, registry=registry, keep=keep, chunk_bytes=1 << 20,
+        registry_ttl_s=3.0,
+    )  # fmt: skip
 
     def params(version: int) -> dict[str, Any]:
         out = {}
@@ -114,12 +133,22 @@ def trainer(name: str, registry_address: str, secret: bytes, leaves: int = 100) 
         return out
 
     _say({"ready": True, "pid": os.getpid()})
+    tree: dict[str, Any] = {}
     for line in sys.stdin:
         command, *args = line.split()
         if command == "quit":
             break
+        if command == "reshard":
+            mesh2 = _mesh("2x4")
+            shardings = {p: NamedSharding(mesh2, _spec(s, "2x4")) for p, s, _ in spec}
+            jax.block_until_ready(jax.device_put(tree, shardings))  # compiled / warmed
+            start = time.perf_counter()
+            jax.block_until_ready(jax.device_put(tree, shardings))
+            _say({"reshard_seconds": time.perf_counter() - start})
+            continue
         version = int(args[0])
-        tree = params(version)
+        if command != "again" or not tree:
+            tree = params(version)
         if command == "stall":
 
             def stall(*_: Any, version: int = version) -> None:
@@ -129,17 +158,27 @@ def trainer(name: str, registry_address: str, secret: bytes, leaves: int = 100) 
             publisher._write_manifest = stall  # type: ignore[method-assign]
         report = publisher.publish(tree, version)
         _say({"published": version, "seconds": report.seconds, "kept": report.kept,
-              "address": publisher.address})  # fmt: skip
+              "address": publisher.address, "chunks": report.chunks,
+              "nbytes": report.nbytes})  # fmt: skip
     publisher.close()
     registry.close()
 
 
 def sampler(
-    name: str, registry_address: str, secret: bytes, mesh_name: str, leaves: int = 100
+    name: str,
+    registry_address: str,
+    secret: bytes,
+    mesh_name: str,
+    leaves: int = 100,
+    scale: int = 1,
+    dtype: str | None = None,
+    same_host: int = 1,
 ) -> None:
-    """Pulls on command: ``pull V`` (answers each leaf's digest or the error), ``loop`` starts
-    the toy step loop, ``stamps`` answers how many steps saw one version and how many more
-    than one, ``quit``."""
+    """Pulls on command: ``pull V [nodigest]`` (answers each leaf's digest, or the error, and
+    the seconds), ``rawpull V CHUNKS ADDRESS`` (times a plain BlockClient pull of the
+    version's chunks into a HostPool: the data plane's own speed), ``loop`` starts the toy
+    step loop, ``stamps`` answers how many steps saw one version and how many more than one,
+    ``quit``."""
     _setup()
     import jax
     from jax.sharding import NamedSharding
@@ -149,7 +188,7 @@ def sampler(
     from tpusync.weights import Subscriber
 
     mesh = _mesh(mesh_name)
-    spec = tree_spec(leaves)
+    spec = tree_spec(leaves, scale, dtype)
     target = {
         path: jax.ShapeDtypeStruct(shape, np_dtype(dtype), sharding=NamedSharding(
             mesh, _spec(shape, mesh_name)))
@@ -157,7 +196,7 @@ def sampler(
     }  # fmt: skip
     registry = RemoteRegistry(registry_address, secret=secret)
     subscriber = Subscriber(name, target, secret=secret, registry=registry, timeout_s=5.0,
-                            deadline_s=30.0)  # fmt: skip
+                            deadline_s=120.0, same_host=bool(same_host))  # fmt: skip
     stamps = {"one": 0, "mixed": 0, "seen": []}
     stop = threading.Event()
 
@@ -191,11 +230,18 @@ def sampler(
             _say({"looping": True})
         elif command == "stamps":
             _say(stamps)
+        elif command == "rawpull":
+            _say(_raw_pull(name, secret, int(args[0]), int(args[1]), args[2]))
         elif command == "pull":
             version = int(args[0])
             try:
                 report = subscriber.pull(version)
                 subscriber.commit()
+                if args[1:] == ["nodigest"]:
+                    _say({"version": version, "seconds": report.seconds,
+                          "commit_seconds": subscriber.last_commit_seconds,
+                          "local": report.chunks_local, "network": report.chunks_network})  # fmt: skip
+                    continue
             except TpuSyncError as error:
                 _say({"error": type(error).__name__, "message": str(error),
                       "committed": subscriber.version})  # fmt: skip
@@ -214,13 +260,88 @@ def sampler(
     registry.close()
 
 
+def _raw_pull(name: str, secret: bytes, version: int, chunks: int, address: str) -> dict[str, Any]:
+    from tpusync.cluster import BlockClient
+    from tpusync.tiers import HostPool
+    from tpusync.weights.manifest import chunk_key
+    from tpusync.weights.publisher import chunk_layout
+
+    keys = [chunk_key(name, version, i) for i in range(chunks)]
+    with (
+        BlockClient(address, secret=secret, connections=2) as client,
+        HostPool(chunk_layout(name, client.payload_bytes), chunks) as pool,
+    ):
+        start = time.perf_counter()
+        loaded = client.pull(keys, pool)
+        return {"seconds": time.perf_counter() - start, "loaded": sum(loaded)}
+
+
+class Child:
+    """A child of this module, driven from another process: one command a line in, one JSON
+    line out, each answer awaited with a timeout; stopped by its pid."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tpusync.testing.weights_procs", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+
+    def answer(self, timeout: float = 60.0) -> dict[str, Any]:
+        try:
+            return json.loads(self._lines.get(timeout=timeout))
+        except queue.Empty:
+            raise TimeoutError(f"no answer from {self.process.args} in {timeout} s") from None
+
+    def ask(self, command: str, timeout: float = 60.0) -> dict[str, Any]:
+        self.send(command)
+        return self.answer(timeout)
+
+    def send(self, command: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.send("quit")
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
 def main(argv: list[str]) -> None:
     role, name, registry_address, *rest = argv
     secret = bytes.fromhex(os.environ["TPUSYNC_TEST_SECRET"])
     if role == "trainer":
-        trainer(name, registry_address, secret, *(int(x) for x in rest))
+        counts = [int(x) for x in rest[:2]]
+        trainer(name, registry_address, secret, *counts, *rest[2:3], *(int(x) for x in rest[3:]))
     elif role == "sampler":
-        sampler(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:]))
+        counts = [int(x) for x in rest[1:3]]
+        sampler(
+            name, registry_address, secret, rest[0], *counts, *rest[3:4],
+            *(int(x) for x in rest[4:]),
+        )  # fmt: skip
     else:
         raise SystemExit(f"unknown role {role!r}")
 

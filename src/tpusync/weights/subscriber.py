@@ -439,7 +439,8 @@ class Subscriber:
         rows = Rows(relative.offset, relative.address + buffers.base, relative.nbytes)
         C = manifest.chunk_bytes
         row_chunk = rows.offset // C
-        chunks = np.unique(row_chunk)
+        # the rows are sorted: each chunk's first row starts a run of equal chunk numbers
+        chunks = row_chunk[np.flatnonzero(np.diff(row_chunk, prepend=-1))]
         report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
         todo = chunks
         local = self._open_local(manifest) if self.same_host else None

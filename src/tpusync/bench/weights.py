@@ -1,0 +1,131 @@
+"""RL weight sync (issue 24): a trainer process (8 CPU devices, mesh 8x1) publishes ~1.4 GiB of
+bf16 over 100 leaves; sampler processes (mesh 2x4) pull each version and commit it, one from the
+trainer's /dev/shm (same host) and one over the data plane (loopback TCP), checksums on. In one
+run beside: the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`: a copy of the same
+bytes on all cores), a plain ``BlockClient`` pull of the same chunks (the data plane's own
+speed) and an in-process ``jax.device_put`` 8x1 -> 2x4 of the same tree.
+
+"End to end" is ``publish()`` returning in the trainer's time plus ``pull()`` and ``commit()``
+in the sampler's (the commands between processes are not counted); compilation is excluded
+(the first version is a warm-up).
+
+    python benchmarks/weights.py [--scale 1100] [--repeats 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from tpusync.bench.common import Run, median, print_table, spread
+from tpusync.bench.limits import MemoryLimit
+from tpusync.cluster import MemoryRegistry, RegistryServer
+
+QUICK = ["--scale", "64", "--repeats", "2"]
+LEAVES = 100
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--scale", type=int, default=1100, help="last-axis multiplier")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="default: the results scheme")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tpusync.testing.weights_procs import Child
+
+    args = parser().parse_args(argv)
+    run = Run("weights")
+    secret = secrets.token_bytes(32)
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    registry = RegistryServer(MemoryRegistry(), secret=secret)
+    env = {"TPUSYNC_TEST_SECRET": secret.hex()}
+    common = [name, registry.address, str(LEAVES), str(args.scale), "bfloat16"]
+    children: list[Any] = []
+    limit: MemoryLimit | None = None
+    times: dict[str, list[float]] = {
+        k: [] for k in ("publish", "shm pull", "net pull", "raw pull", "shm e2e", "net e2e")
+    }
+    commits: list[float] = []
+    try:
+        trainer = Child(["trainer", *common, "1"], env)
+        shm = Child(["sampler", *common[:2], "2x4", *common[2:], "1"], env)
+        net = Child(["sampler", *common[:2], "2x4", *common[2:], "0"], env)
+        children += [trainer, shm, net]
+        for child in children:
+            child.answer(timeout=300)
+        nbytes = 0
+        for version in range(args.repeats + 1):  # version 0: the warm-up
+            published = trainer.ask(f"{'publish' if version == 0 else 'again'} {version}", 600)
+            nbytes = int(published["nbytes"])
+            if limit is None:
+                limit = MemoryLimit(nbytes)
+            limit.sample(repeats=3)
+            pulls = {}
+            for label, child in (("shm", shm), ("net", net)):
+                answer = child.ask(f"pull {version} nodigest", 600)
+                if "error" in answer:
+                    raise RuntimeError(f"{label} sampler: {answer}")
+                pulls[label] = answer
+            raw = net.ask(f"rawpull {version} {published['chunks']} {published['address']}", 600)
+            if version == 0:
+                continue
+            times["publish"].append(published["seconds"])
+            for label, answer in pulls.items():
+                times[f"{label} pull"].append(answer["seconds"])
+                e2e = published["seconds"] + answer["seconds"] + answer["commit_seconds"]
+                times[f"{label} e2e"].append(e2e)
+                commits.append(answer["commit_seconds"])
+            times["raw pull"].append(raw["seconds"])
+        reshard = trainer.ask("reshard", 600)["reshard_seconds"]
+        assert limit is not None
+        found = limit.result()
+    finally:
+        for child in children:
+            child.stop()
+        registry.close()
+        if limit is not None:
+            limit.close()
+    gb = nbytes / 1e9
+    runs = {k: [gb / s for s in v] for k, v in times.items()}
+    gbps = {k: median(v) for k, v in runs.items()}
+    lim = found.gbps
+    rows = [
+        [f"memory limit ({found.method}, all cores)", f"{lim:.2f}", "", ""],
+        ["jax.device_put 8x1 -> 2x4, in process", f"{gb / reshard:.2f}", "", ""],
+        ["BlockClient pull of the chunks (2 connections)", spread(runs["raw pull"]), "", ""],
+        ["publish (stage + checksum + announce)", spread(runs["publish"]), gbps["publish"] / lim, ""],  # noqa: E501
+        ["same host: pull + verify + reshard", spread(runs["shm pull"]), gbps["shm pull"] / lim, ""],  # noqa: E501
+        ["same host: end to end", spread(runs["shm e2e"]), gbps["shm e2e"] / lim,
+         gbps["shm e2e"] / (gb / reshard)],
+        ["network: pull + verify + reshard", spread(runs["net pull"]), gbps["net pull"] / lim,
+         gbps["net pull"] / gbps["raw pull"]],
+        ["network: end to end", spread(runs["net e2e"]), gbps["net e2e"] / lim,
+         gbps["net e2e"] / (gb / reshard)],
+    ]  # fmt: skip
+    print(f"{nbytes / 2**30:.2f} GiB of bf16 over {LEAVES} leaves, trainer 8x1 -> sampler 2x4, "
+          f"{os.cpu_count()} cores; commit median {median(commits) * 1e6:.0f} us")  # fmt: skip
+    print_table(
+        ["path", "GB/s (runs)", "x limit", "x peer (device_put; net pull: x BlockClient)"],
+        rows,
+        limit_columns=(2,),
+    )
+    run.write(
+        args.json,
+        {
+            "nbytes": nbytes,
+            "leaves": LEAVES,
+            "limit": {"gbps": lim, "method": found.method},
+            "reshard_device_put_gbps": gb / reshard,
+            "gbps": gbps,
+            "runs_gbps": runs,
+            "commit_seconds_median": median(commits),
+        },
+    )
+    return 0
