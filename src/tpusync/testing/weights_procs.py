@@ -240,7 +240,8 @@ def sampler(
                 if args[1:] == ["nodigest"]:
                     _say({"version": version, "seconds": report.seconds,
                           "commit_seconds": subscriber.last_commit_seconds,
-                          "local": report.chunks_local, "network": report.chunks_network})  # fmt: skip
+                          "local": report.chunks_local,
+                          "network": report.chunks_network})  # fmt: skip
                     continue
             except TpuSyncError as error:
                 _say({"error": type(error).__name__, "message": str(error),
