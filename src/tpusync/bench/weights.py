@@ -24,6 +24,7 @@ from typing import Any
 from tpusync.bench.common import Run, median, print_table, spread
 from tpusync.bench.limits import MemoryLimit
 from tpusync.cluster import MemoryRegistry, RegistryServer
+from tpusync.testing.weights_procs import Child
 
 QUICK = ["--scale", "64", "--repeats", "2"]
 LEAVES = 100
@@ -38,8 +39,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tpusync.testing.weights_procs import Child
-
     args = parser().parse_args(argv)
     run = Run("weights")
     secret = secrets.token_bytes(32)

@@ -28,7 +28,18 @@ import threading
 import time
 from typing import Any
 
+import jax
+import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tpusync.cluster import BlockClient, RemoteRegistry
+from tpusync.errors import TpuSyncError
+from tpusync.tiers import HostPool
+from tpusync.weights import Publisher, Subscriber
+from tpusync.weights.manifest import chunk_key
+from tpusync.weights.publisher import chunk_layout
 
 DTYPES = ("bfloat16", "float32", "int8", "float16", "int32", "uint8")
 MESHES = {"8x1": (8, 1), "2x4": (2, 4), "4x2": (4, 2), "1x8": (1, 8)}
@@ -53,8 +64,6 @@ def tree_spec(
 
 def np_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
@@ -72,8 +81,9 @@ def digest(data: bytes) -> str:
 
 
 def _setup() -> None:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    """8 CPU devices in this child (before JAX starts its backend)."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
 
 
 def _say(message: dict[str, Any]) -> None:
@@ -82,14 +92,11 @@ def _say(message: dict[str, Any]) -> None:
 
 
 def _mesh(name: str) -> Any:
-    import jax
-    from jax.sharding import Mesh
 
     return Mesh(np.array(jax.devices()[:8]).reshape(MESHES[name]), ("x", "y"))
 
 
 def _spec(shape: tuple[int, ...], mesh_name: str) -> Any:
-    from jax.sharding import PartitionSpec as P
 
     if mesh_name == "1x8":
         return P()  # replicated
@@ -110,11 +117,6 @@ def trainer(
     V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``reshard`` (times
     ``jax.device_put`` of the last tree into the 2x4 layout, in this process), ``quit``."""
     _setup()
-    import jax
-    from jax.sharding import NamedSharding
-
-    from tpusync.cluster import RemoteRegistry
-    from tpusync.weights import Publisher
 
     mesh = _mesh("8x1")
     spec = tree_spec(leaves, scale, dtype)
@@ -180,12 +182,6 @@ def sampler(
     step loop, ``stamps`` answers how many steps saw one version and how many more than one,
     ``quit``."""
     _setup()
-    import jax
-    from jax.sharding import NamedSharding
-
-    from tpusync.cluster import RemoteRegistry
-    from tpusync.errors import TpuSyncError
-    from tpusync.weights import Subscriber
 
     mesh = _mesh(mesh_name)
     spec = tree_spec(leaves, scale, dtype)
@@ -262,10 +258,6 @@ def sampler(
 
 
 def _raw_pull(name: str, secret: bytes, version: int, chunks: int, address: str) -> dict[str, Any]:
-    from tpusync.cluster import BlockClient
-    from tpusync.tiers import HostPool
-    from tpusync.weights.manifest import chunk_key
-    from tpusync.weights.publisher import chunk_layout
 
     keys = [chunk_key(name, version, i) for i in range(chunks)]
     with (

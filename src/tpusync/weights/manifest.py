@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes  # jax's own dependency: bfloat16 and the float8 types
 import numpy as np
 
 from tpusync.errors import InvalidArgumentError, WeightSyncError
@@ -78,8 +79,6 @@ def dtype_of(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        import ml_dtypes  # jax's own dependency: always there beside jax
-
         found = getattr(ml_dtypes, name, None)
         if found is None:
             raise InvalidArgumentError(f"dtype: {name!r} is not a dtype this build knows") from None

@@ -218,6 +218,7 @@ class Subscriber:
         )
         self._live: _Pulled | None = None
         self._shadow: _Pulled | None = None
+        self._retired: _Pulled | None = None
         self.torn = False
         self.last_commit_seconds = 0.0
         self._refetched = 0  # chunks the data plane failed once (counted by a pull's fetches)
@@ -248,6 +249,9 @@ class Subscriber:
         if shadow is None:
             raise InvalidArgumentError("nothing to commit: pull(version) first")
         self._shadow = None
+        # the old version is freed at the next pull, not here: unmapping its buffers and
+        # dropping its arrays would cost more than the switch itself
+        self._retired = self._live
         self._live = shadow
         self.torn = False
         for store in self.kv_stores:
@@ -277,6 +281,7 @@ class Subscriber:
             raise InvalidArgumentError(
                 f"version: {version} is not above the committed version {current}"
             )
+        self._retired = None
         start = time.perf_counter()
         limit = self.deadline_s if deadline_s is None else float(deadline_s)
         deadline = time.monotonic() + limit
