@@ -6,9 +6,10 @@ The test tree (:func:`tree_spec`, :func:`leaf_bytes`) is random bytes of mixed s
 dtypes, the same in every process for a (seed, version); each leaf's first 4 bytes are the
 version, so a sampler's step can tell which version each leaf it read belongs to.
 
-    python -m tpusync.testing.weights_procs trainer NAME REGISTRY [LEAVES [SCALE [DTYPE [KEEP]]]]
+    python -m tpusync.testing.weights_procs trainer NAME REGISTRY [LEAVES [SCALE [DTYPE [KEEP
+        [CHUNK_MIB]]]]]
     python -m tpusync.testing.weights_procs sampler NAME REGISTRY MESH [LEAVES [SCALE [DTYPE
-        [SAME_HOST]]]]
+        [SAME_HOST [WINDOW]]]]]
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -111,6 +112,7 @@ def trainer(
     scale: int = 1,
     dtype: str | None = None,
     keep: int = 2,
+    chunk_mib: int = 1,
 ) -> None:
     """Publishes versions on command: ``publish V`` (answers the report), ``again V``
     (publishes the last tree once more as V: the benchmark's versions), ``stall V`` (stages
@@ -122,7 +124,7 @@ def trainer(
     spec = tree_spec(leaves, scale, dtype)
     registry = RemoteRegistry(registry_address, secret=secret)
     publisher = Publisher(
-        name, secret=secret, registry=registry, keep=keep, chunk_bytes=1 << 20,
+        name, secret=secret, registry=registry, keep=keep, chunk_bytes=chunk_mib << 20,
         registry_ttl_s=3.0,
     )  # fmt: skip
 
@@ -175,6 +177,7 @@ def sampler(
     scale: int = 1,
     dtype: str | None = None,
     same_host: int = 1,
+    window: int = 32,
 ) -> None:
     """Pulls on command: ``pull V [nodigest]`` (answers each leaf's digest, or the error, and
     the seconds), ``rawpull V CHUNKS ADDRESS`` (times a plain BlockClient pull of the
@@ -192,7 +195,8 @@ def sampler(
     }  # fmt: skip
     registry = RemoteRegistry(registry_address, secret=secret)
     subscriber = Subscriber(name, target, secret=secret, registry=registry, timeout_s=5.0,
-                            deadline_s=120.0, same_host=bool(same_host))  # fmt: skip
+                            deadline_s=120.0, same_host=bool(same_host),
+                            window_chunks=window)  # fmt: skip
     stamps = {"one": 0, "mixed": 0, "seen": []}
     stop = threading.Event()
 

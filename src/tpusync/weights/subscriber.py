@@ -219,6 +219,7 @@ class Subscriber:
         self._live: _Pulled | None = None
         self._shadow: _Pulled | None = None
         self._retired: _Pulled | None = None
+        self._spare_job: Future[tuple[_Buffers, Any]] | None = None
         self.torn = False
         self.last_commit_seconds = 0.0
         self._refetched = 0  # chunks the data plane failed once (counted by a pull's fetches)
@@ -254,6 +255,8 @@ class Subscriber:
         self._retired = self._live
         self._live = shadow
         self.torn = False
+        if not self.in_place:  # the next version's buffers, made while this one serves
+            self._spare_job = self._executor.submit(self._make_spare)
         for store in self.kv_stores:
             store.set_weight_version(str(shadow.version))
         self.last_commit_seconds = time.perf_counter() - start
@@ -436,10 +439,11 @@ class Subscriber:
         self, client: BlockClient, manifest: Manifest, deadline: float, start: float
     ) -> PullReport:
         live = self._live
+        made: Any = None  # arrays over the buffers, made before the bytes land (zero-copy)
         if self.in_place and live is not None and live.buffers is not None and live.zero_copy:
             buffers = live.buffers
         else:
-            buffers = _Buffers(self._targets)
+            buffers, made = self._take_spare()
         relative = self._rows(manifest, buffers)
         rows = Rows(relative.offset, relative.address + buffers.base, relative.nbytes)
         C = manifest.chunk_bytes
@@ -466,7 +470,7 @@ class Subscriber:
             )
             report.chunks_retried += self._refetched
         self._replicate(buffers)
-        tree, zero_copy = self._arrays(buffers)
+        tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
         self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
         report.seconds = time.perf_counter() - start
         return report
@@ -623,27 +627,50 @@ class Subscriber:
         if rows:
             native.engine().copy(np.array(rows, dtype=np.uint64))
 
+    def _take_spare(self) -> tuple[_Buffers, Any]:
+        """The buffers of the next shadow copy and, where JAX takes them without a copy, the
+        arrays over them: made after the last commit on a worker thread (off the pull's path),
+        else now."""
+        job, self._spare_job = self._spare_job, None
+        if job is not None:
+            try:
+                return job.result()
+            except (TpuSyncError, MemoryError, RuntimeError) as error:
+                log.warning("tpusync weights: preparing the next buffers failed: %s", error)
+        return self._make_spare()
+
+    def _make_spare(self) -> tuple[_Buffers, Any]:
+        self._retired = None  # the version before the committed one: its memory is reused
+        buffers = _Buffers(self._targets)
+        tree, zero_copy = self._arrays(buffers)
+        return buffers, (tree if zero_copy else None)
+
     def _arrays(self, buffers: _Buffers) -> tuple[Any, bool]:
         """The arrays over the buffers, and whether JAX took them without a copy. New array
         objects even in place: JAX caches an array's host value, which a write beneath it would
         leave stale."""
-        leaves = []
-        zero_copy = True
-        for i, t in enumerate(self._targets):
-            shards = []
-            for d, device in enumerate(t.devices):
-                view = buffers.view(t, i, d)
-                shard = jax.device_put(view, device)
-                if view.size and shard.unsafe_buffer_pointer() != view.ctypes.data:
-                    zero_copy = False
-                shards.append(shard)
-            leaves.append(jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards))
+        views = [
+            [buffers.view(t, i, d) for d in range(len(t.devices))]
+            for i, t in enumerate(self._targets)
+        ]
+        placed = jax.device_put(views, [list(t.devices) for t in self._targets])  # one batch
+        zero_copy = all(
+            shard.unsafe_buffer_pointer() == view.ctypes.data
+            for per_views, per_shards in zip(views, placed, strict=True)
+            for view, shard in zip(per_views, per_shards, strict=True)
+            if view.size
+        )
+        leaves = [
+            jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards)
+            for t, shards in zip(self._targets, placed, strict=True)
+        ]
         return jax.tree_util.tree_unflatten(self._treedef, leaves), zero_copy
 
     # --- closing ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Closes the connections and the staging pool (committed arrays stay usable)."""
+        self._spare_job = None
         for client in self._clients.values():
             client.close()
         self._clients.clear()
