@@ -27,6 +27,7 @@ LAZY_ALLOWED = {
     "matplotlib": "optional heavy dependency",  # tpusync[demo]: only `tpusync demo --plot`
     "redis": "optional heavy dependency",  # tpusync[cluster]: only RedisRegistry
     "torch": "optional heavy dependency",  # PyTorch tensors and engine connectors
+    "orbax": "optional heavy dependency",  # tpusync[bench]: the weights benchmark's baseline
     # jax's private modules, looked up where used, so a jax that moves them breaks one call
     "jax._src": "private jax internals",
 }

@@ -3,7 +3,10 @@ bf16 over 100 leaves; sampler processes (mesh 2x4) pull each version and commit 
 trainer's /dev/shm (same host) and one over the data plane (loopback TCP), checksums on. In one
 run beside: the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`: a copy of the same
 bytes on all cores), a plain ``BlockClient`` pull of the same chunks (the data plane's own
-speed) and an in-process ``jax.device_put`` 8x1 -> 2x4 of the same tree.
+speed), ``jax.experimental.transfer`` (which pulls only into the trainer's own layout) plus a
+``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm in the trainer plus restoring
+into the 2x4 shardings in the sampler (``tpusync[bench]`` installs orbax), and an in-process
+``jax.device_put`` 8x1 -> 2x4 of the same tree.
 
 "End to end" is ``publish()`` returning in the trainer's time plus ``pull()`` and ``commit()``
 in the sampler's (the commands between processes are not counted); compilation is excluded
@@ -15,8 +18,11 @@ in the sampler's (the commands between processes are not counted); compilation i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import secrets
+import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -53,8 +59,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     children: list[Any] = []
     limit: MemoryLimit | None = None
     times: dict[str, list[float]] = {
-        k: [] for k in ("publish", "shm pull", "net pull", "raw pull", "shm e2e", "net e2e")
+        k: []
+        for k in (
+            *("publish", "shm pull", "net pull", "raw pull", "shm e2e", "net e2e"),
+            *("jax pull", "jax e2e", "orbax save", "orbax e2e"),
+        )
     }
+    have_orbax = importlib.util.find_spec("orbax") is not None
+    scratch = tempfile.mkdtemp(prefix="tpusync-bench-orbax-", dir="/dev/shm")
     commits: list[float] = []
     try:
         trainer = Child(["trainer", *common, "1", str(args.chunk_mib)], env)
@@ -77,8 +89,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise RuntimeError(f"{label} sampler: {answer}")
                 pulls[label] = answer
             raw = net.ask(f"rawpull {version} {published['chunks']} {published['address']}", 600)
+            offer = trainer.ask(f"jaxoffer {version + 1}", 600)
+            jax_pull = net.ask(f"jaxpull {version + 1} {offer['address']}", 600)
+            orbax: dict[str, Any] = {}
+            if have_orbax:
+                directory = os.path.join(scratch, f"v{version}")
+                orbax["save"] = trainer.ask(f"orbaxsave {directory}", 600)["seconds"]
+                orbax["restore"] = net.ask(f"orbaxrestore {directory}", 600)["seconds"]
+                shutil.rmtree(directory, ignore_errors=True)
             if version == 0:
                 continue
+            times["jax pull"].append(jax_pull["pull_seconds"])
+            times["jax e2e"].append(jax_pull["pull_seconds"] + jax_pull["reshard_seconds"])
+            if orbax:
+                times["orbax save"].append(orbax["save"])
+                times["orbax e2e"].append(orbax["save"] + orbax["restore"])
             times["publish"].append(published["seconds"])
             for label, answer in pulls.items():
                 times[f"{label} pull"].append(answer["seconds"])
@@ -93,24 +118,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         for child in children:
             child.stop()
         registry.close()
+        shutil.rmtree(scratch, ignore_errors=True)
         if limit is not None:
             limit.close()
     gb = nbytes / 1e9
-    runs = {k: [gb / s for s in v] for k, v in times.items()}
+    runs = {k: [gb / s for s in v] for k, v in times.items() if v}
     gbps = {k: median(v) for k, v in runs.items()}
+    missing = "not installed: pip install 'tpusync[bench]'"
+    orbax_rows = [
+        ["orbax save to /dev/shm (trainer)", spread(runs["orbax save"]), "", ""],
+        ["orbax save + restore into 2x4 (end to end)", spread(runs["orbax e2e"]), "", ""],
+    ] if have_orbax else [["orbax save + restore", missing, "", ""]]  # fmt: skip
     lim = found.gbps
     rows = [
         [f"memory limit ({found.method}, all cores)", f"{lim:.2f}", "", ""],
         ["jax.device_put 8x1 -> 2x4, in process", f"{gb / reshard:.2f}", "", ""],
         ["BlockClient pull of the chunks (2 connections)", spread(runs["raw pull"]), "", ""],
+        ["jax.experimental.transfer pull (8x1 -> 8x1)", spread(runs["jax pull"]), "", ""],
+        ["jax.experimental.transfer + device_put into 2x4", spread(runs["jax e2e"]), "", ""],
+        *orbax_rows,
         ["publish (stage + checksum + announce)", spread(runs["publish"]), gbps["publish"] / lim, ""],  # noqa: E501
         ["same host: pull + verify + reshard", spread(runs["shm pull"]), gbps["shm pull"] / lim, ""],  # noqa: E501
         ["same host: end to end", spread(runs["shm e2e"]), gbps["shm e2e"] / lim,
          gbps["shm e2e"] / (gb / reshard)],
+        ["  same host e2e x jax.experimental.transfer + device_put", "", "",
+         gbps["shm e2e"] / gbps["jax e2e"]],
+        ["  same host e2e x orbax", "", "",
+         gbps["shm e2e"] / gbps["orbax e2e"] if have_orbax else "-"],
         ["network: pull + verify + reshard", spread(runs["net pull"]), gbps["net pull"] / lim,
          gbps["net pull"] / gbps["raw pull"]],
         ["network: end to end", spread(runs["net e2e"]), gbps["net e2e"] / lim,
          gbps["net e2e"] / (gb / reshard)],
+        ["  network e2e x jax.experimental.transfer + device_put", "", "",
+         gbps["net e2e"] / gbps["jax e2e"]],
+        ["  network e2e x orbax", "", "",
+         gbps["net e2e"] / gbps["orbax e2e"] if have_orbax else "-"],
     ]  # fmt: skip
     print(f"{nbytes / 2**30:.2f} GiB of bf16 over {LEAVES} leaves, trainer 8x1 -> sampler 2x4, "
           f"{os.cpu_count()} cores; commit median {median(commits) * 1e6:.0f} us")  # fmt: skip

@@ -35,6 +35,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+try:  # the benchmark's baseline; not in every jax
+    from jax.experimental import transfer as jax_transfer
+except ImportError:  # pragma: no cover
+    jax_transfer = None
+
 from tpusync.cluster import BlockClient, RemoteRegistry
 from tpusync.errors import TpuSyncError
 from tpusync.tiers import HostPool
@@ -138,10 +143,27 @@ def trainer(
 
     _say({"ready": True, "pid": os.getpid()})
     tree: dict[str, Any] = {}
+    server: Any = None
     for line in sys.stdin:
         command, *args = line.split()
         if command == "quit":
             break
+        if command == "jaxoffer":  # offer the last tree to one jax.experimental.transfer pull
+            if jax_transfer is None:
+                _say({"error": "this jax has no jax.experimental.transfer"})
+                continue
+            if server is None:
+                server = jax_transfer.start_transfer_server(
+                    jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
+                )
+            server.await_pull(int(args[0]), jax.tree_util.tree_leaves(tree))
+            _say({"address": server.address()})
+            continue
+        if command == "orbaxsave":  # the last tree saved by orbax to a directory
+            start = time.perf_counter()
+            _orbax_save(args[0], tree)
+            _say({"seconds": time.perf_counter() - start})
+            continue
         if command == "reshard":
             mesh2 = _mesh("2x4")
             shardings = {p: NamedSharding(mesh2, _spec(s, "2x4")) for p, s, _ in spec}
@@ -230,6 +252,14 @@ def sampler(
             _say({"looping": True})
         elif command == "stamps":
             _say(stamps)
+        elif command == "jaxpull":  # jax.experimental.transfer into 8x1, then device_put
+            _say(_jax_pull(int(args[0]), args[1], spec, target))
+        elif command == "orbaxrestore":
+            start = time.perf_counter()
+            restored = _orbax_restore(args[0], target)
+            jax.block_until_ready(restored)
+            _say({"seconds": time.perf_counter() - start})
+            del restored
         elif command == "rawpull":
             _say(_raw_pull(name, secret, int(args[0]), int(args[1]), args[2]))
         elif command == "pull":
@@ -259,6 +289,53 @@ def sampler(
         worker.join(timeout=10)
     subscriber.close()
     registry.close()
+
+
+_jax_side: dict[str, Any] = {}
+
+
+def _jax_pull(
+    uuid: int, address: str, spec: list[tuple[str, tuple[int, ...], str]], target: dict[str, Any]
+) -> dict[str, Any]:
+    """Pulls the trainer's offered tree with jax.experimental.transfer into the trainer's own
+    layout (8x1 here: it cannot pull into another), then reshards it with device_put."""
+    if jax_transfer is None:
+        return {"error": "this jax has no jax.experimental.transfer"}
+    if "server" not in _jax_side:
+        _jax_side["server"] = jax_transfer.start_transfer_server(
+            jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
+        )
+    connection = _jax_side["server"].connect(address)
+    mesh = _mesh("8x1")
+    specs = [
+        jax.ShapeDtypeStruct(
+            shape, np_dtype(dtype), sharding=NamedSharding(mesh, _spec(shape, "8x1"))
+        )
+        for _, shape, dtype in spec
+    ]
+    start = time.perf_counter()
+    pulled = connection.pull(uuid, specs)
+    jax.block_until_ready(pulled)
+    middle = time.perf_counter()
+    placed = jax.device_put(pulled, [target[p].sharding for p, _, _ in spec])
+    jax.block_until_ready(placed)
+    end = time.perf_counter()
+    return {"pull_seconds": middle - start, "reshard_seconds": end - middle}
+
+
+def _orbax_save(directory: str, tree: Any) -> None:
+    import orbax.checkpoint as ocp  # optional heavy dependency
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory, tree)
+        checkpointer.wait_until_finished()
+
+
+def _orbax_restore(directory: str, target: Any) -> Any:
+    import orbax.checkpoint as ocp  # optional heavy dependency
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(directory, target)
 
 
 def _raw_pull(name: str, secret: bytes, version: int, chunks: int, address: str) -> dict[str, Any]:
