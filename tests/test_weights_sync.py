@@ -98,6 +98,29 @@ def test_sum64_streams_equals_the_checksum_of_the_joined_regions(data: bytes, cu
     assert int(got[0]) == _core.sum64(data)
 
 
+@given(
+    data=st.binary(min_size=1, max_size=200_000),
+    cuts=st.lists(st.integers(0, 200_000), max_size=6),
+    written=st.lists(st.booleans(), min_size=7, max_size=7),
+)
+@settings(max_examples=40, deadline=None)
+def test_copy_sum64_streams_copies_and_hashes_what_it_wrote(data, cuts, written):
+    buf = np.frombuffer(data, dtype=np.uint8).copy()
+    bounds = sorted({0, len(buf), *(c for c in cuts if c < len(buf))})
+    spans = list(itertools.pairwise(bounds))
+    out = np.zeros(len(buf), dtype=np.uint8)
+    sources = np.array([buf.ctypes.data + a for a, _ in spans], dtype=np.uint64)
+    targets = np.array(
+        [out.ctypes.data + a if written[i] else 0 for i, (a, _) in enumerate(spans)],
+        dtype=np.uint64,
+    )
+    lengths = np.array([b - a for a, b in spans], dtype=np.uint64)
+    got = _core.copy_sum64_streams(sources, targets, lengths, np.array([len(spans)], np.int64))
+    assert int(got[0]) == _core.sum64(data)
+    for i, (a, b) in enumerate(spans):
+        assert (out[a:b] == (buf[a:b] if written[i] else 0)).all()
+
+
 @pytest.mark.parametrize("mesh", [(2, 4), (4, 2), (1, 8)])
 @pytest.mark.parametrize("same_host", [True, False], ids=["shm", "network"])
 def test_a_version_lands_bit_for_bit_in_another_mesh(publisher, mesh, same_host):

@@ -9,6 +9,7 @@ from tpusync._native.checksum import _crc32c_shift as _crc32c_shift
 from tpusync._native.checksum import _force_portable_checksum as _force_portable_checksum
 from tpusync._native.checksum import blake2b as blake2b
 from tpusync._native.checksum import blake2b_chain as blake2b_chain
+from tpusync._native.checksum import copy_sum64_streams as copy_sum64_streams
 from tpusync._native.checksum import crc32c as crc32c
 from tpusync._native.checksum import sum64 as sum64
 from tpusync._native.checksum import sum64_regions as sum64_regions
@@ -75,6 +76,7 @@ __all__ = [
     "block_segments",
     "collapse_huge_pages",
     "copy_seconds",
+    "copy_sum64_streams",
     "crc32c",
     "file_runs",
     "have_streaming",

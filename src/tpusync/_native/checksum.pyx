@@ -166,6 +166,57 @@ def sum64_streams(const uint64_t[::1] starts not None, const uint64_t[::1] lengt
     return out
 
 
+cdef enum:
+    # pieces of a copy hashed while still in cache: small enough for L2 on every machine
+    _CACHED_PIECE = 65536
+
+
+def copy_sum64_streams(const uint64_t[::1] sources not None,
+                       const uint64_t[::1] targets not None,
+                       const uint64_t[::1] lengths not None,
+                       const int64_t[::1] ends not None):
+    """Copies each region ``sources[i]`` -> ``targets[i]`` (``lengths[i]`` bytes; a target of 0
+    only hashes the source) and returns, per stream of regions (as in :func:`sum64_streams`),
+    the ``sum64`` of the bytes **as written** (the source's where nothing is written), in one
+    pass: each piece is hashed from the cache right after it is copied. GIL released, on the
+    calling thread; the regions of one call must not overlap; the caller keeps the memory
+    alive."""
+    cdef Py_ssize_t n = sources.shape[0], groups = ends.shape[0], g, i, first = 0
+    if targets.shape[0] != n or lengths.shape[0] != n:
+        raise ValueError("sources, targets and lengths differ in length")
+    for g in range(groups):
+        if ends[g] < first or ends[g] > n:
+            raise ValueError("ends must rise from 0 to len(sources)")
+        first = ends[g]
+    out = np.empty(groups, dtype=np.uint64)
+    cdef uint64_t[::1] digests = out
+    cdef tps_sum64_state state
+    cdef size_t left, step
+    cdef const char *src
+    cdef char *dst
+    first = 0
+    with nogil:
+        for g in range(groups):
+            tps_sum64_init(&state)
+            for i in range(first, ends[g]):
+                src = <const char *><uintptr_t>sources[i]
+                dst = <char *><uintptr_t>targets[i]
+                left = <size_t>lengths[i]
+                while left:
+                    step = left if left < _CACHED_PIECE else _CACHED_PIECE
+                    if dst != NULL:
+                        memcpy(dst, src, step)
+                        tps_sum64_update(&state, dst, step)
+                        dst += step
+                    else:
+                        tps_sum64_update(&state, src, step)
+                    src += step
+                    left -= step
+            digests[g] = tps_sum64_digest(&state)
+            first = ends[g]
+    return out
+
+
 cdef tps_blake2b _blake2b_start(size_t digest_size, bytes key, bytes person) except *:
     cdef tps_blake2b state
     if tps_blake2b_init(&state, digest_size, <const char *> key, len(key),

@@ -8,15 +8,13 @@ each reshard piece (:mod:`tpusync.weights.plan`), split where chunks end.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from tpusync import _core
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.weights.plan import Piece
 
-__all__ = ["Rows", "chunk_digests", "piece_rows", "split_at_chunks"]
+__all__ = ["Rows", "land_chunks", "piece_rows", "split_at_chunks"]
 
 
 class Rows:
@@ -78,46 +76,54 @@ def split_at_chunks(rows: Rows, chunk_bytes: int) -> Rows:
     return Rows(start, rows.address[index] + (start - rows.offset[index]), end - start)
 
 
-def chunk_digests(
+def _chunk_regions(
     rows: Rows, chunks: np.ndarray, chunk_bytes: int, source_of_chunk: np.ndarray
-) -> np.ndarray:
-    """The block checksum of each chunk in ``chunks`` (sorted), hashed from where its bytes are
-    now: the landed bytes of ``rows`` (sorted, each inside one chunk, not overlapping) and,
-    for the bytes no row carries, the chunk itself at ``source_of_chunk[i]``."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each chunk of ``chunks`` (sorted) as a stream of regions in its byte order: the rows
+    (sorted, each inside one chunk, not overlapping; source, target) and, between them, the
+    bytes no row carries (source only: target 0). Returns sources, targets, lengths, ends."""
     chunk_of_row = rows.offset // chunk_bytes
     bounds = np.searchsorted(chunk_of_row, np.stack([chunks, chunks + 1]))
-    starts: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     ends = np.zeros(len(chunks), dtype=np.int64)
     total = 0
     for i, c in enumerate(chunks.tolist()):
         a, b = int(bounds[0, i]), int(bounds[1, i])
+        base = int(source_of_chunk[i])
         off = rows.offset[a:b] - c * chunk_bytes
         n = rows.nbytes[a:b]
-        stops = off + n
-        gap_start = np.concatenate([[0], stops])
+        gap_start = np.concatenate([[0], off + n])
         gap_len = np.concatenate([off, [chunk_bytes]]) - gap_start
-        # interleave gap_0, row_0, gap_1, row_1, ..., gap_n (empty gaps dropped)
-        s = np.empty(2 * len(off) + 1, dtype=np.int64)
+        # interleaved: gap_0, row_0, gap_1, row_1, ..., gap_n (empty gaps dropped)
+        src = np.empty(2 * len(off) + 1, dtype=np.int64)
+        dst = np.zeros(2 * len(off) + 1, dtype=np.int64)
         ln = np.empty(2 * len(off) + 1, dtype=np.int64)
-        s[0::2] = int(source_of_chunk[i]) + gap_start
+        src[0::2] = base + gap_start
         ln[0::2] = gap_len
-        s[1::2] = rows.address[a:b]
+        src[1::2] = base + off
+        dst[1::2] = rows.address[a:b]
         ln[1::2] = n
         keep = ln > 0
-        starts.append(s[keep])
-        lengths.append(ln[keep])
+        parts.append((src[keep], dst[keep], ln[keep]))
         total += int(keep.sum())
         ends[i] = total
-    if not len(chunks):
-        return np.zeros(0, dtype=np.uint64)
-    digests = _core.sum64_streams(
-        np.concatenate(starts).astype(np.uint64),
-        np.concatenate(lengths).astype(np.uint64),
+    if not parts:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty, ends
+    return (
+        np.concatenate([p[0] for p in parts]).astype(np.uint64),
+        np.concatenate([p[1] for p in parts]).astype(np.uint64),
+        np.concatenate([p[2] for p in parts]).astype(np.uint64),
         ends,
     )
+
+
+def land_chunks(
+    rows: Rows, chunks: np.ndarray, chunk_bytes: int, source_of_chunk: np.ndarray
+) -> np.ndarray:
+    """Copies the rows of ``chunks`` (chunk ``chunks[i]`` is at ``source_of_chunk[i]``) into
+    place and returns each chunk's block checksum over the bytes **as written** (and, for bytes
+    no row carries, the chunk's own), in one pass (``_core.copy_sum64_streams``)."""
+    sources, targets, lengths, ends = _chunk_regions(rows, chunks, chunk_bytes, source_of_chunk)
+    digests = _core.copy_sum64_streams(sources, targets, lengths, ends)
     return slot_checksums(digests[:, None])
-
-
-def shard_bytes(box: tuple[tuple[int, int], ...], itemsize: int) -> int:
-    return math.prod(b - a for a, b in box) * itemsize

@@ -49,7 +49,7 @@ from tpusync.errors import (
 )
 from tpusync.tiers import HostPool
 from tpusync.tiers.files import open_file
-from tpusync.weights._stream import Rows, chunk_digests, piece_rows, split_at_chunks
+from tpusync.weights._stream import Rows, land_chunks, piece_rows, split_at_chunks
 from tpusync.weights.manifest import Manifest, check_name, check_version, chunk_key, manifest_key
 from tpusync.weights.plan import leaf_plan, shard_boxes
 from tpusync.weights.publisher import boot_id, chunk_layout, tree_paths
@@ -214,7 +214,9 @@ class Subscriber:
         self._staging: HostPool | None = None
         self._rows_cache: dict[Any, Rows] = {}
         self._executor = ThreadPoolExecutor(
-            max_workers=max(2, native.copy_threads()), thread_name_prefix="tpusync-weights"
+            # every core lands chunks while one more worker fetches the next window
+            max_workers=native.copy_threads() + 1,
+            thread_name_prefix="tpusync-weights",
         )
         self._live: _Pulled | None = None
         self._shadow: _Pulled | None = None
@@ -519,12 +521,8 @@ class Subscriber:
             part, src = chunks[w : w + self.window], sources[w : w + self.window]
             lo, hi = np.searchsorted(row_chunk, [part[0], part[-1] + 1])
             sel = slice(int(lo), int(hi))
-            at = np.searchsorted(part, row_chunk[sel])
-            src_addr = src[at] + rows.offset[sel] - row_chunk[sel] * C
-            table = np.stack([src_addr, rows.address[sel], rows.nbytes[sel]], 1)
-            native.engine().copy(np.ascontiguousarray(table, dtype=np.uint64))
             window_rows = Rows(rows.offset[sel], rows.address[sel], rows.nbytes[sel])
-            digests = self._digests(window_rows, part, C, src)
+            digests = self._land_window(window_rows, part, C, src)
             failed = digests != manifest.checksums[part]
             if failed.any():
                 log.warning(
@@ -535,13 +533,20 @@ class Subscriber:
                 bad.append(part[failed])
         return np.concatenate(bad) if bad else np.zeros(0, dtype=np.int64)
 
-    def _digests(self, rows: Rows, chunks: np.ndarray, C: int, sources: np.ndarray) -> np.ndarray:
-        n = self._executor._max_workers
-        if len(chunks) < 2 * n:
-            return chunk_digests(rows, chunks, C, sources)
+    def _land_window(
+        self, rows: Rows, chunks: np.ndarray, C: int, sources: np.ndarray
+    ) -> np.ndarray:
+        """:func:`land_chunks` on every core: contiguous runs of chunks per thread, the last
+        on this one."""
+        n = min(native.copy_threads(), len(chunks))
+        if n <= 1:
+            return land_chunks(rows, chunks, C, sources)
         parts = np.array_split(np.arange(len(chunks)), n)
-        jobs = [self._executor.submit(chunk_digests, rows, chunks[p], C, sources[p]) for p in parts]
-        return np.concatenate([j.result() for j in jobs])
+        jobs = [
+            self._executor.submit(land_chunks, rows, chunks[p], C, sources[p]) for p in parts[:-1]
+        ]
+        last = land_chunks(rows, chunks[parts[-1]], C, sources[parts[-1]])
+        return np.concatenate([*(j.result() for j in jobs), last])
 
     def _pull_network(
         self,
