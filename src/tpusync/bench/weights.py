@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk")
     parser.add_argument(
-        "--window", type=int, default=32, help="chunks a network pull stages per batch"
+        "--window-mib", type=int, default=256, help="what a network pull stages per batch"
     )
     parser.add_argument("--json", default=None, help="default: the results scheme")
     return parser
@@ -70,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     commits: list[float] = []
     try:
         trainer = Child(["trainer", *common, "1", str(args.chunk_mib)], env)
-        shm = Child(["sampler", *common[:2], "2x4", *common[2:], "1", str(args.window)], env)
-        net = Child(["sampler", *common[:2], "2x4", *common[2:], "0", str(args.window)], env)
+        shm = Child(["sampler", *common[:2], "2x4", *common[2:], "1", str(args.window_mib)], env)
+        net = Child(["sampler", *common[:2], "2x4", *common[2:], "0", str(args.window_mib)], env)
         children += [trainer, shm, net]
         for child in children:
             child.answer(timeout=300)

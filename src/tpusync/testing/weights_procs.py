@@ -9,7 +9,7 @@ version, so a sampler's step can tell which version each leaf it read belongs to
     python -m tpusync.testing.weights_procs trainer NAME REGISTRY [LEAVES [SCALE [DTYPE [KEEP
         [CHUNK_MIB]]]]]
     python -m tpusync.testing.weights_procs sampler NAME REGISTRY MESH [LEAVES [SCALE [DTYPE
-        [SAME_HOST [WINDOW]]]]]
+        [SAME_HOST [WINDOW_MIB]]]]]
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -199,7 +199,7 @@ def sampler(
     scale: int = 1,
     dtype: str | None = None,
     same_host: int = 1,
-    window: int = 32,
+    window_mib: int = 256,
 ) -> None:
     """Pulls on command: ``pull V [nodigest]`` (answers each leaf's digest, or the error, and
     the seconds), ``rawpull V CHUNKS ADDRESS`` (times a plain BlockClient pull of the
@@ -218,7 +218,7 @@ def sampler(
     registry = RemoteRegistry(registry_address, secret=secret)
     subscriber = Subscriber(name, target, secret=secret, registry=registry, timeout_s=5.0,
                             deadline_s=120.0, same_host=bool(same_host),
-                            window_chunks=window)  # fmt: skip
+                            window_bytes=window_mib << 20)  # fmt: skip
     stamps = {"one": 0, "mixed": 0, "seen": []}
     stop = threading.Event()
 

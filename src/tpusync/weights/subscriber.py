@@ -158,7 +158,8 @@ class Subscriber:
       kv_stores: KV stores whose ``weight_version`` follows each commit (KV of other weights is
         never served again).
       same_host: read the publisher's /dev/shm pool directly when it is on this host.
-      window_chunks: chunks pulled over the network per batch (two batches are staged).
+      window_bytes: bytes pulled over the network per batch (two batches are staged in
+        host memory; larger batches cost fewer round trips).
     """
 
     def __init__(
@@ -177,7 +178,7 @@ class Subscriber:
         in_place: bool = False,
         kv_stores: Any = (),
         same_host: bool = True,
-        window_chunks: int = 32,
+        window_bytes: int = 256 << 20,
     ) -> None:
         self.name = check_name(name)
         if (address is None) == (registry is None):
@@ -188,8 +189,8 @@ class Subscriber:
             )
         if not isinstance(deadline_s, int | float) or not deadline_s > 0:
             raise InvalidArgumentError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
-        if type(window_chunks) is not int or window_chunks < 1:
-            raise InvalidArgumentError(f"window_chunks: expected >= 1, got {window_chunks!r}")
+        if type(window_bytes) is not int or window_bytes < 1:
+            raise InvalidArgumentError(f"window_bytes: expected > 0 bytes, got {window_bytes!r}")
         paths, leaves, self._treedef = tree_paths(target)
         self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
         self._client_args = {
@@ -209,9 +210,11 @@ class Subscriber:
                     f"kv_stores: expected tpusync.KVCacheStore objects, got {type(store).__name__}"
                 )
         self.same_host = bool(same_host)
-        self.window = window_chunks
+        self.window_bytes = window_bytes
+        self.window = 1  # chunks a batch: set from the publisher's chunk size
         self._clients: dict[str, BlockClient] = {}
         self._staging: HostPool | None = None
+        self._manifest_staging: HostPool | None = None
         self._rows_cache: dict[Any, Rows] = {}
         self._executor = ThreadPoolExecutor(
             # every core lands chunks while one more worker fetches the next window
@@ -353,19 +356,30 @@ class Subscriber:
                 del self._clients[address]
         client.close()
 
-    def _staging_pool(self, chunk_bytes: int) -> HostPool:
-        pool = self._staging
-        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
+    def _pool(self, attribute: str, chunk_bytes: int, capacity: int) -> HostPool:
+        """The staging pool kept in ``attribute`` (made again for another chunk size, or when
+        it is too small)."""
+        pool = getattr(self, attribute)
+        if pool is not None and (
+            pool.layout.payload_bytes != chunk_bytes or pool.capacity < capacity
+        ):
             pool.close()
             pool = None
         if pool is None:
-            pool = HostPool(chunk_layout(self.name, chunk_bytes), 2 * self.window + 2)
-            self._staging = pool
+            pool = HostPool(chunk_layout(self.name, chunk_bytes), capacity)
+            setattr(self, attribute, pool)
         return pool
+
+    def _staging_pool(self, chunk_bytes: int, chunks: int) -> HostPool:
+        """Two network batches of chunks (of ``chunks`` at most), and room to fetch failed
+        ones again."""
+        self.window = max(1, min(self.window_bytes // chunk_bytes, chunks))
+        return self._pool("_staging", chunk_bytes, 2 * self.window + 2)
 
     def _read_manifest(self, client: BlockClient, version: int) -> Manifest:
         chunk_bytes = client.payload_bytes
-        staging = self._staging_pool(chunk_bytes)
+        self.window = max(1, self.window_bytes // chunk_bytes)
+        staging = self._pool("_manifest_staging", chunk_bytes, 1)
         first = manifest_key(self.name, version, 0)
         parts = [self._pull_one(client, staging, first)]
         length = int.from_bytes(parts[0][:8], "little")
@@ -558,7 +572,7 @@ class Subscriber:
         deadline: float,
         report: PullReport,
     ) -> int:
-        staging = self._staging_pool(manifest.chunk_bytes)
+        staging = self._staging_pool(manifest.chunk_bytes, len(chunks))
         windows = [chunks[w : w + self.window] for w in range(0, len(chunks), self.window)]
         pending: Future[Any] | None = None
         try:
@@ -713,9 +727,11 @@ class Subscriber:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        for attribute in ("_staging", "_manifest_staging"):
+            pool = getattr(self, attribute)
+            if pool is not None:
+                pool.close()
+                setattr(self, attribute, None)
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Subscriber:
