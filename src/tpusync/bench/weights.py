@@ -2,8 +2,9 @@
 bf16 over 100 leaves; sampler processes (mesh 2x4) pull each version and commit it, one from the
 trainer's /dev/shm (same host) and one over the data plane (loopback TCP), checksums on. In one
 run beside: the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`: a copy of the same
-bytes on all cores), a plain ``BlockClient`` pull of the same chunks (the data plane's own
-speed), ``jax.experimental.transfer`` (which pulls only into the trainer's own layout) plus a
+bytes on all cores) and the TCP limit (2 streams over loopback: the best of our own sender and
+receiver pair and one iperf3 process per stream), a plain ``BlockClient`` pull of the same
+chunks (the data plane's own speed), ``jax.experimental.transfer`` (which pulls only into the trainer's own layout) plus a
 ``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm in the trainer plus restoring
 into the 2x4 shardings in the sampler (``tpusync[bench]`` installs orbax), and an in-process
 ``jax.device_put`` 8x1 -> 2x4 of the same tree.
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tpusync.bench.common import Run, median, print_table, spread
-from tpusync.bench.limits import MemoryLimit
+from tpusync.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
 from tpusync.cluster import MemoryRegistry, RegistryServer
 from tpusync.testing.weights_procs import Child
 
@@ -112,6 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 commits.append(answer["commit_seconds"])
             times["raw pull"].append(raw["seconds"])
         reshard = trainer.ask("reshard", 600)["reshard_seconds"]
+        for child in children:  # the TCP limit is measured with nothing else running
+            child.stop()
+        tcp = loopback_tcp(2, nbytes).gbps
+        iperf = 0.0
+        if shutil.which("iperf3"):
+            with Iperf3PerStream(2) as servers:
+                iperf = median([servers.gbps(nbytes) for _ in range(3)])
         assert limit is not None
         found = limit.result()
     finally:
@@ -130,8 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["orbax save + restore into 2x4 (end to end)", spread(runs["orbax e2e"]), "", ""],
     ] if have_orbax else [["orbax save + restore", missing, "", ""]]  # fmt: skip
     lim = found.gbps
+    net_lim = max(tcp, iperf)
     rows = [
         [f"memory limit ({found.method}, all cores)", f"{lim:.2f}", "", ""],
+        [f"TCP limit, 2 streams (ours {tcp:.2f}, iperf3 {iperf:.2f})", f"{net_lim:.2f}", "", ""],
         ["jax.device_put 8x1 -> 2x4, in process", f"{gb / reshard:.2f}", "", ""],
         ["BlockClient pull of the chunks (2 connections)", spread(runs["raw pull"]), "", ""],
         ["jax.experimental.transfer pull (8x1 -> 8x1)", spread(runs["jax pull"]), "", ""],
@@ -145,9 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
          gbps["shm e2e"] / gbps["jax e2e"]],
         ["  same host e2e x orbax", "", "",
          gbps["shm e2e"] / gbps["orbax e2e"] if have_orbax else "-"],
-        ["network: pull + verify + reshard", spread(runs["net pull"]), gbps["net pull"] / lim,
-         gbps["net pull"] / gbps["raw pull"]],
-        ["network: end to end", spread(runs["net e2e"]), gbps["net e2e"] / lim,
+        ["network: pull + verify + reshard (x TCP limit)", spread(runs["net pull"]),
+         gbps["net pull"] / net_lim, gbps["net pull"] / gbps["raw pull"]],
+        ["network: end to end (x TCP limit)", spread(runs["net e2e"]), gbps["net e2e"] / net_lim,
          gbps["net e2e"] / (gb / reshard)],
         ["  network e2e x jax.experimental.transfer + device_put", "", "",
          gbps["net e2e"] / gbps["jax e2e"]],
@@ -167,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "nbytes": nbytes,
             "leaves": LEAVES,
             "limit": {"gbps": lim, "method": found.method},
+            "tcp_limit": {"gbps": net_lim, "ours": tcp, "iperf3": iperf},
             "reshard_device_put_gbps": gb / reshard,
             "gbps": gbps,
             "runs_gbps": runs,
