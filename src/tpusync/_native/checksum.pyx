@@ -18,8 +18,13 @@ from tpusync._native._blake2b cimport (
 )
 from tpusync._native._checksum cimport (
     tps_checksum_force_portable, tps_checksum_path_flag, tps_crc32c, tps_crc32c_shift, tps_sum64,
-    tps_sum64_digest, tps_sum64_init, tps_sum64_state, tps_sum64_update, tps_xxh64,
+    tps_sum64_copy_streaming_next, tps_sum64_digest, tps_sum64_init, tps_sum64_state,
+    tps_sum64_update, tps_xxh64,
 )
+
+
+cdef extern from "immintrin.h" nogil:
+    void _mm_sfence()
 
 import numpy as np
 
@@ -171,16 +176,42 @@ cdef enum:
     _CACHED_PIECE = 65536
 
 
+cdef void _copy_hash_region(tps_sum64_state *state, char *dst, const char *src, size_t n,
+                            const void *next) noexcept nogil:
+    """Copies ``n`` bytes and feeds them to ``state``: in one pass with non-temporal stores
+    where the fast path applies (no partial group pending: it is fed first; an 8-byte aligned
+    destination), else in cached pieces hashed right after their copy."""
+    cdef size_t take, step
+    if state.n_pending:
+        take = 24 - state.n_pending
+        if take > n:
+            take = n
+        memcpy(dst, src, take)
+        tps_sum64_update(state, dst, take)
+        dst += take
+        src += take
+        n -= take
+    if n == 0 or tps_sum64_copy_streaming_next(state, dst, src, n, next):
+        return
+    while n:
+        step = n if n < _CACHED_PIECE else _CACHED_PIECE
+        memcpy(dst, src, step)
+        tps_sum64_update(state, dst, step)
+        dst += step
+        src += step
+        n -= step
+
+
 def copy_sum64_streams(const uint64_t[::1] sources not None,
                        const uint64_t[::1] targets not None,
                        const uint64_t[::1] lengths not None,
                        const int64_t[::1] ends not None):
     """Copies each region ``sources[i]`` -> ``targets[i]`` (``lengths[i]`` bytes; a target of 0
     only hashes the source) and returns, per stream of regions (as in :func:`sum64_streams`),
-    the ``sum64`` of the bytes **as written** (the source's where nothing is written), in one
-    pass: each piece is hashed from the cache right after it is copied. GIL released, on the
-    calling thread; the regions of one call must not overlap; the caller keeps the memory
-    alive."""
+    the ``sum64`` of the bytes copied (the source's where nothing is written), in one pass:
+    each region is hashed as it is copied (registers, or the cache right after). GIL released,
+    on the calling thread; the regions of one call must not overlap; the caller keeps the
+    memory alive."""
     cdef Py_ssize_t n = sources.shape[0], groups = ends.shape[0], g, i, first = 0
     if targets.shape[0] != n or lengths.shape[0] != n:
         raise ValueError("sources, targets and lengths differ in length")
@@ -191,31 +222,24 @@ def copy_sum64_streams(const uint64_t[::1] sources not None,
     out = np.empty(groups, dtype=np.uint64)
     cdef uint64_t[::1] digests = out
     cdef tps_sum64_state state
-    cdef size_t left, step
     cdef const char *src
-    cdef char *dst
+    cdef const void *after
     first = 0
     with nogil:
         for g in range(groups):
             tps_sum64_init(&state)
             for i in range(first, ends[g]):
                 src = <const char *><uintptr_t>sources[i]
-                dst = <char *><uintptr_t>targets[i]
-                left = <size_t>lengths[i]
-                while left:
-                    step = left if left < _CACHED_PIECE else _CACHED_PIECE
-                    if dst != NULL:
-                        memcpy(dst, src, step)
-                        tps_sum64_update(&state, dst, step)
-                        dst += step
-                    else:
-                        tps_sum64_update(&state, src, step)
-                    src += step
-                    left -= step
+                if targets[i] == 0:
+                    tps_sum64_update(&state, src, <size_t>lengths[i])
+                    continue
+                after = <const void *><uintptr_t>sources[i + 1] if i + 1 < n else NULL
+                _copy_hash_region(&state, <char *><uintptr_t>targets[i], src,
+                                  <size_t>lengths[i], after)
             digests[g] = tps_sum64_digest(&state)
             first = ends[g]
+        _mm_sfence()  # the streaming stores are seen by whoever reads the targets next
     return out
-
 
 cdef tps_blake2b _blake2b_start(size_t digest_size, bytes key, bytes person) except *:
     cdef tps_blake2b state

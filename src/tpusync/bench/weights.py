@@ -4,8 +4,8 @@ trainer's /dev/shm (same host) and one over the data plane (loopback TCP), check
 run beside: the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`: a copy of the same
 bytes on all cores) and the TCP limit (2 streams over loopback: the best of our own sender and
 receiver pair and one iperf3 process per stream), a plain ``BlockClient`` pull of the same
-chunks (the data plane's own speed), ``jax.experimental.transfer`` (which pulls only into the trainer's own layout) plus a
-``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm in the trainer plus restoring
+chunks (the data plane's own speed), ``jax.experimental.transfer`` (which pulls only into the
+trainer's own layout) plus a ``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm in the trainer plus restoring
 into the 2x4 shardings in the sampler (``tpusync[bench]`` installs orbax), and an in-process
 ``jax.device_put`` 8x1 -> 2x4 of the same tree.
 

@@ -17,16 +17,19 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
 
+from tpusync import _core
 from tpusync.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
 from tpusync.engines import native
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
+from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.shm_admin import remove_pool
 from tpusync.weights._stream import Rows, split_at_chunks
@@ -160,6 +163,9 @@ class Publisher:
         self.server: BlockServer | None = None
         self._link: RegistryLink | None = None
         self._closed = False
+        self._executor = ThreadPoolExecutor(
+            max_workers=max(1, native.copy_threads() - 1), thread_name_prefix="tpusync-publish"
+        )
         if capacity_bytes is not None:
             self._open(-(-capacity_bytes // chunk_bytes))
 
@@ -328,27 +334,56 @@ class Publisher:
             ) from None
 
     def _stage(self, slots: np.ndarray, sources: list[np.ndarray], total: int) -> np.ndarray:
-        """Copies every shard into the reserved chunks (one native batch) and checksums them."""
+        """Copies every shard into the reserved chunks and checksums each chunk as it is
+        written, in one pass on every core; the last chunk's tail is zeros."""
         assert self.pool is not None
+        C = self.chunk_bytes
         sizes = np.array([s.nbytes for s in sources], dtype=np.int64)
         rows = Rows(
             np.cumsum(sizes) - sizes,
             np.array([s.ctypes.data for s in sources], dtype=np.int64),
             sizes,
         )
-        rows = split_at_chunks(Rows(rows.offset, rows.address, rows.nbytes), self.chunk_bytes)
+        rows = split_at_chunks(rows, C)
         keep = rows.nbytes > 0
+        rows = Rows(rows.offset[keep], rows.address[keep], rows.nbytes[keep])
+        tail = total - (len(slots) - 1) * C
+        padding = np.zeros(C - tail if len(slots) and tail < C else 0, dtype=np.uint8)
         with self.pool.slot_addresses(slots) as addresses:
-            chunk = rows.offset[keep] // self.chunk_bytes
-            dst = addresses.astype(np.int64)[chunk] + rows.offset[keep] - chunk * self.chunk_bytes
-            table = np.stack([rows.address[keep], dst, rows.nbytes[keep]], 1).astype(np.uint64)
-            native.engine().copy(np.ascontiguousarray(table))
-            tail = total - (len(slots) - 1) * self.chunk_bytes
-            if len(slots) and tail < self.chunk_bytes:  # deterministic padding
-                with self.pool.slot_memory(int(slots[-1])) as last:
-                    last[tail : self.chunk_bytes] = bytes(self.chunk_bytes - tail)
+            chunk = rows.offset // C
+            dst = addresses.astype(np.int64)[chunk] + rows.offset - chunk * C
+            src, lengths = rows.address, rows.nbytes
+            if len(padding):  # deterministic: the checksum covers the whole slot
+                chunk = np.append(chunk, len(slots) - 1)
+                src = np.append(src, padding.ctypes.data)
+                dst = np.append(dst, int(addresses[-1]) + tail)
+                lengths = np.append(lengths, len(padding))
+            ends = np.searchsorted(chunk, np.arange(1, len(slots) + 1))
+            digests = self._copy_streams(src, dst, lengths, ends)
         del sources
-        return self.pool.hash_slots(slots)
+        return slot_checksums(digests[:, None])
+
+    def _copy_streams(
+        self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """``_core.copy_sum64_streams`` with the streams (chunks) shared among the cores."""
+        parts = np.array_split(np.arange(len(ends)), max(1, min(native.copy_threads(), len(ends))))
+
+        def run(part: np.ndarray) -> np.ndarray:
+            if not len(part):
+                return np.zeros(0, dtype=np.uint64)
+            lo = int(ends[part[0] - 1]) if part[0] else 0
+            hi = int(ends[part[-1]])
+            return _core.copy_sum64_streams(
+                src[lo:hi].astype(np.uint64),
+                dst[lo:hi].astype(np.uint64),
+                lengths[lo:hi].astype(np.uint64),
+                (ends[part] - lo).astype(np.int64),
+            )
+
+        jobs = [self._executor.submit(run, p) for p in parts[:-1]]
+        last = run(parts[-1])
+        return np.concatenate([*(j.result() for j in jobs), last])
 
     def _write_manifest(self, version: int, data: bytes) -> list[bytes]:
         assert self.pool is not None
@@ -402,6 +437,7 @@ class Publisher:
         if self._closed:
             return
         self._closed = True
+        self._executor.shutdown(wait=True)
         if self._link is not None:
             self._link.close()
         if self.server is not None:
