@@ -5,9 +5,13 @@ run beside: the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`: a copy
 bytes on all cores) and the TCP limit (2 streams over loopback: the best of our own sender and
 receiver pair and one iperf3 process per stream), a plain ``BlockClient`` pull of the same
 chunks (the data plane's own speed), ``jax.experimental.transfer`` (which pulls only into the
-trainer's own layout) plus a ``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm in the trainer plus restoring
-into the 2x4 shardings in the sampler (``tpusync[bench]`` installs orbax), and an in-process
-``jax.device_put`` 8x1 -> 2x4 of the same tree.
+trainer's own layout) plus a ``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm
+in the trainer plus restoring into the 2x4 shardings in the sampler (``tpusync[bench]``
+installs orbax), and an in-process ``jax.device_put`` 8x1 -> 2x4 of the same tree.
+
+Each sampler makes its next version's buffers after a commit, off the pull's path (as it would
+during a training step); the benchmark waits for that (``prepare``) before it times anything
+else.
 
 "End to end" is ``publish()`` returning in the trainer's time plus ``pull()`` and ``commit()``
 in the sampler's (the commands between processes are not counted); compilation is excluded
@@ -89,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "error" in answer:
                     raise RuntimeError(f"{label} sampler: {answer}")
                 pulls[label] = answer
+                child.ask("prepare", 600)  # its next buffers, made before anything else runs
             raw = net.ask(f"rawpull {version} {published['chunks']} {published['address']}", 600)
             offer = trainer.ask(f"jaxoffer {version + 1}", 600)
             jax_pull = net.ask(f"jaxpull {version + 1} {offer['address']}", 600)

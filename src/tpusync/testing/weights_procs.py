@@ -202,9 +202,10 @@ def sampler(
     window_mib: int = 256,
 ) -> None:
     """Pulls on command: ``pull V [nodigest]`` (answers each leaf's digest, or the error, and
-    the seconds), ``rawpull V CHUNKS ADDRESS`` (times a plain BlockClient pull of the
-    version's chunks into a HostPool: the data plane's own speed), ``loop`` starts the toy
-    step loop, ``stamps`` answers how many steps saw one version and how many more than one,
+    the seconds), ``prepare`` (waits until the next pull's buffers are made), ``rawpull V
+    CHUNKS ADDRESS`` (times a plain BlockClient pull of the version's chunks into a HostPool:
+    the data plane's own speed), ``jaxpull UUID ADDRESS`` and ``orbaxrestore DIR`` (the
+    benchmark's baselines), ``loop`` starts the toy step loop, ``stamps`` answers how many steps saw one version and how many more than one,
     ``quit``."""
     _setup()
 
@@ -260,6 +261,9 @@ def sampler(
             jax.block_until_ready(restored)
             _say({"seconds": time.perf_counter() - start})
             del restored
+        elif command == "prepare":
+            subscriber.prepare()
+            _say({"prepared": True})
         elif command == "rawpull":
             _say(_raw_pull(name, secret, int(args[0]), int(args[1]), args[2]))
         elif command == "pull":

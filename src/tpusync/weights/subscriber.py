@@ -22,6 +22,7 @@ is host memory there); elsewhere each shard is staged in host memory and placed 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -267,6 +268,16 @@ class Subscriber:
             store.set_weight_version(str(shadow.version))
         self.last_commit_seconds = time.perf_counter() - start
         return shadow.tree
+
+    def prepare(self) -> None:
+        """Makes the next pull's buffers now (after a commit they are made on a worker thread
+        while the committed version serves; this waits for that), so that the pull only copies
+        and verifies."""
+        if self.in_place and self._live is not None:
+            return
+        if self._spare_job is None:
+            self._spare_job = self._executor.submit(self._make_spare)
+        concurrent.futures.wait([self._spare_job])
 
     def update(self, version: int, *, deadline_s: float | None = None) -> Any:
         """:meth:`pull` then :meth:`commit`."""
