@@ -205,8 +205,8 @@ def sampler(
     the seconds), ``prepare`` (waits until the next pull's buffers are made), ``rawpull V
     CHUNKS ADDRESS`` (times a plain BlockClient pull of the version's chunks into a HostPool:
     the data plane's own speed), ``jaxpull UUID ADDRESS`` and ``orbaxrestore DIR`` (the
-    benchmark's baselines), ``loop`` starts the toy step loop, ``stamps`` answers how many steps saw one version and how many more than one,
-    ``quit``."""
+    benchmark's baselines), ``loop`` starts the toy step loop, ``stamps`` answers how many
+    steps saw one version and how many more than one, ``quit``."""
     _setup()
 
     mesh = _mesh(mesh_name)
