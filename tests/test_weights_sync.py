@@ -35,6 +35,7 @@ from tpusync.errors import (
 from tpusync.kv import DramTier, KVStoreConfig
 from tpusync.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
 from tpusync.weights import Publisher, Subscriber
+from tpusync.weights._stream import Rows, land_chunks
 from tpusync.weights.manifest import Manifest, chunk_key, manifest_key
 
 SECRET = secrets.token_bytes(32)
@@ -119,6 +120,39 @@ def test_copy_sum64_streams_copies_and_hashes_what_it_wrote(data, cuts, written)
     assert int(got[0]) == _core.sum64(data)
     for i, (a, b) in enumerate(spans):
         assert (out[a:b] == (buf[a:b] if written[i] else 0)).all()
+
+
+@given(
+    n_chunks=st.integers(1, 5),
+    cuts=st.lists(st.integers(0, 4 * 4096), max_size=20),
+    taken=st.lists(st.booleans(), min_size=25, max_size=25),
+)
+@settings(max_examples=60, deadline=None)
+def test_land_chunks_copies_the_rows_and_checks_whole_chunks(n_chunks, cuts, taken):
+    """Rows that cover only part of some chunks (a process that needs part of an array):
+    the rows' bytes are copied, and each chunk's checksum is that of the whole chunk."""
+    C = 4096
+    stream = np.random.default_rng(len(cuts)).integers(0, 256, n_chunks * C, dtype=np.uint8)
+    bounds = sorted({0, n_chunks * C, *(c for c in cuts if c < n_chunks * C)})
+    bounds = sorted({*bounds, *range(0, n_chunks * C, C)})
+    spans = [(a, b) for i, (a, b) in enumerate(itertools.pairwise(bounds)) if taken[i % 25]]
+    out = np.zeros(len(stream), dtype=np.uint8)
+    rows = Rows(
+        np.array([a for a, _ in spans], dtype=np.int64),
+        np.array([out.ctypes.data + a for a, _ in spans], dtype=np.int64),
+        np.array([b - a for a, b in spans], dtype=np.int64),
+    )
+    if not len(rows):
+        return
+    chunks = np.unique(rows.offset // C)
+    got = land_chunks(rows, chunks, C, stream.ctypes.data + chunks * C)
+    want = [_core.xxh64_rows(np.array([[_core.sum64(stream[c * C : (c + 1) * C])]], "<u8"))[0]
+            for c in chunks.tolist()]  # fmt: skip
+    assert got.tolist() == [int(w) for w in want]
+    expect = np.zeros_like(out)
+    for a, b in spans:
+        expect[a:b] = stream[a:b]
+    assert (out == expect).all()
 
 
 @pytest.mark.parametrize("mesh", [(2, 4), (4, 2), (1, 8)])

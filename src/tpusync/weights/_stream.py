@@ -79,41 +79,36 @@ def split_at_chunks(rows: Rows, chunk_bytes: int) -> Rows:
 def _chunk_regions(
     rows: Rows, chunks: np.ndarray, chunk_bytes: int, source_of_chunk: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each chunk of ``chunks`` (sorted) as a stream of regions in its byte order: the rows
-    (sorted, each inside one chunk, not overlapping; source, target) and, between them, the
-    bytes no row carries (source only: target 0). Returns sources, targets, lengths, ends."""
+    """Each chunk of ``chunks`` (sorted; each holds at least one row) as a stream of regions in
+    its byte order: the rows (sorted, each inside one chunk, not overlapping; source, target)
+    and, around them, the bytes no row carries (source only: target 0). Returns sources,
+    targets, lengths, ends."""
     chunk_of_row = rows.offset // chunk_bytes
-    bounds = np.searchsorted(chunk_of_row, np.stack([chunks, chunks + 1]))
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    ends = np.zeros(len(chunks), dtype=np.int64)
-    total = 0
-    for i, c in enumerate(chunks.tolist()):
-        a, b = int(bounds[0, i]), int(bounds[1, i])
-        base = int(source_of_chunk[i])
-        off = rows.offset[a:b] - c * chunk_bytes
-        n = rows.nbytes[a:b]
-        gap_start = np.concatenate([[0], off + n])
-        gap_len = np.concatenate([off, [chunk_bytes]]) - gap_start
-        # interleaved: gap_0, row_0, gap_1, row_1, ..., gap_n (empty gaps dropped)
-        src = np.empty(2 * len(off) + 1, dtype=np.int64)
-        dst = np.zeros(2 * len(off) + 1, dtype=np.int64)
-        ln = np.empty(2 * len(off) + 1, dtype=np.int64)
-        src[0::2] = base + gap_start
-        ln[0::2] = gap_len
-        src[1::2] = base + off
-        dst[1::2] = rows.address[a:b]
-        ln[1::2] = n
-        keep = ln > 0
-        parts.append((src[keep], dst[keep], ln[keep]))
-        total += int(keep.sum())
-        ends[i] = total
-    if not parts:
-        empty = np.zeros(0, dtype=np.uint64)
-        return empty, empty, empty, ends
+    lo, hi = np.searchsorted(chunk_of_row, [chunks[0], chunks[-1] + 1]) if len(chunks) else (0, 0)
+    rc = chunk_of_row[lo:hi]
+    picked = np.isin(rc, chunks, assume_unique=False) if len(rc) else rc.astype(bool)
+    rc = rc[picked]
+    rel = rows.offset[lo:hi][picked] - rc * chunk_bytes
+    n = rows.nbytes[lo:hi][picked]
+    address = rows.address[lo:hi][picked]
+    base = source_of_chunk[np.searchsorted(chunks, rc)].astype(np.int64)
+    first = np.ones(len(rc), dtype=bool)
+    first[1:] = rc[1:] != rc[:-1]
+    last = np.ones(len(rc), dtype=bool)
+    last[:-1] = first[1:]
+    end = rel + n
+    gap_start = np.where(first, 0, np.concatenate([[0], end[:-1]]))
+    # per row: the gap before it, the row, and after a chunk's last row the chunk's tail
+    src = np.stack([base + gap_start, base + rel, base + end], 1).reshape(-1)
+    dst = np.stack([np.zeros_like(rel), address, np.zeros_like(rel)], 1).reshape(-1)
+    length = np.stack([rel - gap_start, n, np.where(last, chunk_bytes - end, 0)], 1).reshape(-1)
+    keep = length > 0
+    region_chunk = np.repeat(rc, 3)[keep]
+    ends = np.searchsorted(region_chunk, chunks, side="right").astype(np.int64)
     return (
-        np.concatenate([p[0] for p in parts]).astype(np.uint64),
-        np.concatenate([p[1] for p in parts]).astype(np.uint64),
-        np.concatenate([p[2] for p in parts]).astype(np.uint64),
+        src[keep].astype(np.uint64),
+        dst[keep].astype(np.uint64),
+        length[keep].astype(np.uint64),
         ends,
     )
 
