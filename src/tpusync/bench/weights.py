@@ -32,10 +32,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from tpusync.bench.common import Run, median, print_table, spread
+import numpy as np
+
+from tpusync import _core
+from tpusync.bench.common import Run, median, print_table, spread, timed
 from tpusync.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
 from tpusync.cluster import MemoryRegistry, RegistryServer
-from tpusync.testing.weights_procs import Child
+from tpusync.testing.weights_procs import Child, tree_spec
+from tpusync.weights.plan import leaf_plan
 
 QUICK = ["--scale", "64", "--repeats", "2"]
 LEAVES = 100
@@ -51,6 +55,74 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", default=None, help="default: the results scheme")
     return parser
+
+
+def _grid_boxes(
+    shape: tuple[int, ...], parts: tuple[int, int]
+) -> list[tuple[tuple[int, int], ...]]:
+    """The shard boxes of a 2-D mesh ``parts`` over ``shape`` (1-D leaves: the first only)."""
+    if len(shape) == 1:
+        step = shape[0] // parts[0]
+        return [((i * step, (i + 1) * step),) for i in range(parts[0])]
+    rows, cols = shape[0] // parts[0], shape[1] // parts[1]
+    return [
+        ((i * rows, (i + 1) * rows), (j * cols, (j + 1) * cols))
+        for i in range(parts[0])
+        for j in range(parts[1])
+    ]
+
+
+def verified_unit(scale: int, chunk_bytes: int) -> dict[str, float]:
+    """What each choice of verified unit costs for the benchmark's tree, 8x1 -> 2x4:
+
+    * over-fetch of whole chunks: the chunk bytes a sampler process holding half of the 2x4
+      devices (one of two hosts) reads, over the bytes its shards need (1.0 for a process
+      holding all of them);
+    * ranges: how many byte ranges (runs) a per-range scheme would ask for and checksum, and
+      their mean size;
+    * hashing cost: GB/s of ``sum64`` over those runs one by one (each its own checksum, as a
+      server checksumming each requested range would) beside one stream per chunk, on one core
+      over the same 256 MiB.
+    """
+    spec = tree_spec(LEAVES, scale, "bfloat16")
+    offset, needed, touched, runs = 0, 0, set(), []
+    for _, shape, _ in spec:
+        source = _grid_boxes(shape, (8, 1))
+        target = _grid_boxes(shape, (2, 4))
+        plan = leaf_plan(shape, 2, source, target)
+        starts = [offset]
+        for box in source[:-1]:
+            starts.append(starts[-1] + int(np.prod([b - a for a, b in box])) * 2)
+        for t, pieces in enumerate(plan.pieces):
+            for piece in pieces:
+                src, _, run = piece.runs()
+                if t < len(plan.pieces) // 2:  # the first host's half of the devices
+                    needed += len(src) * run
+                    first = (starts[piece.source] + src) // chunk_bytes
+                    last = (starts[piece.source] + src + run - 1) // chunk_bytes
+                    for a, b in zip(first.tolist(), last.tolist(), strict=True):
+                        touched.update(range(a, b + 1))
+                runs.append(np.full(len(src), run, dtype=np.int64))
+        offset = starts[-1] + int(np.prod([b - a for a, b in source[-1]])) * 2
+    sizes = np.concatenate(runs)
+    sample = 256 << 20
+    memory = np.random.default_rng(0).integers(0, 256, sample, dtype=np.uint8)
+    lengths = sizes[np.cumsum(sizes) <= sample].astype(np.uint64)
+    starts_ = (memory.ctypes.data + np.cumsum(lengths) - lengths).astype(np.uint64)
+    per_range = timed(lambda: _core.sum64_regions(starts_, lengths))
+    chunks = np.arange(0, sample, chunk_bytes, dtype=np.uint64)
+    per_chunk = timed(
+        lambda: _core.sum64_regions(
+            memory.ctypes.data + chunks, np.full(len(chunks), chunk_bytes, np.uint64)
+        )
+    )
+    return {
+        "overfetch_half_host": len(touched) * chunk_bytes / needed,
+        "ranges": float(len(sizes)),
+        "mean_range_bytes": float(sizes.mean()),
+        "hash_per_range_gbps": float(lengths.sum()) / per_range / 1e9,
+        "hash_per_chunk_gbps": sample / per_chunk / 1e9,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,9 +248,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows,
         limit_columns=(2,),
     )
+    unit = verified_unit(args.scale, args.chunk_mib << 20)
+    print(
+        f"verified unit: whole {args.chunk_mib} MiB chunks read by a sampler holding half the "
+        f"2x4 devices: {unit['overfetch_half_host']:.3f}x the bytes it needs; per-range "
+        f"checksums: {unit['ranges']:.0f} ranges of {unit['mean_range_bytes'] / 1024:.1f} KiB "
+        f"on average, hashed one by one at {unit['hash_per_range_gbps']:.2f} GB/s a core "
+        f"beside {unit['hash_per_chunk_gbps']:.2f} GB/s per chunk"
+    )
     run.write(
         args.json,
         {
+            "verified_unit": unit,
             "nbytes": nbytes,
             "leaves": LEAVES,
             "limit": {"gbps": lim, "method": found.method},

@@ -48,16 +48,8 @@ class Rows:
 
 def piece_rows(piece: Piece, stream_start: int, target_address: int) -> Rows:
     """The rows that carry ``piece`` from its source shard (whose bytes start at
-    ``stream_start`` in the stream) to its target shard (at ``target_address``): both sides'
-    runs cut to the shorter of the two (one always divides the other: each is the piece's
-    trailing extent from some axis on)."""
-    src, src_run = piece.source_offsets()
-    dst, dst_run = piece.target_offsets()
-    run = min(src_run, dst_run)
-    if src_run > run:
-        src = (src[:, None] + np.arange(0, src_run, run, dtype=np.int64)[None, :]).reshape(-1)
-    if dst_run > run:
-        dst = (dst[:, None] + np.arange(0, dst_run, run, dtype=np.int64)[None, :]).reshape(-1)
+    ``stream_start`` in the stream) to its target shard (at ``target_address``)."""
+    src, dst, run = piece.runs()
     return Rows(stream_start + src, target_address + dst, np.full(len(src), run, np.int64))
 
 

@@ -90,6 +90,19 @@ class Piece:
         """Every run of the piece in the target shard: (byte offsets, bytes a run)."""
         return _runs(self.target_box, self.target_shape, self.itemsize)
 
+    def runs(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The piece as runs contiguous in both shards: (offsets in the source shard, offsets
+        in the target shard, bytes a run). Each side's runs are cut to the shorter of the two
+        (one always divides the other: each is the piece's trailing extent from some axis on)."""
+        src, src_run = self.source_offsets()
+        dst, dst_run = self.target_offsets()
+        run = min(src_run, dst_run)
+        if src_run > run:
+            src = (src[:, None] + np.arange(0, src_run, run, dtype=np.int64)[None, :]).reshape(-1)
+        if dst_run > run:
+            dst = (dst[:, None] + np.arange(0, dst_run, run, dtype=np.int64)[None, :]).reshape(-1)
+        return src, dst, run
+
 
 def _runs(box: Box, shape: tuple[int, ...], itemsize: int) -> tuple[np.ndarray, int]:
     """Byte offsets of the contiguous runs of ``box`` within a C-order array of ``shape``, and
