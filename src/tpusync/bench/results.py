@@ -263,6 +263,38 @@ def _sglang_hicache(record: dict[str, Any]) -> Table:
     return headers, rows
 
 
+def _weights(record: dict[str, Any]) -> Table:
+    g = record.get("gbps", {})
+    lim = (record.get("limit") or {}).get("gbps")
+    net = (record.get("tcp_limit") or {}).get("gbps")
+    reshard = record.get("reshard_device_put_gbps")
+
+    names = {"raw pull": "BlockClient", "jax e2e": "jax.experimental.transfer",
+             "orbax e2e": "orbax"}  # fmt: skip
+
+    def row(label: str, key: str, limit: float | None, peers: tuple[str, ...]) -> list[str]:
+        value = g.get(key)
+        ratios = [f"{value / g[p]:.1f}x {names[p]}" for p in peers if value and g.get(p)]
+        return [label, _num(value), _ratio(value, limit), ", ".join(ratios) or "-"]
+
+    e2e = ("jax e2e", "orbax e2e")
+
+    rows = [
+        ["memory limit / TCP limit (2 streams)", f"{_num(lim)} / {_num(net)}", "", ""],
+        ["jax.device_put 8x1 -> 2x4 in process", _num(reshard), "", ""],
+        ["BlockClient pull of the chunks", _num(g.get("raw pull")), _ratio(g.get("raw pull"), net),
+         ""],
+        ["jax.experimental.transfer + device_put", _num(g.get("jax e2e")), "", ""],
+        ["orbax save + restore", _num(g.get("orbax e2e")), "", ""],
+        row("publish", "publish", lim, ()),
+        row("same host: pull", "shm pull", lim, ()),
+        row("same host: end to end", "shm e2e", lim, e2e),
+        row("network: pull", "net pull", net, ("raw pull",)),
+        row("network: end to end", "net e2e", net, e2e),
+    ]  # fmt: skip
+    return ["path (1.26 GiB bf16, 8x1 -> 2x4)", "GB/s", "x limit", "x peers"], rows
+
+
 def _generic(record: dict[str, Any]) -> Table:
     rows = [[k, _num(v)] for k, v in record.items() if isinstance(v, int | float)]
     return ["figure", "value"], rows
@@ -277,6 +309,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "vllm_ttft": _vllm_ttft,
     "vllm_load_contention": _vllm_load_contention,
     "sglang_hicache": _sglang_hicache,
+    "weights": _weights,
 }
 
 
