@@ -11,6 +11,7 @@ import itertools
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -247,6 +248,7 @@ class _FlippingProxy:
         self.after = after
         self.armed = threading.Event()
         self.flipped = 0
+        self.stall_at: int | None = None
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._socks: list[socket.socket] = []
@@ -267,6 +269,12 @@ class _FlippingProxy:
     def _pipe(self, src: socket.socket, dst: socket.socket, down: bool) -> None:
         try:
             while data := src.recv(65536):
+                if down and self.stall_at is not None:
+                    self.stall_at -= len(data)
+                    while self.stall_at is not None and self.stall_at < 0:
+                        time.sleep(0.05)  # held back: the receiver waits
+                    if self.stall_at is None:
+                        return  # released: this connection's stream is broken, drop it
                 if down and self.armed.is_set():
                     with self._lock:
                         if self.after < len(data):
@@ -283,6 +291,10 @@ class _FlippingProxy:
             for sock in (src, dst):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def stall_after(self, nbytes: int) -> None:
+        """From ``nbytes`` on, what the server sends is held back (a stalled publisher)."""
+        self.stall_at = nbytes
 
     def close(self) -> None:
         self._listener.close()
@@ -302,6 +314,26 @@ def test_a_chunk_damaged_in_flight_is_fetched_again(publisher):
             assert proxy.flipped == 1
             assert report.chunks_retried >= 1
             _same_bits(sub.commit(), params)
+    finally:
+        proxy.close()
+
+
+def test_a_stalled_publisher_fails_the_pull_at_its_deadline(publisher):
+    publisher.publish(_params(1), 1)
+    publisher.publish(_params(2), 2)
+    proxy = _FlippingProxy(publisher.address, after=0)
+    try:
+        with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address,
+                        same_host=False, timeout_s=30.0) as sub:  # fmt: skip
+            committed = sub.update(1)
+            proxy.stall_after(300_000)
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError, match="deadline"):
+                sub.pull(2, deadline_s=1.5)
+            assert time.monotonic() - start < 5  # not the 30 s socket timeout
+            assert sub.version == 1 and sub.params is committed
+            proxy.stall_at = None
+            _same_bits(sub.update(2), _params(2))  # a new connection goes through
     finally:
         proxy.close()
 

@@ -135,6 +135,8 @@ class RpcConnection:
         sock = sock or self.sock
         if sock is not None:
             with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it (close does not)
+            with contextlib.suppress(OSError):
                 sock.close()
         self.sock = None
 

@@ -603,7 +603,7 @@ class Subscriber:
                 pending = self._executor.submit(self._fetch, client, staging, manifest, windows[0])
             for k, part in enumerate(windows):
                 assert pending is not None
-                keys = pending.result()
+                keys = self._await(pending, deadline, client, manifest.version, len(chunks))
                 pending = None
                 if k + 1 < len(windows):
                     pending = self._executor.submit(
@@ -620,7 +620,8 @@ class Subscriber:
                         )
                     report.chunks_retried += len(bad)
                     staging.delete([chunk_key(self.name, manifest.version, c) for c in bad])
-                    self._fetch(client, staging, manifest, bad)
+                    job = self._executor.submit(self._fetch, client, staging, manifest, bad)
+                    self._await(job, deadline, client, manifest.version, len(bad))
                 staging.delete(keys)
         finally:
             if pending is not None:
@@ -628,6 +629,26 @@ class Subscriber:
                 with contextlib.suppress(TpuSyncError, OSError):
                     staging.delete(pending.result())
         return len(chunks)
+
+    def _await(
+        self,
+        job: Future[list[bytes]],
+        deadline: float,
+        client: BlockClient,
+        version: int,
+        left: int,
+    ) -> list[bytes]:
+        """A fetch's keys, or WeightSyncError at the pull's deadline: the client is closed
+        then (its sockets with it, which ends a fetch stuck on a stalled publisher)."""
+        try:
+            return job.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            self._drop_client(client)
+            concurrent.futures.wait([job], timeout=self._client_args["timeout_s"])
+            raise WeightSyncError(
+                f"version {version}: the pull missed its deadline waiting for {client.label} "
+                f"(up to {left} chunks to go); the committed version is untouched"
+            ) from None
 
     def _land_staged(
         self,

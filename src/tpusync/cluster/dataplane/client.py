@@ -232,6 +232,8 @@ class BlockClient:
             )
 
     def _ensure(self, conn: Connection) -> None:
+        if self._closed:  # close() ends a pull in progress: no reconnecting behind it
+            raise PeerUnavailableError(f"the client of {self.label} is closed")
         conn.ensure()  # a new connection's hello is checked by _check_same_server
 
     # --- queries ----------------------------------------------------------------------------
@@ -240,6 +242,8 @@ class BlockClient:
         """One control request on ``conn``, retried once on a fresh connection when the server
         had closed the old one. (A retried ``acquire`` may leave a lease to expire; a retried
         ``release`` answers False, and the pull is discarded: both safe.)"""
+        if self._closed:  # close() ends a pull in progress: no reconnecting behind it
+            raise PeerUnavailableError(f"the client of {self.label} is closed")
         return conn.call(method, params)
 
     def _call(self, method: str, params: dict[str, Any]) -> Any:
@@ -310,10 +314,13 @@ class BlockClient:
             yield held
         finally:
             stop.set()
+            if self._closed:  # closed meanwhile (e.g. at a caller's deadline): no release
+                conn.drop()
             if renewer is not None:
                 renewer.join(timeout=self._timeout)
-                with contextlib.suppress(PeerUnavailableError, InvalidArgumentError, OSError):
-                    conn.call("release", {"lease": lease_id})
+                if not self._closed:
+                    with contextlib.suppress(PeerUnavailableError, InvalidArgumentError, OSError):
+                        conn.call("release", {"lease": lease_id})
             conn.drop()
 
     # --- pull -------------------------------------------------------------------------------
