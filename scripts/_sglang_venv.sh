@@ -9,7 +9,7 @@
 # SGLang itself comes without its dependencies (flashinfer, sgl-kernel, ... need a GPU), plus
 # the modules its host pool, storage and cache controller import.
 set -euo pipefail
-source "$repo/scripts/_python311.sh"
+source "$repo/scripts/_engine_envs.sh"
 sglang_venv="${TPUSYNC_SGLANG_VENV:-$repo/.venv-sglang}"
 SGLANG="sglang==0.5.23"
 SGLANG_TORCH=("torch==2.14.1" "torchvision==0.29.1")
@@ -30,9 +30,4 @@ if [[ ! -f "$sglang_venv/.sglang-installed" ]]; then
     echo "$SGLANG" >"$sglang_venv/.sglang-installed"
     echo "tpusync: $sglang_venv made in $(( $(date +%s) - made )) s"
 fi
-if [[ ! -f "$sglang_venv/.tpusync-installed" || "$(cat "$sglang_venv/.tpusync-installed")" != "$wheel" ]]; then
-    echo "tpusync: installing $(basename "$wheel") into $sglang_venv"
-    "$sglang_venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
-    "$sglang_venv/bin/python" -m pip install --quiet "$wheel[test]"
-    echo "$wheel" >"$sglang_venv/.tpusync-installed"
-fi
+install_tpusync_wheel "$sglang_venv"

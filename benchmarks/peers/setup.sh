@@ -11,18 +11,7 @@ JAX="jax==0.11.2"
 JAXLIB="jaxlib==0.11.2"
 MOONCAKE="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
-find_python() {  # the first interpreter of this minor version: on PATH, else pyenv's
-  local version="$1" candidate
-  for candidate in "python$version" ~/.pyenv/versions/"$version".*/bin/python; do
-    if command -v "$candidate" >/dev/null 2>&1 \
-      && "$candidate" -c "import sys; assert sys.version.startswith('$version.')" 2>/dev/null; then
-      command -v "$candidate"
-      return 0
-    fi
-  done
-  echo "setup.sh: no Python $version found (on PATH as python$version, or under pyenv)" >&2
-  return 1
-}
+source "$here/../../scripts/_engine_envs.sh"  # find_python
 
 make_venv() {  # name, python; a half-made one is removed first
   rm -rf "$here/$1"

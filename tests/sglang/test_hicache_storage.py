@@ -14,10 +14,8 @@ import torch
 from tests.sglang.conftest import CASES, Case, host_pool, indices, keys, page_bytes, randomize
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVCacheStore
-from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE
+from tpusync.testing.file_fuzz import damage_disk_block
 from tpusync.tiers.dram import pool_path, sessions_path
-
-PAGE = 4096  # the disk tier's index and slab headers
 
 IDS = [f"{c.kind}-{c.layout}" for c in CASES]
 FLAT_CASES = [c for c in CASES if c.layout != "page_unified"]  # SGLang has no flat page there
@@ -108,20 +106,6 @@ def test_pages_stored_again_are_skipped_and_count_as_stored(backends):
     assert backend.stats()["store"]["saved_blocks"] == 3
 
 
-def _damage_disk_page(directory: Path) -> None:
-    """Flips a byte in the payload of one committed page of the disk tier at ``directory``."""
-    records = np.frombuffer((directory / "tpusync-disk.index").read_bytes(), RECORD_DTYPE,
-                            offset=PAGE)  # fmt: skip
-    slots = np.flatnonzero(records["state"] == COMMITTED)
-    slab = directory / "slab-000000.tpd"
-    slot_bytes = (slab.stat().st_size - PAGE) // len(records)
-    with open(slab, "r+b") as f:
-        f.seek(PAGE + int(slots[len(slots) // 2]) * slot_bytes + 10)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_damaged_page_on_disk_is_a_miss_never_a_wrong_byte(backends, tmp_path):
     disk = tmp_path / "disk"
     extra = {"dram": {"capacity_blocks": 8},
@@ -134,7 +118,7 @@ def test_a_damaged_page_on_disk_is_a_miss_never_a_wrong_byte(backends, tmp_path)
     assert backend.store.flush(30)
     backend.close()
     # a new engine: DRAM empty, the pages on disk, one of them damaged
-    _damage_disk_page(disk)
+    damage_disk_block(disk)
     fresh = host_pool("mha", "layer_first")
     second = backends(fresh, "mha", extra)
     assert second.batch_exists(names) == 6  # the index holds them; the bytes are checked on load
@@ -213,8 +197,9 @@ def test_mla_pages_are_keyed_without_the_tensor_parallel_rank(backends, tmp_path
     assert mha[0].store.namespace != mha[1].store.namespace
 
 
-def test_fresh_random_pages_differ_from_stored_ones():
-    """The check the round trips rely on: a fresh pool's pages are random, not equal."""
+def test_randomize_changes_a_pools_pages():
+    """What the round trips rely on: randomize() gives a page new bytes, so a page read back
+    equal to what was stored was really loaded."""
     pool = host_pool("mha", "page_first")
     first = page_bytes(pool, 0)
     randomize(pool)

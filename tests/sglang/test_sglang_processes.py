@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from sglang.srt.managers.cache_controller import (
-    HiCacheController,
     PrefetchOperation,
     StorageOperation,
 )
 
 from tests.sglang.conftest import host_pool, indices, keys, page_bytes
 from tpusync.testing.processes import start_store_node, stop_process
+from tpusync.testing.sglang_controller import controller as make_controller
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,30 +63,11 @@ def test_two_sglang_processes_share_pages_through_a_store_node(backends, tmp_pat
         stop_process(node)
 
 
-def _controller(backend, pool, *, zero_copy: bool) -> HiCacheController:
-    """SGLang's cache controller with only what its storage calls read (its constructor needs
-    a GPU device pool and starts its threads): the backend, the host pool, the page size, the
-    queue of prefetch acks, and the page functions it picks for ``interface_v1``."""
-    controller = object.__new__(HiCacheController)
-    controller.storage_backend = backend
-    controller.storage_host_pool = pool
-    controller.mem_pool_host = pool
-    controller.page_size = pool.page_size
-    controller.prefetch_sync_queue = queue.Queue()
-    if zero_copy:
-        controller.page_get_func = controller._page_get_zero_copy
-        controller.page_set_func = controller._page_set_zero_copy
-    else:
-        controller.page_get_func = controller._generic_page_get
-        controller.page_set_func = controller._generic_page_set
-    return controller
-
-
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["v1", "generic"])
 def test_sglangs_controller_backs_up_and_prefetches_in_batches(backends, zero_copy):
     pool = host_pool("mha", "page_head", device_tokens=1024)
     backend = backends(pool, "mha", {"dram": {"capacity_blocks": 512}})
-    controller = _controller(backend, pool, zero_copy=zero_copy)
+    controller = make_controller(backend, pool, zero_copy=zero_copy)
     n, ps = 200, pool.page_size  # two of the controller's batches (128 pages each)
     names = keys(n)
     source = list(range(0, n))
@@ -110,7 +90,7 @@ def test_a_prefetch_that_times_out_stops_after_its_batch_and_holds_nothing(backe
     stops before its next batch. What was loaded stays; nothing stays pinned in the store."""
     pool = host_pool("mha", "page_first", device_tokens=1024)
     backend = backends(pool, "mha", {"dram": {"capacity_blocks": 512}})
-    controller = _controller(backend, pool, zero_copy=True)
+    controller = make_controller(backend, pool, zero_copy=True)
     n, ps = 256, pool.page_size
     names = keys(n)
     backup = StorageOperation(indices(list(range(n)), ps), [], hash_value=names)

@@ -25,12 +25,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from tpusync.connectors.vllm import TpuSyncConnector
 from tpusync.errors import InvalidArgumentError
+from tpusync.testing.file_fuzz import damage_disk_block
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import shm_admin
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, decode_header
 from tpusync.tiers.dram import pool_path
 
-PAGE = 4096
 HERE = Path(__file__).parent
 rng = np.random.default_rng(20261202)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
@@ -115,22 +115,6 @@ def test_kv_computed_by_other_weights_changes_the_output(
     assert tokens != reference
 
 
-def _damage_one_block(directory: Path) -> None:
-    """Flips a byte in the payload of one committed block of the disk tier at ``directory``."""
-    records = np.frombuffer(
-        (directory / "tpusync-disk.index").read_bytes(), RECORD_DTYPE, offset=PAGE
-    )
-    slots = np.flatnonzero(records["state"] == COMMITTED)
-    assert len(slots) >= 4, slots
-    slab = directory / "slab-000000.tpd"
-    slot_bytes = (slab.stat().st_size - PAGE) // len(records)
-    with open(slab, "r+b") as f:
-        f.seek(PAGE + int(slots[len(slots) // 2]) * slot_bytes + 100)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fails(
     models, reference, tmp_path, sockets
 ) -> None:
@@ -146,7 +130,7 @@ def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fail
     with engine(models["main"], transfer_config(kv)) as llm:  # from disk, in the background
         assert generate(llm, [PROMPT]) == [(reference, FULL)]
         settle(worker_of(llm))
-    _damage_one_block(disk)
+    damage_disk_block(disk)
     with engine(models["main"], transfer_config(kv, policy="recompute")) as llm:
         ((tokens, _),) = generate(llm, [PROMPT])
         assert tokens == reference
@@ -156,7 +140,7 @@ def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fail
         assert stats["tiers"]["disk"]["checksum_failures"] == 1
         assert 0 < stats["store"]["loaded_blocks"] < FULL // BLOCK
         assert stats["store"]["saved_blocks"] >= 1  # the recomputed block, saved again
-    _damage_one_block(disk)  # the recomputed block was saved again
+    damage_disk_block(disk)  # the recomputed block was saved again
     other = rng.integers(1, 1000, 100).tolist()
     with engine(models["main"], transfer_config(kv, policy="fail")) as llm:
         ((tokens, _),) = generate(llm, [PROMPT])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import queue
 import shutil
 import tempfile
 import time
@@ -26,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 from sglang.srt.managers.cache_controller import (
-    HiCacheController,
     PrefetchOperation,
     StorageOperation,
 )
@@ -39,6 +37,7 @@ from tpusync.bench.common import Run, median, print_table, spread
 from tpusync.connectors.sglang import TpuSyncHiCacheStorage
 from tpusync.connectors.sglang.host_pages import host_pages
 from tpusync.memory.copy_limit import MemoryLimit
+from tpusync.testing.sglang_controller import controller
 from tpusync.tiers.dram import pool_path, sessions_path
 
 __all__ = ["QUICK", "main"]
@@ -86,22 +85,6 @@ def storage_config(layout: str, extra: dict[str, Any]) -> Any:
         is_page_first_layout=layout == "page_first", model_name="bench-llama",
         extra_config=extra,
     )  # fmt: skip
-
-
-def controller(backend: Any, pool: Any, *, zero_copy: bool) -> Any:
-    """SGLang's cache controller with what its storage calls read (its constructor needs a GPU
-    device pool): the page functions it picks for the backend."""
-    made = object.__new__(HiCacheController)
-    made.storage_backend = backend
-    made.storage_host_pool = pool
-    made.mem_pool_host = pool
-    made.page_size = pool.page_size
-    made.prefetch_sync_queue = queue.Queue()
-    if zero_copy:
-        made.page_get_func, made.page_set_func = made._page_get_zero_copy, made._page_set_zero_copy
-    else:
-        made.page_get_func, made.page_set_func = made._generic_page_get, made._generic_page_set
-    return made
 
 
 def _indices(pages: Sequence[int], page_size: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ import numpy as np
 from tpusync import _core
 from tpusync.errors import BlocksMissingError, PoolFormatError
 from tpusync.kv import _sessions
-from tpusync.tiers._pool_file import RECORD_DTYPE
+from tpusync.tiers._pool_file import COMMITTED, PAGE, RECORD_DTYPE
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.disk import _format as disk_module
 from tpusync.tiers.dram import HostPool
@@ -629,3 +629,24 @@ def _load_dir(
         raise FuzzFailure(f"a refused manifest was left in place ({replay})")
     for decoded in found:
         _check_record(decoded, block_size, replay)
+
+
+def damage_disk_block(directory: str | os.PathLike[str], at: int = 100) -> int:
+    """Flips byte ``at`` of the payload of one committed block (the middle one) of the disk
+    tier at ``directory`` (a real file on disk, as a failing medium would); returns its slot."""
+    directory = Path(directory)
+    records = np.frombuffer(
+        (directory / "tpusync-disk.index").read_bytes(), RECORD_DTYPE, offset=PAGE
+    )
+    slots = np.flatnonzero(records["state"] == COMMITTED)
+    if not len(slots):
+        raise AssertionError(f"{directory}: no committed block to damage")
+    slab = directory / "slab-000000.tpd"
+    slot_bytes = (slab.stat().st_size - PAGE) // len(records)
+    slot = int(slots[len(slots) // 2])
+    with open(slab, "r+b") as f:
+        f.seek(PAGE + slot * slot_bytes + at)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return slot

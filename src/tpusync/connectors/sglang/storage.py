@@ -137,24 +137,27 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Loads the leading pages of ``keys`` the store holds into the host pool's pages at
         ``host_indices``; True for each page loaded (a leading run)."""
-        store, pages = self._open()
-        if not keys:
-            return []
-        hashes = [key_bytes(k) for k in keys]
-        ids = page_ids(host_indices, pages.page_size, len(keys), pages.page_num)
-        return self._get(store, hashes, ids, None)
+        store, hashes, ids = self._v1_pages(keys, host_indices)
+        return self._get(store, hashes, ids, None) if hashes else []
 
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         """Stores the host pool's pages at ``host_indices`` under ``keys`` (pages the store
         holds already are skipped); True for each page stored or already held."""
+        store, hashes, ids = self._v1_pages(keys, host_indices)
+        return self._set(store, hashes, ids, None) if hashes else []
+
+    def _v1_pages(
+        self, keys: list[str], host_indices: Any
+    ) -> tuple[KVCacheStore, list[bytes], Any]:
+        """The store, the keys as the store's engine hashes, and the host pool's page ids at
+        ``host_indices`` (checked), for the v1 pair."""
         store, pages = self._open()
         if not keys:
-            return []
-        hashes = [key_bytes(k) for k in keys]
+            return store, [], None
         ids = page_ids(host_indices, pages.page_size, len(keys), pages.page_num)
-        return self._set(store, hashes, ids, None)
+        return store, [key_bytes(k) for k in keys], ids
 
     def _get(self, store: KVCacheStore, hashes: list[bytes], ids: Any, pools: Any) -> list[bool]:
         n = len(hashes)
