@@ -10,6 +10,8 @@ import contextlib
 import itertools
 import secrets
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tools import require_tool
 
 from tpusync import DevicePool, _core
 from tpusync.cluster import BlockClient, MemoryRegistry
@@ -431,3 +434,30 @@ def test_a_malformed_manifest_is_refused_naming_the_field():
         Manifest.from_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}xyz", name="w", version=1)
     with pytest.raises(WeightSyncError, match="length field"):
         Manifest.from_bytes((1 << 40).to_bytes(8, "little") + b"{}", name="w", version=1)
+
+
+def test_over_tls_a_version_lands_and_a_plain_client_is_refused(shm_names, tmp_path):
+    require_tool("openssl", "openssl")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    client = ssl.create_default_context(cafile=str(cert))
+    params = _params(1)
+    with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, tls=server) as pub:
+        pub.publish(params, 1)
+        with Subscriber(pub.name, _target((4, 2)), secret=SECRET, address=pub.address,
+                        tls=client, same_host=False) as sub:  # fmt: skip
+            report = sub.pull(1)
+            assert report.chunks_network > 0
+            _same_bits(sub.commit(), params)
+        with Subscriber(pub.name, _target((4, 2)), secret=SECRET, address=pub.address,
+                        timeout_s=2.0) as plain:  # fmt: skip
+            with pytest.raises(WeightSyncError, match="cannot be reached"):
+                plain.pull(1)
+            assert plain.version is None

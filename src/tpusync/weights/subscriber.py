@@ -358,7 +358,12 @@ class Subscriber:
             address = found[0].addresses[0]
         client = self._clients.get(address)
         if client is None:
-            client = BlockClient(address, **self._client_args)  # AuthenticationError here
+            try:  # an AuthenticationError (a wrong secret) goes to the caller as it is
+                client = BlockClient(address, **self._client_args)
+            except PeerUnavailableError as error:
+                raise WeightSyncError(
+                    f"version {version}: the publisher at {address} cannot be reached ({error})"
+                ) from error
             self._clients[address] = client
         return client
 

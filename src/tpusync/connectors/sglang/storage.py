@@ -62,6 +62,7 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         self.pages: HostPages | None = None
         self._pools: list[TorchPool] = []
         self._lock = threading.Lock()
+        self._staged = threading.local()  # the generic interface's staging, per thread
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -189,10 +190,21 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
 
     # --- generic: flat page tensors ------------------------------------------------------------
 
-    def _staging(self, pages: HostPages, n: int) -> tuple[Any, list[TorchPool]]:
-        flat = torch.empty((n, pages.page_elements), dtype=pages.dtype)
+    def _staging(
+        self, pages: HostPages, n: int, *, kept: bool = True
+    ) -> tuple[Any, list[TorchPool]]:
+        """``n`` flat pages as the store's pools: this thread's kept buffer (grown as needed,
+        so the tiers keep their plans for it), or a new one where the caller hands the pages
+        out (``kept=False``). SGLang calls from several threads: one buffer each."""
+        held = getattr(self._staged, "buffer", None)
+        if kept and held is not None and held[0].shape[0] >= n:
+            return held
+        flat = torch.empty((max(n, 2 * held[0].shape[0]) if kept and held else n,
+                            pages.page_elements), dtype=pages.dtype)  # fmt: skip
         pools = [TorchPool(part, name=f"staging[{i}]")
                  for i, part in enumerate(pages.split_flat(flat))]  # fmt: skip
+        if kept:
+            self._staged.buffer = (flat, pools)
         return flat, pools
 
     def _flat(self, pages: HostPages, value: Any, i: int) -> Any:
@@ -227,7 +239,7 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         hashes = [key_bytes(k) for k in keys]
         rows = [self._flat(pages, v, i) for i, v in enumerate(values)]
         flat, pools = self._staging(pages, len(keys))
-        torch.stack(rows, out=flat)
+        torch.stack(rows, out=flat[: len(keys)])
         return all(self._set(store, hashes, list(range(len(keys))), pools))
 
     def set(
@@ -252,7 +264,9 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
             if target is not None:
                 self._flat(pages, target, i)
         hashes = [key_bytes(k) for k in keys]
-        flat, pools = self._staging(pages, len(keys))
+        # pages handed back as they are must outlive the call: a new buffer then
+        handed_out = any(t is None for t in targets)
+        flat, pools = self._staging(pages, len(keys), kept=not handed_out)
         got = self._get(store, hashes, list(range(len(keys))), pools)
         out: list[Any] = []
         for i, ok in enumerate(got):
