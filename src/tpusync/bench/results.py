@@ -289,6 +289,7 @@ def _weights(record: dict[str, Any]) -> Table:
         row("publish", "publish", lim, ()),
         row("same host: pull", "shm pull", lim, ()),
         row("same host: end to end", "shm e2e", lim, e2e),
+        row("in process: publish -> commit", "in-process e2e", lim, ()),
         row("network: pull", "net pull", net, ("raw pull",)),
         row("network: end to end", "net e2e", net, e2e),
     ]  # fmt: skip

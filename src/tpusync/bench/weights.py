@@ -190,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 commits.append(answer["commit_seconds"])
             times["raw pull"].append(raw["seconds"])
         reshard = trainer.ask("reshard", 600)["reshard_seconds"]
+        first = args.repeats + 1
+        inproc = trainer.ask(
+            "inproc " + " ".join(str(first + i) for i in range(args.repeats + 1)), 600
+        )["seconds"]
+        times["in-process e2e"] = inproc
         for child in children:  # the TCP limit is measured with nothing else running
             child.stop()
         tcp = loopback_tcp(2, nbytes).gbps
@@ -232,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
          gbps["shm e2e"] / gbps["jax e2e"]],
         ["  same host e2e x orbax", "", "",
          gbps["shm e2e"] / gbps["orbax e2e"] if have_orbax else "-"],
+        ["in process: publish -> commit into 2x4", spread(runs["in-process e2e"]),
+         gbps["in-process e2e"] / lim, gbps["in-process e2e"] / (gb / reshard)],
         ["network: pull + verify + reshard (x TCP limit)", spread(runs["net pull"]),
          gbps["net pull"] / net_lim, gbps["net pull"] / gbps["raw pull"]],
         ["network: end to end (x TCP limit)", spread(runs["net e2e"]), gbps["net e2e"] / net_lim,

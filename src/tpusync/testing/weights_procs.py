@@ -122,7 +122,8 @@ def trainer(
     """Publishes versions on command: ``publish V`` (answers the report), ``again V``
     (publishes the last tree once more as V: the benchmark's versions), ``stall V`` (stages
     V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``reshard`` (times
-    ``jax.device_put`` of the last tree into the 2x4 layout, in this process), ``quit``."""
+    ``jax.device_put`` of the last tree into the 2x4 layout, in this process), ``inproc V...``
+    (publish -> commit of each version into a 2x4 subscriber in this process), ``quit``."""
     _setup()
 
     mesh = _mesh("8x1")
@@ -171,6 +172,9 @@ def trainer(
             start = time.perf_counter()
             jax.block_until_ready(jax.device_put(tree, shardings))
             _say({"reshard_seconds": time.perf_counter() - start})
+            continue
+        if command == "inproc":  # publish -> commit into 2x4 in this process (same host path)
+            _say(_in_process(publisher, tree, spec, [int(v) for v in args], secret))
             continue
         version = int(args[0])
         if command != "again" or not tree:
@@ -293,6 +297,31 @@ def sampler(
         worker.join(timeout=10)
     subscriber.close()
     registry.close()
+
+
+def _in_process(
+    publisher: Publisher,
+    tree: dict[str, Any],
+    spec: list[tuple[str, tuple[int, ...], str]],
+    versions: list[int],
+    secret: bytes,
+) -> dict[str, Any]:
+    """Seconds from publish() to commit() of each version with a 2x4 subscriber in this
+    process (the first is a warm-up)."""
+    mesh = _mesh("2x4")
+    target = {
+        p: jax.ShapeDtypeStruct(s, np_dtype(d), sharding=NamedSharding(mesh, _spec(s, "2x4")))
+        for p, s, d in spec
+    }
+    seconds = []
+    with Subscriber(publisher.name, target, secret=secret, address=publisher.address) as sub:
+        for version in versions:
+            sub.prepare()
+            start = time.perf_counter()
+            publisher.publish(tree, version)
+            sub.update(version)
+            seconds.append(time.perf_counter() - start)
+    return {"seconds": seconds[1:]}
 
 
 _jax_side: dict[str, Any] = {}
