@@ -23,6 +23,7 @@ in the sampler's (the commands between processes are not counted); compilation i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -38,7 +39,9 @@ from tpusync import _core
 from tpusync.bench.common import Run, median, print_table, spread, timed
 from tpusync.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
 from tpusync.cluster import MemoryRegistry, RegistryServer
+from tpusync.errors import TpuSyncError
 from tpusync.testing.weights_procs import Child, tree_spec
+from tpusync.tiers.shm_admin import remove_pool
 from tpusync.weights.plan import leaf_plan
 
 QUICK = ["--scale", "64", "--repeats", "2"]
@@ -189,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 times[f"{label} e2e"].append(e2e)
                 commits.append(answer["commit_seconds"])
             times["raw pull"].append(raw["seconds"])
+        for child in (shm, net):  # their memory, before the trainer holds a sampler too
+            child.stop()
         reshard = trainer.ask("reshard", 600)["reshard_seconds"]
         first = args.repeats + 1
         inproc = trainer.ask(
@@ -209,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             child.stop()
         registry.close()
         shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(TpuSyncError):  # left by a trainer that was killed
+            remove_pool(f"weights-{name}", force=True)
         if limit is not None:
             limit.close()
     gb = nbytes / 1e9
