@@ -24,7 +24,6 @@ import logging
 import os
 import queue
 import random
-import shutil
 import socket
 import ssl
 import struct
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 import pytest
 from preauth_child import BLOCKS, LAYOUT, key_for, payload_for
+from tools import self_signed_tls
 
 from tpusync.cluster import (
     AuthenticationError,
@@ -518,19 +518,7 @@ def test_authenticated_connections_beyond_the_budget_are_told_busy() -> None:
 
 @pytest.fixture(scope="module")
 def tls_contexts(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ...]:
-    if shutil.which("openssl") is None:
-        pytest.fail("the TLS tests need the openssl command (.ci/run installs it)")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(cert, key)
-    return server, ssl.create_default_context(cafile=str(cert))
+    return self_signed_tls(tmp_path_factory.mktemp("tls"))
 
 
 def test_the_deadline_covers_the_tls_handshake_too(

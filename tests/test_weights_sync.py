@@ -10,8 +10,6 @@ import contextlib
 import itertools
 import secrets
 import socket
-import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tools import require_tool
+from tools import self_signed_tls
 
 from tpusync import DevicePool, _core
 from tpusync.cluster import BlockClient, MemoryRegistry
@@ -85,22 +83,6 @@ def _same_bits(got: dict[str, Any], want: dict[str, Any]) -> None:
 def publisher(shm_names: Any) -> Iterator[Publisher]:
     with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
         yield pub
-
-
-@given(
-    data=st.binary(min_size=1, max_size=5000),
-    cuts=st.lists(st.integers(0, 5000), max_size=6),
-)
-@settings(max_examples=60, deadline=None)
-def test_sum64_streams_equals_the_checksum_of_the_joined_regions(data: bytes, cuts: list[int]):
-    buf = np.frombuffer(data, dtype=np.uint8).copy()
-    bounds = sorted({0, len(buf), *(c for c in cuts if c < len(buf))})
-    # the regions copied apart, so that they do not sit next to each other in memory
-    pieces = [buf[a:b].copy() for a, b in itertools.pairwise(bounds)]
-    starts = np.array([p.ctypes.data for p in pieces], dtype=np.uint64)
-    lengths = np.array([len(p) for p in pieces], dtype=np.uint64)
-    got = _core.sum64_streams(starts, lengths, np.array([len(pieces)], dtype=np.int64))
-    assert int(got[0]) == _core.sum64(data)
 
 
 @given(
@@ -437,17 +419,7 @@ def test_a_malformed_manifest_is_refused_naming_the_field():
 
 
 def test_over_tls_a_version_lands_and_a_plain_client_is_refused(shm_names, tmp_path):
-    require_tool("openssl", "openssl")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(cert, key)
-    client = ssl.create_default_context(cafile=str(cert))
+    server, client = self_signed_tls(tmp_path)
     params = _params(1)
     with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, tls=server) as pub:
         pub.publish(params, 1)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +44,19 @@ def skip_or_fail(message: str) -> None:
     if tools_required():
         pytest.fail(f"{message} (CI must run this test: TPUSYNC_REQUIRE_TOOLS=1 or CI set)")
     pytest.skip(message)
+
+
+def self_signed_tls(folder: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a fresh self-signed certificate for 127.0.0.1 (made by the openssl
+    command in ``folder``) and a client context that trusts only it."""
+    require_tool("openssl", "openssl")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))

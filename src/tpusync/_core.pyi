@@ -13,7 +13,6 @@ from tpusync._native.checksum import copy_sum64_streams as copy_sum64_streams
 from tpusync._native.checksum import crc32c as crc32c
 from tpusync._native.checksum import sum64 as sum64
 from tpusync._native.checksum import sum64_regions as sum64_regions
-from tpusync._native.checksum import sum64_streams as sum64_streams
 from tpusync._native.checksum import xxh64 as xxh64
 from tpusync._native.checksum import xxh64_gathered as xxh64_gathered
 from tpusync._native.checksum import xxh64_rows as xxh64_rows
@@ -90,7 +89,6 @@ __all__ = [
     "send_all",
     "sum64",
     "sum64_regions",
-    "sum64_streams",
     "table_bounds",
     "unpin_slots",
     "xxh64",

@@ -24,7 +24,7 @@ import numpy as np
 
 from tpusync._native.checksum import (
     _crc32c_shift, _force_portable_checksum, blake2b, blake2b_chain, copy_sum64_streams, crc32c, sum64,
-    sum64_regions, sum64_streams, xxh64, xxh64_gathered, xxh64_rows,
+    sum64_regions, xxh64, xxh64_gathered, xxh64_rows,
 )
 from tpusync._native.copy import (
     BlockRows, CopyEngine, block_segments, openmp_here, openmp_install, openmp_installed,
@@ -50,7 +50,7 @@ __all__ = [
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
     "collapse_huge_pages", "copy_seconds", "copy_sum64_streams", "crc32c", "file_runs", "have_streaming", "openmp_here",
     "openmp_install", "openmp_installed", "pin_slots", "pjrt_minimum_version", "populate_range", "recv_exact", "send_all",
-    "sum64", "sum64_regions", "sum64_streams", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
+    "sum64", "sum64_regions", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
     "xxh64_rows",
 ]
 

@@ -144,33 +144,6 @@ def sum64_regions(const uint64_t[::1] starts not None, const uint64_t[::1] lengt
     return out
 
 
-def sum64_streams(const uint64_t[::1] starts not None, const uint64_t[::1] lengths not None,
-                  const int64_t[::1] ends not None):
-    """The piece checksum (``sum64``) of each stream of memory regions: stream ``g`` is the
-    regions ``ends[g-1]:ends[g]`` (from 0 for the first), hashed in order as if they were one
-    contiguous run -- the checksum of a chunk whose bytes were scattered to several places.
-    GIL released, on the calling thread; the caller keeps the memory alive."""
-    cdef Py_ssize_t n = starts.shape[0], groups = ends.shape[0], g, i, first = 0
-    if lengths.shape[0] != n:
-        raise ValueError("starts and lengths differ in length")
-    for g in range(groups):
-        if ends[g] < first or ends[g] > n:
-            raise ValueError("ends must rise from 0 to len(starts)")
-        first = ends[g]
-    out = np.empty(groups, dtype=np.uint64)
-    cdef uint64_t[::1] digests = out
-    cdef tps_sum64_state state
-    first = 0
-    with nogil:
-        for g in range(groups):
-            tps_sum64_init(&state)
-            for i in range(first, ends[g]):
-                tps_sum64_update(&state, <const void *><uintptr_t>starts[i], <size_t>lengths[i])
-            digests[g] = tps_sum64_digest(&state)
-            first = ends[g]
-    return out
-
-
 cdef enum:
     # pieces of a copy hashed while still in cache: small enough for L2 on every machine
     _CACHED_PIECE = 65536
@@ -207,7 +180,8 @@ def copy_sum64_streams(const uint64_t[::1] sources not None,
                        const uint64_t[::1] lengths not None,
                        const int64_t[::1] ends not None):
     """Copies each region ``sources[i]`` -> ``targets[i]`` (``lengths[i]`` bytes; a target of 0
-    only hashes the source) and returns, per stream of regions (as in :func:`sum64_streams`),
+    only hashes the source) and returns, per stream of regions (stream ``g`` is the regions
+    ``ends[g-1]:ends[g]``, from 0 for the first, taken in order as one run),
     the ``sum64`` of the bytes copied (the source's where nothing is written), in one pass:
     each region is hashed as it is copied (registers, or the cache right after). GIL released,
     on the calling thread; the regions of one call must not overlap; the caller keeps the
