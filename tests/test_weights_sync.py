@@ -303,7 +303,8 @@ def test_a_chunk_damaged_in_flight_is_fetched_again(publisher):
         proxy.close()
 
 
-def test_a_stalled_publisher_fails_the_pull_at_its_deadline(publisher):
+@pytest.mark.parametrize("stall_at", [2_000, 300_000], ids=["manifest", "chunks"])
+def test_a_stalled_publisher_fails_the_pull_at_its_deadline(publisher, stall_at):
     publisher.publish(_params(1), 1)
     publisher.publish(_params(2), 2)
     proxy = _FlippingProxy(publisher.address, after=0)
@@ -311,7 +312,7 @@ def test_a_stalled_publisher_fails_the_pull_at_its_deadline(publisher):
         with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address,
                         same_host=False, timeout_s=30.0) as sub:  # fmt: skip
             committed = sub.update(1)
-            proxy.stall_after(300_000)
+            proxy.stall_after(stall_at)
             start = time.monotonic()
             with pytest.raises(WeightSyncError, match="deadline"):
                 sub.pull(2, deadline_s=1.5)

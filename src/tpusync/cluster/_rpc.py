@@ -65,6 +65,8 @@ class RpcConnection:
         self._refusal_prefix = refusal_prefix
         self._probe = probe
         self.sock: socket.socket | None = None
+        self._connecting: socket.socket | None = None
+        self._closed = False
         self._next_id = 0
 
     # --- the connection ---------------------------------------------------------------------
@@ -74,7 +76,10 @@ class RpcConnection:
         return self._next_id
 
     def ensure(self) -> None:
-        """Connects (or re-connects a socket the server closed meanwhile)."""
+        """Connects (or re-connects a socket the server closed meanwhile); never after
+        :meth:`close`."""
+        if self._closed:
+            raise self._unavailable(f"the connection to {self.peer} is closed")
         if self.sock is not None and self._probe and not self._alive(self.sock):
             self.drop()
         if self.sock is None:
@@ -108,18 +113,23 @@ class RpcConnection:
             )
         except OSError as exc:
             raise self._unavailable(f"cannot connect to {self.peer}: {exc}") from exc
+        self._connecting = sock  # drop() from another thread reaches it mid-handshake
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
+                self._connecting = sock
             self._tune(sock)
             client_handshake(sock, self._secret, self.peer)
             self.sock = sock
+            self._connecting = None
             self._greet()
         except (AuthenticationError, InvalidArgumentError):  # e.g. a layout the server refused
+            self._connecting = None
             self.drop(sock)
             raise
         except (OSError, EOFError, _ProtocolError) as exc:
+            self._connecting = None
             self.drop(sock)
             if isinstance(exc, self._unavailable):
                 raise
@@ -131,7 +141,17 @@ class RpcConnection:
     def _greet(self) -> None:
         """The first requests after the handshake (a hook: the data plane's hello)."""
 
+    def close(self) -> None:
+        """Drops the connection for good: a request on another thread fails at once and
+        nothing connects again."""
+        self._closed = True
+        self.drop()
+
     def drop(self, sock: socket.socket | None = None) -> None:
+        pending = self._connecting
+        if sock is None and pending is not None:  # a handshake in progress
+            with contextlib.suppress(OSError):
+                pending.shutdown(socket.SHUT_RDWR)
         sock = sock or self.sock
         if sock is not None:
             with contextlib.suppress(OSError):

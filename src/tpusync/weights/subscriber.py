@@ -27,6 +27,7 @@ import contextlib
 import logging
 import mmap
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -307,6 +308,12 @@ class Subscriber:
         deadline = time.monotonic() + limit
         client = self._client(version)
         announce = manifest_key(self.name, version, 0)
+        # At the deadline the client is closed: its sockets shut down, whatever the pull waits
+        # on (the hold, the manifest, a batch of chunks) fails at once.
+        expired = threading.Event()
+        watchdog = threading.Timer(limit, lambda: (expired.set(), client.close()))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             with client.hold([announce], ttl_s=max(1.0, min(limit, 60.0))) as held:
                 if not held.present[0]:
@@ -322,15 +329,26 @@ class Subscriber:
                         f"version {version}: the hold on it lapsed during the pull; the "
                         "publisher may have dropped it"
                     )
-        except (PeerUnavailableError, OSError) as error:
-            self._drop_client(client)
-            self._fail_in_place()
-            raise WeightSyncError(
-                f"version {version}: the publisher at {client.label} went away ({error})"
-            ) from error
-        except WeightSyncError:
-            self._fail_in_place()
+        except (TpuSyncError, OSError) as error:
+            if expired.is_set():
+                self._fail_in_place()
+                raise WeightSyncError(
+                    f"version {version}: the pull missed its deadline ({limit:g} s) waiting "
+                    f"for {client.label}; the committed version is untouched"
+                ) from error
+            if isinstance(error, PeerUnavailableError | OSError):
+                self._drop_client(client)
+                self._fail_in_place()
+                raise WeightSyncError(
+                    f"version {version}: the publisher at {client.label} went away ({error})"
+                ) from error
+            if isinstance(error, WeightSyncError):
+                self._fail_in_place()
             raise
+        finally:
+            watchdog.cancel()
+            if expired.is_set():
+                self._drop_client(client)  # closed: the next pull connects afresh
         return report
 
     def _fail_in_place(self) -> None:
@@ -608,7 +626,7 @@ class Subscriber:
                 pending = self._executor.submit(self._fetch, client, staging, manifest, windows[0])
             for k, part in enumerate(windows):
                 assert pending is not None
-                keys = self._await(pending, deadline, client, manifest.version, len(chunks))
+                keys = pending.result()  # bounded: the pull's watchdog closes the client
                 pending = None
                 if k + 1 < len(windows):
                     pending = self._executor.submit(
@@ -625,8 +643,7 @@ class Subscriber:
                         )
                     report.chunks_retried += len(bad)
                     staging.delete([chunk_key(self.name, manifest.version, c) for c in bad])
-                    job = self._executor.submit(self._fetch, client, staging, manifest, bad)
-                    self._await(job, deadline, client, manifest.version, len(bad))
+                    self._fetch(client, staging, manifest, bad)
                 staging.delete(keys)
         finally:
             if pending is not None:
@@ -634,26 +651,6 @@ class Subscriber:
                 with contextlib.suppress(TpuSyncError, OSError):
                     staging.delete(pending.result())
         return len(chunks)
-
-    def _await(
-        self,
-        job: Future[list[bytes]],
-        deadline: float,
-        client: BlockClient,
-        version: int,
-        left: int,
-    ) -> list[bytes]:
-        """A fetch's keys, or WeightSyncError at the pull's deadline: the client is closed
-        then (its sockets with it, which ends a fetch stuck on a stalled publisher)."""
-        try:
-            return job.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            self._drop_client(client)
-            concurrent.futures.wait([job], timeout=self._client_args["timeout_s"])
-            raise WeightSyncError(
-                f"version {version}: the pull missed its deadline waiting for {client.label} "
-                f"(up to {left} chunks to go); the committed version is untouched"
-            ) from None
 
     def _land_staged(
         self,

@@ -204,6 +204,7 @@ class BlockClient:
             self._check_same_server,
         )  # fmt: skip
         self._closed = False
+        self._holding: set[Connection] = set()  # the connections of holds in progress
         self._new_connection = lambda: Connection(
             *paths[0], paths_text[0], secret, self._timeout, tls, described,
             self._check_same_server,
@@ -286,6 +287,7 @@ class BlockClient:
             )
         self._check_open()
         conn = self._new_connection()
+        self._holding.add(conn)  # close() drops it too
         stop = threading.Event()
         renewer: threading.Thread | None = None
         try:
@@ -322,6 +324,7 @@ class BlockClient:
                     with contextlib.suppress(PeerUnavailableError, InvalidArgumentError, OSError):
                         conn.call("release", {"lease": lease_id})
             conn.drop()
+            self._holding.discard(conn)
 
     # --- pull -------------------------------------------------------------------------------
 
@@ -700,8 +703,8 @@ class BlockClient:
     def close(self) -> None:
         """Closes every connection (a pull in progress fails)."""
         self._closed = True
-        for conn in [*self._conns, self._control]:
-            conn.drop()
+        for conn in [*self._conns, self._control, *list(self._holding)]:
+            conn.close()
         self._executor.shutdown(wait=False)
 
     def __enter__(self) -> BlockClient:
