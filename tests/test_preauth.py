@@ -326,6 +326,16 @@ def legitimate_client(kind: str, address: str, round_: int, source: HostPool | N
         assert node.delete(keys) == 4  # the next visit pushes them afresh
 
 
+def bad_mac_visit(address: str) -> None:
+    """One peer that reads the hello, answers with a random MAC and waits to be dropped."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+        _recv_exact(sock, n)  # the hello
+        sock.sendall(_frame({"nonce": os.urandom(32).hex(), "mac": os.urandom(32).hex()}))
+        assert closed_within(sock, 5), "a wrong MAC did not end the connection"
+
+
 def _payload(pool: HostPool, key: bytes) -> bytes:
     slot = pool.slot_of(key)
     assert slot is not None
@@ -374,6 +384,9 @@ def test_hostile_peers_before_authentication_are_bounded(
                 time.sleep(0.3)  # on purpose: the visits are spread over the attack
             opened = dict(attack.opened)
         attacked_s = time.monotonic() - started
+        # Under the flood every bad-MAC peer may be the oldest and dropped before its MAC is
+        # read; one more, once the flood is over, must be refused for its MAC.
+        bad_mac_visit(server.address)
         log = server.stderr()
     refusals = server.refusals
     growth_mib = (sampler.peak["VmRSS"] - baseline["VmRSS"]) / 1024
