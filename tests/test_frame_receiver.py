@@ -37,9 +37,16 @@ def _checksum(payload: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> 
 
 class Case:
     """Random blocks, their frames as a server sends them (some MISSING) and the slots a
-    receiver writes into."""
+    receiver writes into, or (``scattered``) the runs it scatters them over."""
 
-    def __init__(self, rng: np.random.Generator, n: int, size: int, missing: set[int]) -> None:
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        n: int,
+        size: int,
+        missing: set[int],
+        scattered: bool = False,
+    ) -> None:
         self.size = size
         self.offsets, self.lengths = _pieces(rng, size)
         self.keys = [rng.bytes(int(rng.integers(1, 33))) for _ in range(n)]
@@ -67,11 +74,50 @@ class Case:
         frames.append(wire.encode_header(wire.END, RID, b"", FINGERPRINT))
         self.stream = b"".join(frames)
         self.slots = np.zeros((n, size), dtype=np.uint8)
+        self.runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if scattered:
+            self._scatter(rng, n, size)
+
+    def _scatter(self, rng: np.random.Generator, n: int, size: int) -> None:
+        """Each block cut into 1-70 runs, the runs of all blocks placed in a shuffled order
+        with random gaps in one arena."""
+        cuts = [
+            np.sort(rng.choice(np.arange(1, size), int(rng.integers(0, min(70, size))), False))
+            for _ in range(n)
+        ]
+        offsets = [np.concatenate(([0], c)).astype(np.int64) for c in cuts]
+        lengths = np.concatenate([np.diff(np.append(o, size)) for o in offsets])
+        order = rng.permutation(len(lengths))
+        gaps = rng.integers(0, 64, len(lengths))
+        place = np.empty(len(lengths), dtype=np.int64)
+        place[order] = np.cumsum(lengths[order] + gaps[order]) - lengths[order]
+        self.arena = rng.integers(0, 256, int(place.max() + lengths.max()), dtype=np.uint8)
+        self.place, self.run_lengths = place, lengths
+        first = np.concatenate(([0], np.cumsum([len(o) for o in offsets]))).astype(np.int64)
+        targets = (self.arena.ctypes.data + place).astype(np.uint64)
+        self.runs = (first, np.concatenate(offsets), targets)
+
+    def landed(self, i: int) -> np.ndarray:
+        """Block ``i``'s bytes where the receiver put them."""
+        if self.runs is None:
+            return self.slots[i]
+        first = self.runs[0]
+        return np.concatenate(
+            [self.arena[p : p + m] for p, m in zip(
+                self.place[first[i] : first[i + 1]], self.run_lengths[first[i] : first[i + 1]],
+                strict=True,
+            )]
+        )  # fmt: skip
 
     def receiver(self, fd: int) -> _core.FrameReceiver:
         headers = _core.block_frame_headers(
             RID, self.keys, FINGERPRINT, self.size, self.checksums, wire.CHECKSUM_SCHEME
         )
+        if self.runs is not None:
+            return _core.FrameReceiver(
+                fd, headers, None, self.checksums, self.size, self.offsets, self.lengths,
+                runs=self.runs,
+            )  # fmt: skip
         addresses = (self.slots.ctypes.data + np.arange(len(self.keys)) * self.size).astype(
             np.uint64
         )
@@ -145,13 +191,21 @@ def test_block_frame_headers_are_the_wire_encoding(
     cuts=st.lists(st.integers(0, 200_000), max_size=12),
     missing=st.sets(st.integers(0, 5), max_size=3),
     step=st.sampled_from([None, 1, 95, 4096]),
+    scattered=st.booleans(),
 )
 def test_blocks_land_verified_however_the_stream_is_cut(
-    seed: int, n: int, size: int, cuts: list[int], missing: set[int], step: int | None
+    seed: int,
+    n: int,
+    size: int,
+    cuts: list[int],
+    missing: set[int],
+    step: int | None,
+    scattered: bool,
 ) -> None:
     """Also with reads capped below a payload (2 MiB blocks are read 128 KiB at a time): the
-    next header is then read apart from the payload's last bytes."""
-    case = Case(np.random.default_rng(seed), n, size, {i for i in missing if i < n})
+    next header is then read apart from the payload's last bytes; and scattered over runs
+    (more runs than one read fills, runs shorter than a read)."""
+    case = Case(np.random.default_rng(seed), n, size, {i for i in missing if i < n}, scattered)
     a, b = socket.socketpair()
     with reads_of_at_most(step):
         try:
@@ -164,7 +218,7 @@ def test_blocks_land_verified_however_the_stream_is_cut(
             assert receiver.results.tolist() == [0 if i in case.missing else 1 for i in range(n)]
             assert receiver.bytes_received == len(got) * size
             for i in got:
-                assert np.array_equal(case.slots[i], case.payloads[i])
+                assert np.array_equal(case.landed(i), case.payloads[i])
         finally:
             a.close()
             b.close()
@@ -176,15 +230,16 @@ def test_blocks_land_verified_however_the_stream_is_cut(
     n=st.integers(1, 4),
     size=st.integers(2, 5000),
     step=st.sampled_from([None, 1, 333]),
+    scattered=st.booleans(),
 )
 def test_a_damaged_byte_never_yields_a_verified_wrong_block(
-    seed: int, n: int, size: int, step: int | None
+    seed: int, n: int, size: int, step: int | None, scattered: bool
 ) -> None:
     """One byte anywhere in the stream flipped: a damaged payload fails its checksum; a damaged
     header stops the receiver there (the caller's decode then refuses it, or it names another
     key). Every block marked verified holds exactly its bytes."""
     rng = np.random.default_rng(seed)
-    case = Case(rng, n, size, set())
+    case = Case(rng, n, size, set(), scattered)
     stream = bytearray(case.stream)
     at = int(rng.integers(0, len(stream)))
     stream[at] ^= 1 << int(rng.integers(0, 8))
@@ -202,7 +257,7 @@ def test_a_damaged_byte_never_yields_a_verified_wrong_block(
             assert not (ended and results == [1] * n)  # the damage was seen
             for i, result in enumerate(results):
                 if result == 1:
-                    assert np.array_equal(case.slots[i], case.payloads[i])
+                    assert np.array_equal(case.landed(i), case.payloads[i])
                 payload_start = 96 * (i + 1) + size * i
                 if payload_start <= at < payload_start + size:
                     assert result == 2  # its own payload was damaged
@@ -270,5 +325,24 @@ def test_receiver_refuses_inconsistent_arguments(rng: np.random.Generator) -> No
         _core.FrameReceiver(0, b"x" * 96, addresses, case.checksums, 1000, *_pieces(rng, 1000))
     with pytest.raises(ValueError, match="outside"):
         case.receiver(0).resume(3)
+    args = (0, b"x" * 192, None, case.checksums, 1000, *_pieces(rng, 1000))
+    with pytest.raises(ValueError, match="addresses or runs"):
+        _core.FrameReceiver(*args)
+    good = (np.array([0, 1, 3]), np.array([0, 0, 500]), np.array([8, 8, 9], np.uint64))
+    _core.FrameReceiver(*args, runs=good)
+    bad_runs = [
+        ((np.array([0, 1]), good[1], good[2]), "one entry per block"),  # first too short
+        ((np.array([0, 0, 3]), good[1], good[2]), "every block has a run"),
+        ((good[0], np.array([0, 5, 500]), good[2]), "start at 0"),  # block 1 starts at 5
+        ((good[0], np.array([0, 0, 0]), good[2]), "rise"),
+        ((good[0], np.array([0, 0, 1000]), good[2]), "inside the payload"),
+        ((good[0], good[1], np.array([8, 0, 9], np.uint64)), "nonzero"),
+        ((good[0], good[1]), "first, offsets, targets"),
+    ]
+    for runs, match in bad_runs:
+        with pytest.raises(ValueError, match=match):
+            _core.FrameReceiver(*args, runs=runs)
+    with pytest.raises(ValueError, match="addresses or runs"):
+        _core.FrameReceiver(*args[:2], addresses, *args[3:], runs=good)
     with pytest.raises(ValueError, match="fingerprint"):
         _core.block_frame_headers(1, case.keys, b"short", 10, case.checksums, 1)

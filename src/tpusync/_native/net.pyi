@@ -42,11 +42,12 @@ class FrameReceiver:
         self,
         fd: int,
         expected_headers: bytes,
-        addresses: np.ndarray,
+        addresses: np.ndarray | None,
         checksums: np.ndarray,
         payload_length: int,
         offsets: np.ndarray,
         lengths: np.ndarray,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None: ...
     @property
     def header(self) -> bytes: ...

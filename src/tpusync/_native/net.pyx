@@ -371,6 +371,38 @@ def block_frame_headers(uint64_t request_id, list keys not None, bytes fingerpri
     return bytes(out)
 
 
+cdef enum:
+    _MAX_IOVS = 64  # places one read fills at most (scattered payloads)
+
+
+def _checked_runs(runs, Py_ssize_t n, uint64_t size):
+    """``runs`` as contiguous arrays, after checking they tile each of ``n`` payloads of
+    ``size`` bytes (ValueError otherwise)."""
+    try:
+        first, offsets, targets = runs
+    except (TypeError, ValueError):
+        raise ValueError("runs: (first, offsets, targets)") from None
+    first = np.ascontiguousarray(first, dtype=np.int64)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    targets = np.ascontiguousarray(targets, dtype=np.uint64)
+    count = offsets.shape[0]
+    if first.shape != (n + 1,) or targets.shape != (count,) or offsets.ndim != 1:
+        raise ValueError("runs: first has one entry per block and one more; one target per run")
+    if first[0] != 0 or first[n] != count or (np.diff(first) < 1).any():
+        raise ValueError("runs: every block has a run, and first ends at the run count")
+    starts = np.zeros(count, dtype=bool)
+    starts[first[:-1]] = True
+    rising = np.diff(offsets, prepend=np.int64(-1)) > 0
+    if count and (
+        (offsets[starts] != 0).any() or not rising[~starts].all()
+        or offsets.max() >= <int64_t> size or (targets == 0).any()
+    ):
+        raise ValueError(
+            "runs: each block's offsets start at 0 and rise inside the payload; targets nonzero"
+        )
+    return first, offsets, targets
+
+
 cdef class FrameReceiver:
     """Receives one response's BLOCK frames straight into their slots, with the GIL released
     across blocks: each header must equal, byte for byte, the one expected for its block (its
@@ -386,12 +418,23 @@ cdef class FrameReceiver:
     header that follows them (the END frame, for the caller to check).
 
     ``addresses`` are the slots' payload addresses: the caller keeps that memory mapped and
-    writable (and reserved for these blocks) until the receiver is done."""
+    writable (and reserved for these blocks) until the receiver is done.
+
+    ``runs`` (``first``, ``offsets``, ``targets``) scatters each payload instead, received
+    straight into its places with no copy after: block ``i``'s runs are ``first[i]`` to
+    ``first[i + 1]``, each starting at ``offsets[r]`` in the payload (the first at 0, rising)
+    and landing at address ``targets[r]`` (nonzero), up to the next run or the payload's end.
+    ``addresses`` is then None. The bytes of a block that fails its checksum are wherever its
+    runs point: only a verified block's places hold its bytes."""
 
     cdef int _fd
     cdef Py_ssize_t _n
     cdef bytes _expected
-    cdef const uint64_t[::1] _addresses
+    cdef const int64_t[::1] _first
+    cdef const int64_t[::1] _run_offsets
+    cdef const uint64_t[::1] _run_targets
+    cdef Py_ssize_t _recv_run
+    cdef Py_ssize_t _hash_run
     cdef const uint64_t[::1] _checksums
     cdef uint64_t _size
     cdef PieceHasher _hasher
@@ -401,20 +444,32 @@ cdef class FrameReceiver:
     cdef uint64_t _payload_got
     cdef uint64_t _fed
     cdef bint _in_payload
+    cdef int _iovs
     cdef readonly Py_ssize_t index
     cdef readonly object results
     cdef unsigned char[::1] _results
     cdef readonly uint64_t bytes_received
     cdef readonly uint64_t bytes_read
 
-    def __cinit__(self, int fd, bytes expected_headers not None, const uint64_t[::1] addresses,
-                  const uint64_t[::1] checksums, uint64_t payload_length, offsets, lengths):
-        self._n = addresses.shape[0]
-        if len(expected_headers) != 96 * self._n or checksums.shape[0] != self._n:
+    def __cinit__(self, int fd, bytes expected_headers not None, addresses,
+                  const uint64_t[::1] checksums, uint64_t payload_length, offsets, lengths,
+                  runs=None):
+        self._n = checksums.shape[0]
+        if len(expected_headers) != 96 * self._n:
             raise ValueError("one 96-byte header, address and checksum per block")
+        if (addresses is None) == (runs is None):
+            raise ValueError("give addresses or runs, not both")
+        if runs is None:
+            targets = np.ascontiguousarray(addresses, dtype=np.uint64)
+            if targets.shape != (self._n,):
+                raise ValueError("one 96-byte header, address and checksum per block")
+            runs = (np.arange(self._n + 1, dtype=np.int64), np.zeros(self._n, np.int64), targets)
+        first, run_offsets, run_targets = _checked_runs(runs, self._n, payload_length)
         self._fd = fd
         self._expected = expected_headers
-        self._addresses = addresses
+        self._first = first
+        self._run_offsets = run_offsets
+        self._run_targets = run_targets
         self._checksums = checksums
         self._size = payload_length
         self._hasher = PieceHasher(offsets, lengths)
@@ -443,6 +498,53 @@ cdef class FrameReceiver:
         self._header_got = 0
         self._in_payload = False
 
+    cdef inline uint64_t _run_end(self, Py_ssize_t r) noexcept nogil:
+        """Where run ``r`` of the current block ends in its payload."""
+        if r + 1 < self._first[self.index + 1]:
+            return <uint64_t> self._run_offsets[r + 1]
+        return self._size
+
+    cdef uint64_t _gather(self, iovec *iov, uint64_t want) noexcept nogil:
+        """Fills ``iov`` with the places of the payload's next ``want`` bytes (fewer when the
+        runs are short: at most _MAX_IOVS places); sets ``_iovs`` and returns the bytes."""
+        cdef uint64_t at = self._payload_got, stop = at + want, end
+        cdef Py_ssize_t r = self._recv_run
+        while self._run_end(r) <= at:
+            r += 1
+        self._recv_run = r
+        self._iovs = 0
+        while at < stop and self._iovs < _MAX_IOVS:
+            end = self._run_end(r)
+            if end > stop:
+                end = stop
+            iov[self._iovs].iov_base = <void *> <uintptr_t> (
+                self._run_targets[r] + (at - <uint64_t> self._run_offsets[r]))
+            iov[self._iovs].iov_len = end - at
+            self._iovs += 1
+            at = end
+            r += 1
+        return at - self._payload_got
+
+    cdef void _hash_received(self) noexcept nogil:
+        """Hashes the payload's bytes received since the last call, where they landed."""
+        cdef uint64_t at = self._fed, end
+        cdef Py_ssize_t r = self._hash_run
+        while at < self._payload_got:
+            end = self._run_end(r)
+            if end > at:
+                if end > self._payload_got:
+                    end = self._payload_got
+                self._hasher._feed(
+                    <const unsigned char *> <uintptr_t> (
+                        self._run_targets[r] + (at - <uint64_t> self._run_offsets[r])),
+                    <int64_t> (end - at))
+                at = end
+                if at < self._run_end(r):
+                    break
+            r += 1
+        self._hash_run = r
+        self._fed = self._payload_got
+
     def run(self, double budget_s, double silence_s):
         """Receives until every block and the header after them arrived (FRAMES_DONE), a
         header differs from the one expected (FRAMES_HEADER), ``budget_s`` passed
@@ -456,7 +558,7 @@ cdef class FrameReceiver:
         cdef pollfd pfd
         pfd.fd = self._fd
         pfd.events = POLLIN
-        cdef iovec iov[2]
+        cdef iovec iov[_MAX_IOVS + 1]
         cdef msghdr msg
         memset(&msg, 0, sizeof(msg))
         msg.msg_iov = iov
@@ -464,7 +566,6 @@ cdef class FrameReceiver:
         cdef uint64_t missing, take
         cdef int r = 0, status = -1, err = 0, lowat = 1
         cdef bint waited_out = False
-        cdef unsigned char *payload
         cdef bint read_some = False
         with nogil:
             while True:
@@ -486,21 +587,20 @@ cdef class FrameReceiver:
                         self._payload_got = 0
                         self._fed = 0
                         self._header_got = 0
+                        self._recv_run = self._first[self.index]
+                        self._hash_run = self._recv_run
                         self._hasher._reset()
                         continue
                     missing = 96 - self._header_got
                     k = recv(self._fd, self._header + self._header_got, missing, MSG_DONTWAIT)
                 else:
-                    payload = <unsigned char *> <uintptr_t> self._addresses[self.index]
                     missing = self._size - self._payload_got
-                    iov[0].iov_base = payload + self._payload_got
-                    iov[0].iov_len = missing
-                    iov[1].iov_base = self._header  # the next frame's header, if it is there
-                    iov[1].iov_len = 96
-                    msg.msg_iovlen = 2
-                    if missing > _recv_step:  # the header only with the payload's end
-                        iov[0].iov_len = _recv_step
-                        msg.msg_iovlen = 1
+                    take = self._gather(iov, missing if missing < _recv_step else _recv_step)
+                    msg.msg_iovlen = self._iovs
+                    if take == missing:  # the next frame's header with the payload's end
+                        iov[self._iovs].iov_base = self._header
+                        iov[self._iovs].iov_len = 96
+                        msg.msg_iovlen += 1
                     k = recvmsg(self._fd, &msg, MSG_DONTWAIT)
                 if k == 0:
                     status = -2
@@ -536,9 +636,7 @@ cdef class FrameReceiver:
                 self._payload_got += take
                 self._header_got = <size_t> (<uint64_t> k - take)
                 if self._payload_got - self._fed >= HASH_STEP or self._payload_got == self._size:
-                    self._hasher._feed(payload + self._fed,
-                                       <int64_t> (self._payload_got - self._fed))
-                    self._fed = self._payload_got
+                    self._hash_received()
                 if self._payload_got == self._size:
                     self._results[self.index] = 1 if (
                         self._hasher._piece == self._pieces

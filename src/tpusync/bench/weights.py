@@ -53,9 +53,6 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", type=int, default=1100, help="last-axis multiplier")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk")
-    parser.add_argument(
-        "--window-mib", type=int, default=256, help="what a network pull stages per batch"
-    )
     parser.add_argument("--json", default=None, help="default: the results scheme")
     return parser
 
@@ -150,8 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     commits: list[float] = []
     try:
         trainer = Child(["trainer", *common, "1", str(args.chunk_mib)], env)
-        shm = Child(["sampler", *common[:2], "2x4", *common[2:], "1", str(args.window_mib)], env)
-        net = Child(["sampler", *common[:2], "2x4", *common[2:], "0", str(args.window_mib)], env)
+        shm = Child(["sampler", *common[:2], "2x4", *common[2:], "1"], env)
+        net = Child(["sampler", *common[:2], "2x4", *common[2:], "0"], env)
         children += [trainer, shm, net]
         for child in children:
             child.answer(timeout=300)

@@ -26,6 +26,7 @@ from tpusync.cluster.dataplane import (
     LeaseTable,
     PullResult,
     RemotePool,
+    Scatter,
 )
 from tpusync.cluster.registry import (
     Holder,
@@ -76,6 +77,7 @@ __all__ = [
     "RemoteOperationUnsupportedError",
     "RemotePool",
     "RemoteRegistry",
+    "Scatter",
     "StoreNode",
     "StoreNodePool",
     "StoreNodeTier",

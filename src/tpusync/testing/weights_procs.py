@@ -203,7 +203,6 @@ def sampler(
     scale: int = 1,
     dtype: str | None = None,
     same_host: int = 1,
-    window_mib: int = 256,
 ) -> None:
     """Pulls on command: ``pull V [nodigest]`` (answers each leaf's digest, or the error, and
     the seconds), ``prepare`` (waits until the next pull's buffers are made), ``rawpull V
@@ -222,8 +221,7 @@ def sampler(
     }  # fmt: skip
     registry = RemoteRegistry(registry_address, secret=secret)
     subscriber = Subscriber(name, target, secret=secret, registry=registry, timeout_s=5.0,
-                            deadline_s=120.0, same_host=bool(same_host),
-                            window_bytes=window_mib << 20)  # fmt: skip
+                            deadline_s=120.0, same_host=bool(same_host))  # fmt: skip
     stamps = {"one": 0, "mixed": 0, "seen": []}
     stop = threading.Event()
 

@@ -14,7 +14,7 @@ from tpusync import _core
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.weights.plan import Piece
 
-__all__ = ["Rows", "land_chunks", "piece_rows", "split_at_chunks"]
+__all__ = ["Rows", "land_chunks", "piece_rows", "scatter_runs", "split_at_chunks"]
 
 
 class Rows:
@@ -114,3 +114,17 @@ def land_chunks(
     sources, targets, lengths, ends = _chunk_regions(rows, chunks, chunk_bytes, source_of_chunk)
     digests = _core.copy_sum64_streams(sources, targets, lengths, ends)
     return slot_checksums(digests[:, None])
+
+
+def scatter_runs(
+    rows: Rows, chunks: np.ndarray, chunk_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each chunk of ``chunks`` lands, as a data-plane scatter (first, offsets, targets):
+    its rows' places in its byte order and, for the bytes no row carries, target 0 (hashed,
+    then dropped)."""
+    starts, targets, _, ends = _chunk_regions(
+        rows, chunks, chunk_bytes, chunks.astype(np.int64) * chunk_bytes
+    )
+    region_chunk = np.repeat(chunks.astype(np.int64), np.diff(ends, prepend=0))
+    offsets = starts.astype(np.int64) - region_chunk * chunk_bytes
+    return np.concatenate(([0], ends)).astype(np.int64), offsets, targets

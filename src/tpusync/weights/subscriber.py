@@ -23,7 +23,6 @@ is host memory there); elsewhere each shard is staged in host memory and placed 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import mmap
 import os
@@ -37,21 +36,26 @@ import jax
 import numpy as np
 
 from tpusync import _core
-from tpusync.cluster import BlockClient, Registry
+from tpusync.cluster import BlockClient, Registry, Scatter
 from tpusync.engines import native
 from tpusync.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
     PeerUnavailableError,
     ShapeMismatchError,
-    TierFullError,
     TpuSyncError,
     VersionUnavailableError,
     WeightSyncError,
 )
 from tpusync.tiers import HostPool
 from tpusync.tiers.files import open_file
-from tpusync.weights._stream import Rows, land_chunks, piece_rows, split_at_chunks
+from tpusync.weights._stream import (
+    Rows,
+    land_chunks,
+    piece_rows,
+    scatter_runs,
+    split_at_chunks,
+)
 from tpusync.weights.manifest import Manifest, check_name, check_version, chunk_key, manifest_key
 from tpusync.weights.plan import leaf_plan, shard_boxes
 from tpusync.weights.publisher import boot_id, chunk_layout, tree_paths
@@ -61,6 +65,7 @@ __all__ = ["PullReport", "Subscriber"]
 log = logging.getLogger("tpusync.weights")
 
 _PAGE = 4096
+_LAND_WINDOW = 256 << 20  # bytes landed from /dev/shm between deadline checks
 
 
 @dataclass
@@ -160,8 +165,6 @@ class Subscriber:
       kv_stores: KV stores whose ``weight_version`` follows each commit (KV of other weights is
         never served again).
       same_host: read the publisher's /dev/shm pool directly when it is on this host.
-      window_bytes: bytes pulled over the network per batch (two batches are staged in
-        host memory; larger batches cost fewer round trips).
     """
 
     def __init__(
@@ -180,7 +183,6 @@ class Subscriber:
         in_place: bool = False,
         kv_stores: Any = (),
         same_host: bool = True,
-        window_bytes: int = 256 << 20,
     ) -> None:
         self.name = check_name(name)
         if (address is None) == (registry is None):
@@ -191,8 +193,6 @@ class Subscriber:
             )
         if not isinstance(deadline_s, int | float) or not deadline_s > 0:
             raise InvalidArgumentError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
-        if type(window_bytes) is not int or window_bytes < 1:
-            raise InvalidArgumentError(f"window_bytes: expected > 0 bytes, got {window_bytes!r}")
         paths, leaves, self._treedef = tree_paths(target)
         self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
         self._client_args = {
@@ -212,16 +212,12 @@ class Subscriber:
                     f"kv_stores: expected tpusync.KVCacheStore objects, got {type(store).__name__}"
                 )
         self.same_host = bool(same_host)
-        self.window_bytes = window_bytes
-        self.window = 1  # chunks a batch: set from the publisher's chunk size
         self._clients: dict[str, BlockClient] = {}
-        self._staging: HostPool | None = None
         self._manifest_staging: HostPool | None = None
         self._local: tuple[tuple[int, int, int], mmap.mmap, int] | None = None
         self._rows_cache: dict[Any, Rows] = {}
         self._executor = ThreadPoolExecutor(
-            # every core lands chunks while one more worker fetches the next window
-            max_workers=native.copy_threads() + 1,
+            max_workers=native.copy_threads(),  # every core lands chunks
             thread_name_prefix="tpusync-weights",
         )
         self._live: _Pulled | None = None
@@ -230,7 +226,6 @@ class Subscriber:
         self._spare_job: Future[tuple[_Buffers, Any]] | None = None
         self.torn = False
         self.last_commit_seconds = 0.0
-        self._refetched = 0  # chunks the data plane failed once (counted by a pull's fetches)
 
     # --- what is committed ---------------------------------------------------------------------
 
@@ -391,30 +386,19 @@ class Subscriber:
                 del self._clients[address]
         client.close()
 
-    def _pool(self, attribute: str, chunk_bytes: int, capacity: int) -> HostPool:
-        """The staging pool kept in ``attribute`` (made again for another chunk size, or when
-        it is too small)."""
-        pool = getattr(self, attribute)
-        if pool is not None and (
-            pool.layout.payload_bytes != chunk_bytes or pool.capacity < capacity
-        ):
+    def _manifest_pool(self, chunk_bytes: int) -> HostPool:
+        """The one-slot pool manifest parts land in (made again for another chunk size)."""
+        pool = self._manifest_staging
+        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
             pool.close()
             pool = None
         if pool is None:
-            pool = HostPool(chunk_layout(self.name, chunk_bytes), capacity)
-            setattr(self, attribute, pool)
+            pool = self._manifest_staging = HostPool(chunk_layout(self.name, chunk_bytes), 1)
         return pool
-
-    def _staging_pool(self, chunk_bytes: int, chunks: int) -> HostPool:
-        """Two network batches of chunks (of ``chunks`` at most), and room to fetch failed
-        ones again."""
-        self.window = max(1, min(self.window_bytes // chunk_bytes, chunks))
-        return self._pool("_staging", chunk_bytes, 2 * self.window + 2)
 
     def _read_manifest(self, client: BlockClient, version: int) -> Manifest:
         chunk_bytes = client.payload_bytes
-        self.window = max(1, self.window_bytes // chunk_bytes)
-        staging = self._pool("_manifest_staging", chunk_bytes, 1)
+        staging = self._manifest_pool(chunk_bytes)
         first = manifest_key(self.name, version, 0)
         parts = [self._pull_one(client, staging, first)]
         length = int.from_bytes(parts[0][:8], "little")
@@ -512,11 +496,8 @@ class Subscriber:
             report.chunks_retried = len(bad)
             todo = bad
         if len(todo):
-            self._refetched = 0
-            report.chunks_network = self._pull_network(
-                client, manifest, rows, row_chunk, todo, deadline, report
-            )
-            report.chunks_retried += self._refetched
+            report.chunks_network = len(todo)
+            report.chunks_retried += self._pull_network(client, manifest, rows, todo)
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
         self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
@@ -572,13 +553,14 @@ class Subscriber:
         place and checks each chunk where it landed; returns the chunks that failed."""
         C = manifest.chunk_bytes
         bad: list[np.ndarray] = []
-        for w in range(0, len(chunks), self.window):
+        window = max(1, _LAND_WINDOW // C)
+        for w in range(0, len(chunks), window):
             if time.monotonic() > deadline:
                 raise WeightSyncError(
                     f"version {manifest.version}: the pull missed its deadline with "
                     f"{len(chunks) - w} chunks to go"
                 )
-            part, src = chunks[w : w + self.window], sources[w : w + self.window]
+            part, src = chunks[w : w + window], sources[w : w + window]
             lo, hi = np.searchsorted(row_chunk, [part[0], part[-1] + 1])
             sel = slice(int(lo), int(hi))
             window_rows = Rows(rows.offset[sel], rows.address[sel], rows.nbytes[sel])
@@ -609,106 +591,35 @@ class Subscriber:
         return np.concatenate([*(j.result() for j in jobs), last])
 
     def _pull_network(
-        self,
-        client: BlockClient,
-        manifest: Manifest,
-        rows: Rows,
-        row_chunk: np.ndarray,
-        chunks: np.ndarray,
-        deadline: float,
-        report: PullReport,
+        self, client: BlockClient, manifest: Manifest, rows: Rows, chunks: np.ndarray
     ) -> int:
-        staging = self._staging_pool(manifest.chunk_bytes, len(chunks))
-        windows = [chunks[w : w + self.window] for w in range(0, len(chunks), self.window)]
-        pending: Future[Any] | None = None
-        try:
-            if windows:
-                pending = self._executor.submit(self._fetch, client, staging, manifest, windows[0])
-            for k, part in enumerate(windows):
-                assert pending is not None
-                keys = pending.result()  # bounded: the pull's watchdog closes the client
-                pending = None
-                if k + 1 < len(windows):
-                    pending = self._executor.submit(
-                        self._fetch, client, staging, manifest, windows[k + 1]
-                    )
-                for attempt in range(2):
-                    bad = self._land_staged(staging, keys, rows, row_chunk, part, manifest)
-                    if not len(bad):
-                        break
-                    if attempt:
-                        raise WeightSyncError(
-                            f"version {manifest.version}: chunks {bad.tolist()[:8]} failed "
-                            "their checksum twice; the committed version is untouched"
-                        )
-                    report.chunks_retried += len(bad)
-                    staging.delete([chunk_key(self.name, manifest.version, c) for c in bad])
-                    self._fetch(client, staging, manifest, bad)
-                staging.delete(keys)
-        finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(TpuSyncError, OSError):
-                    staging.delete(pending.result())
-        return len(chunks)
-
-    def _land_staged(
-        self,
-        staging: HostPool,
-        keys: list[bytes],
-        rows: Rows,
-        row_chunk: np.ndarray,
-        chunks: np.ndarray,
-        manifest: Manifest,
-    ) -> np.ndarray:
-        """Copies the rows of staged ``chunks`` into place; returns the chunks that failed.
-
-        The data plane verified each chunk as it landed in staging against the checksum the
-        publisher's pool recorded; that checksum equal to the manifest's makes the staged bytes
-        the trainer's, so this copy (from this process's own memory) need not hash again."""
-        pinned = staging.pin(keys)
-        try:
-            good = pinned.present & (pinned.checksums == manifest.checksums[chunks])
-            if not good.all():
-                return chunks[~good]
-            with staging.slot_addresses(pinned.slots) as addresses:
-                sources = addresses.astype(np.int64)
-                C = manifest.chunk_bytes
-                lo, hi = np.searchsorted(row_chunk, [chunks[0], chunks[-1] + 1])
-                sel = slice(int(lo), int(hi))
-                at = np.searchsorted(chunks, row_chunk[sel])
-                table = np.stack(
-                    [
-                        sources[at] + rows.offset[sel] - row_chunk[sel] * C,
-                        rows.address[sel],
-                        rows.nbytes[sel],
-                    ],
-                    1,
-                )
-                native.engine().copy(np.ascontiguousarray(table, dtype=np.uint64))
-        finally:
-            staging.unpin(pinned)
-        return chunks[:0]
-
-    def _fetch(
-        self, client: BlockClient, staging: HostPool, manifest: Manifest, chunks: np.ndarray
-    ) -> list[bytes]:
-        keys = [chunk_key(self.name, manifest.version, int(c)) for c in chunks]
-        try:
-            loaded = client.pull(keys, staging)
-            if not all(loaded):  # once more (a lapsed lease, a block damaged in flight)
-                self._refetched += loaded.count(False)
-                loaded = client.pull(keys, staging)
-        except TierFullError as error:  # never expected: two windows fit
-            raise WeightSyncError(f"the staging pool is full ({error})") from error
-        if not all(loaded):
-            staging.delete(keys)
-            missing = [int(c) for c, ok in zip(chunks, loaded, strict=True) if not ok]
-            raise WeightSyncError(
-                f"version {manifest.version}: chunks {missing[:8]} could not be pulled from "
-                f"{client.label} (the publisher dropped the version or stopped serving)"
+        """Receives ``chunks`` over the data plane straight into their rows' places (gaps
+        hashed and dropped), each verified against the manifest's checksum as it lands;
+        fetches the failed ones once more. Returns how many were fetched again."""
+        layout = chunk_layout(self.name, manifest.chunk_bytes)
+        todo, retried = chunks, 0
+        for attempt in range(2):
+            first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
+            keys = [chunk_key(self.name, manifest.version, int(c)) for c in todo]
+            loaded = client.pull_scattered(
+                keys, layout, Scatter(first, offsets, targets), checksums=manifest.checksums[todo]
             )
-        return keys
+            todo = todo[~np.asarray(loaded, dtype=bool)]
+            if not len(todo):
+                return retried
+            if not attempt:
+                log.warning(
+                    "tpusync weights: version %d: %d chunks arrived damaged or not at all; "
+                    "fetching them again",
+                    manifest.version,
+                    len(todo),
+                )
+                retried = len(todo)
+        raise WeightSyncError(
+            f"version {manifest.version}: chunks {todo.tolist()[:8]} could not be pulled "
+            f"verified from {client.label} twice (damaged, or the publisher dropped the "
+            "version or stopped serving); the committed version is untouched"
+        )
 
     def _replicate(self, buffers: _Buffers) -> None:
         """Copies each box's first replica to its other devices (after it was verified)."""
@@ -768,17 +679,16 @@ class Subscriber:
     # --- closing ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Closes the connections and the staging pool (committed arrays stay usable)."""
+        """Closes the connections and the manifest's staging pool (committed arrays stay
+        usable)."""
         self._spare_job = None
         for client in self._clients.values():
             client.close()
         self._clients.clear()
         self._close_local()
-        for attribute in ("_staging", "_manifest_staging"):
-            pool = getattr(self, attribute)
-            if pool is not None:
-                pool.close()
-                setattr(self, attribute, None)
+        if self._manifest_staging is not None:
+            self._manifest_staging.close()
+            self._manifest_staging = None
         self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Subscriber:

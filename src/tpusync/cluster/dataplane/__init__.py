@@ -29,6 +29,11 @@ commit the verified blocks only if the release answered True (the lease never ex
 connection that breaks, times out or breaks the format loses the blocks not yet complete on it
 (their slots are aborted; the connection is re-made on the next pull).
 
+:meth:`BlockClient.pull_scattered` is the same pull with no pool: each block is received
+straight into the caller's places, run by run (:class:`Scatter`; ``recvmsg`` over the runs, then
+the bytes hashed where they landed, still in cache), and a verified key is reported loaded;
+weights subscribers land their shards this way.
+
 The server pins the slots of every ``get`` while it sends them (on top of the lease's pins) and
 sends each payload from a view of its slot (``sendmsg``, no copy).
 
@@ -44,6 +49,7 @@ from tpusync.cluster.dataplane.leases import Lease, LeaseTable
 from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
 from tpusync.cluster.dataplane.remote_pool import RemotePool
 from tpusync.cluster.dataplane.server import BlockServer, Served
+from tpusync.cluster.dataplane.stripes import Scatter
 from tpusync.errors import (
     FrameError,
     PeerUnavailableError,
@@ -62,6 +68,7 @@ __all__ = [
     "PullResult",
     "RemoteOperationUnsupportedError",
     "RemotePool",
+    "Scatter",
     "Served",
     "wire",
 ]

@@ -9,7 +9,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,7 @@ from tpusync import _core
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._connection import Connection, Deadline
-from tpusync.cluster.dataplane.frames import FrameBatch, frame_receiver, slot_addresses
+from tpusync.cluster.dataplane.frames import FrameBatch
 from tpusync.cluster.dataplane.protocol import (
     DEADLINE_FRACTION,
     MAX_ERROR_BYTES,
@@ -28,14 +28,14 @@ from tpusync.cluster.dataplane.protocol import (
     StreamError,
     parse_path,
 )
+from tpusync.cluster.dataplane.stripes import PoolStripe, Scatter, ScatterStripe, _Stripe
 from tpusync.cluster.registry.base import check_keys
 from tpusync.errors import (
     InvalidArgumentError,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
 )
-from tpusync.tiers.blocks import slot_checksums
-from tpusync.tiers.dram import HostPool, Reservation
+from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
 
 __all__ = ["BlockClient", "HeldBlocks", "PullResult"]
@@ -65,59 +65,6 @@ class HeldBlocks:
     present: list[bool]
     checksums: list[int]
     lapsed: bool = False
-
-
-class _Stripe:
-    """One connection's share of a pull: its blocks' keys, reserved slots and recorded
-    checksums, and what arrived (``ok``: verified, ``complete``: received whole, both over the
-    whole reservation)."""
-
-    def __init__(
-        self, reservation: Reservation, indices: np.ndarray, expected: np.ndarray, target: HostPool
-    ) -> None:
-        self.indices = indices
-        self.keys = [reservation.keys[i] for i in indices.tolist()]
-        self.slots = np.asarray(reservation.slots, dtype=np.int64)[indices]
-        self.expected = np.ascontiguousarray(np.asarray(expected, dtype=np.uint64)[indices])
-        self.target = target
-        self.size = target.layout.payload_bytes
-        self.limit = max(self.size, MAX_ERROR_BYTES)
-        n = len(reservation.keys)
-        self.ok = np.zeros(n, dtype=bool)
-        self.complete = np.zeros(n, dtype=bool)
-        self.nbytes = 0
-
-    def receiver(self, conn: Connection, rid: int, addresses: np.ndarray) -> _core.FrameReceiver:
-        assert conn.sock is not None
-        return frame_receiver(
-            conn.sock, rid, self.keys, self.target.layout, self.expected, addresses
-        )
-
-    def take_results(self, receiver: _core.FrameReceiver) -> None:
-        """Adds what ``receiver`` received (its blocks verified or failed) to the stripe's."""
-        results = receiver.results
-        self.complete[self.indices[results != 0]] = True
-        self.ok[self.indices[results == 1]] = True
-        self.nbytes += receiver.bytes_received
-
-    def receive_block(
-        self, conn: Connection, j: int, header: wire.FrameHeader, deadline: Deadline
-    ) -> None:
-        """Receives block ``j``'s payload into its slot, hashed piece by piece as it lands
-        (while its bytes are still in cache), and judges it."""
-        layout = self.target.layout
-        i, expected = int(self.indices[j]), int(self.expected[j])
-        hasher = _core.PieceHasher(*layout.piece_table)
-        with self.target.slot_memory(int(self.slots[j])) as memory, memory[: self.size] as payload:
-            conn.recv_into(payload, deadline, hasher)
-        self.nbytes += self.size
-        self.complete[i] = True
-        self.ok[i] = (
-            header.fingerprint == layout.fingerprint
-            and header.checksum == expected
-            and hasher.complete
-            and int(slot_checksums(hasher.digests[None, :])[0]) == expected
-        )
 
 
 class BlockClient:
@@ -361,44 +308,123 @@ class BlockClient:
     def _pull_batch(
         self, keys: list[bytes], target: HostPool, loaded: dict[bytes, bool]
     ) -> PullResult:
-        result = PullResult(loaded=[])
         reservation = target.reserve(keys)  # TierFullError: nothing taken
         reserved = set(reservation.keys)
         others = [k for k in keys if k not in reserved]
         if others:
             loaded.update(zip(others, target.contains(others), strict=True))
         if not reservation.keys:
-            return result
-        n = len(reservation.keys)
+            return PullResult(loaded=[])
+        try:
+            good, expected, result = self._receive_leased(
+                reservation.keys,
+                lambda indices, sums: PoolStripe(
+                    reservation.keys, indices, sums, target, reservation.slots
+                ),
+            )
+        except BaseException:
+            target.abort(reservation)  # no stripe writes into a slot any more
+            raise
+        if (~good).any():
+            target.abort(reservation.subset(~good))
+        if good.any():
+            target.commit(reservation.subset(good), expected[good])
+        loaded.update(zip(reservation.keys, good.tolist(), strict=True))
+        return result
+
+    def pull_scattered(
+        self,
+        keys: Sequence[bytes],
+        layout: PoolLayout,
+        scatter: Scatter,
+        *,
+        checksums: np.ndarray | None = None,
+    ) -> list[bool]:
+        """Receives the server's blocks under ``keys`` (distinct) straight into the places
+        ``scatter`` gives each (see :class:`~tpusync.cluster.dataplane.stripes.Scatter`), with
+        no pool and no copy after; returns for each key whether its bytes arrived verified.
+
+        ``layout`` is the server's block layout (its fingerprint and piece table check each
+        block). ``checksums`` (optional, one per key) are what the blocks must be: one the
+        server recorded otherwise is not fetched (e.g. a manifest's checksums, so that nothing
+        but what it names is taken). A key is False as in :meth:`pull` or for that reason; its
+        places may then hold anything. Raises
+        InvalidArgumentError (repeated keys, a scatter that does not fit, another layout than
+        the server's), AuthenticationError, or PeerUnavailableError when no lease could be
+        taken."""
+        keys = check_keys(keys)
+        if len(set(keys)) != len(keys):
+            raise InvalidArgumentError("keys: each key once (a block lands in one place)")
+        if not isinstance(layout, PoolLayout):
+            raise InvalidArgumentError(
+                f"layout: expected a PoolLayout, got {type(layout).__name__}"
+            )
+        if self.fingerprint and layout.fingerprint != self.fingerprint:
+            raise InvalidArgumentError(
+                "layout: not the block layout the server serves (its fingerprint differs)"
+            )
+        scatter = scatter.checked(len(keys), layout.payload_bytes)
+        required = None
+        if checksums is not None:
+            required = np.asarray(checksums)
+            if required.shape != (len(keys),) or required.dtype.kind not in "ui":
+                raise InvalidArgumentError(
+                    f"checksums: expected one unsigned 64-bit checksum per key ({len(keys)}), "
+                    f"got shape {required.shape} of {required.dtype}"
+                )
+            required = required.astype(np.uint64)
+        loaded: list[bool] = []
+        with self._lock:
+            self._check_open()
+            for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+                batch = keys[i : i + MAX_KEYS_PER_REQUEST]
+                base = np.arange(i, i + len(batch))
+
+                def stripe(indices: np.ndarray, sums: np.ndarray, batch=batch, base=base) -> Any:
+                    return ScatterStripe(batch, indices, sums, layout, scatter, base[indices])
+
+                part = None if required is None else required[i : i + len(batch)]
+                good, _, _ = self._receive_leased(batch, stripe, part)
+                loaded.extend(good.tolist())
+        return loaded
+
+    def _receive_leased(
+        self,
+        keys: list[bytes],
+        make_stripe: Callable[[np.ndarray, np.ndarray], _Stripe],
+        required: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, PullResult]:
+        """Leases ``keys`` and receives them striped over the connections (``make_stripe``
+        makes each connection's share from its key indices and their recorded checksums; a key
+        recorded with another checksum than ``required`` is not fetched). Returns the mask of
+        verified keys (none when the lease lapsed), their recorded checksums and the counts.
+        When it raises, no stripe is receiving any more."""
+        result = PullResult(loaded=[])
+        n = len(keys)
         good = np.zeros(n, dtype=bool)
         jobs: list[Future[Any]] = []
         try:
             lease_conn = self._conns[0]
             start = time.monotonic()
-            params: dict[str, Any] = {"keys": [k.hex() for k in reservation.keys]}
+            params: dict[str, Any] = {"keys": [k.hex() for k in keys]}
             if self._ttl is not None:
                 params["ttl_s"] = self._ttl
             lease = self._request(lease_conn, "acquire", params)
             lease_id, present, expected, ttl = _check_lease(lease, n)
             deadline = Deadline(start + ttl * DEADLINE_FRACTION)
+            if required is not None:
+                present = present & (expected == required)
             wanted = np.flatnonzero(present)
             stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
             jobs += [
                 self._executor.submit(
-                    self._receive_stripe,
-                    conn,
-                    lease_id,
-                    reservation,
-                    stripe,
-                    expected,
-                    target,
-                    deadline,
+                    self._receive_stripe, conn, lease_id, make_stripe(stripe, expected), deadline
                 )
                 for conn, stripe in zip(self._conns, stripes, strict=True)
                 if len(stripe)
             ]
             self._keep_lease(jobs, lease_id, ttl, deadline)
-            wait(jobs)  # every stripe has stopped writing into the slots
+            wait(jobs)  # every stripe has stopped writing
             for job in jobs:
                 ok, corrupt, nbytes, error = job.result()
                 good |= ok
@@ -421,17 +447,11 @@ class BlockClient:
                     )
                 good[:] = False
         except BaseException:
-            wait(jobs)  # no stripe writes into a slot once it is aborted
-            target.abort(reservation)
+            wait(jobs)  # no stripe writes once it is aborted
             raise
-        if (~good).any():
-            target.abort(reservation.subset(~good))
-        if good.any():
-            target.commit(reservation.subset(good), expected[good])
-        loaded.update(zip(reservation.keys, good.tolist(), strict=True))
         if result.error is not None:
             log.warning("tpusync: pull from %s: %s", self.label, result.error)
-        return result
+        return good, expected, result
 
     def _keep_lease(
         self, jobs: list[Future[Any]], lease_id: int, ttl: float, deadline: Deadline
@@ -458,19 +478,11 @@ class BlockClient:
             deadline.at = asked + ttl * DEADLINE_FRACTION
 
     def _receive_stripe(
-        self,
-        conn: Connection,
-        lease_id: int,
-        reservation: Reservation,
-        indices: np.ndarray,
-        expected: np.ndarray,
-        target: HostPool,
-        deadline: Deadline,
+        self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
     ) -> tuple[np.ndarray, int, int, BaseException | None]:
-        """Receives the blocks ``indices`` of the reservation over ``conn``; returns the mask
-        of verified blocks (over the whole reservation), the corrupt count, the bytes received
-        and the failure that ended the stream early (if any)."""
-        stripe = _Stripe(reservation, indices, expected, target)
+        """Receives ``stripe``'s blocks over ``conn``; returns the mask of verified blocks
+        (over the whole pull), the corrupt count, the bytes received and the failure that
+        ended the stream early (if any)."""
         error: BaseException | None = None
         try:
             self._ensure(conn)
@@ -495,9 +507,9 @@ class BlockClient:
     ) -> None:
         """The stripe's frames through one :class:`_core.FrameReceiver` (the GIL released across
         blocks); the frames it does not expect are handled here, one at a time."""
-        with slot_addresses(stripe.target, stripe.slots) as addresses:
+        with stripe.landing():
             rid = conn.send_get(lease_id, stripe.keys)
-            receiver = stripe.receiver(conn, rid, addresses)
+            receiver = stripe.receiver(conn, rid)
             try:
                 try:
                     status = conn.receive_frames(receiver, deadline)
@@ -509,7 +521,7 @@ class BlockClient:
                     conn.drop()
                     self._ensure(conn)
                     rid = conn.send_get(lease_id, stripe.keys)
-                    receiver = stripe.receiver(conn, rid, addresses)
+                    receiver = stripe.receiver(conn, rid)
                     status = conn.receive_frames(receiver, deadline)
                 while status == _core.FRAMES_HEADER:  # a frame the receiver did not expect
                     j = receiver.index
@@ -522,7 +534,7 @@ class BlockClient:
                                 rid, conn)  # fmt: skip
             finally:
                 stripe.take_results(receiver)
-                del receiver  # before the pool's memory may go
+                del receiver  # before the memory it lands in may go
 
     def _receive_frames_in_python(
         self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline

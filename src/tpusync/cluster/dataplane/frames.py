@@ -126,15 +126,17 @@ def frame_receiver(
     keys: list[bytes],
     layout: PoolLayout,
     checksums: np.ndarray,
-    addresses: np.ndarray,
+    addresses: np.ndarray | None,
+    runs: tuple[np.ndarray, ...] | None = None,
 ) -> _core.FrameReceiver:
     """A native receiver of the BLOCK frames of ``keys`` (in order) for ``request_id``, each
-    with its recorded checksum, into the slots at ``addresses``."""
+    with its recorded checksum, into the slots at ``addresses`` (or scattered over ``runs``:
+    see :class:`_core.FrameReceiver`)."""
     checksums = np.ascontiguousarray(checksums, dtype=np.uint64)
     size = layout.payload_bytes
     headers = _core.block_frame_headers(
         request_id, keys, layout.fingerprint, size, checksums, CHECKSUM_SCHEME
     )
     return _core.FrameReceiver(
-        sock.fileno(), headers, addresses, checksums, size, *layout.piece_table
+        sock.fileno(), headers, addresses, checksums, size, *layout.piece_table, runs=runs
     )
