@@ -13,6 +13,7 @@ before any of it is used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -151,6 +152,12 @@ def _int(value: Any, what: str, low: int, high: int) -> int:
     return value
 
 
+@functools.lru_cache(maxsize=4096)
+def _check_tiling(shape: tuple[int, ...], itemsize: int, boxes: tuple[Any, ...]) -> None:
+    """Raises unless ``boxes`` tile ``shape`` (remembered: every version repeats its layout)."""
+    leaf_plan(shape, itemsize, boxes, boxes)
+
+
 def _parse(data: bytes, name: str, version: int) -> Manifest:
     if len(data) < 8:
         raise ValueError("shorter than its length field")
@@ -186,7 +193,7 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
         if len(boxes) != len(offsets) or not isinstance(item["path"], str):
             raise ValueError(f"leaves[{i}]: one offset per box and a path are required")
         if math.prod(shape):
-            leaf_plan(shape, dtype.itemsize, boxes, boxes)  # checks the boxes tile the shape
+            _check_tiling(shape, dtype.itemsize, boxes)
         entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets)
         for b, offset in enumerate(offsets):
             if offset + entry.box_bytes(b) > total:
