@@ -5,7 +5,7 @@ a plain BlockClient pull and an in-process jax.device_put reshard.
 A thin script: the benchmark lives in the package (:mod:`tpusync.bench.weights`, also run by
 ``tpusync bench all``); the command line is the same.
 
-    python benchmarks/weights.py [--scale 1100] [--repeats 3] [--json PATH]
+    python benchmarks/weights.py [--scale 1100] [--repeats 5] [--json PATH]
 """
 
 import sys

@@ -17,7 +17,7 @@ else.
 in the sampler's (the commands between processes are not counted); compilation is excluded
 (the first version is a warm-up).
 
-    python benchmarks/weights.py [--scale 1100] [--repeats 3] [--json PATH]
+    python benchmarks/weights.py [--scale 1100] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ LEAVES = 100
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--scale", type=int, default=1100, help="last-axis multiplier")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk")
     parser.add_argument("--json", default=None, help="default: the results scheme")
     return parser
@@ -153,6 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for child in children:
             child.answer(timeout=300)
         nbytes = 0
+        published: dict[str, Any] = {}
+        # tpusync's paths first, the peers after: each tool measured on a machine the other
+        # has left quiet (an orbax save just before slowed the next pull)
         for version in range(args.repeats + 1):  # version 0: the warm-up
             published = trainer.ask(f"{'publish' if version == 0 else 'again'} {version}", 600)
             nbytes = int(published["nbytes"])
@@ -167,21 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pulls[label] = answer
                 child.ask("prepare", 600)  # its next buffers, made before anything else runs
             raw = net.ask(f"rawpull {version} {published['chunks']} {published['address']}", 600)
-            offer = trainer.ask(f"jaxoffer {version + 1}", 600)
-            jax_pull = net.ask(f"jaxpull {version + 1} {offer['address']}", 600)
-            orbax: dict[str, Any] = {}
-            if have_orbax:
-                directory = os.path.join(scratch, f"v{version}")
-                orbax["save"] = trainer.ask(f"orbaxsave {directory}", 600)["seconds"]
-                orbax["restore"] = net.ask(f"orbaxrestore {directory}", 600)["seconds"]
-                shutil.rmtree(directory, ignore_errors=True)
             if version == 0:
                 continue
-            times["jax pull"].append(jax_pull["pull_seconds"])
-            times["jax e2e"].append(jax_pull["pull_seconds"] + jax_pull["reshard_seconds"])
-            if orbax:
-                times["orbax save"].append(orbax["save"])
-                times["orbax e2e"].append(orbax["save"] + orbax["restore"])
             times["publish"].append(published["seconds"])
             for label, answer in pulls.items():
                 times[f"{label} pull"].append(answer["seconds"])
@@ -189,10 +179,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 times[f"{label} e2e"].append(e2e)
                 commits.append(answer["commit_seconds"])
             times["raw pull"].append(raw["seconds"])
+        last = args.repeats
+        for round_ in range(args.repeats + 1):  # round 0: the warm-up
+            offer = trainer.ask(f"jaxoffer {last + 1 + round_}", 600)
+            jax_pull = net.ask(f"jaxpull {last + 1 + round_} {offer['address']}", 600)
+            orbax: dict[str, Any] = {}
+            if have_orbax:
+                directory = os.path.join(scratch, f"r{round_}")
+                orbax["save"] = trainer.ask(f"orbaxsave {directory}", 600)["seconds"]
+                orbax["restore"] = net.ask(f"orbaxrestore {directory}", 600)["seconds"]
+                shutil.rmtree(directory, ignore_errors=True)
+            if round_ == 0:
+                continue
+            times["jax pull"].append(jax_pull["pull_seconds"])
+            times["jax e2e"].append(jax_pull["pull_seconds"] + jax_pull["reshard_seconds"])
+            if orbax:
+                times["orbax save"].append(orbax["save"])
+                times["orbax e2e"].append(orbax["save"] + orbax["restore"])
         for child in (shm, net):  # their memory, before the trainer holds a sampler too
             child.stop()
         reshard = trainer.ask("reshard", 600)["reshard_seconds"]
-        first = args.repeats + 1
+        first = 2 * (args.repeats + 1)
         inproc = trainer.ask(
             "inproc " + " ".join(str(first + i) for i in range(args.repeats + 1)), 600
         )["seconds"]
