@@ -2,8 +2,9 @@
 bf16 over 100 leaves; sampler processes (mesh 2x4) pull each version and commit it, one from the
 trainer's /dev/shm (same host) and one over the data plane (loopback TCP), checksums on. In one
 run beside: the memory limit (:class:`~tpusync.bench.limits.MemoryLimit`: a copy of the same
-bytes on all cores) and the TCP limit (2 streams over loopback: the best of our own sender and
-receiver pair and one iperf3 process per stream), a plain ``BlockClient`` pull of the same
+bytes on all cores) and the TCP limit (2 streams over loopback: the better of our own sender
+and receiver pair, the median of its runs beside each version, and one iperf3 process per
+stream), a plain ``BlockClient`` pull of the same
 chunks (the data plane's own speed), ``jax.experimental.transfer`` (which pulls only into the
 trainer's own layout) plus a ``device_put`` into 2x4 in the sampler, orbax saving to /dev/shm
 in the trainer plus restoring into the 2x4 shardings in the sampler (``tpusync[bench]``
@@ -145,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     have_orbax = importlib.util.find_spec("orbax") is not None
     scratch = tempfile.mkdtemp(prefix="tpusync-bench-orbax-", dir="/dev/shm")
     commits: list[float] = []
+    tcp_runs: list[float] = []
     try:
         trainer = Child(["trainer", *common, "1", str(args.chunk_mib)], env)
         shm = Child(["sampler", *common[:2], "2x4", *common[2:], "1"], env)
@@ -172,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raw = net.ask(f"rawpull {version} {published['chunks']} {published['address']}", 600)
             if version == 0:
                 continue
+            # the TCP limit beside each version's pulls (the children idle): it varies from
+            # one minute to the next here as much as the pulls do
+            tcp_runs.append(loopback_tcp(2, nbytes).gbps)
             times["publish"].append(published["seconds"])
             for label, answer in pulls.items():
                 times[f"{label} pull"].append(answer["seconds"])
@@ -204,9 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "inproc " + " ".join(str(first + i) for i in range(args.repeats + 1)), 600
         )["seconds"]
         times["in-process e2e"] = inproc
-        for child in children:  # the TCP limit is measured with nothing else running
+        for child in children:  # iperf3 runs with nothing else running
             child.stop()
-        tcp = loopback_tcp(2, nbytes).gbps
+        tcp = median(tcp_runs)
         iperf = 0.0
         if shutil.which("iperf3"):
             with Iperf3PerStream(2) as servers:
@@ -281,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "nbytes": nbytes,
             "leaves": LEAVES,
             "limit": {"gbps": lim, "method": found.method},
-            "tcp_limit": {"gbps": net_lim, "ours": tcp, "iperf3": iperf},
+            "tcp_limit": {"gbps": net_lim, "ours": tcp, "ours_runs": tcp_runs, "iperf3": iperf},
             "reshard_device_put_gbps": gb / reshard,
             "gbps": gbps,
             "runs_gbps": runs,
