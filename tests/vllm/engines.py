@@ -30,13 +30,15 @@ def build_model(path: Path, seed: int) -> Path:
     )  # fmt: skip
 
 
-def transfer_config(extra: dict[str, Any] | None, policy: str = "fail", **kw: Any) -> Any:
+def transfer_config(
+    extra: dict[str, Any] | None, policy: str = "fail", role: str = "kv_both", **kw: Any
+) -> Any:
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
         kv_connector="TpuSyncConnector",
         kv_connector_module_path="tpusync.connectors.vllm",
-        kv_role="kv_both",
+        kv_role=role,
         kv_connector_extra_config=extra or {},
         kv_load_failure_policy=policy,
         **kw,
@@ -73,14 +75,31 @@ def generate(
     llm: Any, prompts: list[list[int]], max_tokens: int = 8
 ) -> list[tuple[list[int], int]]:
     """Each prompt's greedy tokens and ``num_cached_tokens`` (vLLM's and the connector's)."""
+    return [(tokens, cached) for tokens, cached, _ in generate_with(llm, prompts, max_tokens)]
+
+
+def generate_with(
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> list[tuple[list[int], int, dict[str, Any] | None]]:
+    """:func:`generate` with ``kv_transfer_params`` given to each request (as a proxy in front
+    of disaggregated engines passes them), and each output's own."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra
+    )
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
     )
-    return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outputs]
+    return [
+        (list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), o.kv_transfer_params)
+        for o in outputs
+    ]
 
 
 def worker_of(llm: Any) -> Any:

@@ -38,18 +38,19 @@ class TpuSyncConnector(KVConnectorBase_V1):
     kv_connector_extra_config={...})`` (the plain form of :class:`~tpusync.kv.KVStoreConfig`:
     see :mod:`tpusync.connectors.vllm.settings`); add
     ``kv_connector_module_path="tpusync.connectors.vllm"`` where the ``tpusync`` plugin is not
-    installed."""
+    installed.
+
+    Disaggregated serving: prefill engines run ``kv_role="kv_producer"`` (they save, and
+    :meth:`request_finished` returns ``{"tpusync": {"blocks": n}}`` as the request's
+    ``kv_transfer_params``), decode engines ``"kv_consumer"`` (they load; a request carrying
+    those params waits up to ``remote_wait_s`` for the blocks to reach the store), both with a
+    store they share (a store node, or peers found through a registry)."""
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        if transfer.kv_role not in ("kv_both",):
-            raise InvalidArgumentError(
-                f"kv_role: {transfer.kv_role!r} is not served by TpuSyncConnector yet; use "
-                "'kv_both' (an engine saving and reusing its own KV)"
-            )
         cache = vllm_config.cache_config
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
@@ -66,6 +67,7 @@ class TpuSyncConnector(KVConnectorBase_V1):
             tp_size=1,
             num_blocks=num_blocks if role == KVConnectorRole.WORKER else None,
             engine_id=str(transfer.engine_id),
+            role=str(transfer.kv_role),
         )
         check_stable_hashing(
             str(cache.prefix_caching_hash_algo), allow_xxhash=self._settings.allow_xxhash
@@ -117,8 +119,7 @@ class TpuSyncConnector(KVConnectorBase_V1):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.finished(request)
-        return False, None
+        return False, self._scheduler.finished(request)
 
     def take_events(self) -> Iterable[Any]:
         assert self._scheduler is not None

@@ -24,6 +24,8 @@ log = logging.getLogger("tpusync.connectors.vllm")
 # how long a scheduling step waits for a new lookup's answer before asking again next step
 # (local tiers answer well within it; a store node's lookup over the network may not)
 FIRST_WAIT_S = 0.01
+# while a producer's announced blocks are not all in the store: the pause between lookups
+REMOTE_RETRY_S = 0.05
 
 
 @dataclass
@@ -68,6 +70,8 @@ class SchedulerSide:
         self._events: list[Any] = []  # the worker's KV events, until vLLM takes them
         self._issued: dict[str, int] = {}  # req_id -> its last lookup's sequence
         self._asking: dict[str, _Asking] = {}
+        # requests waiting for a producer's blocks: req_id -> (waiting since, next lookup at)
+        self._awaiting: dict[str, tuple[float, float]] = {}
         # one thread asks (the socket client is one connection): a stuck lookup delays the
         # next ones, which become misses at their deadlines, never the scheduler
         self._asker = concurrent.futures.ThreadPoolExecutor(1, "tpusync-vllm-lookup")
@@ -83,10 +87,13 @@ class SchedulerSide:
         store holds in full blocks, leaving the last token to vLLM; asynchronous when any is
         below DRAM. ``None`` while the worker side has not answered yet (vLLM asks again next
         step); no answer within ``lookup_timeout_s`` is a miss."""
+        if self.settings.role == "kv_producer":
+            return 0, False  # a prefill engine computes; it only saves
         req_id = request.request_id
         bs = self.block_size
         local = num_computed_tokens // bs
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
+        announced = min(self._announced(request), usable)
         asking = self._asking.get(req_id)
         if asking is not None and (asking.local_blocks, asking.usable_blocks) != (local, usable):
             del self._asking[req_id]  # asked about other blocks: that answer is of no use
@@ -97,6 +104,9 @@ class SchedulerSide:
             self._forget_lookup(req_id)
             if usable <= local:
                 return 0, False
+            awaiting = self._awaiting.get(req_id)
+            if awaiting is not None and time.monotonic() < awaiting[1]:
+                return None, False  # a producer's blocks are on their way: look again soon
             asking = self._start_lookup(request, local, usable)
             wait = FIRST_WAIT_S
         try:
@@ -110,6 +120,11 @@ class SchedulerSide:
             answer = None
             log.warning("tpusync vllm: the lookup of %s failed (a miss): %s", req_id, error)
         del self._asking[req_id]
+        short = answer is None or local + answer[0] < announced
+        if announced > local and short and self._keep_waiting(req_id):
+            self._release(req_id, asking.sequence)  # what it found is looked up again
+            return None, False
+        self._awaiting.pop(req_id, None)
         if answer is None:  # a miss; whatever it pinned (or pins later) is released
             self._release(req_id, asking.sequence)
             return 0, False
@@ -118,6 +133,42 @@ class SchedulerSide:
             return 0, False
         self._lookups[req_id] = _Lookup(asking.sequence, local, blocks, is_async)
         return blocks * bs, is_async
+
+    def _announced(self, request: Any) -> int:
+        """The blocks a producer saved for ``request``, as its ``kv_transfer_params`` say
+        (``{"tpusync": {"blocks": n}}``, what :meth:`finished` returns on the producer); 0 when
+        they say nothing of it, or nothing valid (a client's own params never stall a
+        request)."""
+        params = getattr(request, "kv_transfer_params", None)
+        ours = params.get("tpusync") if isinstance(params, dict) else None
+        if ours is None:
+            return 0
+        blocks = ours.get("blocks") if isinstance(ours, dict) else None
+        if type(blocks) is not int or blocks < 0:
+            log.warning(
+                'tpusync vllm: %s: kv_transfer_params["tpusync"] is not {"blocks": n}; '
+                "ignored (%.100r)",
+                request.request_id,
+                ours,
+            )
+            return 0
+        return blocks
+
+    def _keep_waiting(self, req_id: str) -> bool:
+        """Whether a request whose announced blocks are not all in the store yet waits on (and
+        when it looks again), or has waited ``remote_wait_s`` and computes the rest."""
+        now = time.monotonic()
+        since = self._awaiting.get(req_id, (now, now))[0]
+        if now - since >= self.settings.remote_wait_s:
+            log.warning(
+                "tpusync vllm: %s: the producer's blocks did not all reach the store within "
+                "remote_wait_s (%g s); the rest is computed",
+                req_id,
+                self.settings.remote_wait_s,
+            )
+            return False
+        self._awaiting[req_id] = (since, now + REMOTE_RETRY_S)
+        return True
 
     def _start_lookup(self, request: Any, local: int, usable: int) -> _Asking:
         req_id = request.request_id
@@ -198,6 +249,8 @@ class SchedulerSide:
     def _add_save(
         self, meta: TpuSyncMetadata, req_id: str, tracked: _Tracked, computed: int
     ) -> None:
+        if self.settings.role == "kv_consumer":
+            return  # a decode engine loads; it saves nothing
         hashes = tracked.request.block_hashes
         full = min(computed // self.block_size, len(hashes), len(tracked.block_ids))
         if full <= tracked.saved_blocks:
@@ -239,16 +292,21 @@ class SchedulerSide:
                 tracked.saved_blocks = min(tracked.saved_blocks, bad[0])
                 tracked.loaded = range(0)  # what failed to load is saved once recomputed
 
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Any) -> dict[str, Any] | None:
         """vLLM's ``request_finished``: forget the request (its saves are already copied out
-        of its blocks: the worker waits for that within the step)."""
+        of its blocks: the worker waits for that within the step). A producer returns the
+        request's ``kv_transfer_params``: how many of its leading blocks it saved."""
         req_id = request.request_id
-        self._tracked.pop(req_id, None)
+        tracked = self._tracked.pop(req_id, None)
+        self._awaiting.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._asking.pop(req_id, None)
         last = self._issued.pop(req_id, None)
         if last is not None:  # every lookup of it, also one that answers late
             self._release(req_id, last)
+        if self.settings.role != "kv_producer":
+            return None
+        return {"tpusync": {"blocks": tracked.saved_blocks if tracked is not None else 0}}
 
     def close(self) -> None:
         self._asker.shutdown(wait=True, cancel_futures=True)

