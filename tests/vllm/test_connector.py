@@ -459,5 +459,5 @@ def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
     out, _ = child.communicate(request + "\n", timeout=110)
     assert child.returncode == 0
     answer = json.loads(out.strip().splitlines()[-1])
-    assert answer == {"tokens": reference, "cached": FULL}
+    assert (answer["tokens"], answer["cached"]) == (reference, FULL)
     assert not list(Path(sockets).glob("*.sock"))  # the worker removed its socket

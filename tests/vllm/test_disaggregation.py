@@ -8,7 +8,12 @@ one engine alone. Blocks that never arrive are computed after ``remote_wait_s``.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import select
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +27,7 @@ from tpusync.connectors.vllm.settings import read_settings
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.processes import start_store_node, stop_process
 
+HERE = Path(__file__).parent
 rng = np.random.default_rng(20261204)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
 FULL = (len(PROMPT) - 1) // BLOCK * BLOCK
@@ -79,6 +85,82 @@ def test_a_consumer_decodes_from_the_producers_blocks(model, reference, tmp_path
             assert stats["store"]["loaded_blocks"] == FULL // BLOCK
             assert stats["tiers"]["node"]["hits"] == FULL // BLOCK
             assert stats["store"]["saved_blocks"] == 0  # a consumer writes nothing back
+
+
+@pytest.fixture(scope="module")
+def producer_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """``serve_once.py`` (vLLM's multi-process engine: its front, engine-core and worker
+    processes), started when this module starts so that its import of vLLM overlaps the tests
+    before the one that uses it; stopped by its pid group."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
+    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "serve_once.py")],
+        cwd=HERE,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_the_producer_early(producer_front: subprocess.Popen) -> None:
+    """Starts :func:`producer_front` with the module's first test."""
+
+
+def _line_before(child: subprocess.Popen, deadline: float) -> str | None:
+    """The child's next stdout line, or None when it closes or the deadline passes."""
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    line = child.stdout.readline() if ready else ""
+    return line.strip() if line else None
+
+
+def test_a_producer_in_other_processes_feeds_a_consumer_here(
+    model, reference, tmp_path, producer_front
+) -> None:
+    """The producer is vLLM's multi-process engine in other processes; it answers before its
+    saves are written back (a proxy forwards at once), and the consumer here, its own process,
+    gets every announced block from the node."""
+    child = producer_front
+    deadline = time.monotonic() + 110
+    while (line := _line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
+        assert line is not None, "serve_once.py ended or hung before it was ready"
+    with shared_node(tmp_path) as (_, kv):
+        request = {"model": str(model), "kv": kv, "prompt": PROMPT, "executor": "mp",
+                   "role": "kv_producer", "max_tokens": 1}  # fmt: skip
+        assert child.stdin is not None
+        child.stdin.write(json.dumps(request) + "\n")
+        child.stdin.flush()
+        answer = None
+        while answer is None:
+            line = _line_before(child, deadline)
+            assert line is not None, "the producer ended or hung before it answered"
+            if line.startswith("{"):
+                answer = json.loads(line)
+        assert answer["tokens"] == reference[:1]
+        assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
+        with engine(model, transfer_config(kv, role="kv_consumer")) as consumer:
+            ((tokens, cached, _),) = generate_with(
+                consumer, [PROMPT], kv_transfer_params=answer["params"]
+            )
+            assert (tokens, cached) == (reference, FULL)
+            settle(worker_of(consumer))
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
 
 
 def test_blocks_that_never_arrive_are_computed_after_the_wait(model, reference, tmp_path) -> None:
