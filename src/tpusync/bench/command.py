@@ -1,6 +1,6 @@
-"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|weights|vllm_ttft|sglang_hicache|all]
-[--quick] [--json] [--plot DIR]`` (``vllm_ttft`` where vLLM is installed, ``sglang_hicache``
-where SGLang is):
+"""``tpusync bench [transfer|tiers|prefix|network|mac_cost|weights|vllm_ttft|vllm_disagg|
+sglang_hicache|all] [--quick] [--json] [--plot DIR]`` (``vllm_ttft`` and ``vllm_disagg`` where
+vLLM is installed, ``sglang_hicache`` where SGLang is):
 runs the benchmarks against their physical limits, writes each result in the scheme
 ``<results>/<bench>/<commit>-<machine>.json`` and regenerates ``RESULTS.md`` beside them."""
 
@@ -45,9 +45,10 @@ def have_vllm() -> bool:
 
 
 if have_vllm():  # the vLLM environment (.venv-vllm)
-    from tpusync.bench import vllm_ttft
+    from tpusync.bench import vllm_disagg, vllm_ttft
 
     BENCHES["vllm_ttft"] = (vllm_ttft.main, vllm_ttft.QUICK, ("--repeats",))
+    BENCHES["vllm_disagg"] = (vllm_disagg.main, vllm_disagg.QUICK, ("--repeats",))
 
 
 def have_sglang() -> bool:

@@ -301,6 +301,28 @@ def _generic(record: dict[str, Any]) -> Table:
     return ["figure", "value"], rows
 
 
+def _vllm_disagg(record: dict[str, Any]) -> Table:
+    headers = ["tokens", "cold ms", "consumer TTFT ms (x cold)", "transfer GB/s",
+               "data plane GB/s", "transfer x data plane", "ExampleConnector consumer ms",
+               "same tokens"]  # fmt: skip
+    rows = []
+    for r in record.get("results", []):
+        ours, peer = r.get("tpusync") or {}, r.get("ExampleConnector") or {}
+        runs = [r.get("cold_ttft_s_runs"), ours.get("ttft_s_runs"), ours.get("load_s_runs"),
+                r.get("data_plane_s_runs"), peer.get("ttft_s_runs")]  # fmt: skip
+        if not all(runs):
+            continue
+        cold, ttft, load, plane, example = (float(np.median(v)) for v in runs)  # type: ignore[arg-type]
+        gb = float(r.get("loaded_bytes", 0)) / 1e9
+        same = ours.get("outputs_equal") and peer.get("outputs_equal")
+        rows.append([
+            str(r.get("tokens")), _num(cold * 1e3, 1),
+            f"{ttft * 1e3:.1f} ({ttft / cold:.2f}x)", _num(gb / load), _num(gb / plane),
+            _ratio(gb / load, gb / plane), _num(example * 1e3, 1), "yes" if same else "NO",
+        ])  # fmt: skip
+    return headers, rows
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "transfer": _transfer,
     "tiers": _tiers,
@@ -308,6 +330,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
     "network": _network,
     "mac_cost": _mac_cost,
     "vllm_ttft": _vllm_ttft,
+    "vllm_disagg": _vllm_disagg,
     "vllm_load_contention": _vllm_load_contention,
     "sglang_hicache": _sglang_hicache,
     "weights": _weights,

