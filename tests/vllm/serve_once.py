@@ -32,6 +32,8 @@ def main() -> None:
         # answered before the engine shuts down: a consumer may ask for the blocks while the
         # saves are still being written back
         print(json.dumps({"tokens": tokens, "cached": cached, "params": params}), flush=True)
+        if request.get("hold"):  # serving its DRAM to a consumer: until told it is done
+            sys.stdin.readline()
 
 
 if __name__ == "__main__":

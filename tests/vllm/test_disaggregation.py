@@ -87,11 +87,10 @@ def test_a_consumer_decodes_from_the_producers_blocks(model, reference, tmp_path
             assert stats["store"]["saved_blocks"] == 0  # a consumer writes nothing back
 
 
-@pytest.fixture(scope="module")
-def producer_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+@contextlib.contextmanager
+def _front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     """``serve_once.py`` (vLLM's multi-process engine: its front, engine-core and worker
-    processes), started when this module starts so that its import of vLLM overlaps the tests
-    before the one that uses it; stopped by its pid group."""
+    processes), stopped by its pid group."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
     env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
@@ -116,9 +115,40 @@ def producer_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subproc
                 pipe.close()
 
 
+@pytest.fixture(scope="module")
+def producer_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """A producer's front, started when this module starts so that its import of vLLM
+    overlaps the tests before the one that uses it."""
+    with _front(tmp_path_factory) as child:
+        yield child
+
+
+@pytest.fixture(scope="module")
+def serving_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """Another producer's front (each serves one request), started early too."""
+    with _front(tmp_path_factory) as child:
+        yield child
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _start_the_producer_early(producer_front: subprocess.Popen) -> None:
-    """Starts :func:`producer_front` with the module's first test."""
+def _start_the_producers_early(
+    producer_front: subprocess.Popen, serving_front: subprocess.Popen
+) -> None:
+    """Starts both fronts with the module's first test."""
+
+
+def _produce(child: subprocess.Popen, request: dict[str, Any], deadline: float) -> dict:
+    """Sends ``request`` to a front once it is ready; returns its answer."""
+    while (line := _line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
+        assert line is not None, "serve_once.py ended or hung before it was ready"
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(request) + "\n")
+    child.stdin.flush()
+    while True:
+        line = _line_before(child, deadline)
+        assert line is not None, "the producer ended or hung before it answered"
+        if line.startswith("{"):
+            return json.loads(line)
 
 
 def _line_before(child: subprocess.Popen, deadline: float) -> str | None:
@@ -136,21 +166,11 @@ def test_a_producer_in_other_processes_feeds_a_consumer_here(
     saves are written back (a proxy forwards at once), and the consumer here, its own process,
     gets every announced block from the node."""
     child = producer_front
-    deadline = time.monotonic() + 110
-    while (line := _line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
-        assert line is not None, "serve_once.py ended or hung before it was ready"
     with shared_node(tmp_path) as (_, kv):
         request = {"model": str(model), "kv": kv, "prompt": PROMPT, "executor": "mp",
                    "role": "kv_producer", "max_tokens": 1}  # fmt: skip
+        answer = _produce(child, request, time.monotonic() + 110)
         assert child.stdin is not None
-        child.stdin.write(json.dumps(request) + "\n")
-        child.stdin.flush()
-        answer = None
-        while answer is None:
-            line = _line_before(child, deadline)
-            assert line is not None, "the producer ended or hung before it answered"
-            if line.startswith("{"):
-                answer = json.loads(line)
         assert answer["tokens"] == reference[:1]
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
         with engine(model, transfer_config(kv, role="kv_consumer")) as consumer:
@@ -161,6 +181,38 @@ def test_a_producer_in_other_processes_feeds_a_consumer_here(
             settle(worker_of(consumer))
         child.stdin.close()
         assert child.wait(timeout=60) == 0
+
+
+def test_a_consumer_pulls_straight_from_a_serving_producer(
+    model, reference, tmp_path, serving_front
+) -> None:
+    """No store between them: the producer (other processes) serves its DRAM and lists its
+    blocks in a registry (``serve``); the consumer finds them there (a ``registry`` tier) and
+    pulls them from the producer over the data plane."""
+    child = serving_front
+    node, ready = start_store_node(tmp_path, bytes(range(9, 41)), 16 << 20)  # its registry
+    try:
+        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
+                  "dram": {"capacity_blocks": 64}}  # fmt: skip
+        produce = {**common, "serve": {"registry": ready["registry"]}}
+        request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
+                   "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
+        answer = _produce(child, request, time.monotonic() + 110)
+        assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
+        consume = {**common, "registry": {"address": ready["registry"]}}
+        with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
+            ((tokens, cached, _),) = generate_with(
+                consumer, [PROMPT], kv_transfer_params=answer["params"]
+            )
+            assert (tokens, cached) == (reference, FULL)
+            stats = settle(worker_of(consumer))
+            assert stats["tiers"]["cluster"]["hits"] == FULL // BLOCK
+        assert child.stdin is not None
+        child.stdin.write("done\n")
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+    finally:
+        stop_process(node)
 
 
 def test_blocks_that_never_arrive_are_computed_after_the_wait(model, reference, tmp_path) -> None:
@@ -194,6 +246,17 @@ def test_roles_and_the_wait_are_checked() -> None:
     assert read_settings({}, **common).remote_wait_s == 10.0
     with pytest.raises(InvalidArgumentError, match="kv_role"):
         read_settings({}, role="kv_both_ways", **common)
+    serving = read_settings({"serve": {"registry": "127.0.0.1:7"}}, **common).serve
+    assert serving is not None and (serving.host, serving.port) == ("127.0.0.1", 0)
+    wrong = [
+        ({"registry": "nowhere"}, "serve.registry"),
+        ({"registry": "h:1", "port": -1}, "serve.port"),
+        ({"registry": "h:1", "hots": "x"}, "serve.hots"),
+        ("h:1", "serve: expected an object"),
+    ]
+    for bad, match in wrong:
+        with pytest.raises(InvalidArgumentError, match=match):
+            read_settings({"serve": bad}, **common)
     for wait in (0, -1, "5", True, 7200):
         with pytest.raises(InvalidArgumentError, match="remote_wait_s"):
             read_settings({"remote_wait_s": wait}, **common)

@@ -38,6 +38,10 @@ CONNECTOR_KEYS = {
         "run a load the forward waits for on the engine's own OpenMP threads (true, the "
         "default) or on tpusync's copy threads (false)"
     ),
+    "serve": (
+        "serve this engine's DRAM tier to peers and list its blocks in a registry: "
+        '{"registry": "host:port", "host": "127.0.0.1", "port": 0, "node_id": <engine id>}'
+    ),
     "remote_wait_s": (
         "how long a request whose kv_transfer_params announce a producer's blocks waits for "
         "them to reach the store (then it computes what is missing)"
@@ -74,6 +78,8 @@ class ConnectorSettings:
         engine) only saves and announces what it saved in ``kv_transfer_params``,
         ``kv_consumer`` (a decode engine) only loads.
       remote_wait_s: how long a request announced by a producer waits for its blocks.
+      serve: where the worker serves its DRAM tier and which registry lists it (a producer
+        whose consumers pull from it directly, with a ``"registry"`` tier), or None.
     """
 
     store: KVStoreConfig
@@ -85,6 +91,45 @@ class ConnectorSettings:
     copy_on_openmp_team: bool = True
     role: str = "kv_both"
     remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
+    serve: ServeSettings | None = None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """``kv_connector_extra_config.serve``: the worker's DRAM served over the data plane at
+    ``host``:``port`` (0: any free port) and listed in the registry at ``registry`` as
+    ``node_id``."""
+
+    registry: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    node_id: str = ""
+
+
+def _serve(value: Any, engine_id: str) -> ServeSettings | None:
+    if value is None:
+        return None
+    where = f"{WHERE}.serve"
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"{where}: expected an object, got {type(value).__name__}")
+    unknown = set(value) - {"registry", "host", "port", "node_id"}
+    if unknown:
+        raise InvalidArgumentError(
+            f"{where}.{sorted(unknown)[0]}: unknown key; serve takes registry, host, port, node_id"
+        )
+    registry = value.get("registry")
+    if not isinstance(registry, str) or ":" not in registry:
+        raise InvalidArgumentError(f"{where}.registry: expected 'host:port', got {registry!r}")
+    host = value.get("host", "127.0.0.1")
+    port = value.get("port", 0)
+    node_id = value.get("node_id", f"vllm-{engine_id}")
+    if not isinstance(host, str) or not host:
+        raise InvalidArgumentError(f"{where}.host: expected a host name, got {host!r}")
+    if type(port) is not int or not 0 <= port <= 65535:
+        raise InvalidArgumentError(f"{where}.port: expected 0 to 65535, got {port!r}")
+    if not isinstance(node_id, str) or not node_id:
+        raise InvalidArgumentError(f"{where}.node_id: expected a name, got {node_id!r}")
+    return ServeSettings(registry, host, port, node_id)
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:
@@ -207,6 +252,7 @@ def read_settings(
         remote_wait_s=_timeout(
             own.get("remote_wait_s", DEFAULT_REMOTE_WAIT_S), "remote_wait_s", 3600
         ),
+        serve=_serve(own.get("serve"), engine_id),
     )
 
 

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from tpusync.cluster import RemoteRegistry
+from tpusync.cluster.serving import serve
 from tpusync.connectors.vllm.events import BlockEventLog
 from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
@@ -63,6 +65,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._sync_failure = False  # a load this step's forward reads failed
         self._durable: set[concurrent.futures.Future[Any]] = set()
+        self._registry: Any = None  # the registry ``serve`` lists this worker's DRAM in
         self.events = BlockEventLog(settings.store.block_size, _capacity_blocks(settings.store))
         # the last loads (the store's LoadResults): for logs, stats and benchmarks
         self.recent_loads: collections.deque[Any] = collections.deque(maxlen=1024)
@@ -102,6 +105,7 @@ class WorkerSide:
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
         try:
+            self._serve_peers()
             self._server = LookupServer(self.settings.socket_path, self.answer)
         except BaseException:
             self.store.close()
@@ -116,6 +120,25 @@ class WorkerSide:
             self.store.num_device_blocks,
             self.store.layout.payload_bytes,
             self.settings.socket_path,
+        )
+
+    def _serve_peers(self) -> None:
+        """Serves the DRAM tier to peers and lists it in the registry, when ``serve`` says
+        (``store.close()`` stops both)."""
+        wanted = self.settings.serve
+        if wanted is None or self.store is None:
+            return
+        secret = self.settings.store.secret
+        registry = RemoteRegistry(wanted.registry, secret=secret)
+        self._registry = registry
+        server = serve(
+            self.store, registry, wanted.node_id, secret=secret, host=wanted.host, port=wanted.port
+        )
+        log.info(
+            "tpusync vllm: serving DRAM at %s as %s, listed in %s",
+            server.address,
+            wanted.node_id,
+            wanted.registry,
         )
 
     # --- lookups (any thread) ---------------------------------------------------------------
@@ -359,7 +382,10 @@ class WorkerSide:
             if result.open:
                 store.release(result)
         store.flush(timeout=CLOSE_TIMEOUT_S)
-        store.close()
+        store.close()  # and the server and registry node of ``serve``
+        if self._registry is not None:
+            self._registry.close()
+            self._registry = None
 
 
 def _done(value: Any) -> concurrent.futures.Future[Any]:
