@@ -375,7 +375,7 @@ cdef enum:
     _MAX_IOVS = 64  # places one read fills at most (scattered payloads)
 
 
-def _checked_runs(runs, Py_ssize_t n, uint64_t size):
+cdef tuple _checked_runs(runs, Py_ssize_t n, uint64_t size):
     """``runs`` as contiguous arrays, after checking they tile each of ``n`` payloads of
     ``size`` bytes (ValueError otherwise)."""
     try:

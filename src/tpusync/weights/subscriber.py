@@ -220,6 +220,8 @@ class Subscriber:
             max_workers=native.copy_threads(),  # every core lands chunks
             thread_name_prefix="tpusync-weights",
         )
+        # a thread made now: commit() hands it the next buffers, never waits for one to start
+        self._executor.submit(int)
         self._live: _Pulled | None = None
         self._shadow: _Pulled | None = None
         self._retired: _Pulled | None = None
@@ -619,10 +621,15 @@ class Subscriber:
                     len(todo),
                 )
                 retried = len(todo)
+        kept = (
+            "the arrays are torn (in place)"
+            if self.in_place
+            else "the committed version is untouched"
+        )
         raise WeightSyncError(
             f"version {manifest.version}: chunks {todo.tolist()[:8]} could not be pulled "
             f"verified from {client.label} twice (damaged, or the publisher dropped the "
-            "version or stopped serving); the committed version is untouched"
+            f"version or stopped serving); {kept}"
         )
 
     def _replicate(self, buffers: _Buffers) -> None:

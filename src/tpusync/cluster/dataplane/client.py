@@ -364,6 +364,8 @@ class BlockClient:
                 "layout: not the block layout the server serves (its fingerprint differs)"
             )
         scatter = scatter.checked(len(keys), layout.payload_bytes)
+        if not keys:
+            return []
         required = None
         if checksums is not None:
             required = np.asarray(checksums)
@@ -415,14 +417,17 @@ class BlockClient:
             if required is not None:
                 present = present & (expected == required)
             wanted = np.flatnonzero(present)
-            stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
-            jobs += [
-                self._executor.submit(
-                    self._receive_stripe, conn, lease_id, make_stripe(stripe, expected), deadline
-                )
-                for conn, stripe in zip(self._conns, stripes, strict=True)
-                if len(stripe)
+            shares = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
+            # every stripe made before any receives: one that fails to be made stops none
+            stripes = [
+                (conn, make_stripe(share, expected))
+                for conn, share in zip(self._conns, shares, strict=True)
+                if len(share)
             ]
+            for conn, stripe in stripes:
+                jobs.append(
+                    self._executor.submit(self._receive_stripe, conn, lease_id, stripe, deadline)
+                )
             self._keep_lease(jobs, lease_id, ttl, deadline)
             wait(jobs)  # every stripe has stopped writing
             for job in jobs:

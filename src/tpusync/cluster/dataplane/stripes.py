@@ -60,10 +60,10 @@ class Scatter:
         starts = np.zeros(runs, dtype=bool)
         starts[first[:-1]] = True
         rising = np.diff(offsets, prepend=np.int64(-1)) > 0
-        if (
+        if runs and (
             (offsets[starts] != 0).any()
             or not rising[~starts].all()
-            or offsets.max() >= (payload_bytes)
+            or offsets.max() >= payload_bytes
         ):
             raise InvalidArgumentError(
                 "scatter: each key's runs must start at offset 0 and rise inside its payload "

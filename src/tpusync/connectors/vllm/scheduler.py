@@ -72,6 +72,7 @@ class SchedulerSide:
         self._asking: dict[str, _Asking] = {}
         # requests waiting for a producer's blocks: req_id -> (waiting since, next lookup at)
         self._awaiting: dict[str, tuple[float, float]] = {}
+        self._waited_out: set[str] = set()  # waited remote_wait_s once: never again
         # one thread asks (the socket client is one connection): a stuck lookup delays the
         # next ones, which become misses at their deadlines, never the scheduler
         self._asker = concurrent.futures.ThreadPoolExecutor(1, "tpusync-vllm-lookup")
@@ -93,7 +94,7 @@ class SchedulerSide:
         bs = self.block_size
         local = num_computed_tokens // bs
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        announced = min(self._announced(request), usable)
+        announced = 0 if req_id in self._waited_out else min(self._announced(request), usable)
         asking = self._asking.get(req_id)
         if asking is not None and (asking.local_blocks, asking.usable_blocks) != (local, usable):
             del self._asking[req_id]  # asked about other blocks: that answer is of no use
@@ -108,7 +109,9 @@ class SchedulerSide:
             if awaiting is not None and time.monotonic() < awaiting[1]:
                 return None, False  # a producer's blocks are on their way: look again soon
             asking = self._start_lookup(request, local, usable)
-            wait = FIRST_WAIT_S
+            # a request still waiting for a producer takes its answer next step: its lookups
+            # never hold this step
+            wait = 0.0 if awaiting is not None else FIRST_WAIT_S
         try:
             answer = asking.answer.result(timeout=wait)
         except concurrent.futures.TimeoutError:
@@ -160,6 +163,7 @@ class SchedulerSide:
         now = time.monotonic()
         since = self._awaiting.get(req_id, (now, now))[0]
         if now - since >= self.settings.remote_wait_s:
+            self._waited_out.add(req_id)  # asked again (preempted, no room): no second wait
             log.warning(
                 "tpusync vllm: %s: the producer's blocks did not all reach the store within "
                 "remote_wait_s (%g s); the rest is computed",
@@ -299,6 +303,7 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self._tracked.pop(req_id, None)
         self._awaiting.pop(req_id, None)
+        self._waited_out.discard(req_id)
         self._lookups.pop(req_id, None)
         self._asking.pop(req_id, None)
         last = self._issued.pop(req_id, None)

@@ -110,6 +110,9 @@ class WorkerSide:
         except BaseException:
             self.store.close()
             self.store = None
+            if self._registry is not None:
+                self._registry.close()
+                self._registry = None
             raise
         with _LOCAL_LOCK:
             _LOCAL[self.settings.engine_id] = self
