@@ -94,6 +94,7 @@ def _front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
     env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
+    before = set(os.listdir("/dev/shm"))
     child = subprocess.Popen(
         [sys.executable, str(HERE / "serve_once.py")],
         cwd=HERE,
@@ -104,12 +105,14 @@ def _front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
         text=True,
         start_new_session=True,
     )
+    child.shm_before = before  # type: ignore[attr-defined]
     try:
         yield child
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
+        _remove_orphaned_vllm_shm(before)
         for pipe in (child.stdin, child.stdout):
             if pipe is not None:
                 pipe.close()
@@ -130,11 +133,20 @@ def serving_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subproce
         yield child
 
 
+@pytest.fixture(scope="module")
+def doomed_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """A third producer's front, killed by its test once it answered."""
+    with _front(tmp_path_factory) as child:
+        yield child
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _start_the_producers_early(
-    producer_front: subprocess.Popen, serving_front: subprocess.Popen
+    producer_front: subprocess.Popen,
+    serving_front: subprocess.Popen,
+    doomed_front: subprocess.Popen,
 ) -> None:
-    """Starts both fronts with the module's first test."""
+    """Starts the fronts with the module's first test."""
 
 
 def _produce(child: subprocess.Popen, request: dict[str, Any], deadline: float) -> dict:
@@ -149,6 +161,34 @@ def _produce(child: subprocess.Popen, request: dict[str, Any], deadline: float) 
         assert line is not None, "the producer ended or hung before it answered"
         if line.startswith("{"):
             return json.loads(line)
+
+
+def _mapped_shm_files() -> set[str]:
+    """The /dev/shm files some live process has mapped."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            maps = (proc / "maps").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                found.add(parts[5])
+    return found
+
+
+def _remove_orphaned_vllm_shm(before: set[str]) -> None:
+    """Removes vLLM's shared-memory queues and semaphores (``psm_*``, ``sem.mp-*``) made since
+    ``before`` that no live process maps: what an engine killed by SIGKILL leaves behind."""
+    mapped = _mapped_shm_files()
+    for path in Path("/dev/shm").iterdir():
+        if (
+            path.name.startswith(("psm_", "sem.mp-"))
+            and path.name not in before
+            and str(path) not in mapped
+        ):
+            path.unlink(missing_ok=True)
 
 
 def _line_before(child: subprocess.Popen, deadline: float) -> str | None:
@@ -211,6 +251,40 @@ def test_a_consumer_pulls_straight_from_a_serving_producer(
         child.stdin.write("done\n")
         child.stdin.close()
         assert child.wait(timeout=60) == 0
+    finally:
+        stop_process(node)
+
+
+def test_a_producer_killed_after_it_answered_costs_a_recomputation(
+    model, reference, tmp_path, doomed_front
+) -> None:
+    """The serving producer (every process of its engine) is SIGKILLed after it answered, its
+    blocks still listed in the registry: the consumer's pulls from it fail, it waits
+    ``remote_wait_s`` and computes the prompt, with the same tokens; nothing stays pinned."""
+    child = doomed_front
+    node, ready = start_store_node(tmp_path, bytes(range(11, 43)), 16 << 20)  # its registry
+    try:
+        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
+                  "dram": {"capacity_blocks": 64}}  # fmt: skip
+        produce = {**common, "serve": {"registry": ready["registry"]}}
+        request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
+                   "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
+        answer = _produce(child, request, time.monotonic() + 110)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        _remove_orphaned_vllm_shm(child.shm_before)  # type: ignore[attr-defined]
+        consume = {**common, "registry": {"address": ready["registry"], "timeout_s": 2.0},
+                   "remote_wait_s": 1.0}  # fmt: skip
+        with engine(
+            model, transfer_config(consume, policy="recompute", role="kv_consumer")
+        ) as consumer:
+            started = time.monotonic()
+            ((tokens, cached, _),) = generate_with(
+                consumer, [PROMPT], kv_transfer_params=answer["params"]
+            )
+            assert (tokens, cached) == (reference, 0)
+            assert time.monotonic() - started < 30
+            settle(worker_of(consumer))
     finally:
         stop_process(node)
 
