@@ -7,10 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate, settle, transfer_config, worker_of
+from fronts import line_before, serve_once_front
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -31,7 +30,6 @@ from tpusync.tiers import shm_admin
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, decode_header
 from tpusync.tiers.dram import pool_path
 
-HERE = Path(__file__).parent
 rng = np.random.default_rng(20261202)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
 FULL = (len(PROMPT) - 1) // BLOCK * BLOCK
@@ -398,38 +396,9 @@ def test_a_request_aborted_while_its_blocks_load_leaks_nothing(
 
 @pytest.fixture(scope="module")
 def multi_process_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    """``serve_once.py``, started when this module starts so that its import of vLLM (about
-    11 s here) overlaps the tests before the one that uses it; stopped by its pid group."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
-    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "serve_once.py")],
-        cwd=HERE,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    """``serve_once.py``, started when this module starts (see :mod:`fronts`)."""
+    with serve_once_front(tmp_path_factory) as child:
         yield child
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait(timeout=10)
-        for pipe in (child.stdin, child.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
-def _line_before(child: subprocess.Popen, deadline: float) -> str | None:
-    """The child's next stdout line, or None when it closes or the deadline passes."""
-    assert child.stdout is not None
-    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    line = child.stdout.readline() if ready else ""
-    return line.strip() if line else None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -454,7 +423,7 @@ def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
     )
     child = multi_process_front
     deadline = time.monotonic() + 110
-    while (line := _line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
+    while (line := line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
         assert line is not None, "serve_once.py ended or hung before it was ready"
     out, _ = child.communicate(request + "\n", timeout=110)
     assert child.returncode == 0

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,12 +20,12 @@ from typing import Any
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate_with, settle, transfer_config, worker_of
+from fronts import line_before, remove_orphaned_vllm_shm, serve_once_front
 
 from tpusync.connectors.vllm.settings import read_settings
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.processes import start_store_node, stop_process
 
-HERE = Path(__file__).parent
 rng = np.random.default_rng(20261204)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
 FULL = (len(PROMPT) - 1) // BLOCK * BLOCK
@@ -87,56 +85,25 @@ def test_a_consumer_decodes_from_the_producers_blocks(model, reference, tmp_path
             assert stats["store"]["saved_blocks"] == 0  # a consumer writes nothing back
 
 
-@contextlib.contextmanager
-def _front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
-    """``serve_once.py`` (vLLM's multi-process engine: its front, engine-core and worker
-    processes), stopped by its pid group."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
-    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
-    before = set(os.listdir("/dev/shm"))
-    child = subprocess.Popen(
-        [sys.executable, str(HERE / "serve_once.py")],
-        cwd=HERE,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    child.shm_before = before  # type: ignore[attr-defined]
-    try:
-        yield child
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait(timeout=10)
-        _remove_orphaned_vllm_shm(before)
-        for pipe in (child.stdin, child.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
 @pytest.fixture(scope="module")
 def producer_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     """A producer's front, started when this module starts so that its import of vLLM
     overlaps the tests before the one that uses it."""
-    with _front(tmp_path_factory) as child:
+    with serve_once_front(tmp_path_factory) as child:
         yield child
 
 
 @pytest.fixture(scope="module")
 def serving_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     """Another producer's front (each serves one request), started early too."""
-    with _front(tmp_path_factory) as child:
+    with serve_once_front(tmp_path_factory) as child:
         yield child
 
 
 @pytest.fixture(scope="module")
 def doomed_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
     """A third producer's front, killed by its test once it answered."""
-    with _front(tmp_path_factory) as child:
+    with serve_once_front(tmp_path_factory) as child:
         yield child
 
 
@@ -151,52 +118,16 @@ def _start_the_producers_early(
 
 def _produce(child: subprocess.Popen, request: dict[str, Any], deadline: float) -> dict:
     """Sends ``request`` to a front once it is ready; returns its answer."""
-    while (line := _line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
+    while (line := line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
         assert line is not None, "serve_once.py ended or hung before it was ready"
     assert child.stdin is not None
     child.stdin.write(json.dumps(request) + "\n")
     child.stdin.flush()
     while True:
-        line = _line_before(child, deadline)
+        line = line_before(child, deadline)
         assert line is not None, "the producer ended or hung before it answered"
         if line.startswith("{"):
             return json.loads(line)
-
-
-def _mapped_shm_files() -> set[str]:
-    """The /dev/shm files some live process has mapped."""
-    found = set()
-    for proc in Path("/proc").iterdir():
-        try:
-            maps = (proc / "maps").read_text() if proc.name.isdigit() else ""
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        for line in maps.splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
-                found.add(parts[5])
-    return found
-
-
-def _remove_orphaned_vllm_shm(before: set[str]) -> None:
-    """Removes vLLM's shared-memory queues and semaphores (``psm_*``, ``sem.mp-*``) made since
-    ``before`` that no live process maps: what an engine killed by SIGKILL leaves behind."""
-    mapped = _mapped_shm_files()
-    for path in Path("/dev/shm").iterdir():
-        if (
-            path.name.startswith(("psm_", "sem.mp-"))
-            and path.name not in before
-            and str(path) not in mapped
-        ):
-            path.unlink(missing_ok=True)
-
-
-def _line_before(child: subprocess.Popen, deadline: float) -> str | None:
-    """The child's next stdout line, or None when it closes or the deadline passes."""
-    assert child.stdout is not None
-    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    line = child.stdout.readline() if ready else ""
-    return line.strip() if line else None
 
 
 def test_a_producer_in_other_processes_feeds_a_consumer_here(
@@ -272,7 +203,7 @@ def test_a_producer_killed_after_it_answered_costs_a_recomputation(
         answer = _produce(child, request, time.monotonic() + 110)
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
-        _remove_orphaned_vllm_shm(child.shm_before)  # type: ignore[attr-defined]
+        remove_orphaned_vllm_shm(child.shm_before)  # type: ignore[attr-defined]
         consume = {**common, "registry": {"address": ready["registry"], "timeout_s": 2.0},
                    "remote_wait_s": 1.0}  # fmt: skip
         with engine(

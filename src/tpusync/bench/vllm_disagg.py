@@ -29,24 +29,21 @@ Runs only where vLLM is installed (``.venv-vllm``): importing this module import
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from vllm import LLM, SamplingParams
-from vllm.config import KVTransferConfig
+from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
-from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model
+from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine
 from tpusync.cluster import BlockClient, BlockServer
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.testing.processes import start_store_node, stop_process
@@ -54,38 +51,6 @@ from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
 QUICK = ["--tokens", "1024", "--repeats", "2"]
 LAYERS = 8
-
-
-@contextlib.contextmanager
-def _engine(
-    model: Path, max_len: int, connector: str | None, role: str, extra: dict[str, Any]
-) -> Iterator[Any]:
-    kv = None
-    if connector is not None:
-        kv = KVTransferConfig(
-            kv_connector=connector,
-            kv_role=role,
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy="recompute",
-            **(
-                {"kv_connector_module_path": "tpusync.connectors.vllm"}
-                if connector == "TpuSyncConnector"
-                else {}
-            ),
-        )
-    llm = LLM(
-        model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-        block_size=BLOCK, max_model_len=max_len, distributed_executor_backend="uni",
-        enable_prefix_caching=True, num_gpu_blocks_override=2 * (max_len // BLOCK) + 16,
-        max_num_batched_tokens=max_len,  # ExampleConnector: no chunked prefill
-        kv_transfer_config=kv,
-    )  # fmt: skip
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _first_token(
@@ -138,7 +103,7 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
     loaded_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
     result: dict[str, Any] = {"tokens": tokens, "loaded_bytes": loaded_bytes}
     expected: list[int] = []
-    with _engine(model, max_len, None, "kv_both", {}) as llm:
+    with engine(model, max_len, None, {}) as llm:
         _first_token(llm, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
         colds = []
         for p in prompts:
@@ -166,7 +131,7 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
         for label, (connector, config) in peers.items():
             settle()
             announced = []
-            with _engine(model, max_len, connector, "kv_producer", config) as producer:
+            with engine(model, max_len, connector, config, "kv_producer") as producer:
                 for p in prompts:
                     announced.append(_first_token(producer, p)[2])
                 worker = _worker(producer)
@@ -174,7 +139,7 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
                     worker.store.flush(timeout=120)
             settle()
             ttfts, loads, equal = [], [], True
-            with _engine(model, max_len, connector, "kv_consumer", config) as consumer:
+            with engine(model, max_len, connector, config, "kv_consumer") as consumer:
                 _first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
                 worker = _worker(consumer)
                 for p, params, token in zip(prompts, announced, expected, strict=True):

@@ -105,14 +105,20 @@ def build_model(path: Path, max_len: int) -> Path:
 
 
 @contextlib.contextmanager
-def _engine(
-    model: Path, max_len: int, connector: str | None, extra: dict[str, Any]
+def engine(
+    model: Path,
+    max_len: int,
+    connector: str | None,
+    extra: dict[str, Any],
+    role: str = "kv_both",
 ) -> Iterator[Any]:
+    """An in-process engine of the benchmark model with ``connector`` (None: none) in
+    ``role``; prefill not chunked."""
     kv = None
     if connector is not None:
         kv = KVTransferConfig(
             kv_connector=connector,
-            kv_role="kv_both",
+            kv_role=role,
             kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute",
             **(
@@ -224,7 +230,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         "loaded_bytes": loaded_blocks * BLOCK * KV_BYTES_PER_TOKEN,
     }
     expected: dict[int, int] = {}
-    with _engine(model, max_len, None, {}) as llm:
+    with engine(model, max_len, None, {}) as llm:
         _ttft(llm, _prompts(tokens, 1, seed=99)[0])  # warm-up
         colds = []
         for p in prompts * max(1, repeats // 2):
@@ -273,7 +279,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
             if connector == "TpuSyncConnector":
                 extra = {**extra, "socket_dir": sockets}
             settle()
-            with _engine(model, max_len, connector, extra) as llm:
+            with engine(model, max_len, connector, extra) as llm:
                 result[row] = _hits(llm, used, repeats, expected, cold_page_cache="disk" in row)
     finally:
         if node is not None:

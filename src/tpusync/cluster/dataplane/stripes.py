@@ -5,6 +5,7 @@ straight into their places, no staging copy)."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class Scatter:
         return first, offsets, targets
 
 
-class _Stripe:
+class _Stripe(abc.ABC):
     """One connection's share of a pull: its blocks' keys and recorded checksums, and what
     arrived (``ok``: verified, ``complete``: received whole, both over the whole pull)."""
 
@@ -111,8 +112,9 @@ class _Stripe:
         """Keeps the places the blocks land in valid meanwhile (receivers made inside)."""
         return contextlib.nullcontext()
 
+    @abc.abstractmethod
     def receiver(self, conn: Connection, rid: int) -> _core.FrameReceiver:
-        raise NotImplementedError
+        """The native receiver of this stripe's frames for request ``rid`` on ``conn``."""
 
     def take_results(self, receiver: _core.FrameReceiver) -> None:
         """Adds what ``receiver`` received (its blocks verified or failed) to the stripe's."""
@@ -143,11 +145,13 @@ class _Stripe:
         self.complete[i] = True
         self.ok[i] = ok
 
+    @abc.abstractmethod
     def _payload(self, j: int) -> contextlib.AbstractContextManager[memoryview]:
-        raise NotImplementedError
+        """Where block ``j``'s payload is received when the Python path takes it."""
 
-    def _place(self, j: int, payload: memoryview) -> None:
-        """Puts verified block ``j``'s bytes where they belong (received elsewhere)."""
+    def _place(self, j: int, payload: memoryview) -> None:  # noqa: B027 (a no-op by default)
+        """Puts verified block ``j``'s bytes where they belong when they were received
+        elsewhere (nothing to do where they were received in place)."""
 
 
 class PoolStripe(_Stripe):

@@ -1,0 +1,86 @@
+"""vLLM engines in child processes for the connector tests: ``serve_once.py`` started early
+(its import of vLLM overlaps the tests before the one that uses it), read line by line with
+deadlines, stopped by its pid group, and what a killed engine leaves in /dev/shm removed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@contextlib.contextmanager
+def serve_once_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """``serve_once.py`` (vLLM's multi-process engine: its front, engine-core and worker
+    processes), stopped by its pid group."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
+    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
+    before = set(os.listdir("/dev/shm"))
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "serve_once.py")],
+        cwd=HERE,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    child.shm_before = before  # type: ignore[attr-defined]
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        remove_orphaned_vllm_shm(before)
+        for pipe in (child.stdin, child.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _mapped_shm_files() -> set[str]:
+    """The /dev/shm files some live process has mapped."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            maps = (proc / "maps").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                found.add(parts[5])
+    return found
+
+
+def remove_orphaned_vllm_shm(before: set[str]) -> None:
+    """Removes vLLM's shared-memory queues and semaphores (``psm_*``, ``sem.mp-*``) made since
+    ``before`` that no live process maps: what an engine killed by SIGKILL leaves behind."""
+    mapped = _mapped_shm_files()
+    for path in Path("/dev/shm").iterdir():
+        if (
+            path.name.startswith(("psm_", "sem.mp-"))
+            and path.name not in before
+            and str(path) not in mapped
+        ):
+            path.unlink(missing_ok=True)
+
+
+def line_before(child: subprocess.Popen, deadline: float) -> str | None:
+    """The child's next stdout line, or None when it closes or the deadline passes."""
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    line = child.stdout.readline() if ready else ""
+    return line.strip() if line else None
