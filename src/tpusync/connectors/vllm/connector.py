@@ -6,6 +6,7 @@ and hands each call to its side (:mod:`.scheduler`, :mod:`.worker`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tpusync.connectors.vllm.metadata import TpuSyncMetadata
 from tpusync.connectors.vllm.scheduler import SchedulerSide
-from tpusync.connectors.vllm.settings import check_stable_hashing, read_settings
+from tpusync.connectors.vllm.settings import (
+    CPU_TOKEN_AXIS,
+    check_stable_hashing,
+    read_settings,
+)
 from tpusync.connectors.vllm.worker import WorkerSide
 from tpusync.errors import InvalidArgumentError
 
@@ -46,28 +51,33 @@ class TpuSyncConnector(KVConnectorBase_V1):
     those params waits up to ``remote_wait_s`` for the blocks to reach the store), both with a
     store they share (a store node, or peers found through a registry)."""
 
+    # what the worker's KV arrays look like: tokens on this axis (blocks on axis 0)
+    token_axis: int = CPU_TOKEN_AXIS
+    layout_name: str = "CPU KV layout"
+
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         cache = vllm_config.cache_config
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise InvalidArgumentError(
-                "tensor_parallel_size: TpuSyncConnector serves one rank for now; run with "
-                "tensor_parallel_size=1 and pipeline_parallel_size=1"
-            )
+        self._check_parallelism(vllm_config.parallel_config)
         num_blocks = getattr(kv_cache_config, "num_blocks", None)
-        self._settings = read_settings(
+        # the settings for a number of KV blocks (None: the scheduler's, which opens no store)
+        self._settings_for = functools.partial(
+            read_settings,
             transfer.kv_connector_extra_config,
             model=str(vllm_config.model_config.model),
             block_size=int(cache.block_size),
             tp_rank=0,
             tp_size=1,
-            num_blocks=num_blocks if role == KVConnectorRole.WORKER else None,
             engine_id=str(transfer.engine_id),
             role=str(transfer.kv_role),
+            token_axis=self.token_axis,
+            layout=self.layout_name,
+        )
+        self._settings = self._settings_for(
+            num_blocks=num_blocks if role == KVConnectorRole.WORKER else None
         )
         check_stable_hashing(
             str(cache.prefix_caching_hash_algo), allow_xxhash=self._settings.allow_xxhash
@@ -89,7 +99,18 @@ class TpuSyncConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._settings, self._block_size)
         else:
-            self._worker = WorkerSide(self._settings, num_blocks)
+            self._worker = self._new_worker(num_blocks)
+
+    def _check_parallelism(self, parallel: Any) -> None:
+        """Refuses a parallel layout this connector cannot serve (one worker per engine)."""
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise InvalidArgumentError(
+                "tensor_parallel_size: TpuSyncConnector serves one rank for now; run with "
+                "tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
+
+    def _new_worker(self, num_blocks: int | None) -> WorkerSide:
+        return WorkerSide(self._settings, num_blocks)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -209,8 +209,11 @@ def read_settings(
     num_blocks: int | None,
     engine_id: str,
     role: str = "kv_both",
+    token_axis: int = CPU_TOKEN_AXIS,
+    layout: str = "CPU KV layout",
 ) -> ConnectorSettings:
-    """The settings ``extra`` (``kv_connector_extra_config``) describes for this engine.
+    """The settings ``extra`` (``kv_connector_extra_config``) describes for this engine, whose
+    KV arrays (``layout``) index blocks on axis 0 and tokens on ``token_axis``.
 
     Raises :class:`~tpusync.errors.InvalidArgumentError` naming the key for an unknown key, a
     wrong value, or a value that contradicts the engine's config.
@@ -229,8 +232,8 @@ def read_settings(
     data["block_size"] = _engine_value(data, "block_size", block_size, "block_size")
     data["shard_rank"] = _engine_value(data, "shard_rank", tp_rank, "tensor-parallel rank")
     data["shard_count"] = _engine_value(data, "shard_count", tp_size, "tensor_parallel_size")
-    for key, value in (("block_axis", 0), ("token_axis", CPU_TOKEN_AXIS)):
-        data[key] = _engine_value(data, key, value, f"CPU KV layout's {key}")
+    for key, value in (("block_axis", 0), ("token_axis", token_axis)):
+        data[key] = _engine_value(data, key, value, f"{layout}'s {key}")
     if "dram" not in data:
         if num_blocks is None:
             data["dram"] = {"capacity_blocks": 1}  # the scheduler side opens no store

@@ -91,8 +91,6 @@ class WorkerSide:
         pools = [TorchPool(tensor, name=name) for name, tensor in kv_caches.items()]
         wanted = self.settings.load_by_layer
         on_cpu = all(tensor.device.type == "cpu" for tensor in kv_caches.values())
-        self.by_layer = (not on_cpu) if wanted == "auto" else bool(wanted)
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         started = time.monotonic()
         touched = prefault_cpu_tensors(kv_caches.values())  # vLLM allocates, never touches
         self.prefaulted_bytes = touched
@@ -102,6 +100,21 @@ class WorkerSide:
                 touched,
                 time.monotonic() - started,
             )
+        self.open_store(pools, list(kv_caches), (not on_cpu) if wanted == "auto" else bool(wanted))
+
+    def use_settings(self, settings: ConnectorSettings) -> None:
+        """Replaces the settings before the store opens (e.g. once the engine's number of
+        blocks is known)."""
+        if self.store is not None:
+            raise InvalidArgumentError("settings: the store is open; settings are fixed now")
+        self.settings = settings
+        self.events = BlockEventLog(settings.store.block_size, _capacity_blocks(settings.store))
+
+    def open_store(self, pools: list[Any], names: list[str], by_layer: bool) -> None:
+        """Opens the store over ``pools`` (one per layer, named as the engine names its layers)
+        and starts answering lookups; ``by_layer``: DRAM hits load layer by layer."""
+        self.by_layer = by_layer
+        self._layer_index = {name: i for i, name in enumerate(names)}
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
         try:
@@ -117,7 +130,7 @@ class WorkerSide:
         with _LOCAL_LOCK:
             _LOCAL[self.settings.engine_id] = self
         log.info(
-            "tpusync vllm: store open over %d KV tensors (%d blocks, %d bytes a block), "
+            "tpusync vllm: store open over %d KV arrays (%d blocks, %d bytes a block), "
             "lookups on %s",
             len(pools),
             self.store.num_device_blocks,
