@@ -107,11 +107,19 @@ def doomed_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subproces
         yield child
 
 
+@pytest.fixture(scope="module")
+def outliving_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+    """A fourth producer's front, whose registry its test restarts."""
+    with serve_once_front(tmp_path_factory) as child:
+        yield child
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _start_the_producers_early(
     producer_front: subprocess.Popen,
     serving_front: subprocess.Popen,
     doomed_front: subprocess.Popen,
+    outliving_front: subprocess.Popen,
 ) -> None:
     """Starts the fronts with the module's first test."""
 
@@ -171,6 +179,42 @@ def test_a_consumer_pulls_straight_from_a_serving_producer(
         answer = _produce(child, request, time.monotonic() + 110)
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
         consume = {**common, "registry": {"address": ready["registry"]}}
+        with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
+            ((tokens, cached, _),) = generate_with(
+                consumer, [PROMPT], kv_transfer_params=answer["params"]
+            )
+            assert (tokens, cached) == (reference, FULL)
+            stats = settle(worker_of(consumer))
+            assert stats["tiers"]["cluster"]["hits"] == FULL // BLOCK
+        assert child.stdin is not None
+        child.stdin.write("done\n")
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+    finally:
+        stop_process(node)
+
+
+def test_a_registry_restarted_empty_is_told_again_and_the_consumer_finds_the_blocks(
+    model, reference, tmp_path, outliving_front
+) -> None:
+    """The registry (a store node's) is killed after the serving producer answered and a new
+    one starts empty on the same port: the producer's link finds itself unlisted at its next
+    heartbeat and lists its blocks again; the consumer, waiting for the announced blocks,
+    finds them there and pulls them from the producer."""
+    child = outliving_front
+    node, ready = start_store_node(tmp_path, bytes(range(13, 45)), 16 << 20)
+    try:
+        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
+                  "dram": {"capacity_blocks": 64}}  # fmt: skip
+        produce = {**common, "serve": {"registry": ready["registry"]}}
+        request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
+                   "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
+        answer = _produce(child, request, time.monotonic() + 110)
+        node.kill()  # the registry dies with everything it listed
+        stop_process(node)
+        port = int(ready["registry"].rsplit(":", 1)[1])
+        node, ready = start_store_node(tmp_path, bytes(range(13, 45)), 16 << 20, registry_port=port)
+        consume = {**common, "registry": {"address": ready["registry"]}, "remote_wait_s": 30.0}
         with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
             ((tokens, cached, _),) = generate_with(
                 consumer, [PROMPT], kv_transfer_params=answer["params"]

@@ -82,7 +82,9 @@ def test_prefaulting_vllms_kv_memory_maps_it_once_and_keeps_its_bytes() -> None:
     connector maps it all at registration, so a load into a fresh block pays no page faults:
     every page becomes resident, each storage is counted once (the layers are views of one
     buffer) and no byte changes."""
-    buffer = torch.empty(2, 64, 4, 32, 256, dtype=torch.bfloat16)  # 16 MiB, never touched
+    # 64 MiB, never touched: above glibc's largest mmap threshold (32 MiB), so fresh pages even
+    # after earlier tests freed large blocks (which raises the threshold and keeps heap pages)
+    buffer = torch.empty(2, 64, 4, 32, 1024, dtype=torch.bfloat16)
     buffer[0, 0].normal_()  # a few pages hold data already
     before = buffer[0, 0].clone()
     address, nbytes = buffer.data_ptr(), buffer.untyped_storage().nbytes()

@@ -15,11 +15,12 @@ __all__ = ["run_json_child", "start_store_node", "stop_process"]
 
 
 def start_store_node(
-    work: Path, secret: bytes, dram_bytes: int, *, quiet: bool = True
+    work: Path, secret: bytes, dram_bytes: int, *, quiet: bool = True, registry_port: int = 0
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Runs `tpusync serve` in a child process, hosting the registry too, with ``secret`` in
-    ``work/secret``; returns the process and its ready line (``{"address", "registry"}``).
-    Stop it with :func:`stop_process`."""
+    """Runs `tpusync serve` in a child process, hosting the registry too (on
+    ``registry_port``; 0: any free port), with ``secret`` in ``work/secret``; returns the
+    process and its ready line (``{"address", "registry"}``). Stop it with
+    :func:`stop_process`."""
     secret_file = work / "secret"
     secret_file.write_text(secret.hex())
     process = subprocess.Popen(
@@ -33,7 +34,7 @@ def start_store_node(
             "--secret-file",
             str(secret_file),
             "--registry-port",
-            "0",
+            str(registry_port),
             "--ready-json",
         ],
         stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from tpusync.connectors.tpu_inference.runner_pools import RunnerWorkerSide
 from tpusync.connectors.vllm.connector import TpuSyncConnector
@@ -51,6 +52,9 @@ class TpuSyncTpuConnector(TpuSyncConnector):
                 f"jax.process_count(): {jax.process_count()} processes; TpuSyncTpuConnector "
                 "serves an engine on one host for now"
             )
+
+    def _tensor_parallel(self, parallel: Any, role: KVConnectorRole) -> tuple[int, int]:
+        return 0, 1  # one worker holds every shard: tensor parallelism is its mesh
 
     def _new_worker(self, num_blocks: int | None) -> WorkerSide:
         return RunnerWorkerSide(self._settings_for, num_blocks)

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
 from tpusync.connectors.vllm.metadata import TpuSyncMetadata
 from tpusync.connectors.vllm.scheduler import SchedulerSide
@@ -49,7 +50,10 @@ class TpuSyncConnector(KVConnectorBase_V1):
     :meth:`request_finished` returns ``{"tpusync": {"blocks": n}}`` as the request's
     ``kv_transfer_params``), decode engines ``"kv_consumer"`` (they load; a request carrying
     those params waits up to ``remote_wait_s`` for the blocks to reach the store), both with a
-    store they share (a store node, or peers found through a registry)."""
+    store they share (a store node, or peers found through a registry).
+
+    Tensor parallelism: each worker rank keeps its own shard of every block under keys naming
+    its rank, and the scheduler counts a block only as far as every rank holds it."""
 
     # what the worker's KV arrays look like: tokens on this axis (blocks on axis 0)
     token_axis: int = CPU_TOKEN_AXIS
@@ -62,6 +66,7 @@ class TpuSyncConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         cache = vllm_config.cache_config
         self._check_parallelism(vllm_config.parallel_config)
+        tp_rank, tp_size = self._tensor_parallel(vllm_config.parallel_config, role)
         num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # the settings for a number of KV blocks (None: the scheduler's, which opens no store)
         self._settings_for = functools.partial(
@@ -69,8 +74,8 @@ class TpuSyncConnector(KVConnectorBase_V1):
             transfer.kv_connector_extra_config,
             model=str(vllm_config.model_config.model),
             block_size=int(cache.block_size),
-            tp_rank=0,
-            tp_size=1,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             engine_id=str(transfer.engine_id),
             role=str(transfer.kv_role),
             token_axis=self.token_axis,
@@ -102,12 +107,20 @@ class TpuSyncConnector(KVConnectorBase_V1):
             self._worker = self._new_worker(num_blocks)
 
     def _check_parallelism(self, parallel: Any) -> None:
-        """Refuses a parallel layout this connector cannot serve (one worker per engine)."""
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        """Refuses a parallel layout this connector cannot serve."""
+        if parallel.pipeline_parallel_size != 1:
             raise InvalidArgumentError(
-                "tensor_parallel_size: TpuSyncConnector serves one rank for now; run with "
-                "tensor_parallel_size=1 and pipeline_parallel_size=1"
+                "pipeline_parallel_size: TpuSyncConnector serves tensor parallelism only; run "
+                "with pipeline_parallel_size=1"
             )
+
+    def _tensor_parallel(self, parallel: Any, role: KVConnectorRole) -> tuple[int, int]:
+        """(this worker's tensor-parallel rank, the number of ranks): each rank keeps its own
+        shard of every block under keys that name its rank (the scheduler's rank is 0)."""
+        size = int(parallel.tensor_parallel_size)
+        if size == 1 or role != KVConnectorRole.WORKER:
+            return 0, size
+        return int(get_tensor_model_parallel_rank()), size
 
     def _new_worker(self, num_blocks: int | None) -> WorkerSide:
         return WorkerSide(self._settings, num_blocks)

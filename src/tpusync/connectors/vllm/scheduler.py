@@ -61,7 +61,9 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
         self.settings = settings
         self.block_size = block_size
-        self._client = LookupClient(settings.socket_path, settings.lookup_timeout_s)
+        # one client per tensor-parallel rank: each pins its own part of the blocks
+        paths = settings.socket_paths or (settings.socket_path,)
+        self._clients = [LookupClient(path, settings.lookup_timeout_s) for path in paths]
         self._sequence = itertools.count(1)
         self._lookups: dict[str, _Lookup] = {}
         self._tracked: dict[str, _Tracked] = {}
@@ -81,7 +83,11 @@ class SchedulerSide:
         worker = local_worker(self.settings.engine_id)
         if worker is not None:  # the same process: no socket
             return worker.answer(req_id, sequence, hashes)
-        return self._client.lookup(req_id, sequence, hashes)
+        answers = [client.lookup(req_id, sequence, hashes) for client in self._clients]
+        if any(answer is None for answer in answers):
+            return None  # a rank that does not answer: a miss (every rank releases its pins)
+        # a block counts only where every rank holds its part
+        return min(a[0] for a in answers), any(a[1] for a in answers)  # type: ignore[index]
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens``: the tokens after ``num_computed_tokens`` the
@@ -315,4 +321,5 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._asker.shutdown(wait=True, cancel_futures=True)
-        self._client.close()
+        for client in self._clients:
+            client.close()

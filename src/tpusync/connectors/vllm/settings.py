@@ -20,7 +20,7 @@ from typing import Any
 
 import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync.errors import InvalidArgumentError
-from tpusync.kv import KVStoreConfig
+from tpusync.kv import DiskTier, KVStoreConfig
 from tpusync.tiers.files import check_directory
 
 __all__ = ["CONNECTOR_KEYS", "ConnectorSettings", "check_stable_hashing", "read_settings"]
@@ -63,7 +63,9 @@ class ConnectorSettings:
         number of KV blocks).
       engine_id: the engine's ``kv_transfer_config.engine_id`` (names the lookup socket).
       lookup_timeout_s: the scheduler's deadline for a lookup answer.
-      socket_path: the worker's lookup socket (in a directory only this user can enter).
+      socket_path: this rank's lookup socket (in a directory only this user can enter).
+      socket_paths: every tensor-parallel rank's lookup socket, by rank (the scheduler asks
+        them all: a block counts only where every rank holds its part).
       allow_xxhash: whether vLLM's xxhash block hashes are accepted.
       load_by_layer: whether a DRAM hit is loaded layer by layer while the forward runs
         (attention on layer i waits only for layer i), or whole before the forward; ``"auto"``:
@@ -87,6 +89,7 @@ class ConnectorSettings:
     lookup_timeout_s: float
     socket_path: Path
     allow_xxhash: bool
+    socket_paths: tuple[Path, ...] = ()
     load_by_layer: bool | str = "auto"
     copy_on_openmp_team: bool = True
     role: str = "kv_both"
@@ -106,7 +109,7 @@ class ServeSettings:
     node_id: str = ""
 
 
-def _serve(value: Any, engine_id: str) -> ServeSettings | None:
+def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings | None:
     if value is None:
         return None
     where = f"{WHERE}.serve"
@@ -123,6 +126,8 @@ def _serve(value: Any, engine_id: str) -> ServeSettings | None:
     host = value.get("host", "127.0.0.1")
     port = value.get("port", 0)
     node_id = value.get("node_id", f"vllm-{engine_id}")
+    if tp_size > 1:
+        node_id += f"-tp{rank}"  # each rank serves its own part of the blocks
     if not isinstance(host, str) or not host:
         raise InvalidArgumentError(f"{where}.host: expected a host name, got {host!r}")
     if type(port) is not int or not 0 <= port <= 65535:
@@ -181,14 +186,15 @@ def _private(path: Path) -> bool:
     return True
 
 
-def _socket_path(directory: Any, engine_id: str) -> Path:
+def _socket_path(directory: Any, engine_id: str, rank: int = 0, tp_size: int = 1) -> Path:
     if directory is None:
         directory = default_socket_dir()
     elif not isinstance(directory, str) or not directory:
         raise InvalidArgumentError(
             f"{WHERE}.socket_dir: expected a directory path, got {directory!r}"
         )
-    name = "lookup-" + hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest() + ".sock"
+    name = "lookup-" + hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest()
+    name += f"-tp{rank}.sock" if tp_size > 1 else ".sock"
     path = Path(directory) / name
     if len(os.fsencode(path)) > 107:  # sun_path holds 108 bytes with its NUL
         raise InvalidArgumentError(
@@ -243,11 +249,17 @@ def read_settings(
         store = KVStoreConfig.from_dict(data)
     except InvalidArgumentError as error:
         raise InvalidArgumentError(f"{WHERE}: {error}") from None
+    if tp_size > 1:
+        _check_per_rank(store, tp_size)
+    sockets = tuple(
+        _socket_path(own.get("socket_dir"), engine_id, rank, tp_size) for rank in range(tp_size)
+    )
     return ConnectorSettings(
         store=store,
         engine_id=engine_id,
         lookup_timeout_s=_timeout(own.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)),
-        socket_path=_socket_path(own.get("socket_dir"), engine_id),
+        socket_path=sockets[tp_rank],
+        socket_paths=sockets,
         allow_xxhash=_flag(own.get("allow_xxhash", False), "allow_xxhash"),
         load_by_layer=_by_layer(own.get("load_by_layer", "auto")),
         copy_on_openmp_team=_flag(own.get("copy_on_openmp_team", True), "copy_on_openmp_team"),
@@ -255,8 +267,27 @@ def read_settings(
         remote_wait_s=_timeout(
             own.get("remote_wait_s", DEFAULT_REMOTE_WAIT_S), "remote_wait_s", 3600
         ),
-        serve=_serve(own.get("serve"), engine_id),
+        serve=_serve(own.get("serve"), engine_id, tp_rank, tp_size),
     )
+
+
+def _check_per_rank(store: KVStoreConfig, tp_size: int) -> None:
+    """With tensor parallelism every rank opens its own store: tiers that one process owns by
+    name or directory would be opened by every rank, so they are refused (a shared filesystem,
+    a store node and peers take every rank, their keys name it)."""
+    if store.dram.name is not None:
+        raise InvalidArgumentError(
+            f"{WHERE}.dram.name: a named DRAM pool is one process's, and each of the "
+            f"{tp_size} tensor-parallel ranks opens its own; leave name out with "
+            "tensor_parallel_size > 1"
+        )
+    for tier in store.tiers:
+        if isinstance(tier, DiskTier):
+            raise InvalidArgumentError(
+                f"{WHERE}.disk: a disk tier's directory is one process's, and each of the "
+                f"{tp_size} tensor-parallel ranks opens its own store; with "
+                "tensor_parallel_size > 1 use shared_fs (or a store node) below DRAM"
+            )
 
 
 def _by_layer(value: Any) -> bool | str:

@@ -127,8 +127,9 @@ class WorkerSide:
                 self._registry.close()
                 self._registry = None
             raise
-        with _LOCAL_LOCK:
-            _LOCAL[self.settings.engine_id] = self
+        if self.settings.store.shard_count == 1:  # else the scheduler asks every rank
+            with _LOCAL_LOCK:
+                _LOCAL[self.settings.engine_id] = self
         log.info(
             "tpusync vllm: store open over %d KV arrays (%d blocks, %d bytes a block), "
             "lookups on %s",
