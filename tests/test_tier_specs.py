@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from tools import require_tool
 
 from tpusync import DevicePool
 from tpusync.cluster import (
@@ -314,3 +316,25 @@ def test_to_dict_refuses_what_has_no_plain_form(tmp_path):
     )
     with pytest.raises(InvalidArgumentError, match=r"^tiers: tiers of one kind apart"):
         mixed.to_dict()
+
+
+def test_a_client_tier_takes_a_ca_bundle_by_file_name(tmp_path):
+    require_tool("openssl", "openssl")
+    cert = tmp_path / "ca.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-keyout", str(tmp_path / "key.pem"), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    base = {"model_id": "m", "block_size": 16, "dram": {"capacity_blocks": 8}}
+    node = {"address": "127.0.0.1:7", "tls_ca": str(cert)}
+    (spec,) = KVStoreConfig.from_dict({**base, "store_node": node}).tiers
+    assert isinstance(spec.tls, ssl.SSLContext) and spec.tls.check_hostname
+    assert spec.tls.verify_mode == ssl.CERT_REQUIRED
+    for section, match in [
+        ({"address": "h:1", "tls_ca": str(tmp_path / "absent.pem")}, r"store_node\.tls_ca: cannot"),
+        ({"address": "h:1", "tls_ca": 7}, r"^store_node\.tls_ca: expected the path"),
+        ({"address": "h:1", "tls": "x"}, r"^store_node\.tls: unknown key; .* tls_ca"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            KVStoreConfig.from_dict({**base, "store_node": section})

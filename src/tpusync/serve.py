@@ -36,6 +36,7 @@ from tpusync.cluster import RedisRegistry, RemoteRegistry, StoreNode
 from tpusync.cluster.registry.server import is_loopback
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.kv import load_secret
+from tpusync.kv.config_dict import client_tls
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -108,12 +109,7 @@ def _registry(args: argparse.Namespace, secret: bytes) -> Any:
 
 
 def _client_tls(ca_file: str) -> ssl.SSLContext:
-    try:
-        return ssl.create_default_context(cafile=ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise InvalidArgumentError(
-            f"--tls-ca: cannot load {ca_file} (PEM CA bundle): {exc}"
-        ) from None
+    return client_tls(ca_file, "--tls-ca")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ deadlines, stopped by its pid group, and what a killed engine leaves in /dev/shm
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,15 +22,18 @@ HERE = Path(__file__).parent
 
 
 @contextlib.contextmanager
-def serve_once_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen]:
+def serve_once_front(
+    tmp_path_factory: pytest.TempPathFactory, namespace: str | None = None
+) -> Iterator[subprocess.Popen]:
     """``serve_once.py`` (vLLM's multi-process engine: its front, engine-core and worker
-    processes), stopped by its pid group."""
+    processes), in network namespace ``namespace`` if given, stopped by its pid group."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     scratch = tmp_path_factory.mktemp("mp-scratch")  # vLLM's IPC sockets (it leaves them)
     env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
     before = set(os.listdir("/dev/shm"))
+    enter = ["ip", "netns", "exec", namespace] if namespace else []  # it execs: the same pid
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "serve_once.py")],
+        [*enter, sys.executable, str(HERE / "serve_once.py")],
         cwd=HERE,
         env=env,
         stdin=subprocess.PIPE,
@@ -84,3 +89,17 @@ def line_before(child: subprocess.Popen, deadline: float) -> str | None:
     ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
     line = child.stdout.readline() if ready else ""
     return line.strip() if line else None
+
+
+def ask_front(child: subprocess.Popen, request: dict[str, Any], deadline: float) -> dict:
+    """Sends ``request`` to a ``serve_once.py`` front once it is ready; returns its answer."""
+    while (line := line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
+        assert line is not None, "serve_once.py ended or hung before it was ready"
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(request) + "\n")
+    child.stdin.flush()
+    while True:
+        line = line_before(child, deadline)
+        assert line is not None, "the producer ended or hung before it answered"
+        if line.startswith("{"):
+            return json.loads(line)

@@ -8,7 +8,6 @@ one engine alone. Blocks that never arrive are computed after ``remote_wait_s``.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate_with, settle, transfer_config, worker_of
-from fronts import line_before, remove_orphaned_vllm_shm, serve_once_front
+from fronts import ask_front, remove_orphaned_vllm_shm, serve_once_front
 
 from tpusync.connectors.vllm.settings import read_settings
 from tpusync.errors import InvalidArgumentError
@@ -124,20 +123,6 @@ def _start_the_producers_early(
     """Starts the fronts with the module's first test."""
 
 
-def _produce(child: subprocess.Popen, request: dict[str, Any], deadline: float) -> dict:
-    """Sends ``request`` to a front once it is ready; returns its answer."""
-    while (line := line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
-        assert line is not None, "serve_once.py ended or hung before it was ready"
-    assert child.stdin is not None
-    child.stdin.write(json.dumps(request) + "\n")
-    child.stdin.flush()
-    while True:
-        line = line_before(child, deadline)
-        assert line is not None, "the producer ended or hung before it answered"
-        if line.startswith("{"):
-            return json.loads(line)
-
-
 def test_a_producer_in_other_processes_feeds_a_consumer_here(
     model, reference, tmp_path, producer_front
 ) -> None:
@@ -148,7 +133,7 @@ def test_a_producer_in_other_processes_feeds_a_consumer_here(
     with shared_node(tmp_path) as (_, kv):
         request = {"model": str(model), "kv": kv, "prompt": PROMPT, "executor": "mp",
                    "role": "kv_producer", "max_tokens": 1}  # fmt: skip
-        answer = _produce(child, request, time.monotonic() + 110)
+        answer = ask_front(child, request, time.monotonic() + 110)
         assert child.stdin is not None
         assert answer["tokens"] == reference[:1]
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
@@ -176,7 +161,7 @@ def test_a_consumer_pulls_straight_from_a_serving_producer(
         produce = {**common, "serve": {"registry": ready["registry"]}}
         request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
                    "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
-        answer = _produce(child, request, time.monotonic() + 110)
+        answer = ask_front(child, request, time.monotonic() + 110)
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
         consume = {**common, "registry": {"address": ready["registry"]}}
         with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
@@ -209,7 +194,7 @@ def test_a_registry_restarted_empty_is_told_again_and_the_consumer_finds_the_blo
         produce = {**common, "serve": {"registry": ready["registry"]}}
         request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
                    "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
-        answer = _produce(child, request, time.monotonic() + 110)
+        answer = ask_front(child, request, time.monotonic() + 110)
         node.kill()  # the registry dies with everything it listed
         stop_process(node)
         port = int(ready["registry"].rsplit(":", 1)[1])
@@ -244,7 +229,7 @@ def test_a_producer_killed_after_it_answered_costs_a_recomputation(
         produce = {**common, "serve": {"registry": ready["registry"]}}
         request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
                    "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
-        answer = _produce(child, request, time.monotonic() + 110)
+        answer = ask_front(child, request, time.monotonic() + 110)
         os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
         remove_orphaned_vllm_shm(child.shm_before)  # type: ignore[attr-defined]
@@ -302,6 +287,13 @@ def test_roles_and_the_wait_are_checked() -> None:
         ({"registry": "h:1", "port": -1}, "serve.port"),
         ({"registry": "h:1", "hots": "x"}, "serve.hots"),
         ("h:1", "serve: expected an object"),
+        (
+            {"registry": "h:1", "host": "10.1.2.3"},
+            "serve.host: 10.1.2.3 is not a loopback .*tls_cert",
+        ),
+        ({"registry": "h:1", "tls_cert": "/nonexistent.pem"}, "serve.tls_key: expected the path"),
+        ({"registry": "h:1", "tls_cert": "/no.pem", "tls_key": "/no.pem"}, "cannot load /no.pem"),
+        ({"registry": "h:1", "tls_ca": "/nonexistent.pem"}, "serve.tls_ca: cannot load"),
     ]
     for bad, match in wrong:
         with pytest.raises(InvalidArgumentError, match=match):

@@ -14,7 +14,9 @@ tier is a section named after its kind whose keys are its spec's field names::
 * A secret is never written inline: ``"secret_file"`` names a file holding it in hex (as
   ``tpusync serve --secret-file`` reads it), for the store's ``secret`` and for a tier spec's.
 * ``salt`` is hex. Bytes, ``ssl`` contexts and other objects have no plain form: ``to_dict``
-  refuses a config that holds one (naming the key).
+  refuses a config that holds one (naming the key). A section whose spec takes ``tls`` (a
+  client's ``ssl.SSLContext``) may name a CA bundle instead: ``"tls_ca": "/etc/tpusync/ca.pem"``
+  (a default client context that trusts that CA and checks the server's address).
 * Unknown keys are errors naming the key and its section.
 
 Sections: ``"dram"``, ``"disk"``, ``"shared_fs"``, and those the tiers over other hosts add
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,14 @@ from tpusync.errors import InvalidArgumentError
 from tpusync.kv.keys import DEFAULT_SECRET
 from tpusync.kv.tier_specs import DiskTier, DramTier, SharedFsTier
 
-__all__ = ["fields_from_dict", "fields_to_dict", "read_secret_file", "register_tier_section"]
+__all__ = [
+    "client_tls",
+    "fields_from_dict",
+    "fields_to_dict",
+    "read_secret_file",
+    "register_tier_section",
+    "server_tls",
+]
 
 _SECTIONS: dict[str, type] = {"disk": DiskTier, "shared_fs": SharedFsTier}
 _NOT_PLAIN = ("key_scheme", "tiers", "disk", "shared_fs", "extra_tiers", "dram", "secret")
@@ -74,6 +84,44 @@ def read_secret_file(path: str | os.PathLike[str], key: str) -> bytes:
     return secret
 
 
+_PLAIN_NAMES = {"secret": "secret_file", "tls": "tls_ca"}  # fields given by a file's name
+
+
+def client_tls(ca_file: Any, where: str) -> ssl.SSLContext:
+    """A TLS client context that trusts the CA bundle in ``ca_file`` (PEM) and checks the
+    server's name or address against its certificate."""
+    if not isinstance(ca_file, str | os.PathLike) or not os.fspath(ca_file):
+        raise InvalidArgumentError(
+            f"{where}: expected the path of a PEM CA bundle, got {ca_file!r}"
+        )
+    try:
+        return ssl.create_default_context(cafile=os.fspath(ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgumentError(
+            f"{where}: cannot load {os.fspath(ca_file)} as a PEM CA bundle: {exc}"
+        ) from None
+
+
+def server_tls(cert_file: Any, key_file: Any, where: str) -> ssl.SSLContext:
+    """A TLS server context with the certificate chain in ``cert_file`` and its private key in
+    ``key_file`` (both PEM)."""
+    for name, value in (("tls_cert", cert_file), ("tls_key", key_file)):
+        if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+            raise InvalidArgumentError(
+                f"{where}.{name}: expected the path of a PEM file, got {value!r} (give "
+                "tls_cert and tls_key together)"
+            )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(os.fspath(cert_file), os.fspath(key_file))
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidArgumentError(
+            f"{where}.tls_cert, {where}.tls_key: cannot load {os.fspath(cert_file)} with "
+            f"{os.fspath(key_file)} (a PEM certificate chain and its private key): {exc}"
+        ) from None
+    return context
+
+
 def _spec_from_section(spec_class: type, values: Any, where: str) -> Any:
     if not isinstance(values, Mapping):
         raise InvalidArgumentError(
@@ -85,8 +133,10 @@ def _spec_from_section(spec_class: type, values: Any, where: str) -> Any:
     for key, value in values.items():
         if key == "secret_file" and "secret" in fields:
             kwargs["secret"] = read_secret_file(value, f"{where}.secret_file")
-        elif key not in fields or key == "secret":
-            allowed = sorted(("secret_file" if n == "secret" else n) for n in fields)
+        elif key == "tls_ca" and "tls" in fields:
+            kwargs["tls"] = client_tls(value, f"{where}.tls_ca")
+        elif key not in fields or key in ("secret", "tls"):
+            allowed = sorted(_PLAIN_NAMES.get(n, n) for n in fields)
             raise InvalidArgumentError(
                 f"{where}.{key}: unknown key; {spec_class.__name__} takes {', '.join(allowed)}"
             )

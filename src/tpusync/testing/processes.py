@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,18 @@ __all__ = ["run_json_child", "start_store_node", "stop_process"]
 
 
 def start_store_node(
-    work: Path, secret: bytes, dram_bytes: int, *, quiet: bool = True, registry_port: int = 0
+    work: Path,
+    secret: bytes,
+    dram_bytes: int,
+    *,
+    quiet: bool = True,
+    registry_port: int = 0,
+    flags: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Runs `tpusync serve` in a child process, hosting the registry too (on
-    ``registry_port``; 0: any free port), with ``secret`` in ``work/secret``; returns the
-    process and its ready line (``{"address", "registry"}``). Stop it with
-    :func:`stop_process`."""
+    ``registry_port``; 0: any free port), with ``secret`` in ``work/secret`` and any other
+    ``flags`` (e.g. ``--host``, ``--tls-cert``); returns the process and its ready line
+    (``{"address", "registry"}``). Stop it with :func:`stop_process`."""
     secret_file = work / "secret"
     secret_file.write_text(secret.hex())
     process = subprocess.Popen(
@@ -36,6 +43,7 @@ def start_store_node(
             "--registry-port",
             str(registry_port),
             "--ready-json",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL if quiet else None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import ssl
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
+from tpusync.cluster.registry.server import is_loopback
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import DiskTier, KVStoreConfig
+from tpusync.kv.config_dict import client_tls, server_tls
 from tpusync.tiers.files import check_directory
 
 __all__ = ["CONNECTOR_KEYS", "ConnectorSettings", "check_stable_hashing", "read_settings"]
@@ -40,7 +43,8 @@ CONNECTOR_KEYS = {
     ),
     "serve": (
         "serve this engine's DRAM tier to peers and list its blocks in a registry: "
-        '{"registry": "host:port", "host": "127.0.0.1", "port": 0, "node_id": <engine id>}'
+        '{"registry": "host:port", "host": "127.0.0.1", "port": 0, "node_id": <engine id>, '
+        '"tls_cert": <PEM>, "tls_key": <PEM> (needed off loopback), "tls_ca": <PEM>}'
     ),
     "remote_wait_s": (
         "how long a request whose kv_transfer_params announce a producer's blocks waits for "
@@ -101,12 +105,15 @@ class ConnectorSettings:
 class ServeSettings:
     """``kv_connector_extra_config.serve``: the worker's DRAM served over the data plane at
     ``host``:``port`` (0: any free port) and listed in the registry at ``registry`` as
-    ``node_id``."""
+    ``node_id``; ``tls``: the data plane's server context (``tls_cert``, ``tls_key``; needed
+    off loopback), ``registry_tls``: the client context for the registry (``tls_ca``)."""
 
     registry: str
     host: str = "127.0.0.1"
     port: int = 0
     node_id: str = ""
+    tls: ssl.SSLContext | None = None
+    registry_tls: ssl.SSLContext | None = None
 
 
 def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings | None:
@@ -115,10 +122,11 @@ def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings
     where = f"{WHERE}.serve"
     if not isinstance(value, Mapping):
         raise InvalidArgumentError(f"{where}: expected an object, got {type(value).__name__}")
-    unknown = set(value) - {"registry", "host", "port", "node_id"}
+    known = ("registry", "host", "port", "node_id", "tls_cert", "tls_key", "tls_ca")
+    unknown = set(value) - set(known)
     if unknown:
         raise InvalidArgumentError(
-            f"{where}.{sorted(unknown)[0]}: unknown key; serve takes registry, host, port, node_id"
+            f"{where}.{sorted(unknown)[0]}: unknown key; serve takes {', '.join(known)}"
         )
     registry = value.get("registry")
     if not isinstance(registry, str) or ":" not in registry:
@@ -134,7 +142,16 @@ def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings
         raise InvalidArgumentError(f"{where}.port: expected 0 to 65535, got {port!r}")
     if not isinstance(node_id, str) or not node_id:
         raise InvalidArgumentError(f"{where}.node_id: expected a name, got {node_id!r}")
-    return ServeSettings(registry, host, port, node_id)
+    tls = None
+    if "tls_cert" in value or "tls_key" in value:
+        tls = server_tls(value.get("tls_cert"), value.get("tls_key"), where)
+    elif not is_loopback(host):
+        raise InvalidArgumentError(
+            f"{where}.host: {host} is not a loopback address, and blocks leave this host only "
+            "encrypted: give tls_cert and tls_key (PEM files; tls_ca for a TLS registry)"
+        )
+    registry_tls = client_tls(value["tls_ca"], f"{where}.tls_ca") if "tls_ca" in value else None
+    return ServeSettings(registry, host, port, node_id, tls, registry_tls)
 
 
 def _engine_value(data: dict[str, Any], key: str, engine: Any, engine_key: str) -> Any:

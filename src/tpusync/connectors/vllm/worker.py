@@ -146,10 +146,16 @@ class WorkerSide:
         if wanted is None or self.store is None:
             return
         secret = self.settings.store.secret
-        registry = RemoteRegistry(wanted.registry, secret=secret)
+        registry = RemoteRegistry(wanted.registry, secret=secret, tls=wanted.registry_tls)
         self._registry = registry
         server = serve(
-            self.store, registry, wanted.node_id, secret=secret, host=wanted.host, port=wanted.port
+            self.store,
+            registry,
+            wanted.node_id,
+            secret=secret,
+            host=wanted.host,
+            port=wanted.port,
+            tls=wanted.tls,
         )
         log.info(
             "tpusync vllm: serving DRAM at %s as %s, listed in %s",
