@@ -134,14 +134,14 @@ def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings
     host = value.get("host", "127.0.0.1")
     port = value.get("port", 0)
     node_id = value.get("node_id", f"vllm-{engine_id}")
-    if tp_size > 1:
-        node_id += f"-tp{rank}"  # each rank serves its own part of the blocks
     if not isinstance(host, str) or not host:
         raise InvalidArgumentError(f"{where}.host: expected a host name, got {host!r}")
     if type(port) is not int or not 0 <= port <= 65535:
         raise InvalidArgumentError(f"{where}.port: expected 0 to 65535, got {port!r}")
     if not isinstance(node_id, str) or not node_id:
         raise InvalidArgumentError(f"{where}.node_id: expected a name, got {node_id!r}")
+    if tp_size > 1:
+        node_id += f"-tp{rank}"  # each rank serves its own part of the blocks
     tls = None
     if "tls_cert" in value or "tls_key" in value:
         tls = server_tls(value.get("tls_cert"), value.get("tls_key"), where)
