@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from engines import build_model, engine, transfer_config
 
 from tpusync.connectors.vllm.settings import check_stable_hashing, read_settings
+from tpusync.connectors.vllm.worker import WorkerSide
 from tpusync.errors import InvalidArgumentError
 
 ENGINE = dict(
@@ -103,3 +105,30 @@ def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
 
     (point,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "tpusync"]
     assert point.value == "tpusync_vllm_plugin:register"
+
+
+def test_the_switch_interval_is_short_while_a_store_is_open_and_put_back_after(
+    tmp_path: Path,
+) -> None:
+    original = sys.getswitchinterval()
+    assert read_settings({}, **ENGINE).switch_interval_s == 0.0002
+    assert read_settings({"switch_interval_s": None}, **ENGINE).switch_interval_s is None
+    for bad in (0, -1, 1, "0.001", True):
+        with pytest.raises(InvalidArgumentError, match="switch_interval_s: expected seconds"):
+            read_settings({"switch_interval_s": bad}, **ENGINE)
+    workers = []
+    for engine_id, interval in (("a", None), ("b", 0.001), ("c", 0.0002)):
+        extra = {"socket_dir": str(tmp_path), "switch_interval_s": interval}
+        settings = read_settings(extra, **{**ENGINE, "engine_id": engine_id})
+        worker = WorkerSide(settings, num_blocks=100)
+        kv = torch.randn(2, 100, 2, 32, 8).to(torch.bfloat16)
+        worker.register({f"layer{i}": kv[i] for i in range(2)})
+        workers.append(worker)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0002)  # the shortest asked for
+        workers[2].close()
+        assert sys.getswitchinterval() == pytest.approx(0.0002)  # b still holds it
+    finally:
+        for worker in workers:
+            worker.close()
+    assert sys.getswitchinterval() == original

@@ -46,6 +46,11 @@ CONNECTOR_KEYS = {
         '{"registry": "host:port", "host": "127.0.0.1", "port": 0, "node_id": <engine id>, '
         '"tls_cert": <PEM>, "tls_key": <PEM> (needed off loopback), "tls_ca": <PEM>}'
     ),
+    "switch_interval_s": (
+        "the interpreter's GIL switch interval while the worker's store is open (Python's 5 ms "
+        "default lets the engine's busy thread hold up each step of a background pull); null "
+        "leaves it as it is"
+    ),
     "remote_wait_s": (
         "how long a request whose kv_transfer_params announce a producer's blocks waits for "
         "them to reach the store (then it computes what is missing)"
@@ -53,6 +58,7 @@ CONNECTOR_KEYS = {
 }
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
 DEFAULT_REMOTE_WAIT_S = 10.0
+DEFAULT_SWITCH_INTERVAL_S = 0.0002
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 CPU_TOKEN_AXIS = 2  # vLLM's CPU layout per layer: [num_blocks, kv_heads, block_size, 2*head_dim]
 WHERE = "kv_connector_extra_config"
@@ -84,6 +90,8 @@ class ConnectorSettings:
         engine) only saves and announces what it saved in ``kv_transfer_params``,
         ``kv_consumer`` (a decode engine) only loads.
       remote_wait_s: how long a request announced by a producer waits for its blocks.
+      switch_interval_s: the interpreter's GIL switch interval while the worker's store is
+        open (see :mod:`tpusync.connectors.vllm.switch_interval`), or None to leave it.
       serve: where the worker serves its DRAM tier and which registry lists it (a producer
         whose consumers pull from it directly, with a ``"registry"`` tier), or None.
     """
@@ -98,6 +106,7 @@ class ConnectorSettings:
     copy_on_openmp_team: bool = True
     role: str = "kv_both"
     remote_wait_s: float = DEFAULT_REMOTE_WAIT_S
+    switch_interval_s: float | None = DEFAULT_SWITCH_INTERVAL_S
     serve: ServeSettings | None = None
 
 
@@ -285,7 +294,19 @@ def read_settings(
             own.get("remote_wait_s", DEFAULT_REMOTE_WAIT_S), "remote_wait_s", 3600
         ),
         serve=_serve(own.get("serve"), engine_id, tp_rank, tp_size),
+        switch_interval_s=_switch_interval(own.get("switch_interval_s", DEFAULT_SWITCH_INTERVAL_S)),
     )
+
+
+def _switch_interval(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1e-6 <= value <= 0.1:
+        raise InvalidArgumentError(
+            f"{WHERE}.switch_interval_s: expected seconds in [1e-06, 0.1] or null (leave the "
+            f"interpreter's as it is), got {value!r}"
+        )
+    return float(value)
 
 
 def _check_per_rank(store: KVStoreConfig, tp_size: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from tpusync.cluster import RemoteRegistry
 from tpusync.cluster.serving import serve
+from tpusync.connectors.vllm import switch_interval
 from tpusync.connectors.vllm.events import BlockEventLog
 from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
@@ -66,6 +67,7 @@ class WorkerSide:
         self._sync_failure = False  # a load this step's forward reads failed
         self._durable: set[concurrent.futures.Future[Any]] = set()
         self._registry: Any = None  # the registry ``serve`` lists this worker's DRAM in
+        self._holds_switch_interval = False
         self.events = BlockEventLog(settings.store.block_size, _capacity_blocks(settings.store))
         # the last loads (the store's LoadResults): for logs, stats and benchmarks
         self.recent_loads: collections.deque[Any] = collections.deque(maxlen=1024)
@@ -127,6 +129,9 @@ class WorkerSide:
                 self._registry.close()
                 self._registry = None
             raise
+        if self.settings.switch_interval_s is not None:
+            switch_interval.hold(self.settings.switch_interval_s)
+            self._holds_switch_interval = True
         if self.settings.store.shard_count == 1:  # else the scheduler asks every rank
             with _LOCAL_LOCK:
                 _LOCAL[self.settings.engine_id] = self
@@ -393,6 +398,9 @@ class WorkerSide:
         store, self.store = self.store, None
         if store is None:
             return
+        if self._holds_switch_interval:
+            switch_interval.release()
+            self._holds_switch_interval = False
         store.remove_block_listener(self.events.heard)
         for future, _, result in self._loading.values():
             concurrent.futures.wait([future], timeout=CLOSE_TIMEOUT_S)
