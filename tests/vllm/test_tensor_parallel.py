@@ -40,6 +40,8 @@ def test_each_rank_has_its_own_socket_keys_and_node(tmp_path: Path) -> None:
     assert len(set(ranks[0].socket_paths)) == 2
     assert [(s.store.shard_rank, s.store.shard_count) for s in ranks] == [(0, 2), (1, 2)]
     assert [s.serve.node_id for s in ranks] == ["vllm-tp-engine-tp0", "vllm-tp-engine-tp1"]
+    with pytest.raises(InvalidArgumentError, match=r"serve\.port: 7411 would be taken by every"):
+        _settings(tmp_path, 0, {"serve": {"registry": "127.0.0.1:1", "port": 7411}})
     with pytest.raises(InvalidArgumentError, match=r"dram\.name: a named DRAM pool is one process"):
         _settings(tmp_path, 1, {"dram": {"capacity_blocks": 8, "name": "kv"}})
     with pytest.raises(InvalidArgumentError, match=r"disk: .* use shared_fs"):

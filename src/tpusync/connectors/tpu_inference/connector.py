@@ -47,11 +47,6 @@ class TpuSyncTpuConnector(TpuSyncConnector):
                 "pipeline_parallel_size: TpuSyncTpuConnector serves one worker per engine; "
                 "run with pipeline_parallel_size=1"
             )
-        if jax.process_count() != 1:
-            raise InvalidArgumentError(
-                f"jax.process_count(): {jax.process_count()} processes; TpuSyncTpuConnector "
-                "serves an engine on one host for now"
-            )
 
     def _tensor_parallel(self, parallel: Any, role: KVConnectorRole) -> tuple[int, int]:
         return 0, 1  # one worker holds every shard: tensor parallelism is its mesh
@@ -65,4 +60,9 @@ class TpuSyncTpuConnector(TpuSyncConnector):
     def register_runner(self, runner: Any) -> None:
         """tpu-inference's hook: the runner whose ``kv_caches`` the connector reads and writes."""
         assert isinstance(self._worker, RunnerWorkerSide)
+        if jax.process_count() != 1:  # asked only here: the scheduler's process needs no JAX
+            raise InvalidArgumentError(
+                f"jax.process_count(): {jax.process_count()} processes; TpuSyncTpuConnector "
+                "serves an engine on one host for now"
+            )
         self._worker.register_runner(runner)

@@ -138,7 +138,8 @@ class SchedulerSide:
             self._release(req_id, asking.sequence)
             return 0, False
         blocks, is_async = answer
-        if not blocks:
+        if not blocks:  # some rank may still have pinned blocks the others lack
+            self._release(req_id, asking.sequence)
             return 0, False
         self._lookups[req_id] = _Lookup(asking.sequence, local, blocks, is_async)
         return blocks * bs, is_async

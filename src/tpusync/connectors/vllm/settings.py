@@ -150,6 +150,11 @@ def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings
     if not isinstance(node_id, str) or not node_id:
         raise InvalidArgumentError(f"{where}.node_id: expected a name, got {node_id!r}")
     if tp_size > 1:
+        if port != 0:
+            raise InvalidArgumentError(
+                f"{where}.port: {port} would be taken by every one of the {tp_size} "
+                "tensor-parallel ranks; leave port out (0: each rank its own free port)"
+            )
         node_id += f"-tp{rank}"  # each rank serves its own part of the blocks
     tls = None
     if "tls_cert" in value or "tls_key" in value:

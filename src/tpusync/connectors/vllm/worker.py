@@ -398,9 +398,6 @@ class WorkerSide:
         store, self.store = self.store, None
         if store is None:
             return
-        if self._holds_switch_interval:
-            switch_interval.release()
-            self._holds_switch_interval = False
         store.remove_block_listener(self.events.heard)
         for future, _, result in self._loading.values():
             concurrent.futures.wait([future], timeout=CLOSE_TIMEOUT_S)
@@ -414,6 +411,9 @@ class WorkerSide:
                 store.release(result)
         store.flush(timeout=CLOSE_TIMEOUT_S)
         store.close()  # and the server and registry node of ``serve``
+        if self._holds_switch_interval:  # after the last background work of the store
+            switch_interval.release()
+            self._holds_switch_interval = False
         if self._registry is not None:
             self._registry.close()
             self._registry = None
