@@ -103,3 +103,29 @@ def ask_front(child: subprocess.Popen, request: dict[str, Any], deadline: float)
         assert line is not None, "the producer ended or hung before it answered"
         if line.startswith("{"):
             return json.loads(line)
+
+
+def kv_common(tmp_path: Path) -> dict[str, Any]:
+    """The connector config both roles of a disaggregation test share: the secret, the
+    lookup sockets' folder and a DRAM tier."""
+    return {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
+            "dram": {"capacity_blocks": 64}}  # fmt: skip
+
+
+def produce_serving(
+    child: subprocess.Popen, model: Path, kv: dict[str, Any], prompt: list[int]
+) -> dict:
+    """Has the ``serve_once.py`` front ``child`` prefill ``prompt`` as a producer with config
+    ``kv`` (its ``serve`` section included) in vLLM's multi-process engine, holding the engine
+    (and its served DRAM) until :func:`finish_front`; returns its answer."""
+    request = {"model": str(model), "kv": kv, "prompt": prompt, "executor": "mp",
+               "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
+    return ask_front(child, request, time.monotonic() + 110)
+
+
+def finish_front(child: subprocess.Popen) -> None:
+    """Lets a holding front close its engine, and checks that it exits cleanly."""
+    assert child.stdin is not None
+    child.stdin.write("done\n")
+    child.stdin.close()
+    assert child.wait(timeout=60) == 0

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate_with, settle, transfer_config, worker_of
-from fronts import ask_front, remove_orphaned_vllm_shm, serve_once_front
+from fronts import (
+    ask_front,
+    finish_front,
+    kv_common,
+    produce_serving,
+    remove_orphaned_vllm_shm,
+    serve_once_front,
+)
 
 from tpusync.connectors.vllm.settings import read_settings
 from tpusync.errors import InvalidArgumentError
@@ -156,12 +164,10 @@ def test_a_consumer_pulls_straight_from_a_serving_producer(
     child = serving_front
     node, ready = start_store_node(tmp_path, bytes(range(9, 41)), 16 << 20)  # its registry
     try:
-        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
-                  "dram": {"capacity_blocks": 64}}  # fmt: skip
-        produce = {**common, "serve": {"registry": ready["registry"]}}
-        request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
-                   "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
-        answer = ask_front(child, request, time.monotonic() + 110)
+        common = kv_common(tmp_path)
+        answer = produce_serving(
+            child, model, {**common, "serve": {"registry": ready["registry"]}}, PROMPT
+        )
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
         consume = {**common, "registry": {"address": ready["registry"]}}
         with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
@@ -171,10 +177,7 @@ def test_a_consumer_pulls_straight_from_a_serving_producer(
             assert (tokens, cached) == (reference, FULL)
             stats = settle(worker_of(consumer))
             assert stats["tiers"]["cluster"]["hits"] == FULL // BLOCK
-        assert child.stdin is not None
-        child.stdin.write("done\n")
-        child.stdin.close()
-        assert child.wait(timeout=60) == 0
+        finish_front(child)
     finally:
         stop_process(node)
 
@@ -189,12 +192,10 @@ def test_a_registry_restarted_empty_is_told_again_and_the_consumer_finds_the_blo
     child = outliving_front
     node, ready = start_store_node(tmp_path, bytes(range(13, 45)), 16 << 20)
     try:
-        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
-                  "dram": {"capacity_blocks": 64}}  # fmt: skip
-        produce = {**common, "serve": {"registry": ready["registry"]}}
-        request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
-                   "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
-        answer = ask_front(child, request, time.monotonic() + 110)
+        common = kv_common(tmp_path)
+        answer = produce_serving(
+            child, model, {**common, "serve": {"registry": ready["registry"]}}, PROMPT
+        )
         node.kill()  # the registry dies with everything it listed
         stop_process(node)
         port = int(ready["registry"].rsplit(":", 1)[1])
@@ -207,45 +208,60 @@ def test_a_registry_restarted_empty_is_told_again_and_the_consumer_finds_the_blo
             assert (tokens, cached) == (reference, FULL)
             stats = settle(worker_of(consumer))
             assert stats["tiers"]["cluster"]["hits"] == FULL // BLOCK
-        assert child.stdin is not None
-        child.stdin.write("done\n")
-        child.stdin.close()
-        assert child.wait(timeout=60) == 0
+        finish_front(child)
     finally:
         stop_process(node)
 
 
-def test_a_producer_killed_after_it_answered_costs_a_recomputation(
+def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
     model, reference, tmp_path, doomed_front
 ) -> None:
-    """The serving producer (every process of its engine) is SIGKILLed after it answered, its
-    blocks still listed in the registry: the consumer's pulls from it fail, it waits
-    ``remote_wait_s`` and computes the prompt, with the same tokens; nothing stays pinned."""
+    """The serving producer answers, then stops (SIGSTOP: its blocks still listed in the
+    registry, its sockets open but silent); once the consumer's pull from it is under way, every
+    process of the producer's engine is SIGKILLed. The consumer's pull fails, the request is
+    computed with the same tokens, no block is served from the dead producer, and nothing
+    stays pinned."""
     child = doomed_front
     node, ready = start_store_node(tmp_path, bytes(range(11, 43)), 16 << 20)  # its registry
     try:
-        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
-                  "dram": {"capacity_blocks": 64}}  # fmt: skip
-        produce = {**common, "serve": {"registry": ready["registry"]}}
-        request = {"model": str(model), "kv": produce, "prompt": PROMPT, "executor": "mp",
-                   "role": "kv_producer", "max_tokens": 1, "hold": True}  # fmt: skip
-        answer = ask_front(child, request, time.monotonic() + 110)
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait(timeout=10)
-        remove_orphaned_vllm_shm(child.shm_before)  # type: ignore[attr-defined]
-        consume = {**common, "registry": {"address": ready["registry"], "timeout_s": 2.0},
+        common = kv_common(tmp_path)
+        answer = produce_serving(
+            child, model, {**common, "serve": {"registry": ready["registry"]}}, PROMPT
+        )
+        os.killpg(child.pid, signal.SIGSTOP)
+        consume = {**common, "registry": {"address": ready["registry"], "timeout_s": 20.0},
                    "remote_wait_s": 1.0}  # fmt: skip
         with engine(
             model, transfer_config(consume, policy="recompute", role="kv_consumer")
         ) as consumer:
+            worker = worker_of(consumer)
+            killed = threading.Event()
+
+            def kill_once_pulling() -> None:
+                deadline = time.monotonic() + 60
+                while not worker._loading and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                time.sleep(0.2)  # the pull is waiting on the stopped producer
+                os.killpg(child.pid, signal.SIGKILL)
+                killed.set()
+
+            killer = threading.Thread(target=kill_once_pulling, daemon=True)
+            killer.start()
             started = time.monotonic()
             ((tokens, cached, _),) = generate_with(
                 consumer, [PROMPT], kv_transfer_params=answer["params"]
             )
+            killer.join(timeout=70)
+            assert killed.is_set()
             assert (tokens, cached) == (reference, 0)
-            assert time.monotonic() - started < 30
-            settle(worker_of(consumer))
+            assert time.monotonic() - started < 20  # the kill ended the pull, not its timeout
+            stats = settle(worker_of(consumer))
+            assert stats["tiers"]["cluster"]["hits"] == 0
+        child.wait(timeout=10)
+        remove_orphaned_vllm_shm(child.shm_before)  # type: ignore[attr-defined]
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
         stop_process(node)
 
 

@@ -7,14 +7,13 @@ every connection is TLS (one certificate for both addresses) as well as authenti
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from engines import BLOCK, build_model, engine, generate_with, settle, transfer_config, worker_of
-from fronts import ask_front, serve_once_front
+from fronts import finish_front, kv_common, produce_serving, serve_once_front
 from netns import Namespace, network_namespace
 from tools import require_tool
 
@@ -68,14 +67,10 @@ def test_a_consumer_pulls_from_a_producer_at_another_address_over_tls(
     node, ready = start_store_node(tmp_path, bytes(range(17, 49)), 16 << 20, flags=flags)
     try:
         assert ready["registry"].startswith(space.here + ":")
-        common = {"secret_file": str(tmp_path / "secret"), "socket_dir": str(tmp_path / "s"),
-                  "dram": {"capacity_blocks": 64}}  # fmt: skip
+        common = kv_common(tmp_path)
         serve = {"registry": ready["registry"], "host": space.there, "tls_cert": str(cert),
                  "tls_key": str(key), "tls_ca": str(cert)}  # fmt: skip
-        request = {"model": str(model), "kv": {**common, "serve": serve}, "prompt": PROMPT,
-                   "executor": "mp", "role": "kv_producer", "max_tokens": 1,
-                   "hold": True}  # fmt: skip
-        answer = ask_front(child, request, time.monotonic() + 110)
+        answer = produce_serving(child, model, {**common, "serve": serve}, PROMPT)
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
         consume = {**common, "registry": {"address": ready["registry"], "tls_ca": str(cert)}}
         with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
@@ -85,9 +80,6 @@ def test_a_consumer_pulls_from_a_producer_at_another_address_over_tls(
             assert (tokens, cached) == (reference, FULL)
             stats = settle(worker_of(consumer))
             assert stats["tiers"]["cluster"]["hits"] == FULL // BLOCK
-        assert child.stdin is not None
-        child.stdin.write("done\n")
-        child.stdin.close()
-        assert child.wait(timeout=60) == 0
+        finish_front(child)
     finally:
         stop_process(node)

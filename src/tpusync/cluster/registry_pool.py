@@ -27,6 +27,7 @@ from tpusync.errors import (
 )
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["RegistryPool"]
@@ -116,6 +117,13 @@ class RegistryPool:
             peer = self._peers[node_id] = RemotePool(client, self.layout)
             return peer
 
+    def _forget(self, node_id: str) -> None:
+        """Closes the client of a peer that failed (the next pull from it connects anew)."""
+        with self._lock:
+            stale = self._peers.pop(node_id, None)
+        if stale is not None:
+            stale.close()
+
     def get(self, keys: Sequence[bytes], target: HostPool) -> None:
         """Pulls each key from a live holder into ``target``; raises BlocksMissingError (with
         ``loaded``) for the keys no holder served, after committing the others."""
@@ -138,10 +146,7 @@ class RegistryPool:
                 ok = missing.loaded
                 corrupt += missing.corrupt
             except TpuSyncError:  # that peer is gone or refused: its blocks are misses
-                with self._lock:
-                    stale = self._peers.pop(node, None)
-                if stale is not None:
-                    stale.close()
+                self._forget(node)
                 continue
             for i, good in zip(indices, ok, strict=True):
                 loaded[i] = bool(good)
@@ -153,6 +158,30 @@ class RegistryPool:
                 loaded=loaded,
                 corrupt=corrupt,
             )
+
+    def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
+        """Receives each key from a live holder straight into the places ``scatter`` gives
+        it (see :meth:`RemotePool.get_scattered`); returns which arrived verified."""
+        keys = check_keys(keys)
+        loaded = [False] * len(keys)
+        by_node: dict[str, list[int]] = {}
+        for i, node in enumerate(self._holder_per_key(keys)):
+            if node is not None:
+                by_node.setdefault(node, []).append(i)
+        for node, indices in sorted(by_node.items()):
+            try:
+                peer = self._peer(node)
+                if peer is None:
+                    continue
+                ok = peer.get_scattered([keys[i] for i in indices], scatter.select(indices))
+            except TpuSyncError:  # that peer is gone or refused: its blocks are misses
+                self._forget(node)
+                continue
+            for i, good in zip(indices, ok, strict=True):
+                loaded[i] = bool(good)
+        hits = sum(loaded)
+        self.stats.add(hits=hits, misses=len(keys) - hits)
+        return loaded
 
     def put(self, keys: Sequence[bytes], source: HostPool) -> int:
         raise RemoteOperationUnsupportedError(

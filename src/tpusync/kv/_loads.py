@@ -1,4 +1,5 @@
-"""How the KV store's loads run: promote from the lower tiers, copy out of DRAM (checksums in
+"""How the KV store's loads run: land a remote hit straight in the engine's tensors
+(:mod:`tpusync.kv._direct`), else promote from the lower tiers, copy out of DRAM (checksums in
 the copy pass), read from below what DRAM failed to serve; and the background run of a
 layer-by-layer load (:class:`~tpusync.kv.results.LayerLoad`)."""
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpusync.errors import BlocksMissingError
+from tpusync.kv._direct import land_in_place
 from tpusync.kv._streaming import load_through_dram, reload_from_below, streams
 from tpusync.kv.results import LayerLoad, LoadResult
 
@@ -36,12 +38,20 @@ def load_keys(
     if not keys:
         return 0, 0
     pools = store.pools if pools is None else pools
+    where = None
+    if after_pool is None:  # a layer-by-layer load reads DRAM hits only
+        landed, where = land_in_place(store, keys, ids, pools)
+        if landed == len(keys):
+            return landed, 0
+        if landed:  # the rest as any load: the tiers below may hold what this one failed
+            more, promoted = load_keys(store, keys[landed:], ids[landed:], None, pools)
+            return landed + more, promoted
     if streams(store, len(keys), save=False):
         done = load_through_dram(store, keys, ids, pools)
         _all_written(store, after_pool)
         return done
     stack = store._stack
-    in_dram, promoted = stack.promote(keys)
+    in_dram, promoted = stack.promote(keys, where=where)
     prefix = next((i for i, ok in enumerate(in_dram) if not ok), len(keys))
     if not prefix:
         return 0, promoted

@@ -50,6 +50,7 @@ from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullErr
 from tpusync.kv._tier_faults import TierFaults
 from tpusync.tiers.base import LowerTier, tier_free, tier_usable_capacity
 from tpusync.tiers.dram import HostPool
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.spec import OpenedTier
 
 log = logging.getLogger("tpusync.kv")
@@ -58,6 +59,7 @@ POLICY_COUNTERS = (
     "evictions",
     "demotions",
     "promotions",
+    "direct_loads",  # blocks a remote tier landed straight in the engine's memory (no DRAM)
     "lower_tier_misses",
     "lower_tier_errors",
     "lower_tier_fallbacks",  # blocks served by a lower tier after the one above failed them
@@ -552,17 +554,20 @@ class TierStack:
 
     # --- promotion -------------------------------------------------------------------------
 
-    def promote(self, keys: Sequence[bytes], *, local: bool = False) -> tuple[list[bool], int]:
+    def promote(
+        self, keys: Sequence[bytes], *, local: bool = False, where: list[int] | None = None
+    ) -> tuple[list[bool], int]:
         """Reads the keys DRAM lacks from the first lower tier holding them into DRAM; returns
         which keys DRAM holds afterwards, and how many blocks moved up. A block a tier fails to
         serve (it fails its checksum, cannot be read: the tier counts and drops it) is asked of
         the tiers below that one, and is a miss only when none serves it. Pin the keys first, so
         that making room cannot evict them. With ``local``, other nodes' (read-only) tiers are
-        not read."""
+        not read. ``where``: :meth:`locate`'s answer for ``keys``, when the caller has it."""
         in_dram = self.dram._contains_checked(list(keys))  # the store's own keys
         if all(in_dram):
             return in_dram, 0
-        where = self.locate(keys, prefix=False, local=local)
+        if where is None:
+            where = self.locate(keys, prefix=False, local=local)
         wanted = [(k, t) for k, t in zip(keys, where, strict=True) if t > 0]
         promoted = 0
         if wanted:
@@ -623,6 +628,28 @@ class TierStack:
             loaded = [k for k, ok in zip(keys, held, strict=True) if ok]
             self.bump("lower_tier_errors", 1)
         self.bump("lower_tier_misses", len(keys) - len(loaded))
+        return loaded
+
+    def get_scattered(self, tier: int, keys: list[bytes], scatter: Scatter) -> list[bool]:
+        """Has remote ``tier`` land ``keys`` straight where ``scatter`` says (its
+        ``get_scattered``); returns which arrived verified. A tier that fails is counted as in
+        :meth:`_get_up`, and all its blocks are misses."""
+        loaded = [False] * len(keys)
+        if self.faults.resting(tier):
+            self.bump("lower_tier_rested", len(keys))
+        else:
+            try:
+                loaded = self.tiers[tier].get_scattered(keys, scatter)
+                self.faults.reached(tier)
+            except (TpuSyncError, OSError) as error:  # e.g. a peer that is gone
+                self.faults.unreachable(tier, error)
+                log.warning("tpusync kv: tier %s failed: %s", self.faults.label(tier), error)
+                self.bump("lower_tier_errors", 1)
+        hits = sum(loaded)
+        self.bump("direct_loads", hits)
+        self.bump("lower_tier_misses", len(keys) - hits)
+        if hits and not self.read_only[tier]:
+            self.touch(tier, [k for k, ok in zip(keys, loaded, strict=True) if ok])
         return loaded
 
     # --- write-back ------------------------------------------------------------------------

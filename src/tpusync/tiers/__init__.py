@@ -7,6 +7,7 @@ from tpusync.tiers.base import BlockTier, LowerTier
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.dram import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.shared_fs import SharedFsPool
 from tpusync.tiers.spec import OpenedTier, TierContext, TierSpec
 from tpusync.tiers.stats import TierStats, all_tier_stats
@@ -21,6 +22,7 @@ __all__ = [
     "Pinned",
     "PoolLayout",
     "Reservation",
+    "Scatter",
     "SharedFsPool",
     "TierContext",
     "TierSpec",

@@ -49,12 +49,12 @@ from tpusync.cluster.dataplane.leases import Lease, LeaseTable
 from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
 from tpusync.cluster.dataplane.remote_pool import RemotePool
 from tpusync.cluster.dataplane.server import BlockServer, Served
-from tpusync.cluster.dataplane.stripes import Scatter
 from tpusync.errors import (
     FrameError,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
 )
+from tpusync.tiers.scatter import Scatter
 
 __all__ = [
     "MAX_KEYS_PER_REQUEST",

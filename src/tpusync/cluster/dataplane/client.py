@@ -28,7 +28,7 @@ from tpusync.cluster.dataplane.protocol import (
     StreamError,
     parse_path,
 )
-from tpusync.cluster.dataplane.stripes import PoolStripe, Scatter, ScatterStripe, _Stripe
+from tpusync.cluster.dataplane.stripes import PoolStripe, ScatterStripe, _Stripe
 from tpusync.cluster.registry.base import check_keys
 from tpusync.errors import (
     InvalidArgumentError,
@@ -37,6 +37,7 @@ from tpusync.errors import (
 )
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
 
 __all__ = ["BlockClient", "HeldBlocks", "PullResult"]
 

@@ -9,6 +9,7 @@ from tpusync.cluster.dataplane.client import BlockClient
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, RemoteOperationUnsupportedError
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["RemotePool"]
@@ -71,6 +72,16 @@ class RemotePool:
             if result.error is not None:
                 raise error from result.error
             raise error
+
+    def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
+        """Receives the blocks under ``keys`` (distinct) straight into the places ``scatter``
+        gives them (see :meth:`BlockClient.pull_scattered`); returns which arrived verified."""
+        loaded = self.client.pull_scattered(keys, self.layout, scatter)
+        hits = sum(loaded)
+        self.stats.add(
+            hits=hits, misses=len(loaded) - hits, bytes_out=hits * self.layout.payload_bytes
+        )
+        return loaded
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return self.client.contains(keys)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,73 +17,12 @@ from tpusync.cluster.dataplane._connection import Connection, Deadline
 from tpusync.cluster.dataplane.frames import frame_receiver, slot_addresses
 from tpusync.cluster.dataplane.protocol import MAX_ERROR_BYTES
 from tpusync.engines import native
-from tpusync.errors import InvalidArgumentError
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
 
-__all__ = ["PoolStripe", "Scatter", "ScatterStripe"]
-
-
-@dataclass(frozen=True)
-class Scatter:
-    """Where each of a pull's blocks goes, run by run: block ``i``'s runs are ``first[i]`` to
-    ``first[i + 1]``; run ``r`` starts at ``offsets[r]`` in the block's payload (a block's
-    first run at 0, then rising) and lasts to the next run or the payload's end; it lands at
-    address ``targets[r]``, or nowhere when that is 0 (received and hashed, then dropped).
-
-    The caller keeps every target writable until the pull returns, and lets no one read a
-    block's places unless the pull reports that block loaded: a block that failed (corrupt,
-    missing, cut off) may have written some of them."""
-
-    first: np.ndarray
-    offsets: np.ndarray
-    targets: np.ndarray
-
-    def checked(self, blocks: int, payload_bytes: int) -> Scatter:
-        """Itself as contiguous int64/int64/uint64 arrays, after checking it covers ``blocks``
-        payloads of ``payload_bytes``; InvalidArgumentError (naming ``scatter``) otherwise."""
-        first = np.ascontiguousarray(self.first, dtype=np.int64)
-        offsets = np.ascontiguousarray(self.offsets, dtype=np.int64)
-        targets = np.ascontiguousarray(self.targets, dtype=np.uint64)
-        runs = len(offsets)
-        if first.shape != (blocks + 1,) or targets.shape != (runs,) or offsets.ndim != 1:
-            raise InvalidArgumentError(
-                f"scatter: expected first of {blocks + 1} entries (one per key and one more) "
-                f"and one target per offset; got {first.shape}, {offsets.shape}, {targets.shape}"
-            )
-        if first[0] != 0 or first[-1] != runs or (np.diff(first) < 1).any():
-            raise InvalidArgumentError(
-                "scatter: first must start at 0, rise by at least 1 per key (a run each) and "
-                "end at the number of runs"
-            )
-        starts = np.zeros(runs, dtype=bool)
-        starts[first[:-1]] = True
-        rising = np.diff(offsets, prepend=np.int64(-1)) > 0
-        if runs and (
-            (offsets[starts] != 0).any()
-            or not rising[~starts].all()
-            or offsets.max() >= payload_bytes
-        ):
-            raise InvalidArgumentError(
-                "scatter: each key's runs must start at offset 0 and rise inside its payload "
-                f"({payload_bytes} bytes)"
-            )
-        return Scatter(first, offsets, targets)
-
-    def runs_of(self, blocks: np.ndarray, scratch: int) -> tuple[np.ndarray, ...]:
-        """The runs of ``blocks`` (in that order), for a receiver: (first, offsets, targets),
-        the runs that land nowhere sent to ``scratch`` at their own offset (a payload-sized
-        region of the stripe's own)."""
-        counts = self.first[blocks + 1] - self.first[blocks]
-        starts = np.repeat(self.first[blocks] - np.cumsum(counts) + counts, counts)
-        picked = starts + np.arange(int(counts.sum()))
-        offsets = self.offsets[picked]
-        targets = self.targets[picked].copy()
-        nowhere = targets == 0
-        targets[nowhere] = np.uint64(scratch) + offsets[nowhere].astype(np.uint64)
-        first = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        return first, offsets, targets
+__all__ = ["PoolStripe", "ScatterStripe"]
 
 
 class _Stripe(abc.ABC):

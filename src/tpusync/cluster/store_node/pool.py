@@ -13,6 +13,7 @@ from tpusync.cluster.dataplane.remote_pool import RemotePool
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["StoreNodePool"]
@@ -101,6 +102,18 @@ class StoreNodePool(RemotePool):
                 loaded=loaded,
                 corrupt=corrupt,
             )
+
+    def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
+        """:meth:`RemotePool.get_scattered`, at most the node's DRAM slots per lease."""
+        keys = list(keys)
+        step = max(1, self.client.server_capacity)
+        if len(keys) <= step:
+            return super().get_scattered(keys, scatter)
+        loaded: list[bool] = []
+        for i in range(0, len(keys), step):
+            part = range(i, min(i + step, len(keys)))
+            loaded += super().get_scattered(keys[i : part.stop], scatter.select(part))
+        return loaded
 
     def put(self, keys: Sequence[bytes], source: HostPool) -> int:
         """Pushes ``source``'s blocks under ``keys`` to the node; returns how many it stored

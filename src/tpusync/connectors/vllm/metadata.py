@@ -38,3 +38,4 @@ class TpuSyncMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     releases: list[tuple[str, int]] = field(default_factory=list)  # (req_id, sequence or 0)
+    idle: bool = False  # the step runs no forward: vLLM only polls the connector

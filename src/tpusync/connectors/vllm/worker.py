@@ -29,6 +29,11 @@ __all__ = ["WorkerSide", "local_worker"]
 log = logging.getLogger("tpusync.connectors.vllm")
 
 CLOSE_TIMEOUT_S = 60.0
+# How long a step without a forward waits for a background load before it answers vLLM. Such
+# steps come back to back while a request waits for its KV; waiting with the GIL released lets
+# the load's thread run instead of queueing for the GIL behind the engine loop. A request that
+# arrives meanwhile waits at most this long.
+IDLE_STEP_WAIT_S = 0.02
 MAX_RELEASED = 1 << 16
 # engine id -> the worker side in this process (scheduler and worker in one process)
 _LOCAL: dict[str, WorkerSide] = {}
@@ -65,6 +70,7 @@ class WorkerSide:
         self.unknown_layers: set[str] = set()  # layer names waited for that no pool has
         self._load_errors: set[int] = set()
         self._sync_failure = False  # a load this step's forward reads failed
+        self._idle_step = False  # this step runs no forward (set by start_load)
         self._durable: set[concurrent.futures.Future[Any]] = set()
         self._registry: Any = None  # the registry ``serve`` lists this worker's DRAM in
         self._holds_switch_interval = False
@@ -238,6 +244,7 @@ class WorkerSide:
         (before the forward that reads it), a hit below DRAM in the background."""
         self.finish_layer_loads()  # a step that never asked for its errors: end its loads
         self._sync_failure = False
+        self._idle_step = meta.idle
         for req_id, sequence in meta.releases:
             self.release(req_id, sequence)
         store = self.store
@@ -359,7 +366,17 @@ class WorkerSide:
 
     def finished_loads(self) -> set[str]:
         """Requests whose background loads are done (good or not) since the last call; failed
-        blocks are in :meth:`take_load_errors` no later than this."""
+        blocks are in :meth:`take_load_errors` no later than this.
+
+        In a step without a forward it first waits up to :data:`IDLE_STEP_WAIT_S` for one of
+        them to finish (nothing else waits on this step)."""
+        if self._idle_step:
+            self._idle_step = False
+            pending = [future for future, _, _ in self._loading.values() if not future.done()]
+            if pending:
+                concurrent.futures.wait(
+                    pending, IDLE_STEP_WAIT_S, concurrent.futures.FIRST_COMPLETED
+                )
         done = set()
         for req_id, (future, ids, result) in list(self._loading.items()):
             if not future.done():
