@@ -328,9 +328,16 @@ def test_a_client_tier_takes_a_ca_bundle_by_file_name(tmp_path):
     )  # fmt: skip
     base = {"model_id": "m", "block_size": 16, "dram": {"capacity_blocks": 8}}
     node = {"address": "127.0.0.1:7", "tls_ca": str(cert)}
-    (spec,) = KVStoreConfig.from_dict({**base, "store_node": node}).tiers
+    config = KVStoreConfig.from_dict({**base, "store_node": node})
+    (spec,) = config.tiers
     assert isinstance(spec.tls, ssl.SSLContext) and spec.tls.check_hostname
     assert spec.tls.verify_mode == ssl.CERT_REQUIRED
+    # the context keeps no CA file name: to_dict says how to write the section instead
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r'^store_node\.tls: .*tls=None .*set "tls_ca" in its store_node section',
+    ):
+        config.to_dict()
     for section, match in [
         ({"address": "h:1", "tls_ca": str(tmp_path / "absent.pem")}, r"store_node\.tls_ca: cannot"),
         ({"address": "h:1", "tls_ca": 7}, r"^store_node\.tls_ca: expected the path"),

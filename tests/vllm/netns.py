@@ -1,16 +1,18 @@
 """A network namespace joined to this one by a veth pair, for tests whose processes must talk
 across different addresses (not loopback): made with ``ip`` (iproute2, root), removed on exit
-with its link (stop every process inside it first)."""
+with its link (stop every process inside it first). Without root or ``ip`` the test skips, or
+fails where the tools are required (CI: see tests/tools.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tools import require_tool
+from tools import require_tool, skip_or_fail
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ def _ip(*args: str) -> None:
 
 @contextlib.contextmanager
 def network_namespace() -> Iterator[Namespace]:
+    if os.geteuid() != 0:
+        skip_or_fail("a network namespace needs root (ip netns add); run the test as root")
     require_tool("ip", "iproute2")
     tag = secrets.token_hex(4)  # link names hold at most 15 bytes
     name, here_link, there_link = f"tpusync-{tag}", f"tsh{tag}", f"tsn{tag}"

@@ -52,11 +52,23 @@ def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
         ({"socket_dir": ""}, "socket_dir: expected a directory path"),
         ({"socket_dir": "/" + "d" * 100}, "socket_dir: .* too long for a Unix socket path"),
         ({"store_node": {"nodes": 3}}, "store_node"),
+        (
+            {"serve": {"registry": "10.1.2.3:7411"}},
+            r"serve\.tls_ca: missing, and the registry 10\.1\.2\.3:7411 is not a loopback "
+            r"address: .* give tls_ca, the PEM CA bundle",
+        ),
+        ({"serve": {"registry": "registry.example:7411"}}, r"serve\.tls_ca: missing"),
     ],
 )
 def test_a_wrong_key_or_value_is_refused_by_name(extra: dict, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         read_settings(extra, **ENGINE)
+
+
+def test_a_registry_on_loopback_needs_no_ca_bundle() -> None:
+    for registry in ("127.0.0.1:7411", "localhost:7411", "[::1]:7411"):
+        serve = read_settings({"serve": {"registry": registry}}, **ENGINE).serve
+        assert serve is not None and (serve.registry, serve.registry_tls) == (registry, None)
 
 
 def test_extra_config_that_is_not_a_mapping_is_refused() -> None:

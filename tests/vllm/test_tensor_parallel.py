@@ -6,6 +6,7 @@ engine on this CPU (vLLM's multi-process executor, one core per rank)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 import torch
 from engines import BLOCK, build_model, engine, generate, transfer_config
 
+from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.scheduler import SchedulerSide
 from tpusync.connectors.vllm.settings import read_settings
 from tpusync.connectors.vllm.worker import WorkerSide
@@ -97,6 +99,39 @@ def test_a_hit_counts_only_as_far_as_every_rank_holds_the_block(tmp_path: Path) 
     finally:
         for worker in workers:
             worker.close()
+
+
+def test_the_scheduler_asks_every_rank_at_once(tmp_path: Path) -> None:
+    """Each rank's lookup socket answers after 0.3 s: asked one after another the two would
+    never answer together, and the lookup would take their sum."""
+    lock = threading.Lock()
+    inside, most = [0], [0]
+
+    def slow(blocks: int) -> Any:
+        def answer(req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool]:
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.3)
+            with lock:
+                inside[0] -= 1
+            return blocks, False
+
+        return answer
+
+    settings = _settings(tmp_path, 0)
+    servers = [
+        LookupServer(path, slow(blocks))
+        for path, blocks in zip(settings.socket_paths, (5, 3), strict=True)
+    ]
+    scheduler = SchedulerSide(settings, BLOCK)
+    try:
+        assert _matched(scheduler, _request(PROMPT)) == 3 * BLOCK  # the smallest answer
+        assert most[0] == 2  # both ranks answered at once
+    finally:
+        scheduler.close()
+        for server in servers:
+            server.close()
 
 
 @pytest.fixture(scope="module")

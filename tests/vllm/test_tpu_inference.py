@@ -8,6 +8,7 @@ step (which donates the KV arrays and replaces ``runner.kv_caches``), ``wait_for
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -57,15 +58,19 @@ def _transfer(extra: dict[str, Any], name: str = "TPUConnector", engine_id: str 
     )
 
 
-def _connector(vllm_config: Any, extra: dict[str, Any], *, name: str = "TPUConnector") -> Any:
-    """A worker-side connector made by vLLM's factory, as tpu-inference's worker makes it."""
+def _connector(
+    vllm_config: Any, extra: dict[str, Any], *, name: str = "TPUConnector", worker: bool = True
+) -> Any:
+    """A connector made by vLLM's factory, as tpu-inference's worker (or, ``worker=False``, its
+    scheduler) makes it."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     vllm_config.kv_transfer_config = _transfer(extra, name)
     kv_cache_config = KVCacheConfig(num_blocks=PAGES, kv_cache_tensors=[], kv_cache_groups=[])
-    return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    role = KVConnectorRole.WORKER if worker else KVConnectorRole.SCHEDULER
+    return KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
 
 
 def _mesh(data: int) -> jax.sharding.Mesh:
@@ -148,13 +153,23 @@ def test_pages_saved_by_one_engine_load_into_another_as_plain_jax_says(
         load = LoadSpec("r2", 1, dst_pages, is_async=False)
         meta = TpuSyncMetadata(loads=[load])
         assert _step(consumer, runner, meta, (step_pages, step_values)) == set()
-        after = runner.snapshot()
+        # every device's own shard, each replica of it too (a gather would read one replica)
+        shards = [
+            [(s.index, s.replica_id, np.array(s.data, copy=True)) for s in a.addressable_shards]
+            for a in runner.kv_caches
+        ]
     finally:
         consumer.shutdown()
     for layer in range(LAYERS):  # the reference: plain JAX on the same inputs
         expected = jnp.asarray(before[layer]).at[jnp.asarray(dst_pages)].set(written[layer])
-        expected = expected.at[jnp.asarray(step_pages)].set(step_values[layer])
-        assert_same_bits(after[layer], np.asarray(expected), f"layer {layer}")
+        expected = np.asarray(expected.at[jnp.asarray(step_pages)].set(step_values[layer]))
+        assert len(shards[layer]) == 8  # one a device
+        replicas: dict[str, set[int]] = {}
+        for index, replica, values in shards[layer]:
+            where = f"layer {layer} shard {index} replica {replica}"
+            assert_same_bits(values, expected[index], where)
+            replicas.setdefault(str(index), set()).add(replica)
+        assert all(r == set(range(data)) for r in replicas.values())  # a replica per data row
         assert runner.kv_caches[layer].sharding.is_equivalent_to(sharding, 5)
     assert worker.recent_loads and worker.recent_loads[-1].loaded_blocks == 4
 
@@ -202,6 +217,72 @@ def test_a_load_whose_pins_are_lost_is_a_load_error_and_its_step_saves_nothing(
         assert (dram["used"], dram["capacity"]) == (0, PAGES)  # as many pages as the engine
     finally:
         connector.shutdown()
+
+
+def test_two_layers_sharing_one_array_are_refused_naming_both(
+    vllm_config: Any, tmp_path: Path
+) -> None:
+    connector = _connector(vllm_config, {"socket_dir": str(tmp_path)})
+    runner = _runner(vllm_config, 1, jnp.bfloat16, TPU_INFERENCE_SPEC)
+    runner.kv_caches[2] = runner.kv_caches[0]  # one array at layers 0 and 2
+    arrays = list(runner.kv_caches)
+    try:
+        both = r"runner\.kv_caches\[0\] and runner\.kv_caches\[2\]: the same jax\.Array"
+        with pytest.raises(InvalidArgumentError, match=both + ".*an array of its own"):
+            connector.register_runner(runner)
+        assert all(a is b for a, b in zip(runner.kv_caches, arrays, strict=True))
+    finally:
+        connector.shutdown()
+    assert not list(tmp_path.iterdir())  # no lookup socket was opened
+
+
+def test_a_runner_without_kv_caches_is_refused_saying_what_to_pass(
+    vllm_config: Any, tmp_path: Path
+) -> None:
+    connector = _connector(vllm_config, {"socket_dir": str(tmp_path)})
+    try:
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"runner: a object has no kv_caches attribute; pass tpu-inference's TPU model "
+            "runner, once its KV cache is allocated",
+        ):
+            connector.register_runner(object())
+        with pytest.raises(InvalidArgumentError, match="got NoneType; register tpu-inference's"):
+            connector.register_runner(type("Unallocated", (), {"kv_caches": None})())
+    finally:
+        connector.shutdown()
+
+
+def test_steps_without_a_registered_runner_warn_once_naming_register_runner(
+    vllm_config: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    connector = _connector(vllm_config, {"socket_dir": str(tmp_path)})
+    meta = TpuSyncMetadata(saves=[SaveSpec("r1", [b"h" * 32], [3])])
+    try:
+        with caplog.at_level(logging.WARNING, logger="tpusync.connectors.tpu_inference"):
+            for _ in range(3):  # each step loads and saves nothing: no runner
+                assert _step(connector, None, meta) == set()
+    finally:
+        connector.shutdown()
+    said = [r.getMessage() for r in caplog.records if "register_runner" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "tpu-inference's TPU worker calls it" in said[0]
+    assert "every lookup is a miss" in said[0]
+
+
+@pytest.mark.parametrize("worker", [True, False], ids=["worker", "scheduler"])
+@pytest.mark.parametrize("value", [True, False])
+def test_load_by_layer_other_than_auto_is_refused_at_engine_start(
+    vllm_config: Any, tmp_path: Path, value: bool, worker: bool
+) -> None:
+    extra = {"socket_dir": str(tmp_path), "load_by_layer": value}
+    with pytest.raises(
+        InvalidArgumentError,
+        match=rf"kv_connector_extra_config\.load_by_layer: {value} has no effect on "
+        r'TpuSyncTpuConnector, .* leave load_by_layer out \(or "auto"\)',
+    ):
+        _connector(vllm_config, extra, worker=worker)
+    _connector(vllm_config, {**extra, "load_by_layer": "auto"}, worker=worker).shutdown()
 
 
 @pytest.mark.parametrize("name", NAMES)

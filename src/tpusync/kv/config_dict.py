@@ -228,6 +228,13 @@ def _spec_to_section(spec: Any, where: str, secret_files: Mapping[str, str]) -> 
                 )
             out["secret_file"] = secret_files[spec.name]
             continue
+        if f.name == "tls":  # a context keeps no trace of the CA bundle it was made from
+            raise InvalidArgumentError(
+                f"{where}.tls: an ssl.SSLContext has no plain-data form (it keeps no trace of "
+                "the CA bundle it was made from); call to_dict on a copy whose spec has "
+                f'tls=None (dataclasses.replace), then set "tls_ca" in its {where} section to '
+                "the PEM CA bundle's path"
+            )
         out[f.name] = _plain_value(value, f"{where}.{f.name}")
     return out
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from tpusync.errors import InvalidArgumentError
 from tpusync.memory.torch_tensors import TorchPool
-from tpusync.tiers.dram._device_moves import PoolLocks
+from tpusync.tiers.dram import PoolLocks
 from tpusync.tiers.layout import PoolLayout
 
 __all__ = ["Scatter", "tensor_landing"]

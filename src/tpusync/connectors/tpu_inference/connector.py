@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from tpusync.connectors.tpu_inference.runner_pools import RunnerWorkerSide
 from tpusync.connectors.vllm.connector import TpuSyncConnector
+from tpusync.connectors.vllm.settings import WHERE, ConnectorSettings
 from tpusync.connectors.vllm.worker import WorkerSide
 from tpusync.errors import InvalidArgumentError
 
@@ -36,7 +37,8 @@ class TpuSyncTpuConnector(TpuSyncConnector):
 
     One worker drives the whole mesh (tensor parallelism is sharding inside it): every shard of
     a page is stored together. The page axis must not be sharded (see
-    :func:`.runner_pools.check_runner_arrays`)."""
+    :func:`.runner_pools.check_runner_arrays`). Every load runs whole before the forward, so
+    ``load_by_layer`` is refused unless left at ``"auto"``."""
 
     token_axis = TPU_TOKEN_AXIS
     layout_name = "tpu-inference KV layout"
@@ -48,11 +50,20 @@ class TpuSyncTpuConnector(TpuSyncConnector):
                 "run with pipeline_parallel_size=1"
             )
 
+    def _check_settings(self, settings: ConnectorSettings) -> None:
+        if settings.load_by_layer != "auto":
+            # every load runs whole before the forward: the runner donates its arrays each step
+            raise InvalidArgumentError(
+                f"{WHERE}.load_by_layer: {settings.load_by_layer!r} has no effect on "
+                "TpuSyncTpuConnector, which loads every page before the forward (tpu-inference "
+                'replaces its KV arrays every step); leave load_by_layer out (or "auto")'
+            )
+
     def _tensor_parallel(self, parallel: Any, role: KVConnectorRole) -> tuple[int, int]:
         return 0, 1  # one worker holds every shard: tensor parallelism is its mesh
 
     def _new_worker(self, num_blocks: int | None) -> WorkerSide:
-        return RunnerWorkerSide(self._settings_for, num_blocks)
+        return RunnerWorkerSide(self._settings, num_blocks, settings_for=self._settings_for)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         return  # tpu-inference replaces its arrays every step: register_runner reads them

@@ -11,8 +11,9 @@ meet the next step's donation)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -33,21 +34,30 @@ DOCS = "docs/connectors/tpu_inference.md"
 def check_runner_arrays(arrays: Any, num_blocks: int | None) -> list[jax.Array]:
     """``runner.kv_caches`` as a list of KV arrays tpusync can move, or a clear error: one
     ``jax.Array`` per layer, pages on axis 0 (as many as ``num_blocks`` where vLLM said),
-    every page whole in each shard (the page axis unsharded)."""
+    every page whole in each shard (the page axis unsharded), no array at two layers."""
     if isinstance(arrays, jax.Array) or not isinstance(arrays, list | tuple):
         raise InvalidArgumentError(
             f"runner.kv_caches: expected a list of jax.Arrays (one per layer), got "
-            f"{type(arrays).__name__}"
+            f"{type(arrays).__name__}; register tpu-inference's model runner once its KV cache "
+            "is allocated"
         )
     if not arrays:
         raise InvalidArgumentError(
             "runner.kv_caches: the runner holds no KV arrays yet; register the runner after "
             "its KV cache is allocated"
         )
+    layer_of: dict[int, int] = {}  # id(array) -> the first layer that holds it
     for i, array in enumerate(arrays):
         where = f"runner.kv_caches[{i}]"
         if not isinstance(array, jax.Array):
             raise InvalidArgumentError(f"{where}: expected a jax.Array, got {type(array).__name__}")
+        first = layer_of.setdefault(id(array), i)
+        if first != i:  # one pool per layer: a load into one would write over the other's pages
+            raise InvalidArgumentError(
+                f"runner.kv_caches[{first}] and runner.kv_caches[{i}]: the same jax.Array at two "
+                "layers; tpusync keeps each layer's pages apart, so give every layer an array "
+                "of its own"
+            )
         if array.ndim < 2:
             raise InvalidArgumentError(
                 f"{where}: shape {array.shape} has no page axis; tpu-inference's layout is "
@@ -74,31 +84,45 @@ class RunnerWorkerSide(WorkerSide):
     """The store of one tpu-inference engine's worker, over its runner's KV arrays.
 
     Args:
-      settings_for: the connector's settings for a number of KV pages (the DRAM tier holds as
-        many pages as the engine unless the extra config says otherwise).
+      settings: the connector's settings, as it read them.
       num_blocks: vLLM's number of KV blocks, when it said.
+      settings_for: the connector's settings for a number of KV pages, read again only when
+        vLLM did not say ``num_blocks`` (the DRAM tier holds as many pages as the engine unless
+        the extra config says otherwise, so the runner's arrays tell it then).
     """
 
     def __init__(
-        self, settings_for: Callable[..., ConnectorSettings], num_blocks: int | None = None
+        self,
+        settings: ConnectorSettings,
+        num_blocks: int | None = None,
+        settings_for: Callable[..., ConnectorSettings] | None = None,
     ) -> None:
-        super().__init__(settings_for(num_blocks=num_blocks), num_blocks)
+        super().__init__(settings, num_blocks)
         self._settings_for = settings_for
         self.runner: Any = None
         self.pools: list[DevicePool] = []
+        self._may_warn_no_runner = True  # until a runner registers, or the warning is said
 
     def register_runner(self, runner: Any) -> None:
         """Opens the store over ``runner.kv_caches`` (one pool per layer) and gives the runner
         the pools' arrays (on a CPU backend a pool holds a copy it owns)."""
         if self.store is not None:
             raise InvalidArgumentError("runner: this connector has a runner registered")
-        arrays = check_runner_arrays(getattr(runner, "kv_caches", None), self.num_blocks)
-        if self.num_blocks is None:  # the DRAM tier's default capacity: the engine's pages
+        if not hasattr(runner, "kv_caches"):
+            raise InvalidArgumentError(
+                f"runner: a {type(runner).__name__} has no kv_caches attribute; pass "
+                "tpu-inference's TPU model runner, once its KV cache is allocated (its "
+                "kv_caches: one jax.Array per layer)"
+            )
+        arrays = check_runner_arrays(runner.kv_caches, self.num_blocks)
+        if self.num_blocks is None and self._settings_for is not None:
+            # the DRAM tier's default capacity: the engine's pages, known only now
             self.use_settings(self._settings_for(num_blocks=int(arrays[0].shape[0])))
         pools = [DevicePool(array, name=f"kv_caches[{i}]") for i, array in enumerate(arrays)]
         self.open_store(pools, [pool.name for pool in pools], by_layer=False)
         self.runner = runner
         self.pools = pools
+        self._may_warn_no_runner = False
         self._give_back()
         log.info(
             "tpusync tpu-inference: %d KV arrays of shape %s %s, sharded %s",
@@ -113,22 +137,41 @@ class RunnerWorkerSide(WorkerSide):
         return blocks, False  # every load runs before the forward (see the module docstring)
 
     def start_load(self, meta: TpuSyncMetadata) -> None:
+        with self._runner_arrays():
+            super().start_load(meta)
+
+    def save(self, meta: TpuSyncMetadata) -> None:
+        with self._runner_arrays():
+            super().save(meta)
+
+    @contextlib.contextmanager
+    def _runner_arrays(self) -> Iterator[None]:
+        """The pools hold the runner's current arrays for the ``with`` block, and the runner
+        gets the pools' arrays back after it, also when it raises."""
         self._take_runner_arrays()
         try:
-            super().start_load(meta)
+            yield
         finally:
             self._give_back()
 
-    def save(self, meta: TpuSyncMetadata) -> None:
-        self._take_runner_arrays()
-        try:
-            super().save(meta)
-        finally:
-            self._give_back()
+    def _warn_without_runner(self) -> None:
+        """Says once that no runner is registered: every step then loads and saves nothing,
+        and the scheduler's lookups find no socket (misses), which nothing else reports."""
+        if not self._may_warn_no_runner:
+            return
+        self._may_warn_no_runner = False
+        log.warning(
+            "tpusync tpu-inference: a step ran before register_runner(runner): nothing is "
+            "loaded or saved and every lookup is a miss until it is called. tpu-inference's "
+            "TPU worker calls it once the KV cache is allocated; a worker that does not must "
+            "call connector.register_runner(runner) itself (see %s)",
+            DOCS,
+        )
 
     def _take_runner_arrays(self) -> None:
         """The pools take the arrays the runner's last step left (it donated theirs)."""
         if self.runner is None:
+            self._warn_without_runner()
             return
         arrays = self.runner.kv_caches
         if len(arrays) != len(self.pools):

@@ -22,6 +22,7 @@ from tpusync.connectors.vllm.metadata import TpuSyncMetadata
 from tpusync.connectors.vllm.scheduler import SchedulerSide
 from tpusync.connectors.vllm.settings import (
     CPU_TOKEN_AXIS,
+    ConnectorSettings,
     check_stable_hashing,
     read_settings,
 )
@@ -84,6 +85,7 @@ class TpuSyncConnector(KVConnectorBase_V1):
         self._settings = self._settings_for(
             num_blocks=num_blocks if role == KVConnectorRole.WORKER else None
         )
+        self._check_settings(self._settings)
         check_stable_hashing(
             str(cache.prefix_caching_hash_algo), allow_xxhash=self._settings.allow_xxhash
         )
@@ -113,6 +115,9 @@ class TpuSyncConnector(KVConnectorBase_V1):
                 "pipeline_parallel_size: TpuSyncConnector serves tensor parallelism only; run "
                 "with pipeline_parallel_size=1"
             )
+
+    def _check_settings(self, settings: ConnectorSettings) -> None:
+        """Refuses settings this connector would not honour (every one here does)."""
 
     def _tensor_parallel(self, parallel: Any, role: KVConnectorRole) -> tuple[int, int]:
         """(this worker's tensor-parallel rank, the number of ranks): each rank keeps its own

@@ -75,15 +75,31 @@ class SchedulerSide:
         # requests waiting for a producer's blocks: req_id -> (waiting since, next lookup at)
         self._awaiting: dict[str, tuple[float, float]] = {}
         self._waited_out: set[str] = set()  # waited remote_wait_s once: never again
-        # one thread asks (the socket client is one connection): a stuck lookup delays the
+        # one thread asks (each socket client is one connection): a stuck lookup delays the
         # next ones, which become misses at their deadlines, never the scheduler
         self._asker = concurrent.futures.ThreadPoolExecutor(1, "tpusync-vllm-lookup")
+        # with tensor parallelism it asks every rank at once, a thread per rank: a lookup takes
+        # the slowest rank's time, not the sum of all of theirs
+        self._rank_askers = (
+            concurrent.futures.ThreadPoolExecutor(len(self._clients), "tpusync-vllm-lookup-rank")
+            if len(self._clients) > 1
+            else None
+        )
 
     def _ask(self, req_id: str, sequence: int, hashes: list[bytes]) -> tuple[int, bool] | None:
         worker = local_worker(self.settings.engine_id)
         if worker is not None:  # the same process: no socket
             return worker.answer(req_id, sequence, hashes)
-        answers = [client.lookup(req_id, sequence, hashes) for client in self._clients]
+        if self._rank_askers is None:
+            answers = [self._clients[0].lookup(req_id, sequence, hashes)]
+        else:
+            asked = [
+                self._rank_askers.submit(client.lookup, req_id, sequence, hashes)
+                for client in self._clients
+            ]
+            # every rank's, also after one failed: no client is still busy at the next lookup
+            concurrent.futures.wait(asked)
+            answers = [future.result() for future in asked]
         if any(answer is None for answer in answers):
             return None  # a rank that does not answer: a miss (every rank releases its pins)
         # a block counts only where every rank holds its part
@@ -230,7 +246,11 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> TpuSyncMetadata:
         """vLLM's ``build_connector_meta``: this step's loads, releases, and the saves of the
         blocks its forward fills."""
-        meta = TpuSyncMetadata(loads=self._loads, releases=self._releases)
+        meta = TpuSyncMetadata(
+            loads=self._loads,
+            releases=self._releases,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         self._loads, self._releases = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -321,6 +341,8 @@ class SchedulerSide:
         return {"tpusync": {"blocks": tracked.saved_blocks if tracked is not None else 0}}
 
     def close(self) -> None:
-        self._asker.shutdown(wait=True, cancel_futures=True)
+        self._asker.shutdown(wait=True, cancel_futures=True)  # its lookup waits for its ranks'
+        if self._rank_askers is not None:
+            self._rank_askers.shutdown(wait=True, cancel_futures=True)
         for client in self._clients:
             client.close()

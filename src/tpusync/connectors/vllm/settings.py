@@ -44,7 +44,8 @@ CONNECTOR_KEYS = {
     "serve": (
         "serve this engine's DRAM tier to peers and list its blocks in a registry: "
         '{"registry": "host:port", "host": "127.0.0.1", "port": 0, "node_id": <engine id>, '
-        '"tls_cert": <PEM>, "tls_key": <PEM> (needed off loopback), "tls_ca": <PEM>}'
+        '"tls_cert": <PEM>, "tls_key": <PEM> (needed off loopback), "tls_ca": <PEM> (needed '
+        "for a registry off loopback)}"
     ),
     "switch_interval_s": (
         "the interpreter's GIL switch interval while the worker's store is open (Python's 5 ms "
@@ -115,7 +116,8 @@ class ServeSettings:
     """``kv_connector_extra_config.serve``: the worker's DRAM served over the data plane at
     ``host``:``port`` (0: any free port) and listed in the registry at ``registry`` as
     ``node_id``; ``tls``: the data plane's server context (``tls_cert``, ``tls_key``; needed
-    off loopback), ``registry_tls``: the client context for the registry (``tls_ca``)."""
+    off loopback), ``registry_tls``: the client context for the registry (``tls_ca``; needed
+    for a registry off loopback)."""
 
     registry: str
     host: str = "127.0.0.1"
@@ -164,7 +166,16 @@ def _serve(value: Any, engine_id: str, rank: int, tp_size: int) -> ServeSettings
             f"{where}.host: {host} is not a loopback address, and blocks leave this host only "
             "encrypted: give tls_cert and tls_key (PEM files; tls_ca for a TLS registry)"
         )
-    registry_tls = client_tls(value["tls_ca"], f"{where}.tls_ca") if "tls_ca" in value else None
+    registry_tls = None
+    if "tls_ca" in value:
+        registry_tls = client_tls(value["tls_ca"], f"{where}.tls_ca")
+    elif not is_loopback(registry.rpartition(":")[0]):
+        # here, at engine start: the registry's client would refuse it once the store opens
+        raise InvalidArgumentError(
+            f"{where}.tls_ca: missing, and the registry {registry} is not a loopback address: a "
+            "registry off loopback is reached only over TLS; give tls_ca, the PEM CA bundle that "
+            "verifies the registry's certificate (for a self-signed one, its --tls-cert file)"
+        )
     return ServeSettings(registry, host, port, node_id, tls, registry_tls)
 
 
