@@ -23,6 +23,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from tpusync.connectors.vllm import TpuSyncConnector
+from tpusync.connectors.vllm import worker as worker_module
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.file_fuzz import damage_disk_block
 from tpusync.testing.processes import start_store_node, stop_process
@@ -357,10 +358,12 @@ def test_kv_events_name_vllms_hashes_with_a_medium_per_tier(models, tmp_path, so
 
 
 def test_a_request_aborted_while_its_blocks_load_leaks_nothing(
-    models, reference, tmp_path, sockets
+    models, reference, tmp_path, sockets, monkeypatch
 ) -> None:
     """A request whose hit loads from disk in the background is aborted before the load ends:
-    the engine goes on, nothing stays pinned or held, and the prompt is served right after."""
+    the engine goes on, nothing stays pinned or held, and the prompt is served right after.
+    (Steps without a forward do not wait for the load here, so that it is still running.)"""
+    monkeypatch.setattr(worker_module, "IDLE_STEP_WAIT_S", 0.0)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
