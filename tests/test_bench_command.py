@@ -22,6 +22,7 @@ from tpusync.bench.results import (
     vllm_loaded_bytes,
     write_results_md,
 )
+from tpusync.bench.tiers import fastest_read
 
 ROOT = Path(__file__).resolve().parents[1]
 # the children import the tpusync under test (a relative PYTHONPATH breaks in another cwd)
@@ -225,3 +226,16 @@ def test_results_md_goes_inside_a_results_dir_of_another_name(tmp_path: Path) ->
     scheme = tmp_path / "results"
     (scheme / "transfer").mkdir(parents=True)
     assert write_results_md(scheme) == tmp_path / "RESULTS.md"
+
+
+def test_the_disk_limit_is_the_fastest_fio_sample() -> None:
+    samples = [
+        {"fio_read_gbps": 2.2, "fio_read_method": "a"},
+        {"fio_write_gbps": 1.0},  # fio's read failed in this one
+        {"fio_read_gbps": 4.1, "fio_read_method": "b"},
+    ]
+    best = fastest_read(samples)
+    assert best["fio_read_gbps"] == 4.1 and best["fio_read_method"] == "b"
+    assert best["fio_read_gbps_samples"] == [2.2, 4.1]
+    assert "fio_read_gbps_samples" not in samples[2]  # a copy
+    assert fastest_read([{"fio_numjobs": 4}]) == {"fio_numjobs": 4, "fio_read_gbps_samples": []}

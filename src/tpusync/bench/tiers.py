@@ -213,6 +213,15 @@ def fio_limit(
     return out
 
 
+def fastest_read(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fio sample whose read was fastest (the disk's limit is the most it showed in the
+    run), with every sample's read GB/s under ``fio_read_gbps_samples``."""
+    read = [sample for sample in samples if "fio_read_gbps" in sample]
+    best = dict(max(read, key=lambda sample: sample["fio_read_gbps"]) if read else samples[-1])
+    best["fio_read_gbps_samples"] = [sample["fio_read_gbps"] for sample in read]
+    return best
+
+
 def bench_lower(
     kind: str, block_mib: int, total: int, repeats: int, directory: str, notes: list[str]
 ) -> dict:
