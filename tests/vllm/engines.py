@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, decode_header
+
 # before vLLM is imported or an engine made: engines in this process, a 1 GiB KV space
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -122,3 +126,18 @@ def settle(worker: Any) -> dict[str, Any]:
     for pool in store.pools:
         assert pool.held_blocks() == [], pool
     return stats
+
+
+def damage_one_block(path: Path) -> None:
+    """Overwrites the payload of one committed block of the DRAM pool file at ``path`` (a named
+    pool in /dev/shm) with random bytes, its checksum record left as it was: every layer's KV of
+    that block wrong, so a forward that used it would give other tokens. The pool's owner may
+    have it mapped (MAP_SHARED): it sees the damage at once."""
+    data = path.read_bytes()
+    header = decode_header(data, len(data))
+    records = np.frombuffer(data, RECORD_DTYPE, count=header.n_slots, offset=header.records_offset)
+    slots = np.flatnonzero(records["state"] == COMMITTED)
+    assert len(slots) >= 4, slots
+    with open(path, "r+b") as f:
+        f.seek(header.data_offset + int(slots[len(slots) // 2]) * header.slot_bytes)
+        f.write(os.urandom(header.layout.payload_bytes))

@@ -17,7 +17,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engines import BLOCK, build_model, engine, generate, settle, transfer_config, worker_of
+from engines import (
+    BLOCK,
+    build_model,
+    damage_one_block,
+    engine,
+    generate,
+    settle,
+    transfer_config,
+    worker_of,
+)
 from fronts import line_before, serve_once_front
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -28,7 +37,6 @@ from tpusync.errors import InvalidArgumentError
 from tpusync.testing.file_fuzz import damage_disk_block
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import shm_admin
-from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, decode_header
 from tpusync.tiers.dram import pool_path
 
 rng = np.random.default_rng(20261202)
@@ -148,21 +156,6 @@ def test_disk_serves_when_dram_is_gone_and_a_damaged_block_is_recomputed_or_fail
         settle(worker_of(llm))
 
 
-def _damage_one_dram_block(name: str) -> None:
-    """Overwrites the payload of one committed block of the named DRAM pool ``name`` (its
-    /dev/shm file, no engine holding it) with random bytes: every layer's KV of that block
-    wrong, so a forward that used it would give other tokens."""
-    path = pool_path(name)
-    data = path.read_bytes()
-    header = decode_header(data, len(data))
-    records = np.frombuffer(data, RECORD_DTYPE, count=header.n_slots, offset=header.records_offset)
-    slots = np.flatnonzero(records["state"] == COMMITTED)
-    assert len(slots) >= 4, slots
-    with open(path, "r+b") as f:
-        f.seek(header.data_offset + int(slots[len(slots) // 2]) * header.slot_bytes)
-        f.write(rng.bytes(header.layout.payload_bytes))
-
-
 def test_a_damaged_dram_block_loaded_layer_by_layer_is_recomputed_or_fails(
     models, reference, shm_name, sockets
 ) -> None:
@@ -178,7 +171,7 @@ def test_a_damaged_dram_block_loaded_layer_by_layer_is_recomputed_or_fails(
     with engine(models["main"], transfer_config(kv)) as llm:
         generate(llm, [PROMPT])
         settle(worker_of(llm))
-    _damage_one_dram_block(shm_name)
+    damage_one_block(pool_path(shm_name))
     with engine(models["main"], transfer_config(kv, policy="recompute")) as llm:
         ((tokens, _),) = generate(llm, [PROMPT])
         assert tokens == reference
@@ -188,7 +181,7 @@ def test_a_damaged_dram_block_loaded_layer_by_layer_is_recomputed_or_fails(
         assert stats["tiers"]["dram"]["checksum_failures"] == 1
         assert 0 < stats["store"]["loaded_blocks"] < FULL // BLOCK
         assert stats["store"]["saved_blocks"] >= 1  # the recomputed block, saved again
-    _damage_one_dram_block(shm_name)
+    damage_one_block(pool_path(shm_name))
     other = rng.integers(1, 1000, 100).tolist()
     with engine(models["main"], transfer_config(kv, policy="fail")) as llm:
         ((tokens, _),) = generate(llm, [PROMPT])

@@ -13,13 +13,23 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from engines import BLOCK, build_model, engine, generate_with, settle, transfer_config, worker_of
+from engines import (
+    BLOCK,
+    build_model,
+    damage_one_block,
+    engine,
+    generate_with,
+    settle,
+    transfer_config,
+    worker_of,
+)
 from fronts import (
     ask_front,
     finish_front,
@@ -32,6 +42,8 @@ from fronts import (
 from tpusync.connectors.vllm.settings import read_settings
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.processes import start_store_node, stop_process
+from tpusync.tiers import shm_admin
+from tpusync.tiers.dram import pool_path
 
 rng = np.random.default_rng(20261204)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token
@@ -263,6 +275,37 @@ def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)
         stop_process(node)
+
+
+def test_a_block_damaged_on_the_node_fails_the_request_under_fail(
+    model, reference, tmp_path
+) -> None:
+    """A block of the producer's, damaged in the store node's DRAM after its checksum was taken:
+    the consumer's pull refuses it, and with ``kv_load_failure_policy="fail"`` the request fails
+    cleanly (no wrong token), the engine serves the next one, and nothing stays pinned."""
+    name = f"tpusync-test-disagg-{uuid.uuid4().hex[:12]}"
+    node, ready = start_store_node(tmp_path, bytes(range(19, 51)), 64 << 20, flags=["--name", name])
+    try:
+        kv = {**kv_common(tmp_path),
+              "store_node": {"address": ready["address"], "timeout_s": 3.0}}  # fmt: skip
+        with engine(model, transfer_config(kv, role="kv_producer")) as producer:
+            ((_, _, params),) = generate_with(producer, [PROMPT], max_tokens=1)
+            settle(worker_of(producer))
+        (pool,) = pool_path(name).parent.glob(f"tpusync-{name}-*.pool")  # one per layout
+        damage_one_block(pool)
+        other = rng.integers(1, 1000, 100).tolist()
+        with engine(model, transfer_config(kv, policy="fail", role="kv_consumer")) as consumer:
+            ((tokens, _, _),) = generate_with(consumer, [PROMPT], kv_transfer_params=params)
+            assert tokens == []  # vLLM finished the request with an error
+            assert generate_with(consumer, [other])[0][0]  # and serves the next one
+            stats = settle(worker_of(consumer))
+            assert stats["tiers"]["node"]["checksum_failures"] >= 1
+    finally:
+        stop_process(node)
+        for pool in pool_path(name).parent.glob(f"tpusync-{name}-*.pool"):
+            shm_admin.remove_pool(
+                pool.name.removeprefix("tpusync-").removesuffix(".pool"), force=True
+            )
 
 
 def test_blocks_that_never_arrive_are_computed_after_the_wait(model, reference, tmp_path) -> None:
