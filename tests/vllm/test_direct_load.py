@@ -4,7 +4,9 @@ there is never reported loaded; a hit partly in DRAM goes through DRAM as before
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -15,6 +17,7 @@ import torch
 from tpusync import TorchPool
 from tpusync.cluster import MemoryRegistry, RegistryTier, StoreNode, StoreNodeTier, serving
 from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import Scatter
 
 BLOCK = 16
@@ -172,6 +175,37 @@ def test_a_hit_partly_in_dram_goes_through_dram(node) -> None:
     assert stats["direct_loads"] == 2 and stats["promotions"] == 2 + 2  # prefetch, load
     for i in range(4):
         assert _same(target[:, i], source[:, i])
+
+
+def test_a_stalled_peer_never_stalls_the_engines_other_transfers(tmp_path) -> None:
+    """While a direct load waits on a store node that stopped answering (SIGSTOP), a DRAM hit
+    loads into other blocks of the same tensors at once: the tensors' locks are not held while
+    the node is awaited. The stalled load then fails within its timeout, nothing loaded."""
+    node, ready = start_store_node(tmp_path, SECRET, 64 << 20)
+    try:
+        shape = (2, BLOCK, 32)
+        source, target = _kv(8, torch.bfloat16, 11, shape), _kv(8, torch.bfloat16, 12, shape)
+        tier = StoreNodeTier(ready["address"], timeout_s=3.0)
+        with _store(_pools(source), tier) as producer:
+            hashes = _saved(producer, 4)
+        with _store(_pools(target), tier) as consumer:
+            local = _saved(consumer, 2)  # blocks 0 and 1, in its DRAM
+            remote = consumer.lookup_engine_blocks(hashes)
+            in_dram = consumer.lookup_engine_blocks(local)
+            assert remote.num_blocks == 4 and in_dram.num_blocks == 2
+            os.kill(node.pid, signal.SIGSTOP)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                load = pool.submit(consumer.load, remote, [2, 3, 4, 5])
+                time.sleep(0.3)  # the load is waiting on the stopped node
+                assert not load.done()
+                started = time.monotonic()
+                assert consumer.load(in_dram, [6, 7]).loaded_blocks == 2
+                assert time.monotonic() - started < 1.5 and not load.done()
+                assert load.result(timeout=30).loaded_blocks == 0
+        assert _same(target[:, 6:8], target[:, 0:2])
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+        stop_process(node)
 
 
 def test_scatter_select_keeps_each_blocks_runs() -> None:

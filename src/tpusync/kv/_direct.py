@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpusync.tiers.scatter import tensor_landing
+from tpusync.tiers.base import ScatteringTier
+from tpusync.tiers.scatter import still_in_place, tensor_landing
 
 if TYPE_CHECKING:
     from tpusync.kv.store import KVCacheStore
@@ -25,14 +26,18 @@ def land_in_place(
     were located, else None). 0 blocks when the load cannot go this way: a key in DRAM, keys
     spread over tiers, or pools that are not CPU tensors with contiguous pieces."""
     stack = store._stack
-    remote = [t for t in range(1, len(stack.tiers)) if hasattr(stack.tiers[t], "get_scattered")]
+    remote = [t for t in range(1, len(stack.tiers)) if isinstance(stack.tiers[t], ScatteringTier)]
     if not remote or len(set(keys)) != len(keys) or any(stack.dram._contains_checked(keys)):
         return 0, None
-    with tensor_landing(store.layout, pools, ids) as scatter:
-        if scatter is None:
-            return 0, None
-        where = stack.locate(keys, prefix=False)
-        if where[0] not in remote or any(t != where[0] for t in where):
-            return 0, where
-        loaded = stack.get_scattered(where[0], keys, scatter)
-    return next((i for i, ok in enumerate(loaded) if not ok), len(keys)), None
+    scatter = tensor_landing(store.layout, pools, ids)  # before any request to a tier
+    if scatter is None:
+        return 0, None
+    where = stack.locate(keys, prefix=False)
+    if where[0] not in remote or any(t != where[0] for t in where):
+        return 0, where
+    loaded = stack.get_scattered(where[0], keys, scatter)
+    landed = next((i for i, ok in enumerate(loaded) if not ok), len(keys))
+    if not still_in_place(pools):
+        landed = 0
+    stack.bump("direct_loads", landed)
+    return landed, None

@@ -27,9 +27,11 @@ def load_keys(
     ids: np.ndarray,
     after_pool: Callable[[int], None] | None = None,
     pools: list[Any] | None = None,
+    direct: bool = True,
 ) -> tuple[int, int]:
     """Promotes and loads pinned ``keys`` into ``ids`` of ``pools`` (default: the store's);
-    returns (leading blocks loaded, blocks promoted from lower tiers).
+    returns (leading blocks loaded, blocks promoted from lower tiers). ``direct``: a hit only
+    a remote tier holds may land straight in the pools (:mod:`tpusync.kv._direct`).
 
     ``after_pool(i)``: called once device pool ``i`` holds the blocks copied out of DRAM,
     before their checksums are compared. A reader may then have used them, so a block that
@@ -39,12 +41,12 @@ def load_keys(
         return 0, 0
     pools = store.pools if pools is None else pools
     where = None
-    if after_pool is None:  # a layer-by-layer load reads DRAM hits only
+    if after_pool is None and direct:  # a layer-by-layer load reads DRAM hits only
         landed, where = land_in_place(store, keys, ids, pools)
         if landed == len(keys):
             return landed, 0
-        if landed:  # the rest as any load: the tiers below may hold what this one failed
-            more, promoted = load_keys(store, keys[landed:], ids[landed:], None, pools)
+        if landed:  # the rest through DRAM: the tiers below may hold what this one failed
+            more, promoted = load_keys(store, keys[landed:], ids[landed:], None, pools, False)
             return landed + more, promoted
     if streams(store, len(keys), save=False):
         done = load_through_dram(store, keys, ids, pools)

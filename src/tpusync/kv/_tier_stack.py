@@ -641,12 +641,13 @@ class TierStack:
             try:
                 loaded = self.tiers[tier].get_scattered(keys, scatter)
                 self.faults.reached(tier)
+            except InvalidArgumentError:  # the caller's mistake, not the tier's
+                raise
             except (TpuSyncError, OSError) as error:  # e.g. a peer that is gone
                 self.faults.unreachable(tier, error)
                 log.warning("tpusync kv: tier %s failed: %s", self.faults.label(tier), error)
                 self.bump("lower_tier_errors", 1)
         hits = sum(loaded)
-        self.bump("direct_loads", hits)
         self.bump("lower_tier_misses", len(keys) - hits)
         if hits and not self.read_only[tier]:
             self.touch(tier, [k for k, ok in zip(keys, loaded, strict=True) if ok])

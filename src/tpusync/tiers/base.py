@@ -37,6 +37,7 @@ from tpusync.errors import BlocksMissingError, InvalidArgumentError
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers.dram import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.stats import TierStats
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Load",
     "LoadStatus",
     "LowerTier",
+    "ScatteringTier",
     "tier_free",
     "tier_read_only",
     "tier_usable_capacity",
@@ -81,6 +83,18 @@ class LowerTier(Protocol):
     def keys(self) -> list[bytes]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ScatteringTier(Protocol):
+    """A remote tier that can receive blocks straight into the caller's memory, checking each
+    where it lands (a store node, the cluster's peers): the KV store then loads a hit into the
+    engine's CPU tensors with no DRAM staging copy (:mod:`tpusync.kv._direct`)."""
+
+    def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
+        """Receives the blocks under ``keys`` (distinct) into the places ``scatter`` gives
+        them; returns which arrived verified (the places of the others may hold anything)."""
+        ...
 
 
 def tier_read_only(tier: Any) -> bool:

@@ -5,8 +5,7 @@ each block once, from the socket into the engine's KV blocks."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ from tpusync.memory.torch_tensors import TorchPool
 from tpusync.tiers.dram import PoolLocks
 from tpusync.tiers.layout import PoolLayout
 
-__all__ = ["Scatter", "tensor_landing"]
+__all__ = ["Scatter", "still_in_place", "tensor_landing"]
 
 
 @dataclass(frozen=True)
@@ -86,33 +85,39 @@ class Scatter:
         return part.first, part.offsets, targets
 
 
-@contextlib.contextmanager
 def tensor_landing(
     layout: PoolLayout, pools: Sequence[Any], block_ids: np.ndarray
-) -> Iterator[Scatter | None]:
-    """Holds the locks of ``pools`` (one per array of ``layout``) and yields where each
-    block of ``block_ids`` lands in their memory, piece by piece in payload order, or None
-    when a pool is not a CPU :class:`~tpusync.memory.TorchPool` still at its address or a
-    piece is not contiguous in its tensor (the caller then stages through DRAM). The caller
-    has checked the ids (in range, not held by a save)."""
+) -> Scatter | None:
+    """Where each block of ``block_ids`` lands in the memory of ``pools`` (one per array of
+    ``layout``), piece by piece in payload order, or None when a pool is not a CPU
+    :class:`~tpusync.memory.TorchPool` still at its address or a piece is not contiguous in its
+    tensor (the caller then stages through DRAM). Read under the pools' locks, which also
+    refuse blocks a save holds (``BlocksHeldError``); the locks are not kept while the bytes
+    arrive, so a receive never stalls the engine's other transfers: the caller checks
+    :func:`still_in_place` afterwards."""
     if len(pools) != len(layout.arrays) or not all(isinstance(p, TorchPool) for p in pools):
-        yield None
-        return
+        return None
+    ids = np.asarray(block_ids, dtype=np.int64)
     with PoolLocks(pools):
         bases, steps = [], []
         for pool, array in zip(pools, layout.arrays, strict=True):
             piece = _piece_places(pool, array.block_axis, array.np_dtype.itemsize)
             if piece is None or array.n_shards != 1 or len(piece[0]) != array.pieces:
-                yield None
-                return
+                return None
+            pool._check_writable(ids, array.block_axis, "device_block_ids")
             bases.append(piece[0])
             steps.append(np.full(len(piece[0]), piece[1], dtype=np.int64))
-        base, step = np.concatenate(bases), np.concatenate(steps)
-        piece_offsets = layout.piece_table[0]
-        ids = np.asarray(block_ids, dtype=np.int64)
-        targets = (base[None, :] + ids[:, None] * step[None, :]).reshape(-1).astype(np.uint64)
-        first = np.arange(0, len(ids) * len(base) + 1, len(base), dtype=np.int64)
-        yield Scatter(first, np.tile(piece_offsets, len(ids)), targets)
+    base, step = np.concatenate(bases), np.concatenate(steps)
+    piece_offsets = layout.piece_table[0]
+    targets = (base[None, :] + ids[:, None] * step[None, :]).reshape(-1).astype(np.uint64)
+    first = np.arange(0, len(ids) * len(base) + 1, len(base), dtype=np.int64)
+    return Scatter(first, np.tile(piece_offsets, len(ids)), targets)
+
+
+def still_in_place(pools: Sequence[Any]) -> bool:
+    """Whether every pool's tensor still has the memory :func:`tensor_landing` read (a tensor
+    resized or re-pointed meanwhile got none of the bytes: they are not reported loaded)."""
+    return all(pool.in_place() for pool in pools)
 
 
 def _piece_places(pool: TorchPool, block_axis: int, itemsize: int) -> tuple[np.ndarray, int] | None:

@@ -342,7 +342,7 @@ class BlockClient:
         checksums: np.ndarray | None = None,
     ) -> list[bool]:
         """Receives the server's blocks under ``keys`` (distinct) straight into the places
-        ``scatter`` gives each (see :class:`~tpusync.cluster.dataplane.stripes.Scatter`), with
+        ``scatter`` gives each (see :class:`~tpusync.tiers.Scatter`), with
         no pool and no copy after; returns for each key whether its bytes arrived verified.
 
         ``layout`` is the server's block layout (its fingerprint and piece table check each
