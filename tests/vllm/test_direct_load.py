@@ -134,7 +134,7 @@ def test_a_damaged_block_is_never_reported_loaded() -> None:
             done = consumer.load(result, [0, 1, 2, 3, 4, 5])
             stats = consumer.stats()["store"]
     assert done.loaded_blocks == 3
-    assert stats["direct_loads"] >= 3
+    assert stats["direct_loads"] == 3  # the blocks used, not every one that arrived
     for block in range(3):
         assert _same(target[:, block], source[:, block])
 
