@@ -15,7 +15,7 @@ from __future__ import annotations
 import ssl
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tpusync.cluster.dataplane import BlockClient, RemotePool
 from tpusync.cluster.registry.base import Registry, check_keys
@@ -124,15 +124,17 @@ class RegistryPool:
         if stale is not None:
             stale.close()
 
-    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
-        """Pulls each key from a live holder into ``target``; raises BlocksMissingError (with
-        ``loaded``) for the keys no holder served, after committing the others."""
-        keys = check_keys(keys)
-        holders = self._holder_per_key(keys)
+    def _from_holders(
+        self, keys: list[bytes], fetch: Callable[[RemotePool, list[int]], tuple[list[bool], int]]
+    ) -> tuple[list[bool], int]:
+        """Asks each key's live holder for it, one call per holder: ``fetch(peer, indices)``
+        answers which of ``keys[indices]`` arrived and how many failed verification. A holder
+        that is gone or refuses costs its blocks (its client is closed). Returns (arrived per
+        key, failed verification)."""
         loaded = [False] * len(keys)
         corrupt = 0
         by_node: dict[str, list[int]] = {}
-        for i, node in enumerate(holders):
+        for i, node in enumerate(self._holder_per_key(keys)):
             if node is not None:
                 by_node.setdefault(node, []).append(i)
         for node, indices in sorted(by_node.items()):
@@ -140,16 +142,28 @@ class RegistryPool:
                 peer = self._peer(node)
                 if peer is None:
                     continue
-                peer.get([keys[i] for i in indices], target)
-                ok = [True] * len(indices)
-            except BlocksMissingError as missing:
-                ok = missing.loaded
-                corrupt += missing.corrupt
+                ok, failed = fetch(peer, indices)
             except TpuSyncError:  # that peer is gone or refused: its blocks are misses
                 self._forget(node)
                 continue
+            corrupt += failed
             for i, good in zip(indices, ok, strict=True):
                 loaded[i] = bool(good)
+        return loaded, corrupt
+
+    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+        """Pulls each key from a live holder into ``target``; raises BlocksMissingError (with
+        ``loaded``) for the keys no holder served, after committing the others."""
+        keys = check_keys(keys)
+
+        def fetch(peer: RemotePool, indices: list[int]) -> tuple[list[bool], int]:
+            try:
+                peer.get([keys[i] for i in indices], target)
+            except BlocksMissingError as missing:
+                return missing.loaded, missing.corrupt
+            return [True] * len(indices), 0
+
+        loaded, corrupt = self._from_holders(keys, fetch)
         hits = sum(loaded)
         self.stats.add(hits=hits, misses=len(keys) - hits, checksum_failures=corrupt)
         if hits < len(keys):
@@ -163,22 +177,12 @@ class RegistryPool:
         """Receives each key from a live holder straight into the places ``scatter`` gives
         it (see :meth:`RemotePool.get_scattered`); returns which arrived verified."""
         keys = check_keys(keys)
-        loaded = [False] * len(keys)
-        by_node: dict[str, list[int]] = {}
-        for i, node in enumerate(self._holder_per_key(keys)):
-            if node is not None:
-                by_node.setdefault(node, []).append(i)
-        for node, indices in sorted(by_node.items()):
-            try:
-                peer = self._peer(node)
-                if peer is None:
-                    continue
-                ok = peer.get_scattered([keys[i] for i in indices], scatter.select(indices))
-            except TpuSyncError:  # that peer is gone or refused: its blocks are misses
-                self._forget(node)
-                continue
-            for i, good in zip(indices, ok, strict=True):
-                loaded[i] = bool(good)
+
+        def fetch(peer: RemotePool, indices: list[int]) -> tuple[list[bool], int]:
+            got = peer.get_scattered([keys[i] for i in indices], scatter.select(indices))
+            return got, 0
+
+        loaded, _ = self._from_holders(keys, fetch)
         hits = sum(loaded)
         self.stats.add(hits=hits, misses=len(keys) - hits)
         return loaded
