@@ -283,10 +283,6 @@ def sampler(
                 _say({"error": type(error).__name__, "message": str(error),
                       "committed": subscriber.version})  # fmt: skip
                 continue
-            # the next buffers made first: np.asarray of a committed leaf while the worker
-            # thread makes them (and drops the version before) failed inside JAX under load
-            # ("list index out of range" in Array._value); under investigation (issue 24)
-            subscriber.prepare()
             params = subscriber.params
             _say({
                 "version": version,

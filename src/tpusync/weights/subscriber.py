@@ -685,6 +685,12 @@ class Subscriber:
             jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards)
             for t, shards in zip(self._targets, placed, strict=True)
         ]
+        for leaf in leaves:
+            # JAX makes an array's per-device list on its first use, and not atomically: two
+            # threads using a new array at once (a sampler's step loop and its main thread)
+            # can see it half made ("list index out of range" in np.asarray). Made here,
+            # before any other thread sees the array.
+            leaf.addressable_shards  # noqa: B018
         return jax.tree_util.tree_unflatten(self._treedef, leaves), zero_copy
 
     # --- closing ------------------------------------------------------------------------------
