@@ -9,12 +9,23 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from tools import self_signed_tls
 
-from tpusync.cluster import BlockClient, BlockServer, Scatter
+from tpusync.cluster import (
+    BlockClient,
+    BlockServer,
+    MemoryRegistry,
+    NodeInfo,
+    RegistryPool,
+    RemotePool,
+    Scatter,
+    StoreNode,
+    StoreNodePool,
+)
 from tpusync.cluster.dataplane import wire
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
@@ -28,14 +39,21 @@ SIZE = LAYOUT.payload_bytes
 KEYS = [b"chunk-%d" % i for i in range(12)]
 
 
+def filled(layout: PoolLayout, keys: list[bytes], rng: np.random.Generator) -> HostPool:
+    """A pool of ``layout`` holding random blocks under ``keys``."""
+    pool = HostPool(layout, len(keys))
+    size = layout.payload_bytes
+    reservation = pool.reserve(keys)
+    for slot in reservation.slots.tolist():
+        with pool.slot_memory(slot) as memory:
+            memory[:size] = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    pool.commit(reservation, pool.hash_slots(reservation.slots))
+    return pool
+
+
 @pytest.fixture
 def source(rng: np.random.Generator) -> Iterator[HostPool]:
-    with HostPool(LAYOUT, 16) as pool:
-        reservation = pool.reserve(KEYS)
-        for slot in reservation.slots.tolist():
-            with pool.slot_memory(slot) as memory:
-                memory[:SIZE] = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
-        pool.commit(reservation, pool.hash_slots(reservation.slots))
+    with filled(LAYOUT, KEYS, rng) as pool:
         yield pool
 
 
@@ -43,21 +61,21 @@ def payload(pool: HostPool, key: bytes) -> np.ndarray:
     slot = pool.slot_of(key)
     assert slot is not None
     with pool.slot_memory(slot) as memory:
-        return np.frombuffer(bytes(memory[:SIZE]), dtype=np.uint8)
+        return np.frombuffer(bytes(memory[: pool.layout.payload_bytes]), dtype=np.uint8)
 
 
 class Places:
     """Random runs for each key (some landing nowhere), laid out shuffled with gaps in an arena
     of random bytes, and what the arena must hold after a pull."""
 
-    def __init__(self, rng: np.random.Generator, keys: int) -> None:
+    def __init__(self, rng: np.random.Generator, keys: int, size: int = SIZE) -> None:
         cuts = [
-            np.sort(rng.choice(np.arange(1, SIZE), rng.integers(0, 40), False)) for _ in range(keys)
+            np.sort(rng.choice(np.arange(1, size), rng.integers(0, 40), False)) for _ in range(keys)
         ]
         offsets = [np.concatenate(([0], c)) for c in cuts]
         self.first = np.concatenate(([0], np.cumsum([len(o) for o in offsets])))
         self.offsets = np.concatenate(offsets).astype(np.int64)
-        self.lengths = np.concatenate([np.diff(np.append(o, SIZE)) for o in offsets])
+        self.lengths = np.concatenate([np.diff(np.append(o, size)) for o in offsets])
         runs = len(self.lengths)
         order = rng.permutation(runs)
         place = np.empty(runs, dtype=np.int64)
@@ -93,6 +111,21 @@ class Places:
             )
             for r in range(self.first[i], self.first[i + 1])
         )
+
+
+class Damaging(BlockServer):
+    """A server that flips one bit of ``victim``'s payload on the wire."""
+
+    def __init__(self, *args: Any, victim: bytes = KEYS[4], **kwargs: Any) -> None:
+        self.victim = victim
+        super().__init__(*args, **kwargs)
+
+    def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+        if wire.decode_header(header, max_payload=1 << 30).key == self.victim:
+            damaged = bytearray(data)
+            damaged[len(damaged) // 2] ^= 0x04
+            data = memoryview(damaged)
+        super()._send_block(conn, header, data)
 
 
 @pytest.mark.parametrize("connections", [1, 3])
@@ -132,15 +165,6 @@ def test_missing_and_otherwise_recorded_blocks_are_false_and_not_fetched(
 
 def test_a_block_damaged_in_flight_is_false(source: HostPool, rng: np.random.Generator) -> None:
     victim = KEYS[4]
-
-    class Damaging(BlockServer):
-        def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
-            if wire.decode_header(header, max_payload=1 << 30).key == victim:
-                damaged = bytearray(data)
-                damaged[len(damaged) // 2] ^= 0x04
-                data = memoryview(damaged)
-            super()._send_block(conn, header, data)
-
     places = Places(rng, len(KEYS))
     with (
         Damaging(source, secret=SECRET) as server,
@@ -227,3 +251,85 @@ def test_bad_arguments_are_refused_before_any_byte_moves(
                 client.pull_scattered(*args, **kwargs)
         assert np.array_equal(places.arena, places.before)
         assert client.pull_scattered(KEYS[:2], LAYOUT, s) == [True, True]  # still usable
+
+
+def _split(source: HostPool, keys: list[bytes]) -> HostPool:
+    """A pool holding copies of ``source``'s blocks under ``keys``."""
+    pool = HostPool(LAYOUT, 16)
+    reservation = pool.reserve(keys)
+    for slot, key in zip(reservation.slots.tolist(), keys, strict=True):
+        with pool.slot_memory(slot) as memory:
+            memory[:SIZE] = payload(source, key).tobytes()
+    pool.commit(reservation, pool.hash_slots(reservation.slots))
+    return pool
+
+
+def test_a_remote_pool_counts_blocks_that_fail_verification(
+    source: HostPool, rng: np.random.Generator
+) -> None:
+    places = Places(rng, len(KEYS))
+    with (
+        Damaging(source, secret=SECRET) as server,
+        RemotePool(BlockClient(server.address, secret=SECRET, connections=2), LAYOUT) as peer,
+    ):
+        loaded = peer.get_scattered(KEYS, places.scatter)
+    assert loaded == [k != KEYS[4] for k in KEYS]
+    assert peer.stats.checksum_failures == 1
+    assert peer.stats.hits == len(KEYS) - 1 and peer.stats.misses == 1
+
+
+def test_a_registry_pool_lands_keys_held_by_two_peers(
+    source: HostPool, rng: np.random.Generator
+) -> None:
+    """Half the keys on one peer, half on another (which damages one in flight), one key on
+    none: each held key lands from its holder, in its places; the damaged one and the absent
+    one are False, and the pool counts them."""
+    keys = [*KEYS, b"absent"]
+    held = {"peer-a": KEYS[:6], "peer-b": KEYS[6:]}
+    registry = MemoryRegistry()
+    with (
+        _split(source, held["peer-a"]) as pool_a,
+        _split(source, held["peer-b"]) as pool_b,
+        BlockServer(pool_a, secret=SECRET) as server_a,
+        Damaging(pool_b, secret=SECRET, victim=KEYS[7]) as server_b,
+    ):
+        for node, server in (("peer-a", server_a), ("peer-b", server_b)):
+            registry.register(NodeInfo(node, addresses=(server.address,)), ttl_s=60)
+            registry.publish(node, held[node], "dram")
+        places = Places(rng, len(keys))
+        with RegistryPool(registry, LAYOUT, secret=SECRET, timeout_s=5) as cluster:
+            loaded = cluster.get_scattered(keys, places.scatter)
+            assert loaded == [k not in (KEYS[7], b"absent") for k in keys]
+            assert cluster.stats.hits == len(KEYS) - 1
+            assert cluster.stats.checksum_failures == 1
+        landed = {i: payload(source, k) for i, k in enumerate(KEYS) if k != KEYS[7]}
+        want = places.expected(landed)
+        for i in landed:
+            for r in range(places.first[i], places.first[i + 1]):
+                span = slice(places.place[r], places.place[r] + places.lengths[r])
+                assert np.array_equal(places.arena[span], want[span])
+        assert places.untouched(len(keys) - 1)
+
+
+def test_a_store_node_pool_asks_at_most_the_nodes_dram_per_lease(
+    rng: np.random.Generator, tmp_path: Path
+) -> None:
+    """A node holding more blocks than its DRAM has slots (the rest on its disk): the pull is
+    cut into leases of at most its DRAM slots, each moving its blocks up, and every block
+    lands."""
+    big = PoolLayout("scatter-big", (ArrayLayout("w", "bfloat16", (3, 50_000), 0, 1),))
+    with (
+        filled(big, KEYS, rng) as source,
+        StoreNode(1 << 20, secret=SECRET, disk_dir=tmp_path, disk_bytes=8 << 20) as node,
+        StoreNodePool(node.address, layout=big, secret=SECRET, timeout_s=5) as tier,
+    ):
+        capacity = tier.client.server_capacity
+        assert 2 <= capacity < len(KEYS) // 2
+        stored = KEYS[: 2 * capacity + 1]
+        assert tier.put(stored, source) == len(stored)
+        keys = [*stored, b"absent"]
+        places = Places(rng, len(keys), big.payload_bytes)
+        loaded = tier.get_scattered(keys, places.scatter)
+        assert loaded == [k in stored for k in keys]
+        want = places.expected({i: payload(source, k) for i, k in enumerate(stored)})
+        assert np.array_equal(places.arena, want)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,29 @@ def generate_with(
     ]
 
 
+@contextlib.contextmanager
+def small_worker(socket_dir: Path, engine_id: str) -> Iterator[Any]:
+    """A connector worker side on its own (no engine): a 16-block DRAM tier and two layers of
+    vLLM-shaped CPU KV (8 blocks of BLOCK tokens, 2 KV heads of 64, random bf16) registered
+    as one buffer, closed on exit."""
+    import torch
+
+    from tpusync.connectors.vllm.settings import read_settings
+    from tpusync.connectors.vllm.worker import WorkerSide
+
+    settings = read_settings(
+        {"dram": {"capacity_blocks": 16}, "socket_dir": str(socket_dir)},
+        model="m", block_size=BLOCK, tp_rank=0, tp_size=1, num_blocks=8, engine_id=engine_id,
+    )  # fmt: skip
+    buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
+    side = WorkerSide(settings, num_blocks=8)
+    try:
+        side.register({f"layer{i}": buffer[i] for i in range(2)})
+        yield side
+    finally:
+        side.close()
+
+
 def worker_of(llm: Any) -> Any:
     """The connector's worker side of a live in-process engine."""
     from tpusync.connectors.vllm.worker import local_worker
@@ -126,6 +150,23 @@ def settle(worker: Any) -> dict[str, Any]:
     for pool in store.pools:
         assert pool.held_blocks() == [], pool
     return stats
+
+
+def tier_asked(store: Any, methods: tuple[str, ...] = ("get", "get_scattered")) -> threading.Event:
+    """An event set when ``store`` (a KVCacheStore) first calls one of ``methods`` of one of
+    its lower tiers: from then on that call waits on the tier."""
+    asked = threading.Event()
+    for tier in store._stack.tiers[1:]:
+        for name in methods:
+            method = getattr(tier, name, None)
+            if method is not None:
+
+                def asking(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+                    asked.set()
+                    return _method(*args, **kwargs)
+
+                setattr(tier, name, asking)
+    return asked
 
 
 def damage_one_block(path: Path) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from engines import tier_asked
 
 from tpusync import TorchPool
 from tpusync.cluster import MemoryRegistry, RegistryTier, StoreNode, StoreNodeTier, serving
@@ -194,9 +195,11 @@ def test_a_stalled_peer_never_stalls_the_engines_other_transfers(tmp_path) -> No
             in_dram = consumer.lookup_engine_blocks(local)
             assert remote.num_blocks == 4 and in_dram.num_blocks == 2
             os.kill(node.pid, signal.SIGSTOP)
+            # the load first asks the node where the blocks are, then pulls them
+            asked = tier_asked(consumer, ("contains", "get", "get_scattered"))
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 load = pool.submit(consumer.load, remote, [2, 3, 4, 5])
-                time.sleep(0.3)  # the load is waiting on the stopped node
+                assert asked.wait(timeout=10)  # the load waits on the stopped node
                 assert not load.done()
                 started = time.monotonic()
                 assert consumer.load(in_dram, [6, 7]).loaded_blocks == 2

@@ -27,6 +27,7 @@ from engines import (
     engine,
     generate_with,
     settle,
+    tier_asked,
     transfer_config,
     worker_of,
 )
@@ -249,12 +250,10 @@ def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
             # stopped only now: its registry listing outlives it by a node lease (10 s)
             os.killpg(child.pid, signal.SIGSTOP)
             killed = threading.Event()
+            pulling = tier_asked(worker.store)  # pulls only: the registry answers lookups
 
             def kill_once_pulling() -> None:
-                deadline = time.monotonic() + 60
-                while not worker._loading and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                time.sleep(0.2)  # the pull is waiting on the stopped producer
+                pulling.wait(timeout=60)  # then the pull waits on the stopped producer
                 os.killpg(child.pid, signal.SIGKILL)
                 killed.set()
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from engines import small_worker
 from tools import skip_or_fail
 
 from tpusync.connectors.vllm.events import MAX_KNOWN_BLOCKS, BlockEventLog
@@ -35,16 +35,10 @@ ENGINE = dict(
 
 @pytest.fixture
 def worker(tmp_path: Path):
-    settings = read_settings(
-        {"dram": {"capacity_blocks": 16}, "socket_dir": str(tmp_path / "s")},
-        model="m", block_size=BLOCK, tp_rank=0, tp_size=1, num_blocks=8, engine_id="e",
-    )  # fmt: skip
-    buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
-    side = WorkerSide(settings, num_blocks=8)
-    side.register({f"layer{i}": buffer[i] for i in range(2)})
-    assert side.prefaulted_bytes == buffer.untyped_storage().nbytes()  # one buffer, mapped once
-    yield side
-    side.close()
+    with small_worker(tmp_path / "s", "e") as side:
+        # the two layers are views of one bf16 buffer: it is mapped once
+        assert side.prefaulted_bytes == 2 * 8 * 2 * BLOCK * 64 * 2
+        yield side
 
 
 def _saved(worker: WorkerSide, n: int) -> list[bytes]:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from engines import small_worker
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from tpusync.connectors.vllm import worker as worker_module
@@ -25,15 +25,8 @@ BLOCK = 32
 
 @pytest.fixture
 def worker(tmp_path: Path):
-    settings = read_settings(
-        {"dram": {"capacity_blocks": 16}, "socket_dir": str(tmp_path / "s")},
-        model="m", block_size=BLOCK, tp_rank=0, tp_size=1, num_blocks=8, engine_id="steps",
-    )  # fmt: skip
-    buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
-    side = WorkerSide(settings, num_blocks=8)
-    side.register({f"layer{i}": buffer[i] for i in range(2)})
-    yield side
-    side.close()
+    with small_worker(tmp_path / "s", "steps") as side:
+        yield side
 
 
 def _loading(worker: WorkerSide, req_id: str) -> concurrent.futures.Future:

@@ -179,12 +179,11 @@ class RegistryPool:
         keys = check_keys(keys)
 
         def fetch(peer: RemotePool, indices: list[int]) -> tuple[list[bool], int]:
-            got = peer.get_scattered([keys[i] for i in indices], scatter.select(indices))
-            return got, 0
+            return peer.get_scattered_counted([keys[i] for i in indices], scatter.select(indices))
 
-        loaded, _ = self._from_holders(keys, fetch)
+        loaded, corrupt = self._from_holders(keys, fetch)
         hits = sum(loaded)
-        self.stats.add(hits=hits, misses=len(keys) - hits)
+        self.stats.add(hits=hits, misses=len(keys) - hits, checksum_failures=corrupt)
         return loaded
 
     def put(self, keys: Sequence[bytes], source: HostPool) -> int:

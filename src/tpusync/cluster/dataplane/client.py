@@ -353,6 +353,18 @@ class BlockClient:
         InvalidArgumentError (repeated keys, a scatter that does not fit, another layout than
         the server's), AuthenticationError, or PeerUnavailableError when no lease could be
         taken."""
+        return self.pull_scattered_counted(keys, layout, scatter, checksums=checksums)[0]
+
+    def pull_scattered_counted(
+        self,
+        keys: Sequence[bytes],
+        layout: PoolLayout,
+        scatter: Scatter,
+        *,
+        checksums: np.ndarray | None = None,
+    ) -> tuple[list[bool], int]:
+        """:meth:`pull_scattered`, and how many blocks arrived but failed verification (for
+        a tier's ``checksum_failures``)."""
         keys = check_keys(keys)
         if len(set(keys)) != len(keys):
             raise InvalidArgumentError("keys: each key once (a block lands in one place)")
@@ -366,7 +378,7 @@ class BlockClient:
             )
         scatter = scatter.checked(len(keys), layout.payload_bytes)
         if not keys:
-            return []
+            return [], 0
         required = None
         if checksums is not None:
             required = np.asarray(checksums)
@@ -377,6 +389,7 @@ class BlockClient:
                 )
             required = required.astype(np.uint64)
         loaded: list[bool] = []
+        corrupt = 0
         with self._lock:
             self._check_open()
             for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
@@ -387,9 +400,10 @@ class BlockClient:
                     return ScatterStripe(batch, indices, sums, layout, scatter, base[indices])
 
                 part = None if required is None else required[i : i + len(batch)]
-                good, _, _ = self._receive_leased(batch, stripe, part)
+                good, _, result = self._receive_leased(batch, stripe, part)
                 loaded.extend(good.tolist())
-        return loaded
+                corrupt += result.corrupt
+        return loaded, corrupt
 
     def _receive_leased(
         self,

@@ -76,12 +76,21 @@ class RemotePool:
     def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
         """Receives the blocks under ``keys`` (distinct) straight into the places ``scatter``
         gives them (see :meth:`BlockClient.pull_scattered`); returns which arrived verified."""
-        loaded = self.client.pull_scattered(keys, self.layout, scatter)
+        return self.get_scattered_counted(keys, scatter)[0]
+
+    def get_scattered_counted(
+        self, keys: Sequence[bytes], scatter: Scatter
+    ) -> tuple[list[bool], int]:
+        """:meth:`get_scattered`, and how many blocks failed verification."""
+        loaded, corrupt = self.client.pull_scattered_counted(keys, self.layout, scatter)
         hits = sum(loaded)
         self.stats.add(
-            hits=hits, misses=len(loaded) - hits, bytes_out=hits * self.layout.payload_bytes
+            hits=hits,
+            misses=len(loaded) - hits,
+            bytes_out=hits * self.layout.payload_bytes,
+            checksum_failures=corrupt,
         )
-        return loaded
+        return loaded, corrupt
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return self.client.contains(keys)

@@ -103,17 +103,23 @@ class StoreNodePool(RemotePool):
                 corrupt=corrupt,
             )
 
-    def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
-        """:meth:`RemotePool.get_scattered`, at most the node's DRAM slots per lease."""
+    def get_scattered_counted(
+        self, keys: Sequence[bytes], scatter: Scatter
+    ) -> tuple[list[bool], int]:
+        """:meth:`RemotePool.get_scattered_counted`, at most the node's DRAM slots per
+        lease."""
         keys = list(keys)
         step = max(1, self.client.server_capacity)
         if len(keys) <= step:
-            return super().get_scattered(keys, scatter)
+            return super().get_scattered_counted(keys, scatter)
         loaded: list[bool] = []
+        corrupt = 0
         for i in range(0, len(keys), step):
             part = range(i, min(i + step, len(keys)))
-            loaded += super().get_scattered(keys[i : part.stop], scatter.select(part))
-        return loaded
+            got, bad = super().get_scattered_counted(keys[i : part.stop], scatter.select(part))
+            loaded += got
+            corrupt += bad
+        return loaded, corrupt
 
     def put(self, keys: Sequence[bytes], source: HostPool) -> int:
         """Pushes ``source``'s blocks under ``keys`` to the node; returns how many it stored
