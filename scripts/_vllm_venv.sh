@@ -19,4 +19,12 @@ if [[ ! -f "$vllm_venv/.vllm-installed" ]]; then
     echo "$VLLM" >"$vllm_venv/.vllm-installed"
     echo "tpusync: $vllm_venv made in $(( $(date +%s) - made )) s"
 fi
+# vLLM's own disaggregation connector (NixlConnector), the disaggregation benchmark's peer: the
+# CUDA 12 build of NIXL runs on CPU; the meta package (imported as `nixl`) names builds that do
+# not exist for Python 3.11, hence no dependencies (torch and numpy are there already).
+NIXL=("nixl==1.5.2" "nixl-cu12==1.5.1")
+if [[ "$(cat "$vllm_venv/.nixl-installed" 2>/dev/null)" != "${NIXL[*]}" ]]; then
+    "$vllm_venv/bin/python" -m pip install --quiet --no-deps "${NIXL[@]}"
+    echo "${NIXL[*]}" >"$vllm_venv/.nixl-installed"
+fi
 install_tpusync_wheel "$vllm_venv"

@@ -28,6 +28,7 @@ LAZY_ALLOWED = {
     "redis": "optional heavy dependency",  # tpusync[cluster]: only RedisRegistry
     "torch": "optional heavy dependency",  # PyTorch tensors and engine connectors
     "orbax": "optional heavy dependency",  # tpusync[bench]: the weights benchmark's baseline
+    "nixl": "optional heavy dependency",  # vLLM's NixlConnector: the disaggregation peer
     # jax's private modules, looked up where used, so a jax that moves them breaks one call
     "jax._src": "private jax internals",
 }

@@ -15,8 +15,12 @@ prompt size, medians over the prompts:
 * the data plane's own pull of the same bytes: a ``BlockClient`` pull (one connection, as the
   store node tier opens per layer pool) of as many blocks of one layer's block size from a
   ``BlockServer`` on loopback, the transfer's limit here;
-* vLLM's ExampleConnector as the disaggregation peer (its producer writes safetensors files to
-  /dev/shm, its consumer reads them): the consumer's TTFT.
+* vLLM's ExampleConnector as a disaggregation peer (its producer writes safetensors files to
+  /dev/shm, its consumer reads them): the consumer's TTFT;
+* vLLM's NixlConnector, its own disaggregation connector (:mod:`tpusync.bench.vllm_nixl`):
+  the consumer's TTFT and NIXL's transfer time, reading the producer's memory directly on this
+  host ("cma") and over TCP as between hosts ("tcp"); nothing verified. Its row says so when
+  nixl is not installed.
 
 Goals (issue 25): the transfer at >= 0.8x the data plane's own pull of the same bytes; the
 consumer's TTFT below the cold prefill.
@@ -39,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
-from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine
+from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
+from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
 from tpusync.cluster import BlockClient, BlockServer
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.testing.processes import start_store_node, stop_process
@@ -51,17 +54,6 @@ from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
 QUICK = ["--tokens", "1024", "--repeats", "2"]
 LAYERS = 8
-
-
-def _first_token(
-    llm: Any, prompt: list[int], params: dict[str, Any] | None = None
-) -> tuple[float, int, Any]:
-    """Seconds of a one-token generate, the token, and the output's kv_transfer_params."""
-    extra = None if params is None else {"kv_transfer_params": params}
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=extra)
-    start = time.perf_counter()
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
-    return time.perf_counter() - start, int(out.outputs[0].token_ids[0]), out.kv_transfer_params
 
 
 def _worker(llm: Any) -> Any:
@@ -103,11 +95,12 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
     loaded_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
     result: dict[str, Any] = {"tokens": tokens, "loaded_bytes": loaded_bytes}
     expected: list[int] = []
+    warm_up = rng.integers(1, 4096, tokens + 2).tolist()
     with engine(model, max_len, None, {}) as llm:
-        _first_token(llm, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
+        first_token(llm, warm_up)
         colds = []
         for p in prompts:
-            seconds, token, _ = _first_token(llm, p)
+            seconds, token, _ = first_token(llm, p)
             colds.append(seconds)
             expected.append(token)
     result["cold_ttft_s_runs"] = colds
@@ -133,19 +126,19 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
             announced = []
             with engine(model, max_len, connector, config, "kv_producer") as producer:
                 for p in prompts:
-                    announced.append(_first_token(producer, p)[2])
+                    announced.append(first_token(producer, p)[2])
                 worker = _worker(producer)
                 if worker is not None:
                     worker.store.flush(timeout=120)
             settle()
             ttfts, loads, equal = [], [], True
             with engine(model, max_len, connector, config, "kv_consumer") as consumer:
-                _first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
+                first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
                 worker = _worker(consumer)
                 for p, params, token in zip(prompts, announced, expected, strict=True):
                     if worker is not None:
                         worker.recent_loads.clear()
-                    seconds, got, _ = _first_token(consumer, p, params)
+                    seconds, got, _ = first_token(consumer, p, params)
                     ttfts.append(seconds)
                     equal &= got == token
                     if worker is not None:
@@ -158,6 +151,15 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
             stop_process(node)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+    missing = nixl_missing()
+    for transport in TRANSPORTS:
+        settle()
+        label = f"NIXL {transport}"
+        result[label] = (
+            {"missing": missing}
+            if missing
+            else measure_nixl(model, max_len, prompts, expected, warm_up, transport)
+        )
     layer_block = BLOCK * KV_BYTES_PER_TOKEN // LAYERS
     result["data_plane_s_runs"] = data_plane_pull(blocks * LAYERS, layer_block, max(3, repeats))
     return result
@@ -165,6 +167,16 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
 
 def _ms(values: Sequence[float]) -> str:
     return spread([v * 1e3 for v in values], digits=0)
+
+
+def _peer(r: dict[str, Any], label: str) -> list[Any]:
+    """A peer's consumer TTFT and transfer GB/s (or why it did not run)."""
+    peer = r.get(label) or {}
+    if "missing" in peer or not peer.get("ttft_s_runs"):
+        return ["not run", "-"]
+    loads = [x for x in peer.get("load_s_runs", []) if x == x]  # NaN: no transfer seen
+    rate = f"{r['loaded_bytes'] / 1e9 / median(loads):.2f}" if loads else "-"
+    return [_ms(peer["ttft_s_runs"]), rate]
 
 
 def table(results: list[dict[str, Any]]) -> None:
@@ -189,6 +201,28 @@ def table(results: list[dict[str, Any]]) -> None:
         rows,
         limit_columns=(8,),
     )  # fmt: skip
+    rows = []
+    for r in results:
+        ours = r["tpusync"]
+        nixl = [r.get(f"NIXL {t}") or {} for t in TRANSPORTS]
+        same = all(p.get("outputs_equal", True) for p in nixl)
+        rows.append([
+            r["tokens"], _ms(ours["ttft_s_runs"]),
+            f"{r['loaded_bytes'] / 1e9 / median(ours['load_s_runs']):.2f}",
+            *(x for t in TRANSPORTS for x in _peer(r, f"NIXL {t}")),
+            "yes" if same else "NO",
+        ])  # fmt: skip
+    print("\nvLLM's NixlConnector (nothing verified; cma: this host only)")
+    print_table(
+        ["tokens", "tpusync consumer ms", "tpusync transfer GB/s",
+         *(f"NIXL {t} {what}" for t in TRANSPORTS for what in ("consumer ms", "transfer GB/s")),
+         "same tokens"],
+        rows,
+    )  # fmt: skip
+    missing = next((p["missing"] for r in results for t in TRANSPORTS
+                    if "missing" in (p := r.get(f"NIXL {t}") or {})), None)  # fmt: skip
+    if missing:
+        print(f"note: NIXL not run: {missing}")
 
 
 def parser() -> argparse.ArgumentParser:

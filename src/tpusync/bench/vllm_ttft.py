@@ -112,9 +112,10 @@ def engine(
     connector: str | None,
     extra: dict[str, Any],
     role: str = "kv_both",
+    **kv_options: Any,
 ) -> Iterator[Any]:
     """An in-process engine of the benchmark model with ``connector`` (None: none) in
-    ``role``; prefill not chunked."""
+    ``role`` (``kv_options``: more of its KVTransferConfig); prefill not chunked."""
     kv = None
     if connector is not None:
         kv = KVTransferConfig(
@@ -127,6 +128,7 @@ def engine(
                 if connector == "TpuSyncConnector"
                 else {}
             ),
+            **kv_options,
         )
     llm = LLM(
         model=str(model), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
@@ -144,11 +146,20 @@ def engine(
         gc.collect()
 
 
-def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+def first_token(
+    llm: Any, prompt: list[int], params: dict[str, Any] | None = None
+) -> tuple[float, int, Any]:
+    """Seconds of a one-token generate of ``prompt`` (with ``params`` as its
+    ``kv_transfer_params``), the token, and the output's ``kv_transfer_params``."""
+    extra = None if params is None else {"kv_transfer_params": params}
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, extra_args=extra)
     start = time.perf_counter()
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-    return time.perf_counter() - start, int(out.outputs[0].token_ids[0])
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
+    return time.perf_counter() - start, int(out.outputs[0].token_ids[0]), out.kv_transfer_params
+
+
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    return first_token(llm, prompt)[:2]
 
 
 def _worker(llm: Any) -> Any:
