@@ -13,8 +13,9 @@ prompt size, medians over the prompts:
   (the store's ``LoadResult.seconds``: lookup, pull from the node, verification, copy into
   vLLM's KV tensors);
 * the data plane's own pull of the same bytes: a ``BlockClient`` pull (one connection, as the
-  store node tier opens per layer pool) of as many blocks of one layer's block size from a
-  ``BlockServer`` on loopback, the transfer's limit here;
+  store node tier opens) of as many blocks of one layer's block size from a ``BlockServer`` on
+  loopback, each received straight into its place and verified there, as the consumer's are:
+  the transfer's limit here;
 * vLLM's ExampleConnector as a disaggregation peer (its producer writes safetensors files to
   /dev/shm, its consumer reads them): the consumer's TTFT;
 * vLLM's NixlConnector, its own disaggregation connector (:mod:`tpusync.bench.vllm_nixl`):
@@ -47,7 +48,7 @@ import numpy as np
 from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
-from tpusync.cluster import BlockClient, BlockServer
+from tpusync.cluster import BlockClient, BlockServer, Scatter
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
@@ -62,13 +63,21 @@ def _worker(llm: Any) -> Any:
 
 def data_plane_pull(blocks: int, block_bytes: int, repeats: int) -> list[float]:
     """Seconds of a BlockClient pull (one connection) of ``blocks`` random blocks of
-    ``block_bytes`` from a BlockServer on loopback, ``repeats`` times."""
+    ``block_bytes`` from a BlockServer on loopback, ``repeats`` times: each received straight
+    into its place in one array and verified there (``pull_scattered``, as the consumer's
+    blocks land in vLLM's tensors), with no pool to reserve or commit."""
     layout = PoolLayout("disagg-limit", (ArrayLayout("kv", "uint8", (block_bytes,), 0, 1),))
     keys = [b"b%d" % i for i in range(blocks)]
     secret = os.urandom(32)
     rng = np.random.default_rng(5)
+    landed = np.zeros(blocks * block_bytes, dtype=np.uint8)
+    scatter = Scatter(
+        np.arange(blocks + 1),
+        np.zeros(blocks, dtype=np.int64),
+        landed.ctypes.data + block_bytes * np.arange(blocks, dtype=np.uint64),
+    )
     seconds = []
-    with HostPool(layout, blocks) as source, HostPool(layout, blocks) as target:
+    with HostPool(layout, blocks) as source:
         reservation = source.reserve(keys)
         for slot in reservation.slots.tolist():
             with source.slot_memory(slot) as memory:
@@ -78,11 +87,10 @@ def data_plane_pull(blocks: int, block_bytes: int, repeats: int) -> list[float]:
             BlockServer(source, secret=secret) as server,
             BlockClient(server.address, secret=secret, connections=1) as client,
         ):
-            client.pull(keys[: min(8, blocks)], target)  # warm
+            client.pull_scattered(keys, layout, scatter)  # warm: every page of the array
             for _ in range(repeats):
-                target.delete(keys)
                 start = time.perf_counter()
-                loaded = client.pull(keys, target)
+                loaded = client.pull_scattered(keys, layout, scatter)
                 seconds.append(time.perf_counter() - start)
                 assert all(loaded)
     return seconds
