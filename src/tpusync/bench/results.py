@@ -304,6 +304,7 @@ def _generic(record: dict[str, Any]) -> Table:
 def _vllm_disagg(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "consumer TTFT ms (x cold)", "transfer GB/s",
                "data plane GB/s", "transfer x data plane", "ExampleConnector consumer ms",
+               "NIXL consumer ms, GB/s (this host)", "NIXL consumer ms, GB/s (TCP)",
                "same tokens"]  # fmt: skip
     rows = []
     for r in record.get("results", []):
@@ -314,13 +315,26 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
             continue
         cold, ttft, load, plane, example = (float(np.median(v)) for v in runs)  # type: ignore[arg-type]
         gb = float(r.get("loaded_bytes", 0)) / 1e9
-        same = ours.get("outputs_equal") and peer.get("outputs_equal")
+        nixl = [r.get(f"NIXL {t}") or {} for t in ("cma", "tcp")]
+        same = all(p.get("outputs_equal", True) for p in [ours, peer, *nixl])
         rows.append([
             str(r.get("tokens")), _num(cold * 1e3, 1),
             f"{ttft * 1e3:.1f} ({ttft / cold:.2f}x)", _num(gb / load), _num(gb / plane),
-            _ratio(gb / load, gb / plane), _num(example * 1e3, 1), "yes" if same else "NO",
+            _ratio(gb / load, gb / plane), _num(example * 1e3, 1),
+            *(_nixl_cell(p, gb) for p in nixl), "yes" if same else "NO",
         ])  # fmt: skip
     return headers, rows
+
+
+def _nixl_cell(peer: dict[str, Any], gb: float) -> str:
+    """A NIXL consumer's TTFT and transfer rate (medians), or why it did not run."""
+    if "missing" in peer:
+        return "not run"
+    ttft = peer.get("ttft_s_runs") or []
+    loads = [x for x in peer.get("load_s_runs") or [] if x == x]  # NaN: no transfer seen
+    if not ttft or not loads:
+        return "-"
+    return f"{float(np.median(ttft)) * 1e3:.1f}, {gb / float(np.median(loads)):.2f}"
 
 
 TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {
