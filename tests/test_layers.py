@@ -29,6 +29,8 @@ LAZY_ALLOWED = {
     "torch": "optional heavy dependency",  # PyTorch tensors and engine connectors
     "orbax": "optional heavy dependency",  # tpusync[bench]: the weights benchmark's baseline
     "nixl": "optional heavy dependency",  # vLLM's NixlConnector: the disaggregation peer
+    # vLLM's NIXL connector package: importing it loads nixl (the benchmark's engines only)
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl": "optional heavy dependency",
     # jax's private modules, looked up where used, so a jax that moves them breaks one call
     "jax._src": "private jax internals",
 }

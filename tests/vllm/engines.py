@@ -152,9 +152,12 @@ def settle(worker: Any) -> dict[str, Any]:
     return stats
 
 
-def tier_asked(store: Any, methods: tuple[str, ...] = ("get", "get_scattered")) -> threading.Event:
+def tier_asked(
+    store: Any, methods: tuple[str, ...] = ("get", "get_scattered"), then: Any = None
+) -> threading.Event:
     """An event set when ``store`` (a KVCacheStore) first calls one of ``methods`` of one of
-    its lower tiers: from then on that call waits on the tier."""
+    its lower tiers, just before the call goes on (after ``then()``, when given: e.g. stopping
+    the peer the call is about to ask)."""
     asked = threading.Event()
     for tier in store._stack.tiers[1:]:
         for name in methods:
@@ -162,6 +165,8 @@ def tier_asked(store: Any, methods: tuple[str, ...] = ("get", "get_scattered")) 
             if method is not None:
 
                 def asking(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+                    if not asked.is_set() and then is not None:
+                        then()
                     asked.set()
                     return _method(*args, **kwargs)
 

@@ -194,9 +194,11 @@ def test_a_stalled_peer_never_stalls_the_engines_other_transfers(tmp_path) -> No
             remote = consumer.lookup_engine_blocks(hashes)
             in_dram = consumer.lookup_engine_blocks(local)
             assert remote.num_blocks == 4 and in_dram.num_blocks == 2
-            os.kill(node.pid, signal.SIGSTOP)
-            # the load first asks the node where the blocks are, then pulls them
-            asked = tier_asked(consumer, ("contains", "get", "get_scattered"))
+            # the node stops as the load, its places in the tensors read, asks it for the
+            # blocks (after the lookup that found them there)
+            asked = tier_asked(
+                consumer, ("get_scattered",), then=lambda: os.kill(node.pid, signal.SIGSTOP)
+            )
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 load = pool.submit(consumer.load, remote, [2, 3, 4, 5])
                 assert asked.wait(timeout=10)  # the load waits on the stopped node

@@ -253,9 +253,10 @@ def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
             pulling = tier_asked(worker.store)  # pulls only: the registry answers lookups
 
             def kill_once_pulling() -> None:
-                pulling.wait(timeout=60)  # then the pull waits on the stopped producer
-                os.killpg(child.pid, signal.SIGKILL)
-                killed.set()
+                if pulling.wait(timeout=60):
+                    time.sleep(0.2)  # the pull's connection made: it waits on the producer
+                    os.killpg(child.pid, signal.SIGKILL)
+                    killed.set()
 
             killer = threading.Thread(target=kill_once_pulling, daemon=True)
             killer.start()

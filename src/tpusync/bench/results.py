@@ -316,25 +316,41 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
         cold, ttft, load, plane, example = (float(np.median(v)) for v in runs)  # type: ignore[arg-type]
         gb = float(r.get("loaded_bytes", 0)) / 1e9
         nixl = [r.get(f"NIXL {t}") or {} for t in ("cma", "tcp")]
-        same = all(p.get("outputs_equal", True) for p in [ours, peer, *nixl])
+        same = bool(ours.get("outputs_equal") and peer.get("outputs_equal")) and all(
+            p.get("outputs_equal", True)
+            for p in nixl  # True: not run
+        )
         rows.append([
             str(r.get("tokens")), _num(cold * 1e3, 1),
             f"{ttft * 1e3:.1f} ({ttft / cold:.2f}x)", _num(gb / load), _num(gb / plane),
             _ratio(gb / load, gb / plane), _num(example * 1e3, 1),
-            *(_nixl_cell(p, gb) for p in nixl), "yes" if same else "NO",
+            *(", ".join(nixl_figures(p, int(r.get("loaded_bytes", 0)))) for p in nixl),
+            "yes" if same else "NO",
         ])  # fmt: skip
     return headers, rows
 
 
-def _nixl_cell(peer: dict[str, Any], gb: float) -> str:
-    """A NIXL consumer's TTFT and transfer rate (medians), or why it did not run."""
+def nixl_figures(peer: dict[str, Any], loaded_bytes: int) -> tuple[str, str]:
+    """A NIXL consumer's median TTFT (ms) and transfer rate (GB/s, over the bytes NIXL says it
+    moved where recorded), or why it has none: "not run" (nixl missing), "failed"."""
     if "missing" in peer:
-        return "not run"
+        return "not run", "-"
+    if "error" in peer:
+        return "failed", "-"
     ttft = peer.get("ttft_s_runs") or []
-    loads = [x for x in peer.get("load_s_runs") or [] if x == x]  # NaN: no transfer seen
-    if not ttft or not loads:
-        return "-"
-    return f"{float(np.median(ttft)) * 1e3:.1f}, {gb / float(np.median(loads)):.2f}"
+    pairs = [
+        (s, n)
+        for s, n in zip(
+            peer.get("load_s_runs") or [],
+            peer.get("load_bytes_runs") or [loaded_bytes] * len(ttft),
+            strict=False,
+        )
+        if s == s and s > 0  # NaN: no transfer seen
+    ]
+    if not ttft:
+        return "-", "-"
+    rate = f"{float(np.median([n / s for s, n in pairs])) / 1e9:.2f}" if pairs else "-"
+    return f"{float(np.median(ttft)) * 1e3:.1f}", rate
 
 
 TABLES: dict[str, Callable[[dict[str, Any]], Table]] = {

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.bench.results import nixl_figures
 from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
 from tpusync.cluster import BlockClient, BlockServer, Scatter
@@ -163,11 +164,14 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
     for transport in TRANSPORTS:
         settle()
         label = f"NIXL {transport}"
-        result[label] = (
-            {"missing": missing}
-            if missing
-            else measure_nixl(model, max_len, prompts, expected, warm_up, transport)
-        )
+        if missing:
+            result[label] = {"missing": missing}
+            continue
+        try:
+            result[label] = measure_nixl(model, max_len, prompts, expected, warm_up, transport)
+        except (RuntimeError, TimeoutError) as error:  # the peer's failure, not the run's
+            print(f"note: {label} failed: {error}", flush=True)
+            result[label] = {"error": str(error)}
     layer_block = BLOCK * KV_BYTES_PER_TOKEN // LAYERS
     result["data_plane_s_runs"] = data_plane_pull(blocks * LAYERS, layer_block, max(3, repeats))
     return result
@@ -175,16 +179,6 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
 
 def _ms(values: Sequence[float]) -> str:
     return spread([v * 1e3 for v in values], digits=0)
-
-
-def _peer(r: dict[str, Any], label: str) -> list[Any]:
-    """A peer's consumer TTFT and transfer GB/s (or why it did not run)."""
-    peer = r.get(label) or {}
-    if "missing" in peer or not peer.get("ttft_s_runs"):
-        return ["not run", "-"]
-    loads = [x for x in peer.get("load_s_runs", []) if x == x]  # NaN: no transfer seen
-    rate = f"{r['loaded_bytes'] / 1e9 / median(loads):.2f}" if loads else "-"
-    return [_ms(peer["ttft_s_runs"]), rate]
 
 
 def table(results: list[dict[str, Any]]) -> None:
@@ -217,10 +211,13 @@ def table(results: list[dict[str, Any]]) -> None:
         rows.append([
             r["tokens"], _ms(ours["ttft_s_runs"]),
             f"{r['loaded_bytes'] / 1e9 / median(ours['load_s_runs']):.2f}",
-            *(x for t in TRANSPORTS for x in _peer(r, f"NIXL {t}")),
+            *(x for peer in nixl for x in nixl_figures(peer, r["loaded_bytes"])),
             "yes" if same else "NO",
         ])  # fmt: skip
-    print("\nvLLM's NixlConnector (nothing verified; cma: this host only)")
+    print(
+        "\nvLLM's NixlConnector (nothing verified; cma: this host only; its transfer: NIXL's "
+        "wire time, ours: lookup, pull, verification and copy)"
+    )
     print_table(
         ["tokens", "tpusync consumer ms", "tpusync transfer GB/s",
          *(f"NIXL {t} {what}" for t in TRANSPORTS for what in ("consumer ms", "transfer GB/s")),
@@ -231,6 +228,9 @@ def table(results: list[dict[str, Any]]) -> None:
                     if "missing" in (p := r.get(f"NIXL {t}") or {})), None)  # fmt: skip
     if missing:
         print(f"note: NIXL not run: {missing}")
+    if not all((r.get(f"NIXL {t}") or {}).get("transfers_seen", True)
+               for r in results for t in TRANSPORTS):  # fmt: skip
+        print("note: some NIXL consumer requests moved no KV (their rate is left out)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,13 +6,16 @@ machine's CPU KV (``kv_buffer_device="cpu"``).
 Per prompt, as a proxy does: the producer computes one token with
 ``{"do_remote_decode": True}``; its output's ``kv_transfer_params`` go to the consumer, which
 pulls the KV and computes its first token. The consumer's TTFT is the wall time of that
-generate; its transfer time is NIXL's own (vLLM's ``NixlKVConnectorStats.record_transfer``,
-post to completion, observed in the consumer).
+generate; its transfer time and bytes are NIXL's own (vLLM's
+``NixlKVConnectorStats.record_transfer``, from post to completion, observed in the consumer):
+the wire time only, where tpusync's figure (``LoadResult.seconds``) also holds the lookup, the
+verification and the copy into the tensors.
 
 Two transports, the same connector:
 
-* ``"cma"``: UCX's choice on one host, the consumer reading the producer's memory directly
-  (``process_vm_readv``; control over loopback TCP). Same host and same user only.
+* ``"cma"`` (``UCX_TLS=cma,tcp,self``, what UCX picks by itself on one host): the consumer
+  reads the producer's memory directly (``process_vm_readv``; control over loopback TCP).
+  Same host and same user only.
 * ``"tcp"``: ``UCX_TLS=tcp,self``, what NIXL uses between hosts without RDMA.
 
 The peer gets its best setup here, none of which vLLM exposes as a setting (each set in the
@@ -40,8 +43,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import stats as nixl_stats
-
 from tpusync.bench.common import free_port
 from tpusync.bench.vllm_ttft import engine, first_token
 
@@ -49,7 +50,8 @@ __all__ = ["TRANSPORTS", "measure_nixl", "nixl_missing"]
 
 TRANSPORTS = ("cma", "tcp")
 _POLL_DELAY_US = 100
-_ANSWER_S = 900.0
+_START_TIMEOUT_S = 600.0  # an engine's start, model load included
+_ANSWER_TIMEOUT_S = 120.0  # one prompt
 
 
 def nixl_missing() -> str | None:
@@ -74,13 +76,19 @@ def _tune_nixl() -> None:
     api.nixlBind.nixlAgent = agent
 
 
-def _observe_transfers(into: list[float]) -> None:
-    """Collects NIXL's duration of each transfer the consumer makes (then vLLM's own method)."""
+def _observe_transfers(into: list[tuple[float, int]]) -> None:
+    """Collects NIXL's own figures of each transfer the consumer makes, (seconds from post to
+    completion, bytes), then calls vLLM's method."""
+    # imports nixl itself: only in the engines' processes
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # optional heavy dependency
+        stats as nixl_stats,
+    )
+
     record = nixl_stats.NixlKVConnectorStats.record_transfer
 
     def recording(self: Any, result: Any) -> Any:
         if result is not None:
-            into.append(result.xferDuration / 1e6)
+            into.append((result.xferDuration / 1e6, int(result.totalBytes)))
         return record(self, result)
 
     nixl_stats.NixlKVConnectorStats.record_transfer = recording
@@ -101,10 +109,10 @@ def _serve(conn: Any, model: str, max_len: int, role: str, port: int, transport:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         os.environ["UCX_MODULES"] = "^ib"
-        if transport == "tcp":
-            os.environ["UCX_TLS"] = "tcp,self"
+        # cma: direct reads of the producer's memory, control messages over TCP
+        os.environ["UCX_TLS"] = "tcp,self" if transport == "tcp" else "cma,tcp,self"
         _tune_nixl()
-        transfers: list[float] = []
+        transfers: list[tuple[float, int]] = []
         _observe_transfers(transfers)
         options = {"kv_buffer_device": "cpu", "engine_id": f"nixl-{role}-{port}"}
         with engine(Path(model), max_len, "NixlConnector", {}, role, **options) as llm:
@@ -129,34 +137,42 @@ class _Engine:
         self.role = role
         self.process = context.Process(
             target=_serve, args=(theirs, str(model), max_len, role, port, transport),
-            name=f"tpusync-bench-nixl-{role}",
+            name=f"tpusync-bench-nixl-{role}", daemon=True,
         )  # fmt: skip
         self.process.start()
         theirs.close()
-        self._answer()
+        try:
+            self._answer(_START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
-    def _answer(self) -> tuple[Any, ...]:
-        if not self.conn.poll(_ANSWER_S):
-            raise TimeoutError(f"the NIXL {self.role} engine did not answer in {_ANSWER_S:g} s")
-        answer = self.conn.recv()
+    def _answer(self, timeout_s: float) -> tuple[Any, ...]:
+        try:
+            if not self.conn.poll(timeout_s):
+                raise TimeoutError(f"the NIXL {self.role} engine did not answer in {timeout_s:g} s")
+            answer = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the NIXL {self.role} engine ended (exit code {self.process.exitcode})"
+            ) from None
         if answer[0] == "error":
             raise RuntimeError(f"the NIXL {self.role} engine failed: {answer[1]}")
         return answer
 
     def first_token(
         self, prompt: list[int], params: dict[str, Any]
-    ) -> tuple[float, int, Any, list[float]]:
+    ) -> tuple[float, int, Any, list[tuple[float, int]]]:
         self.conn.send((prompt, params))
-        _, seconds, token, answer, transfers = self._answer()
+        _, seconds, token, answer, transfers = self._answer(_ANSWER_TIMEOUT_S)
         return seconds, token, answer, transfers
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError, EOFError):
             if self.process.is_alive():
                 self.conn.send(None)
-                self.conn.poll(60) and self.conn.recv()
-        except (OSError, EOFError):
-            pass
+                if self.conn.poll(60):
+                    self.conn.recv()
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
@@ -172,23 +188,33 @@ def measure_nixl(
     warm_up: list[int],
     transport: str,
 ) -> dict[str, Any]:
-    """The consumer's TTFT and NIXL transfer seconds for each prompt (after one warm-up prompt,
-    which also makes the first connection), and whether every first token is ``expected``."""
+    """The consumer's TTFT and NIXL's transfer seconds and bytes for each prompt (after one
+    warm-up prompt, which also makes the first connection), whether every first token is
+    ``expected``, and whether every prompt's KV was seen moving."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: one of {TRANSPORTS}, got {transport!r}")
     producer = consumer = None
     try:
         producer = _Engine(model, max_len, "kv_producer", free_port(), transport)
         consumer = _Engine(model, max_len, "kv_consumer", free_port(), transport)
-        ttfts, transfers, equal = [], [], True
+        ttfts, seconds_runs, bytes_runs = [], [], []
+        equal = moved_all = True
         for i, prompt in enumerate([warm_up, *prompts]):
             params = producer.first_token(prompt, {"do_remote_decode": True})[2]
             seconds, token, _, moved = consumer.first_token(prompt, params)
             if i:  # the warm-up is not counted
                 ttfts.append(seconds)
-                transfers.append(sum(moved) if moved else float("nan"))
-                equal &= bool(moved) and token == expected[i - 1]
-        return {"ttft_s_runs": ttfts, "load_s_runs": transfers, "outputs_equal": equal}
+                seconds_runs.append(sum(s for s, _ in moved) if moved else float("nan"))
+                bytes_runs.append(sum(n for _, n in moved))
+                equal &= token == expected[i - 1]
+                moved_all &= bool(moved)
+        return {
+            "ttft_s_runs": ttfts,
+            "load_s_runs": seconds_runs,
+            "load_bytes_runs": bytes_runs,
+            "outputs_equal": equal,
+            "transfers_seen": moved_all,
+        }
     finally:
         for child in (consumer, producer):
             if child is not None:

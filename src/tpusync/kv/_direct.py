@@ -29,11 +29,13 @@ def land_in_place(
     remote = [t for t in range(1, len(stack.tiers)) if isinstance(stack.tiers[t], ScatteringTier)]
     if not remote or len(set(keys)) != len(keys) or any(stack.dram._contains_checked(keys)):
         return 0, None
-    where = stack.locate(keys, prefix=False)
-    if where[0] not in remote or any(t != where[0] for t in where):
-        return 0, where
+    # before any request to a tier: blocks a save holds are refused at once, not after a
+    # round trip to a node that may be stalled
     scatter = tensor_landing(store.layout, pools, ids)
     if scatter is None:
+        return 0, None
+    where = stack.locate(keys, prefix=False)
+    if where[0] not in remote or any(t != where[0] for t in where):
         return 0, where
     loaded = stack.get_scattered(where[0], keys, scatter)
     landed = next((i for i, ok in enumerate(loaded) if not ok), len(keys))
