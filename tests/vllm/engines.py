@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,19 @@ def tier_asked(
 
                 setattr(tier, name, asking)
     return asked
+
+
+def connected_to(ports: set[int], timeout_s: float) -> bool:
+    """Whether an established IPv4 TCP connection to one of ``ports`` (on this network
+    namespace, read from /proc/net/tcp) shows up within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) in ports:
+                return True
+        time.sleep(0.002)
+    return False
 
 
 def damage_one_block(path: Path) -> None:

@@ -23,6 +23,7 @@ import pytest
 from engines import (
     BLOCK,
     build_model,
+    connected_to,
     damage_one_block,
     engine,
     generate_with,
@@ -252,9 +253,16 @@ def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
             killed = threading.Event()
             pulling = tier_asked(worker.store)  # pulls only: the registry answers lookups
 
+            cluster = next(t for t in worker.store._stack.tiers if hasattr(t, "registry"))
+            producer_ports = {
+                int(address.rsplit(":", 1)[1])
+                for node in cluster.registry.nodes()
+                for address in node.addresses
+            }
+
             def kill_once_pulling() -> None:
-                if pulling.wait(timeout=60):
-                    time.sleep(0.2)  # the pull's connection made: it waits on the producer
+                # the pull connected to the stopped producer, and waits on its answer
+                if pulling.wait(timeout=60) and connected_to(producer_ports, 30):
                     os.killpg(child.pid, signal.SIGKILL)
                     killed.set()
 
