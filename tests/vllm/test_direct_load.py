@@ -1,6 +1,7 @@
-"""Loads that skip DRAM: a hit only a remote tier holds lands straight in the engine's CPU
-tensors (``kv._direct``), bit-exact, each block checked where it landed; a block that fails
-there is never reported loaded; a hit partly in DRAM goes through DRAM as before."""
+"""Loads that skip DRAM: a hit only a store node, the cluster's peers or the disk tier holds
+lands straight in the engine's CPU tensors (``kv._direct``), bit-exact, each block checked
+where it landed; a block that fails there is never reported loaded; a hit partly in DRAM goes
+through DRAM as before."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engines import tier_asked
 
 from tpusync import TorchPool
 from tpusync.cluster import MemoryRegistry, RegistryTier, StoreNode, StoreNodeTier, serving
-from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import Scatter
 
@@ -138,6 +139,43 @@ def test_a_damaged_block_is_never_reported_loaded() -> None:
     assert stats["direct_loads"] == 3  # the blocks used, not every one that arrived
     for block in range(3):
         assert _same(target[:, block], source[:, block])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(torch.bfloat16, (2, BLOCK, 64)), (torch.float8_e5m2, (4, BLOCK, 32)),
+     (torch.int8, (1, BLOCK, 8))],
+)  # fmt: skip
+def test_a_disk_hit_lands_in_the_tensors_and_a_damaged_block_ends_it(
+    tmp_path, dtype, shape
+) -> None:
+    """A hit only the disk tier holds is read straight into the tensors (not staged in DRAM),
+    bit-exact; a block damaged in its slab file is never reported loaded: the load stops before
+    it, and it is dropped from the disk."""
+    disk = DiskTier(tmp_path / "disk", 32, create=True)
+    source, target = _kv(10, dtype, 13, shape), _kv(10, dtype, 14, shape)
+    with _store(_pools(source), disk) as producer:
+        hashes = _saved(producer, 8)
+        keys = producer._engine_keys(hashes, None)
+    with _store(_pools(target), disk) as consumer:
+        pool = consumer._stack.tiers[1]
+        fd, offset = pool._locate(pool._index[keys[5]])
+        with open(os.readlink(f"/proc/self/fd/{fd}"), "r+b") as slab:  # not O_DIRECT
+            slab.seek(offset + 7)
+            byte = slab.read(1)[0]
+            slab.seek(offset + 7)
+            slab.write(bytes([byte ^ 0x20]))
+        ids = [9, 0, 8, 1, 7, 2, 6, 3]
+        done = consumer.load(consumer.lookup_engine_blocks(hashes), ids)
+        stats = consumer.stats()
+        assert consumer.dram.contains(keys[:5]) == [False] * 5  # landed, not staged
+        assert pool.contains([keys[5]]) == [False]
+    # the rest went through DRAM (blocks 6 and 7 promoted there), and stops at the lost one
+    assert done.loaded_blocks == 5
+    assert stats["store"]["direct_loads"] == 5
+    assert stats["tiers"]["disk"]["checksum_failures"] == 1
+    for i, block in enumerate(ids[:5]):
+        assert _same(target[:, block], source[:, i])
 
 
 def test_blocks_spaced_apart_in_the_tensor_land_at_their_stride(node) -> None:

@@ -1,7 +1,8 @@
-"""Loads that skip DRAM: a hit that only a remote tier holds (a store node, the cluster's
-peers) is received straight into the engine's CPU tensors, each block checked where it lands,
-instead of into DRAM slots and then copied out of them. The block is not kept in DRAM after:
-the engine holds it now, and a second copy would cost as much as the pull saved."""
+"""Loads that skip DRAM: a hit that only a lower tier able to land blocks in place holds (a
+store node, the cluster's peers, the disk tier) is received straight into the engine's CPU
+tensors, each block checked where it lands, instead of into DRAM slots and then copied out of
+them. The block is not kept in DRAM after: the engine holds it now, and a second copy would
+cost as much as the load saved."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ __all__ = ["land_in_place"]
 def land_in_place(
     store: KVCacheStore, keys: list[bytes], ids: np.ndarray, pools: list[Any]
 ) -> tuple[int, list[int] | None]:
-    """Lands pinned ``keys`` in ``ids`` of ``pools`` straight from the one remote tier that
-    holds them all; returns (leading blocks landed, the tiers holding each key when they
+    """Lands pinned ``keys`` in ``ids`` of ``pools`` straight from the one scattering tier
+    that holds them all; returns (leading blocks landed, the tiers holding each key when they
     were located, else None). 0 blocks when the load cannot go this way: a key in DRAM, keys
     spread over tiers, or pools that are not CPU tensors with contiguous pieces."""
     stack = store._stack
-    remote = [t for t in range(1, len(stack.tiers)) if isinstance(stack.tiers[t], ScatteringTier)]
-    if not remote or len(set(keys)) != len(keys) or any(stack.dram._contains_checked(keys)):
+    scattering = [
+        t for t in range(1, len(stack.tiers)) if isinstance(stack.tiers[t], ScatteringTier)
+    ]
+    if not scattering or len(set(keys)) != len(keys) or any(stack.dram._contains_checked(keys)):
         return 0, None
     # before any request to a tier: blocks a save holds are refused at once, not after a
     # round trip to a node that may be stalled
@@ -35,7 +38,7 @@ def land_in_place(
     if scatter is None:
         return 0, None
     where = stack.locate(keys, prefix=False)
-    if where[0] not in remote or any(t != where[0] for t in where):
+    if where[0] not in scattering or any(t != where[0] for t in where):
         return 0, where
     loaded = stack.get_scattered(where[0], keys, scatter)
     landed = next((i for i, ok in enumerate(loaded) if not ok), len(keys))

@@ -1,4 +1,4 @@
-"""How the KV store's loads run: land a remote hit straight in the engine's tensors
+"""How the KV store's loads run: land a lower tier's hit straight in the engine's tensors
 (:mod:`tpusync.kv._direct`), else promote from the lower tiers, copy out of DRAM (checksums in
 the copy pass), read from below what DRAM failed to serve; and the background run of a
 layer-by-layer load (:class:`~tpusync.kv.results.LayerLoad`)."""
@@ -31,7 +31,7 @@ def load_keys(
 ) -> tuple[int, int]:
     """Promotes and loads pinned ``keys`` into ``ids`` of ``pools`` (default: the store's);
     returns (leading blocks loaded, blocks promoted from lower tiers). ``direct``: a hit only
-    a remote tier holds may land straight in the pools (:mod:`tpusync.kv._direct`).
+    a scattering lower tier holds may land straight in the pools (:mod:`tpusync.kv._direct`).
 
     ``after_pool(i)``: called once device pool ``i`` holds the blocks copied out of DRAM,
     before their checksums are compared. A reader may then have used them, so a block that

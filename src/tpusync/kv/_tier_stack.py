@@ -59,7 +59,7 @@ POLICY_COUNTERS = (
     "evictions",
     "demotions",
     "promotions",
-    "direct_loads",  # blocks a remote tier landed straight in the engine's memory (no DRAM)
+    "direct_loads",  # blocks a lower tier landed straight in the engine's memory (no DRAM)
     "lower_tier_misses",
     "lower_tier_errors",
     "lower_tier_fallbacks",  # blocks served by a lower tier after the one above failed them
@@ -631,7 +631,7 @@ class TierStack:
         return loaded
 
     def get_scattered(self, tier: int, keys: list[bytes], scatter: Scatter) -> list[bool]:
-        """Has remote ``tier`` land ``keys`` straight where ``scatter`` says (its
+        """Has lower ``tier`` land ``keys`` straight where ``scatter`` says (its
         ``get_scattered``); returns which arrived verified. A tier that fails is counted as in
         :meth:`_get_up`, and all its blocks are misses."""
         loaded = [False] * len(keys)

@@ -354,8 +354,9 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         staging buffer; any number of blocks); default: the store's own.
 
         Blocks found only in lower tiers are promoted into DRAM first (a hit longer than DRAM
-        holds passes through it in chunks), except a hit that one remote tier alone holds,
-        loaded into CPU torch tensors: it lands straight in them and is not kept in DRAM
+        holds passes through it in chunks), except a hit that one tier able to land blocks in
+        place alone holds (a store node, the cluster's peers, the disk tier), loaded into CPU
+        torch tensors: it lands straight in them and is not kept in DRAM
         (``direct_loads`` in :meth:`stats`); a block that one tier fails to serve (its checksum
         fails) is read from the next tier that has it. Returns how many tokens were loaded: all
         cached ones, unless blocks were lost or failed their checksum in every tier holding them

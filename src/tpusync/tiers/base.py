@@ -87,9 +87,9 @@ class LowerTier(Protocol):
 
 @runtime_checkable
 class ScatteringTier(Protocol):
-    """A remote tier that can receive blocks straight into the caller's memory, checking each
-    where it lands (a store node, the cluster's peers): the KV store then loads a hit into the
-    engine's CPU tensors with no DRAM staging copy (:mod:`tpusync.kv._direct`)."""
+    """A lower tier that can land blocks straight in the caller's memory, checking each where
+    it lands (a store node, the cluster's peers, the disk tier): the KV store then loads a hit
+    into the engine's CPU tensors with no DRAM staging copy (:mod:`tpusync.kv._direct`)."""
 
     def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
         """Receives the blocks under ``keys`` (distinct) into the places ``scatter`` gives

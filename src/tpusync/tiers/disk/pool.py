@@ -97,10 +97,12 @@ from tpusync.tiers.disk._format import (
     _is_int,
     _mib,
 )
+from tpusync.tiers.disk._landing import StagingBuffers, land_runs, segments_of
 from tpusync.tiers.disk._opening import DiskFiles
 from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.room import check_writable_directory
+from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["HEADER_BYTES", "DiskPool"]
@@ -214,6 +216,8 @@ class DiskPool(DiskFiles, BlockTier):
         self._index_fd = -1
         self._slab_fds: dict[int, int] = {}
         self._executor: ThreadPoolExecutor | None = None
+        landing_run = _run_slots(layout.slot_bytes, LANDING_RUN_BYTES) * layout.slot_bytes
+        self._staging = StagingBuffers(landing_run)  # get_scattered's, made on first use
         self._index: dict[bytes, int] = {}
         self._pins = np.zeros(self.capacity, dtype=np.int64)
         self._writing: set[bytes] = set()
@@ -405,21 +409,17 @@ class DiskPool(DiskFiles, BlockTier):
         firsts = np.cumsum([0] + [len(run) for run in runs[:-1]])
         fds = [jobs[run[0]][0] for run in runs]
         offsets = [jobs[run[0]][2] for run in runs]
-        with self._lock:  # close() waits for this call before it closes the slab files
-            self._check_not_closed()
-            self._in_flight += 1
-        try:
-            with pool.slot_addresses(np.array([jobs[i][1] for i in order], np.int64)) as addresses:
-                codes = _core.file_runs(
-                    np.array(fds, np.int32), np.array(offsets, np.int64),
-                    firsts.astype(np.int32), np.array([len(run) for run in runs], np.int32),
-                    addresses, np.full(len(order), self.layout.slot_bytes, np.uint64), write,
-                    self.io_threads, write,
-                )  # fmt: skip
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-                self._idle.notify_all()
+        # close() waits for this call before it closes the slab files
+        with (
+            self._io_running(),
+            pool.slot_addresses(np.array([jobs[i][1] for i in order], np.int64)) as addresses,
+        ):
+            codes = _core.file_runs(
+                np.array(fds, np.int32), np.array(offsets, np.int64),
+                firsts.astype(np.int32), np.array([len(run) for run in runs], np.int32),
+                addresses, np.full(len(order), self.layout.slot_bytes, np.uint64), write,
+                self.io_threads, write,
+            )  # fmt: skip
         return {
             r: OSError(int(code), os.strerror(int(code))) for r, code in enumerate(codes) if code
         }
@@ -540,6 +540,66 @@ class DiskPool(DiskFiles, BlockTier):
             for i in range(len(jobs))
         ]
 
+    def get_scattered(self, keys: Sequence[bytes], scatter: Scatter) -> list[bool]:
+        """Reads the blocks under ``keys`` (distinct) straight into the places ``scatter`` gives
+        them (an engine's tensors), each checked against its recorded checksum over the bytes
+        that landed (:mod:`tpusync.tiers.disk._landing`); returns which are loaded. A block
+        that is absent, fails its checksum (counted, and deleted) or cannot be read (deleted)
+        is a miss, and its places may hold anything. Nothing is kept in DRAM."""
+        keys = check_keys(keys)
+        self._check_open()
+        if len(set(keys)) != len(keys):
+            raise InvalidArgumentError("keys: repeated keys; pass each key once")
+        scatter = scatter.checked(len(keys), self.layout.payload_bytes)
+        index = {k: i for i, k in enumerate(keys)}
+        loads: dict[bytes, Load] = {}
+        with self._reading(keys) as present:
+            with self._lock:
+                slots = [self._index[k] for k in present]
+                stored = self._records["checksum"][slots]
+            blocks = [index[k] for k in present]
+            places = [self._locate(slot) for slot in slots]
+            jobs = [(fd, i, offset) for i, (fd, offset) in enumerate(places)]
+            segments = segments_of(scatter.select(blocks), self.layout, len(blocks))
+            with self._io_running():
+                landed, errors = land_runs(
+                    _slab_runs(jobs, self.layout.slot_bytes, LANDING_RUN_BYTES), places, segments,
+                    self.layout.slot_bytes, self._staging,
+                    lambda fn, runs: self._run(fn, runs, stop_on_error=False),
+                )  # fmt: skip
+        for i, key in enumerate(present):
+            if i in errors:
+                loads[key] = Load(LoadStatus.ERROR, error=errors[i], reason=str(errors[i]))
+            elif landed[i] != stored[i]:
+                loads[key] = Load(LoadStatus.CORRUPT, reason="payload checksum mismatch")
+            else:
+                loads[key] = Load(LoadStatus.OK, checksum=int(stored[i]))
+        failed = [(k, x) for k, x in loads.items() if x.status != LoadStatus.OK]
+        if failed:
+            self._discard(failed)
+        loaded = [k in loads and loads[k].status == LoadStatus.OK for k in keys]
+        hits = sum(loaded)
+        self.stats.add(
+            hits=hits,
+            misses=len(keys) - hits,
+            checksum_failures=sum(x.status == LoadStatus.CORRUPT for _, x in failed),
+            bytes_out=hits * self.layout.payload_bytes,
+        )
+        return loaded
+
+    @contextlib.contextmanager
+    def _io_running(self) -> Iterator[None]:
+        """Counts block I/O in flight: :meth:`close` waits for it before closing the files."""
+        with self._lock:
+            self._check_not_closed()
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
     def _discard(self, failed: list[tuple[bytes, Load]]) -> None:
         """Drops blocks that failed their checksum or could not be read (logged)."""
         corrupt = [k for k, x in failed if x.status == LoadStatus.CORRUPT]
@@ -608,6 +668,7 @@ class DiskPool(DiskFiles, BlockTier):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._staging.close()
         self._close_files()
 
     def _close_files(self) -> None:
@@ -691,14 +752,24 @@ class DiskPool(DiskFiles, BlockTier):
 
 MAX_RUN_BYTES = 4 << 20  # one preadv/pwritev covers at most this much of consecutive slots
 _MAX_RUN_SLOTS = 64  # and at most this many slots (iovecs)
+# get_scattered's reads: smaller, so that a run is copied out while the others still read
+# (measured in docs/ARCHITECTURE.md, "Disk tier")
+LANDING_RUN_BYTES = 2 << 20
 
 
-def _slab_runs(jobs: list[tuple[int, int, int]], slot_bytes: int) -> list[list[int]]:
+def _run_slots(slot_bytes: int, run_bytes: int) -> int:
+    """How many consecutive slots one read or write covers (at least one)."""
+    return max(1, min(_MAX_RUN_SLOTS, run_bytes // slot_bytes))
+
+
+def _slab_runs(
+    jobs: list[tuple[int, int, int]], slot_bytes: int, run_bytes: int = MAX_RUN_BYTES
+) -> list[list[int]]:
     """Indices of ``jobs`` ((slab fd, DRAM slot, offset) each) grouped into runs of slots that
     follow each other in one slab file, one ``preadv``/``pwritev`` each: a prefix saved together
     lies in consecutive slots, and one large I/O is faster than many small ones (128 KiB reads
     ran at ~0.5 GB/s here, 1 MiB ones at ~1.2, O_DIRECT)."""
-    limit = max(1, min(_MAX_RUN_SLOTS, MAX_RUN_BYTES // slot_bytes))
+    limit = _run_slots(slot_bytes, run_bytes)
     runs: list[list[int]] = []
     for i in sorted(range(len(jobs)), key=lambda i: (jobs[i][0], jobs[i][2])):
         if runs:
