@@ -20,6 +20,7 @@ from tpusync import _core
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._connection import Connection, Deadline
+from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper
 from tpusync.cluster.dataplane.frames import FrameBatch
 from tpusync.cluster.dataplane.protocol import (
     DEADLINE_FRACTION,
@@ -439,14 +440,21 @@ class BlockClient:
                 for conn, share in zip(self._conns, shares, strict=True)
                 if len(share)
             ]
-            for conn, stripe in stripes:
+            # the last stripe is received on this thread: a pool thread would first have to
+            # wake and take the GIL, which cost milliseconds in a busy engine process
+            for conn, stripe in stripes[:-1]:
                 jobs.append(
                     self._executor.submit(self._receive_stripe, conn, lease_id, stripe, deadline)
                 )
-            self._keep_lease(jobs, lease_id, ttl, deadline)
-            wait(jobs)  # every stripe has stopped writing
-            for job in jobs:
-                ok, corrupt, nbytes, error = job.result()
+            outcomes = []
+            with LeaseKeeper(self._executor, lambda: self._renew(lease_id, ttl, deadline), ttl / 3):
+                try:
+                    if stripes:
+                        conn, stripe = stripes[-1]
+                        outcomes.append(self._receive_stripe(conn, lease_id, stripe, deadline))
+                finally:
+                    wait(jobs)  # every stripe has stopped writing
+            for ok, corrupt, nbytes, error in [*(job.result() for job in jobs), *outcomes]:
                 good |= ok
                 result.corrupt += corrupt
                 result.bytes_received += nbytes
@@ -473,29 +481,21 @@ class BlockClient:
             log.warning("tpusync: pull from %s: %s", self.label, result.error)
         return good, expected, result
 
-    def _keep_lease(
-        self, jobs: list[Future[Any]], lease_id: int, ttl: float, deadline: Deadline
-    ) -> None:
-        """Renews the lease every third of its TTL until the stripes are done, moving their
-        deadline on after each renewal the server grants (the timing rule holds per renewal:
-        the deadline stays DEADLINE_FRACTION of a TTL after the renewal was asked). Stops
-        renewing at the first refusal or failure; the stripes then stop at the deadline."""
-        while True:
-            _, pending = wait(jobs, timeout=ttl / 3)
-            if not pending:
-                return
-            asked = time.monotonic()
-            try:
-                granted = self._request(self._control, "renew", {"lease": lease_id, "ttl_s": ttl})
-            except (PeerUnavailableError, InvalidArgumentError) as exc:
-                log.warning("tpusync: pull from %s: renewing the lease failed: %s", self.label, exc)
-                return
-            if granted is not True:
-                log.warning(
-                    "tpusync: pull from %s: the server refused to renew the lease", self.label
-                )
-                return
-            deadline.at = asked + ttl * DEADLINE_FRACTION
+    def _renew(self, lease_id: int, ttl: float, deadline: Deadline) -> bool:
+        """Renews the lease over the control connection and moves the stripes' deadline on
+        (the timing rule holds per renewal: the deadline stays DEADLINE_FRACTION of a TTL
+        after the renewal was asked); False when it was refused or failed."""
+        asked = time.monotonic()
+        try:
+            granted = self._request(self._control, "renew", {"lease": lease_id, "ttl_s": ttl})
+        except (PeerUnavailableError, InvalidArgumentError) as exc:
+            log.warning("tpusync: pull from %s: renewing the lease failed: %s", self.label, exc)
+            return False
+        if granted is not True:
+            log.warning("tpusync: pull from %s: the server refused to renew the lease", self.label)
+            return False
+        deadline.at = asked + ttl * DEADLINE_FRACTION
+        return True
 
     def _receive_stripe(
         self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
