@@ -177,13 +177,13 @@ def test_reads_go_in_runs_of_at_most_the_landing_size(stored, monkeypatch) -> No
     others still read), not the DRAM path's 4 MiB."""
     disk, _ = stored
     sizes = []
-    original = disk_pool_module.land_runs
+    original = disk_pool_module._errors_by_block
 
-    def counting(runs, *args, **kwargs):
+    def counting(runs, read):
         sizes.extend(len(run) for run in runs)
-        return original(runs, *args, **kwargs)
+        return original(runs, read)
 
-    monkeypatch.setattr(disk_pool_module, "land_runs", counting)
+    monkeypatch.setattr(disk_pool_module, "_errors_by_block", counting)
     monkeypatch.setattr(disk_pool_module, "LANDING_RUN_BYTES", 2 * LAYOUT.slot_bytes)
     keys = [_key(i) for i in range(8)]
     target = np.zeros((8, LAYOUT.payload_bytes), np.uint8)

@@ -23,7 +23,7 @@ from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.scatter import Scatter
 
-__all__ = ["Segments", "StagingBuffers", "land_runs", "segments_of"]
+__all__ = ["Segments", "StagingBuffers", "lander", "segments_of"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class Segments:
     """Every block's bytes as segments that lie in one scatter run and one piece each: block
     ``i``'s segments are ``first[i]`` to ``first[i + 1]``, segment ``s`` starts ``offsets[s]``
     into the payload, lasts ``lengths[s]`` bytes and lands at ``targets[s]`` (0: hashed only);
-    ``piece_ends`` (per block, the same for all) closes each piece's group of segments."""
+    ``piece_ends[i]`` closes each of block ``i``'s pieces' groups of segments (counted from
+    its first segment)."""
 
     first: np.ndarray
     offsets: np.ndarray
@@ -115,21 +116,17 @@ class StagingBuffers:
             mapping.close()
 
 
-def land_runs(
-    runs: list[list[int]],
+def lander(
     places: list[tuple[int, int]],
     segments: Segments,
     slot_bytes: int,
     staging: StagingBuffers,
-    run: Callable[[Callable[[list[int]], None], list[list[int]]], dict[int, OSError]],
-) -> tuple[np.ndarray, dict[int, OSError]]:
-    """Reads each run (block indices of slots that follow each other in one file; ``places``
-    gives each block's (fd, offset)) into a staging buffer, then copies and hashes its blocks'
-    segments; ``run(fn, runs)`` calls ``fn`` on every run on the I/O threads and returns the
-    OSErrors by run index. Returns every block's checksum over the bytes landed (0 where its
-    run failed) and the errors by block index (a failed run's blocks are read again alone, so
-    one bad slot does not take its neighbours down)."""
-    checksums = np.zeros(len(places), dtype=np.uint64)
+    checksums: np.ndarray,
+) -> Callable[[list[int]], None]:
+    """The I/O threads' job for one run (block indices of slots that follow each other in one
+    file; ``places`` gives each block's (fd, offset)): read it into a staging buffer, then copy
+    and hash its blocks' segments, each block's checksum over the bytes landed going to
+    ``checksums``. An OSError says the run could not be read."""
 
     def land(blocks: list[int]) -> None:
         staging_buffer = staging.take()
@@ -166,15 +163,7 @@ def land_runs(
             np.concatenate(ends).astype(np.int64),
         )
 
-    failed = run(land, runs)
-    errors: dict[int, OSError] = {}
-    alone = [block for r in failed for block in runs[r]]
-    if any(len(runs[r]) > 1 for r in failed):
-        again = run(land, [[block] for block in alone])
-        errors.update((alone[r], exc) for r, exc in again.items())
-    else:
-        errors.update((block, failed[r]) for r in failed for block in runs[r])
-    return checksums, errors
+    return land
 
 
 def _read_all(fd: int, buffer: memoryview, offset: int) -> None:

@@ -97,7 +97,7 @@ from tpusync.tiers.disk._format import (
     _is_int,
     _mib,
 )
-from tpusync.tiers.disk._landing import StagingBuffers, land_runs, segments_of
+from tpusync.tiers.disk._landing import StagingBuffers, lander, segments_of
 from tpusync.tiers.disk._opening import DiskFiles
 from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
@@ -525,14 +525,9 @@ class DiskPool(DiskFiles, BlockTier):
             fd, offset = self._locate(slot)
             jobs.append((fd, dst, offset))
         runs = _slab_runs(jobs, self.layout.slot_bytes)
-        failed: dict[int, OSError] = {}  # job index -> error
-        errors = self._transfer(target, jobs, runs, write=False)
-        alone = [i for r in errors for i in runs[r]]  # which slots of a failed run fail
-        if alone and any(len(runs[r]) > 1 for r in errors):
-            errors_alone = self._transfer(target, jobs, [[i] for i in alone], write=False)
-            failed.update((alone[r], exc) for r, exc in errors_alone.items())
-        else:
-            failed.update((i, exc) for r, exc in errors.items() for i in runs[r])
+        failed = _errors_by_block(  # job index -> error
+            runs, lambda some: self._transfer(target, jobs, some, write=False)
+        )
         return [
             Load(LoadStatus.ERROR, error=failed[i], reason=str(failed[i]))
             if i in failed
@@ -561,12 +556,13 @@ class DiskPool(DiskFiles, BlockTier):
             places = [self._locate(slot) for slot in slots]
             jobs = [(fd, i, offset) for i, (fd, offset) in enumerate(places)]
             segments = segments_of(scatter.select(blocks), self.layout, len(blocks))
+            landed = np.zeros(len(blocks), dtype=np.uint64)  # each block's checksum as landed
+            land = lander(places, segments, self.layout.slot_bytes, self._staging, landed)
             with self._io_running():
-                landed, errors = land_runs(
-                    _slab_runs(jobs, self.layout.slot_bytes, LANDING_RUN_BYTES), places, segments,
-                    self.layout.slot_bytes, self._staging,
-                    lambda fn, runs: self._run(fn, runs, stop_on_error=False),
-                )  # fmt: skip
+                errors = _errors_by_block(
+                    _slab_runs(jobs, self.layout.slot_bytes, LANDING_RUN_BYTES),
+                    lambda some: self._run(land, some, stop_on_error=False),
+                )
         for i, key in enumerate(present):
             if i in errors:
                 loads[key] = Load(LoadStatus.ERROR, error=errors[i], reason=str(errors[i]))
@@ -760,6 +756,19 @@ LANDING_RUN_BYTES = 2 << 20
 def _run_slots(slot_bytes: int, run_bytes: int) -> int:
     """How many consecutive slots one read or write covers (at least one)."""
     return max(1, min(_MAX_RUN_SLOTS, run_bytes // slot_bytes))
+
+
+def _errors_by_block(
+    runs: list[list[int]], read: Callable[[list[list[int]]], dict[int, OSError]]
+) -> dict[int, OSError]:
+    """Reads ``runs`` (``read`` answers the OSErrors by run index) and returns the OSErrors by
+    block: a failed run of several blocks is read again block by block, so one bad slot does
+    not take its neighbours down."""
+    errors = read(runs)
+    alone = [i for r in errors for i in runs[r]]
+    if alone and any(len(runs[r]) > 1 for r in errors):
+        return {alone[r]: exc for r, exc in read([[i] for i in alone]).items()}
+    return {i: exc for r, exc in errors.items() for i in runs[r]}
 
 
 def _slab_runs(
