@@ -29,6 +29,7 @@ from tpusync.cluster import (
     RemotePool,
 )
 from tpusync.cluster.dataplane import Served, wire
+from tpusync.cluster.dataplane._connection import Connection
 from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
@@ -380,6 +381,40 @@ def test_unreachable_server_and_mismatched_paths(source: HostPool) -> None:
         BlockClient(secret=SECRET)
     with pytest.raises(InvalidArgumentError):
         BlockClient("127.0.0.1:1", secret=b"short")
+
+
+def test_a_connection_closed_by_another_thread_never_connects_behind_it() -> None:
+    """close() on another thread can land between a caller's check that the connection is open
+    and its connect (a pull's deadline closing a client whose lease renewal reconnects): that
+    connect fails at once instead of waiting out the timeout on a server that never answers."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never speaks
+        conn = Connection(None, silent.getsockname(), "silent", SECRET, timeout=10.0)
+        conn.close()
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailableError, match="closed while connecting"):
+            conn.connect()
+        assert time.monotonic() - start < 2
+        assert conn.sock is None
+
+        waiting = Connection(None, silent.getsockname(), "silent", SECRET, timeout=10.0)
+        failed: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                waiting.connect()
+            except PeerUnavailableError as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=connect)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while waiting._connecting is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        start = time.monotonic()
+        waiting.close()  # mid-handshake: the waiting thread is woken
+        thread.join(timeout=5)
+        assert not thread.is_alive() and len(failed) == 1
+        assert time.monotonic() - start < 2
 
 
 # -- damaged transfers -----------------------------------------------------------------------

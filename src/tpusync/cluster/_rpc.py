@@ -13,6 +13,7 @@ import contextlib
 import json
 import socket
 import ssl
+import threading
 from typing import Any
 
 from tpusync.cluster._handshake import (
@@ -67,6 +68,10 @@ class RpcConnection:
         self.sock: socket.socket | None = None
         self._connecting: socket.socket | None = None
         self._closed = False
+        # close() and a connect on another thread: the socket a connect makes is published
+        # under this lock, after a check that close() has not run (else it would connect
+        # behind it and wait out a whole timeout on a peer nobody listens to any more)
+        self._state = threading.Lock()
         self._next_id = 0
 
     # --- the connection ---------------------------------------------------------------------
@@ -113,18 +118,18 @@ class RpcConnection:
             )
         except OSError as exc:
             raise self._unavailable(f"cannot connect to {self.peer}: {exc}") from exc
-        self._connecting = sock  # drop() from another thread reaches it mid-handshake
         try:
+            self._publish(sock, connected=False)  # close() from another thread reaches it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
-                self._connecting = sock
+                self._publish(sock, connected=False)
             self._tune(sock)
             client_handshake(sock, self._secret, self.peer)
-            self.sock = sock
-            self._connecting = None
+            self._publish(sock, connected=True)
             self._greet()
-        except (AuthenticationError, InvalidArgumentError):  # e.g. a layout the server refused
+        except (AuthenticationError, InvalidArgumentError, self._unavailable):
+            # e.g. a layout the server refused, or closed meanwhile
             self._connecting = None
             self.drop(sock)
             raise
@@ -135,6 +140,17 @@ class RpcConnection:
                 raise
             raise self._unavailable(f"{self.peer} failed the handshake: {exc}") from exc
 
+    def _publish(self, sock: socket.socket, *, connected: bool) -> None:
+        """Makes ``sock`` the one :meth:`close` shuts down (mid-handshake, or ``connected``);
+        raises ``unavailable`` when the connection was closed meanwhile."""
+        with self._state:
+            if not self._closed:
+                self._connecting = None if connected else sock
+                if connected:
+                    self.sock = sock
+                return
+        raise self._unavailable(f"the connection to {self.peer} was closed while connecting")
+
     def _tune(self, sock: socket.socket) -> None:
         """Sets up a new socket before the handshake (a hook)."""
 
@@ -144,7 +160,8 @@ class RpcConnection:
     def close(self) -> None:
         """Drops the connection for good: a request on another thread fails at once and
         nothing connects again."""
-        self._closed = True
+        with self._state:  # no connect publishes a socket after this
+            self._closed = True
         self.drop()
 
     def drop(self, sock: socket.socket | None = None) -> None:

@@ -237,6 +237,8 @@ class BlockClient:
         self._check_open()
         conn = self._new_connection()
         self._holding.add(conn)  # close() drops it too
+        if self._closed:  # closed since the check: close() may have missed it
+            conn.close()
         stop = threading.Event()
         renewer: threading.Thread | None = None
         try:
