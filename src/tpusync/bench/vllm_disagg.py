@@ -12,10 +12,10 @@ prompt size, medians over the prompts:
 * tpusync consumer TTFT (a one-token generate with the producer's params) and its KV transfer
   (the store's ``LoadResult.seconds``: lookup, pull from the node, verification, copy into
   vLLM's KV tensors);
-* the data plane's own pull of the same bytes: a ``BlockClient`` pull (one connection, as the
-  store node tier opens) of as many blocks of one layer's block size from a ``BlockServer`` on
-  loopback, each received straight into its place and verified there, as the consumer's are:
-  the transfer's limit here, the best of 9 repeats;
+* the data plane's own pull of the same bytes: as many blocks of the same size pulled from a
+  store node of their own by the store-node tier's pull, each block received straight into
+  its places (one per layer) and verified there, as the consumer's are, caches emptied before
+  each pull: the transfer's limit here, the best of 9 repeats (:func:`data_plane_pull`);
 * vLLM's ExampleConnector as a disaggregation peer (its producer writes safetensors files to
   /dev/shm, its consumer reads them): the consumer's TTFT;
 * vLLM's NixlConnector, its own disaggregation connector (:mod:`tpusync.bench.vllm_nixl`):
@@ -49,8 +49,9 @@ from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.bench.results import nixl_figures
 from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
-from tpusync.cluster import BlockClient, BlockServer, Scatter
+from tpusync.cluster import Scatter, StoreNodePool
 from tpusync.connectors.vllm.worker import local_worker
+from tpusync.memory.copy_limit import last_level_cache_bytes
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
@@ -62,38 +63,54 @@ def _worker(llm: Any) -> Any:
     return local_worker(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
 
 
-def data_plane_pull(blocks: int, block_bytes: int, repeats: int) -> list[float]:
-    """Seconds of a BlockClient pull (one connection) of ``blocks`` random blocks of
-    ``block_bytes`` from a BlockServer on loopback, ``repeats`` times: each received straight
-    into its place in one array and verified there (``pull_scattered``, as the consumer's
-    blocks land in vLLM's tensors), with no pool to reserve or commit."""
+def data_plane_pull(blocks: int, block_bytes: int, pieces: int, repeats: int) -> list[float]:
+    """Seconds of the data plane's own pull of what a consumer loads, ``repeats`` times:
+    ``blocks`` random blocks of ``block_bytes`` pulled from a store node in another process
+    (``tpusync serve``, as the consumer's) by a ``StoreNodePool`` (the store-node tier's pull:
+    one connection, each block received straight into its ``pieces`` places, spaced apart in
+    one array as a block's layers are in vLLM's KV, and verified there), with no KV store,
+    lookup or engine around it. The caches are emptied before each pull: a consumer's blocks
+    were written long before, so neither the node's copy nor the landing place is cache-hot."""
     layout = PoolLayout("disagg-limit", (ArrayLayout("kv", "uint8", (block_bytes,), 0, 1),))
     keys = [b"b%d" % i for i in range(blocks)]
     secret = os.urandom(32)
-    rng = np.random.default_rng(5)
+    piece = block_bytes // pieces
     landed = np.zeros(blocks * block_bytes, dtype=np.uint8)
+    # piece p of block b at (p * blocks + b) * piece: a layer's blocks side by side
+    places = (np.arange(pieces)[None, :] * blocks + np.arange(blocks)[:, None]) * piece
     scatter = Scatter(
-        np.arange(blocks + 1),
-        np.zeros(blocks, dtype=np.int64),
-        landed.ctypes.data + block_bytes * np.arange(blocks, dtype=np.uint64),
+        np.arange(0, blocks * pieces + 1, pieces),
+        np.tile(np.arange(pieces, dtype=np.int64) * piece, blocks),
+        landed.ctypes.data + places.reshape(-1).astype(np.uint64),
     )
+    evict = np.ones(4 * last_level_cache_bytes(), np.uint8)
+    work = Path(tempfile.mkdtemp(prefix="tpusync-bench-limit-", dir="/var/tmp"))
+    node = None
     seconds = []
-    with HostPool(layout, blocks) as source:
-        reservation = source.reserve(keys)
-        for slot in reservation.slots.tolist():
-            with source.slot_memory(slot) as memory:
-                memory[:block_bytes] = rng.integers(0, 256, block_bytes, np.uint8).tobytes()
-        source.commit(reservation, source.hash_slots(reservation.slots))
+    try:
+        node, ready = start_store_node(work, secret, blocks * block_bytes + (64 << 20))
         with (
-            BlockServer(source, secret=secret) as server,
-            BlockClient(server.address, secret=secret, connections=1) as client,
+            HostPool(layout, blocks) as source,
+            StoreNodePool(ready["address"], layout=layout, secret=secret, connections=1) as pool,
         ):
-            client.pull_scattered(keys, layout, scatter)  # warm: every page of the array
+            reservation = source.reserve(keys)
+            rng = np.random.default_rng(5)
+            for slot in reservation.slots.tolist():
+                with source.slot_memory(slot) as memory:
+                    memory[:block_bytes] = rng.integers(0, 256, block_bytes, np.uint8).tobytes()
+            source.commit(reservation, source.hash_slots(reservation.slots))
+            pool.put(keys, source)
+            assert all(pool.get_scattered(keys, scatter))  # warm: every page of the array
             for _ in range(repeats):
+                evict += 1
                 start = time.perf_counter()
-                loaded = client.pull_scattered(keys, layout, scatter)
+                loaded = pool.get_scattered(keys, scatter)
                 seconds.append(time.perf_counter() - start)
                 assert all(loaded)
+    finally:
+        if node is not None:
+            stop_process(node)
+        shutil.rmtree(work, ignore_errors=True)
     return seconds
 
 
@@ -172,10 +189,11 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
         except (RuntimeError, TimeoutError) as error:  # the peer's failure, not the run's
             print(f"note: {label} failed: {error}", flush=True)
             result[label] = {"error": str(error)}
-    layer_block = BLOCK * KV_BYTES_PER_TOKEN // LAYERS
     # the limit is what the data plane can do: the best of several repeats
-    result["data_plane_s_runs"] = data_plane_pull(blocks * LAYERS, layer_block, 9)
+    settle()
+    result["data_plane_s_runs"] = data_plane_pull(blocks, BLOCK * KV_BYTES_PER_TOKEN, LAYERS, 9)
     result["data_plane_best"] = True
+    result["data_plane_source"] = "a store node of its own, caches emptied before each pull"
     return result
 
 

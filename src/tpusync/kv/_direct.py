@@ -37,10 +37,16 @@ def land_in_place(
     scatter = tensor_landing(store.layout, pools, ids)
     if scatter is None:
         return 0, None
-    where = stack.locate(keys, prefix=False)
-    if where[0] not in scattering or any(t != where[0] for t in where):
-        return 0, where
-    loaded = stack.get_scattered(where[0], keys, scatter)
+    if scattering == [1] and len(stack.tiers) == 2:
+        # the only tier below DRAM: its own lease says which keys it holds, so no round trip
+        # to ask first (a miss there is a miss anywhere)
+        tier = 1
+    else:
+        where = stack.locate(keys, prefix=False)
+        if where[0] not in scattering or any(t != where[0] for t in where):
+            return 0, where
+        tier = where[0]
+    loaded = stack.get_scattered(tier, keys, scatter)
     landed = next((i for i, ok in enumerate(loaded) if not ok), len(keys))
     if not still_in_place(pools):
         landed = 0
