@@ -37,7 +37,7 @@ def land_in_place(
     scatter = tensor_landing(store.layout, pools, ids)
     if scatter is None:
         return 0, None
-    if scattering == [1] and len(stack.tiers) == 2:
+    if len(stack.tiers) == 2:  # DRAM and one tier, a scattering one (checked above)
         # the only tier below DRAM: its own lease says which keys it holds, so no round trip
         # to ask first (a miss there is a miss anywhere)
         tier = 1
