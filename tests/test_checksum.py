@@ -21,10 +21,11 @@ T = TypeVar("T")
 
 
 # The checksum's code paths (_core._force_portable_checksum): 0 the fastest the CPU has (AVX-512
-# carry-less multiplication where available), 2 the CRC instruction only, 1 the portable tables.
-FASTEST, PORTABLE, CRC_INSTRUCTION = 0, 1, 2
-PATHS = [FASTEST, CRC_INSTRUCTION, PORTABLE]
-PATH_IDS = ["fastest", "crc-instruction", "portable"]
+# carry-less multiplication where available, else 128-bit), 3 the 128-bit carry-less
+# multiplication even where AVX-512 is there, 2 the CRC instruction only, 1 the portable tables.
+FASTEST, PORTABLE, CRC_INSTRUCTION, CLMUL128 = 0, 1, 2, 3
+PATHS = [FASTEST, CLMUL128, CRC_INSTRUCTION, PORTABLE]
+PATH_IDS = ["fastest", "clmul128", "crc-instruction", "portable"]
 
 
 @pytest.fixture(params=PATHS, ids=PATH_IDS)
@@ -253,7 +254,9 @@ def hashed_jobs(draw: st.DrawFn) -> tuple[int, list[tuple[int, int, int]], bool]
     return max(src_at, dst_at) + 64, rows, streaming
 
 
-@pytest.mark.parametrize("path", [FASTEST, CRC_INSTRUCTION], ids=["fastest", "crc-instruction"])
+@pytest.mark.parametrize(
+    "path", [FASTEST, CLMUL128, CRC_INSTRUCTION], ids=["fastest", "clmul128", "crc-instruction"]
+)
 @settings(max_examples=25, deadline=None)
 @given(job=hashed_jobs(), seed=st.integers(0, 2**32 - 1))
 def test_fused_copy_checksums_every_segment(

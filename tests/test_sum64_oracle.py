@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from tpusync import _core
 
-# The checksum's code paths (_core._force_portable_checksum): 0 the fastest the CPU has, 2 the
-# CRC instruction only, 1 the portable tables.
-FASTEST, PORTABLE, CRC_INSTRUCTION = 0, 1, 2
-PATHS = (FASTEST, CRC_INSTRUCTION, PORTABLE)
+# The checksum's code paths (_core._force_portable_checksum): 0 the fastest the CPU has, 3 the
+# 128-bit carry-less multiplication, 2 the CRC instruction only, 1 the portable tables.
+FASTEST, PORTABLE, CRC_INSTRUCTION, CLMUL128 = 0, 1, 2, 3
+PATHS = (FASTEST, CLMUL128, CRC_INSTRUCTION, PORTABLE)
 PAGE = mmap.PAGESIZE
 
 

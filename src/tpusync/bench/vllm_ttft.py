@@ -14,8 +14,10 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
   the cores after each operator);
 * tpusync DRAM by layer: the same, loaded layer by layer while the forward runs
   (``"load_by_layer": true``, the default where the KV is not in CPU memory);
-* tpusync disk / tpusync store node: DRAM holds one prompt, two prompts alternate, so every hit
-  comes from the disk tier or a store node (``tpusync serve``, loopback), in the background;
+* tpusync disk / tpusync store node: DRAM holds one prompt, two prompts alternate and a third,
+  never hit, is saved after them, so every hit comes from the disk tier or a store node
+  (``tpusync serve``, loopback), in the background (the JSON counts each hit's blocks from
+  below DRAM, and the table says if a hit took any from DRAM);
 * ExampleConnector on /dev/shm and on the disk tier's filesystem (its safetensors files).
 
 Each hit of a row is followed at once by the same prompt again, a hit of vLLM's own prefix cache
@@ -187,25 +189,34 @@ def drop_page_cache() -> bool:
     return True
 
 
+def _blocks_below_dram(worker: Any) -> int:
+    """Blocks the connector's store has served from the tiers below its DRAM so far."""
+    tiers = list(worker.store.stats()["tiers"].values())
+    return sum(int(t.get("hits", 0)) for t in tiers[1:])
+
+
 def _hits(
     llm: Any,
     prompts: list[list[int]],
     repeats: int,
     expected: dict[int, int],
     *,
+    filler: list[int] | None = None,
     cold_page_cache: bool = False,
 ) -> dict[str, Any]:
-    """Serves ``prompts`` once (cold: the saves), then ``repeats`` hits cycling through them,
-    vLLM's own prefix cache reset before each: TTFTs, the connector's loads, same tokens. Each
-    hit is followed by the same prompt again, now a hit of vLLM's own prefix cache in this
-    engine: a pair measured moments apart, whose ratio drifts less with the machine's load
-    than medians taken minutes apart."""
-    for p in prompts:
+    """Serves ``prompts`` once (cold: the saves), then ``filler`` (a prompt that is never hit:
+    its save pushes the last of ``prompts`` out of a DRAM tier that holds one prompt, so that
+    every hit comes from below it), then ``repeats`` hits cycling through ``prompts``, vLLM's
+    own prefix cache reset before each: TTFTs, the connector's loads, same tokens, and the
+    blocks each hit took from below DRAM. Each hit is followed by the same prompt again, now a
+    hit of vLLM's own prefix cache in this engine: a pair measured moments apart, whose ratio
+    drifts less with the machine's load than medians taken minutes apart."""
+    for p in [*prompts, *([] if filler is None else [filler])]:
         _ttft(llm, p)
     worker = _worker(llm)
     if worker is not None:
         worker.store.flush(timeout=120)
-    ttfts, own, loads, equal, dropped = [], [], [], True, cold_page_cache
+    ttfts, own, loads, below, equal, dropped = [], [], [], [], True, cold_page_cache
     for r in range(repeats):
         prompt = prompts[r % len(prompts)]
         llm.reset_prefix_cache()
@@ -213,12 +224,14 @@ def _hits(
             dropped &= drop_page_cache()
         if worker is not None:
             worker.recent_loads.clear()
+            before = _blocks_below_dram(worker)
         seconds, token = _ttft(llm, prompt)
         ttfts.append(seconds)
         equal &= token == expected[id(prompt)]
         if worker is not None:
             done = list(worker.recent_loads)
             loads.append(sum(d.seconds for d in done) if done else float("nan"))
+            below.append(_blocks_below_dram(worker) - before)
             equal &= bool(done) and all(d.loaded_blocks == len(prompt) // BLOCK for d in done)
         seconds, token = _ttft(llm, prompt)  # vLLM's own prefix hit, in this engine
         own.append(seconds)
@@ -227,6 +240,7 @@ def _hits(
         "ttft_s_runs": ttfts,
         "own_hit_ttft_s_runs": own,
         "load_s_runs": loads,
+        "blocks_below_dram_runs": below,
         "outputs_equal": bool(equal),
         "page_cache_dropped": bool(dropped),
     }
@@ -278,8 +292,11 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
             "Example /dev/shm": ("ExampleConnector", {"shared_storage_path": str(shm / "example")}),
             "Example disk": ("ExampleConnector", {"shared_storage_path": str(work / "example")}),
         }
-        # DRAM for one prompt: the two alternate, so every hit comes from below it
+        # DRAM for one prompt: a third prompt's save pushes both below it, and a hit that lands
+        # in the tensors straight from below leaves DRAM as it was, so every hit comes from
+        # below DRAM
         alternating = {"tpusync disk", "tpusync store node"}
+        filler = _prompts(tokens, 1, seed=tokens + 1)[0]
         secret = os.urandom(32)
         node, ready = start_store_node(work, secret, 4 * kv_bytes + (64 << 20))
         configs["tpusync store node"] = (
@@ -294,7 +311,10 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
                 extra = {**extra, "socket_dir": sockets}
             settle()
             with engine(model, max_len, connector, extra) as llm:
-                result[row] = _hits(llm, used, repeats, expected, cold_page_cache="disk" in row)
+                result[row] = _hits(
+                    llm, used, repeats, expected, cold_page_cache="disk" in row,
+                    filler=filler if row in alternating else None,
+                )  # fmt: skip
     finally:
         if node is not None:
             stop_process(node)
@@ -361,6 +381,15 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         rows,
         limit_columns=(8,),
     )  # fmt: skip
+    for r in results:
+        for row in ("tpusync disk", "tpusync store node"):
+            below = r[row].get("blocks_below_dram_runs", [])
+            short = [b for b in below if b < vllm_loaded_bytes(r) // (BLOCK * KV_BYTES_PER_TOKEN)]
+            if short:
+                print(
+                    f"NOTE {r['tokens']} tokens, {row}: {len(short)} of {len(below)} hits took "
+                    "blocks from DRAM (not a hit from below DRAM)"
+                )
     if disk_gbps:
         print(
             f"disk limit: fio read {disk_gbps:.2f} GB/s, the fastest of "
