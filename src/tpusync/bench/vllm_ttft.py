@@ -91,6 +91,8 @@ DISK_REQUEST_BYTES = (MAX_RUN_BYTES, LANDING_RUN_BYTES)
 # the disk tier's I/O threads (the connector's disk tier has the default)
 DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
+# the rows whose every hit must come from below DRAM
+FROM_BELOW_DRAM = ("tpusync disk", "tpusync store node")
 ROWS = (
     "tpusync DRAM",
     "tpusync DRAM own threads",
@@ -211,7 +213,7 @@ def _hits(
     blocks each hit took from below DRAM. Each hit is followed by the same prompt again, now a
     hit of vLLM's own prefix cache in this engine: a pair measured moments apart, whose ratio
     drifts less with the machine's load than medians taken minutes apart."""
-    for p in [*prompts, *([] if filler is None else [filler])]:
+    for p in prompts if filler is None else [*prompts, filler]:
         _ttft(llm, p)
     worker = _worker(llm)
     if worker is not None:
@@ -295,7 +297,6 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         # DRAM for one prompt: a third prompt's save pushes both below it, and a hit that lands
         # in the tensors straight from below leaves DRAM as it was, so every hit comes from
         # below DRAM
-        alternating = {"tpusync disk", "tpusync store node"}
         filler = _prompts(tokens, 1, seed=tokens + 1)[0]
         secret = os.urandom(32)
         node, ready = start_store_node(work, secret, 4 * kv_bytes + (64 << 20))
@@ -306,14 +307,14 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         )  # fmt: skip
         for row in ROWS:
             connector, extra = configs[row]
-            used = prompts if row in alternating else prompts[:1]
+            used = prompts if row in FROM_BELOW_DRAM else prompts[:1]
             if connector == "TpuSyncConnector":
                 extra = {**extra, "socket_dir": sockets}
             settle()
             with engine(model, max_len, connector, extra) as llm:
                 result[row] = _hits(
                     llm, used, repeats, expected, cold_page_cache="disk" in row,
-                    filler=filler if row in alternating else None,
+                    filler=filler if row in FROM_BELOW_DRAM else None,
                 )  # fmt: skip
     finally:
         if node is not None:
@@ -382,7 +383,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         limit_columns=(8,),
     )  # fmt: skip
     for r in results:
-        for row in ("tpusync disk", "tpusync store node"):
+        for row in FROM_BELOW_DRAM:
             below = r[row].get("blocks_below_dram_runs", [])
             short = [b for b in below if b < vllm_loaded_bytes(r) // (BLOCK * KV_BYTES_PER_TOKEN)]
             if short:

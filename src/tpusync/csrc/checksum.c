@@ -312,15 +312,18 @@ CLM_TARGET static inline void clm_block(const clm_ctx *k, __m512i a[3], __m512i 
                                    _mm512_clmulepi64_epi128(a[2], k->fold, 0x11), d2, 0x96);
 }
 
-/* Accumulators that continue the lanes' values (see CLM_X_MINUS_449). */
+/* The high half of the t = 0 slot that continues a lane's value (see CLM_X_MINUS_449). */
+__attribute__((target("pclmul,sse4.2"))) static inline uint64_t clm_entry(uint32_t lane) {
+  __m128i product = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)lane),
+                                         _mm_cvtsi32_si128((int)CLM_X_MINUS_449), 0);
+  uint64_t c = (uint32_t)__builtin_ia32_crc32di(0, (uint64_t)_mm_cvtsi128_si64(product));
+  return c << 32; /* degree < 32: the low end of the slot */
+}
+
+/* Accumulators that continue the lanes' values. */
 CLM_TARGET static void clm_start(__m512i a[3], const uint32_t lanes[3]) {
   uint64_t slots[8] = {0};
-  for (int l = 0; l < 3; l++) {
-    __m128i product = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)lanes[l]),
-                                           _mm_cvtsi32_si128((int)CLM_X_MINUS_449), 0);
-    uint64_t c = (uint32_t)__builtin_ia32_crc32di(0, (uint64_t)_mm_cvtsi128_si64(product));
-    slots[2 * l + 1] = c << 32; /* degree < 32: the low end of the slot */
-  }
+  for (int l = 0; l < 3; l++) slots[2 * l + 1] = clm_entry(lanes[l]);
   a[0] = _mm512_loadu_si512(slots);
   a[1] = _mm512_setzero_si512();
   a[2] = _mm512_setzero_si512();
@@ -531,12 +534,7 @@ CLM128_TARGET static void clm128_lanes(uint32_t lanes[3], char *dst, const char 
   if (n_blocks == 0) return;
   __m128i a[12];
   for (int s = 0; s < 12; s++) a[s] = _mm_setzero_si128();
-  for (int l = 0; l < 3; l++) { /* as clm_start: the lane's value enters its t = 0 slot */
-    __m128i product = _mm_clmulepi64_si128(_mm_cvtsi32_si128((int)lanes[l]),
-                                           _mm_cvtsi32_si128((int)CLM_X_MINUS_449), 0);
-    uint64_t c = (uint32_t)__builtin_ia32_crc32di(0, (uint64_t)_mm_cvtsi128_si64(product));
-    a[l] = _mm_set_epi64x((long long)(c << 32), 0);
-  }
+  for (int l = 0; l < 3; l++) a[l] = _mm_set_epi64x((long long)clm_entry(lanes[l]), 0);
   const __m128i fold = _mm_set_epi64x((long long)clm_fold512[1], (long long)clm_fold512[0]);
   const char *end = src + n_blocks * 192;
   for (size_t i = 0; i < n_blocks; i++) {
@@ -549,12 +547,12 @@ CLM128_TARGET static void clm128_lanes(uint32_t lanes[3], char *dst, const char 
     clm128_block(a, fold, p, dst ? dst + i * 192 : NULL);
   }
   /* slots of t = 0, 1, 2 folded by x^384, x^256, x^128; t = 3 added as it is */
-  const __m128i last[3] = {_mm_set_epi64x(0xddc0152b, 0x1c291d04),
-                           _mm_set_epi64x(0xba4fc28e, 0x3da6d0cb),
-                           _mm_set_epi64x(0x493c7d27, 0xf20c0dfe)};
+  static const uint64_t last[3][2] = {{CLM_F384}, {CLM_F256}, {CLM_F128}};
   for (int l = 0; l < 3; l++) {
     __m128i sum = a[9 + l];
-    for (int t = 0; t < 3; t++) sum = _mm_xor_si128(sum, clm128_mul(a[3 * t + l], last[t]));
+    for (int t = 0; t < 3; t++)
+      sum = _mm_xor_si128(sum,
+                          clm128_mul(a[3 * t + l], _mm_loadu_si128((const __m128i *)last[t])));
     uint64_t lo = (uint64_t)_mm_cvtsi128_si64(sum);
     uint64_t hi = (uint64_t)_mm_extract_epi64(sum, 1);
     lanes[l] = (uint32_t)__builtin_ia32_crc32di(__builtin_ia32_crc32di(0, lo), hi);
