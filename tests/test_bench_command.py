@@ -216,6 +216,32 @@ def test_results_written_by_a_run_leave_the_commit_clean(tmp_path: Path) -> None
     assert commit_of(tmp_path / "benchmarks") == clean + "+dirty"
 
 
+def test_a_wheel_built_from_other_sources_is_named_stale(tmp_path: Path) -> None:
+    """A benchmark run in an environment whose wheel predates the checkout's last change
+    measures old code: its results must not go under the checkout's commit."""
+    from tpusync.bench.common import stale_install
+
+    sources, installed = tmp_path / "src" / "tpusync", tmp_path / "site" / "tpusync"
+    for root in (sources, installed):
+        (root / "bench").mkdir(parents=True)
+        (root / "bench" / "run.py").write_text("ROWS = 3\n")
+        (root / "api.pyi").write_text("def f() -> int: ...\n")
+    (sources / "core.pyx").write_text("# native\n")
+    (installed / "core.so").write_bytes(b"\x7fELF")
+    os.utime(sources / "core.pyx", (1_000, 1_000))
+    os.utime(installed / "core.so", (2_000, 2_000))
+    assert stale_install(installed, sources) is None
+    assert stale_install(installed, tmp_path / "no-checkout") is None
+    (sources / "bench" / "run.py").write_text("ROWS = 4\n")
+    assert "run.py" in (stale_install(installed, sources) or "")
+    (sources / "bench" / "run.py").write_text("ROWS = 3\n")
+    (sources / "new.py").write_text("x = 1\n")  # not in the wheel at all
+    assert "new.py" in (stale_install(installed, sources) or "")
+    (sources / "new.py").unlink()
+    os.utime(sources / "core.pyx")  # now: newer than the extension
+    assert "native source" in (stale_install(installed, sources) or "")
+
+
 def test_results_md_goes_inside_a_results_dir_of_another_name(tmp_path: Path) -> None:
     """--results-dir /tmp/x must not write /tmp/RESULTS.md."""
     other = tmp_path / "quick-run"

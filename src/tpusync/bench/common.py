@@ -37,6 +37,7 @@ __all__ = [
     "result_path",
     "settle",
     "spread",
+    "stale_install",
     "stop_process",
     "timed",
 ]
@@ -154,11 +155,47 @@ def commit_of(directory: str | os.PathLike[str]) -> str:
 
 def _commit() -> str:
     """The commit of the installed package's checkout, else (a wheel installed in an
-    environment) of the checkout holding the running script (``benchmarks/*.py``)."""
+    environment) of the checkout holding the running script (``benchmarks/*.py``), with
+    "+stale" when that wheel was built from other sources than the checkout's."""
     found = commit_of(PACKAGE_DIR)
     if found == "unknown" and sys.argv and sys.argv[0]:
-        found = commit_of(Path(sys.argv[0]).resolve().parent)
+        script_dir = Path(sys.argv[0]).resolve().parent
+        found = commit_of(script_dir)
+        stale = stale_install(PACKAGE_DIR.parent, script_dir.parent / "src" / "tpusync")
+        if found != "unknown" and stale:
+            print(f"tpusync bench: WARNING: {stale}; results go under +stale", file=sys.stderr)
+            found += "+stale"
     return found
+
+
+NATIVE_SOURCES = (".pyx", ".pxd", ".pxi", ".c", ".h")
+
+
+def stale_install(installed: Path, sources: Path) -> str | None:
+    """Why the package installed at ``installed`` is not built from the checkout's
+    ``sources`` (a Python file that differs or is missing there, or a native source newer
+    than the installed extensions), or None when it is (or ``sources`` is no checkout)."""
+    if not sources.is_dir():
+        return None
+    newest_native = 0.0
+    for path in sorted(sources.rglob("*")):
+        relative = path.relative_to(sources)
+        if path.suffix in (".py", ".pyi"):
+            copy = installed / relative
+            if not copy.is_file() or copy.read_bytes() != path.read_bytes():
+                return (
+                    f"the installed tpusync ({installed}) differs from {path}: rebuild the "
+                    "environment (scripts/test.sh or source scripts/_venv.sh) before benchmarking"
+                )
+        elif path.suffix in NATIVE_SOURCES:
+            newest_native = max(newest_native, path.stat().st_mtime)
+    built = [so.stat().st_mtime for so in installed.rglob("*.so")]
+    if built and newest_native > min(built):
+        return (
+            f"a native source in {sources} is newer than the installed extensions in "
+            f"{installed}: rebuild the environment before benchmarking"
+        )
+    return None
 
 
 def machine_name() -> str:
