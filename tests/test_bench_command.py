@@ -232,6 +232,7 @@ def test_a_wheel_built_from_other_sources_is_named_stale(tmp_path: Path) -> None
     os.utime(installed / "core.so", (2_000, 2_000))
     assert stale_install(installed, sources) is None
     assert stale_install(installed, tmp_path / "no-checkout") is None
+    assert stale_install(sources, sources) is None  # run from the checkout itself
     (sources / "bench" / "run.py").write_text("ROWS = 4\n")
     assert "run.py" in (stale_install(installed, sources) or "")
     (sources / "bench" / "run.py").write_text("ROWS = 3\n")

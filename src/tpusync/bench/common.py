@@ -154,18 +154,32 @@ def commit_of(directory: str | os.PathLike[str]) -> str:
 
 
 def _commit() -> str:
-    """The commit of the installed package's checkout, else (a wheel installed in an
-    environment) of the checkout holding the running script (``benchmarks/*.py``), with
-    "+stale" when that wheel was built from other sources than the checkout's."""
-    found = commit_of(PACKAGE_DIR)
+    """The commit of the checkout holding the package, else (a wheel installed outside a
+    checkout) of the checkout holding the running script (``benchmarks/*.py``), with
+    "+stale" when the package runs from a wheel built from other sources than that
+    checkout's (an environment not rebuilt since the last change)."""
+    source = PACKAGE_DIR
+    found = commit_of(source)
     if found == "unknown" and sys.argv and sys.argv[0]:
-        script_dir = Path(sys.argv[0]).resolve().parent
-        found = commit_of(script_dir)
-        stale = stale_install(PACKAGE_DIR.parent, script_dir.parent / "src" / "tpusync")
-        if found != "unknown" and stale:
-            print(f"tpusync bench: WARNING: {stale}; results go under +stale", file=sys.stderr)
-            found += "+stale"
+        source = Path(sys.argv[0]).resolve().parent
+        found = commit_of(source)
+    checkout = _toplevel(source)
+    stale = checkout is not None and stale_install(PACKAGE_DIR.parent, checkout / "src" / "tpusync")
+    if found != "unknown" and stale:
+        print(f"tpusync bench: WARNING: {stale}; results go under +stale", file=sys.stderr)
+        found += "+stale"
     return found
+
+
+def _toplevel(directory: Path) -> Path | None:
+    try:
+        top = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "--show-toplevel"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Path(top)
 
 
 NATIVE_SOURCES = (".pyx", ".pxd", ".pxi", ".c", ".h")
@@ -175,7 +189,7 @@ def stale_install(installed: Path, sources: Path) -> str | None:
     """Why the package installed at ``installed`` is not built from the checkout's
     ``sources`` (a Python file that differs or is missing there, or a native source newer
     than the installed extensions), or None when it is (or ``sources`` is no checkout)."""
-    if not sources.is_dir():
+    if not sources.is_dir() or sources.resolve() == installed.resolve():
         return None
     newest_native = 0.0
     for path in sorted(sources.rglob("*")):
@@ -218,10 +232,12 @@ def default_results_dir() -> Path:
     return benchmarks_path("results")
 
 
-def result_path(bench: str, results_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where a run of ``bench`` at this commit on this machine is written."""
+def result_path(
+    bench: str, results_dir: str | os.PathLike[str] | None = None, commit: str | None = None
+) -> Path:
+    """Where a run of ``bench`` at this commit (or ``commit``) on this machine is written."""
     base = Path(results_dir) if results_dir is not None else default_results_dir()
-    commit = commit_of(PACKAGE_DIR)
+    commit = commit or _commit()
     commit = "unknown-commit" if commit == "unknown" else commit
     return base / bench / f"{commit}-{machine_name()}.json"
 
@@ -238,10 +254,11 @@ class Run:
     def write(self, path: str | os.PathLike[str] | None, payload: dict[str, Any]) -> Path:
         """Writes ``payload`` with the commit, date, machine and load average at start and end
         to ``path`` (default: :func:`result_path`)."""
-        target = Path(path) if path else result_path(self.bench)
+        commit = _commit()
+        target = Path(path) if path else result_path(self.bench, commit=commit)
         record = {
             "benchmark": self.bench,
-            "commit": _commit(),
+            "commit": commit,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {
