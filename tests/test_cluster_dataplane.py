@@ -32,6 +32,7 @@ from tpusync.cluster.dataplane import Served, wire
 from tpusync.cluster.dataplane._connection import Connection
 from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
+from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 
 SECRET = b"s" * 32
@@ -304,13 +305,6 @@ def test_wrong_secret_is_rejected_both_ways(source: HostPool) -> None:
     # A server that does not know the secret: the client refuses it.
     with _impostor_server() as address, pytest.raises(AuthenticationError, match="impostor"):
         BlockClient(address, secret=SECRET, timeout_s=5)
-
-
-def eventually(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never became true"
-        time.sleep(0.01)
 
 
 def closed_by_peer(sock: socket.socket | None) -> bool:

@@ -52,6 +52,7 @@ from tpusync.cluster import (
     serving,
 )
 from tpusync.kv import DramTier, ExistingTier, KVCacheStore, KVStoreConfig
+from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
 CHILD = Path(__file__).with_name("cluster_fault_child.py")
@@ -168,15 +169,6 @@ def serve_spec(layout: PoolLayout, capacity: int, **extra: Any) -> dict[str, Any
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def eventually(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Polls ``condition`` until it holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def payload(pool: HostPool, key: bytes) -> bytes:

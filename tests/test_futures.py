@@ -29,6 +29,7 @@ from tpusync.errors import (
     TransferFailedError,
     TransferTimeoutError,
 )
+from tpusync.testing.polling import eventually
 
 TIMEOUT = 30.0
 _transfer_module = importlib.import_module("tpusync.transfer.api")
@@ -46,14 +47,6 @@ def held(pool: DevicePool) -> Iterator[None]:
         yield
     finally:
         pool._lock.release()
-
-
-def wait_until(condition: Any, what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.001)
 
 
 @pytest.fixture
@@ -123,7 +116,7 @@ def test_done_callback_of_a_failed_transfer(pool, host, path):
         source.delete()
     with pytest.raises(ArrayDeletedError):
         future.result(TIMEOUT)
-    wait_until(lambda: len(seen) == 1, "the callback ran")
+    eventually(lambda: len(seen) == 1, TIMEOUT, "the callback ran", interval=0.001)
     assert isinstance(seen[0], ArrayDeletedError)
 
 
@@ -243,7 +236,12 @@ def _occupy_every_worker(pool: DevicePool, host: np.ndarray, path: str) -> list[
         transfer(host, pool, src_blocks=[i % 8], dst_blocks=[i % 8], path=path)
         for i in range(workers)
     ]
-    wait_until(lambda: all(b.running() for b in blockers), "every worker runs a held transfer")
+    eventually(
+        lambda: all(b.running() for b in blockers),
+        TIMEOUT,
+        "every worker runs a held transfer",
+        interval=0.001,
+    )
     return blockers
 
 
@@ -281,7 +279,7 @@ def test_cancel_before_start(arrays, rng, pool, host, path):
 def test_cancel_of_a_running_transfer_fails_and_it_completes(arrays, pool, host, path):
     with held(pool):
         future = transfer(host, pool, path=path)
-        wait_until(future.running, "the transfer started")
+        eventually(future.running, TIMEOUT, "the transfer started", interval=0.001)
         assert future.cancel() is False
     assert future.result(TIMEOUT) == host.nbytes
     arrays.assert_same(pool.array, host)

@@ -28,6 +28,7 @@ from tpusync.errors import PoolBusyError, SessionNotFoundError, StaleHandleError
 from tpusync.kv import KVCacheStore
 from tpusync.testing.engine import Request, ToyEngine
 from tpusync.testing.model import ModelConfig, init_kv_pools, init_params
+from tpusync.testing.polling import eventually
 
 CFG = ModelConfig(**kv_child.MODEL)
 BS = CFG.block_size
@@ -79,10 +80,7 @@ def _write_blocks(pools: list[DevicePool], ids: list[int], kv: np.ndarray) -> No
 def _wait_saves(store: KVCacheStore, n: int) -> None:
     """Waits until ``n`` saves have finished (ToyEngine.generate returns once its save released
     the device blocks; the save's write-back is queued just after), then for the write-back."""
-    deadline = time.monotonic() + 60
-    while store.stats()["store"]["saves"] < n:
-        assert time.monotonic() < deadline, f"{n} saves never finished"
-        time.sleep(0.005)
+    eventually(lambda: store.stats()["store"]["saves"] >= n, 60, f"{n} saves finished")
     assert store.flush(timeout=60)
 
 
