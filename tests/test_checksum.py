@@ -4,6 +4,7 @@ the CRC instruction alone, and the portable tables."""
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -26,6 +27,33 @@ T = TypeVar("T")
 FASTEST, PORTABLE, CRC_INSTRUCTION, CLMUL128 = 0, 1, 2, 3
 PATHS = [FASTEST, CLMUL128, CRC_INSTRUCTION, PORTABLE]
 PATH_IDS = ["fastest", "clmul128", "crc-instruction", "portable"]
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_each_path_runs_the_kernel_it_names() -> None:
+    """A forced path the CPU lacks falls back to another kernel, so its tests would test that
+    one: on an x86 CPU with PCLMULQDQ and SSE 4.2 (every one this project runs on) each path
+    must be its own kernel, and the fastest the 512-bit one where AVX-512 has VPCLMULQDQ."""
+    flags = _cpu_flags()
+    expected = dict.fromkeys(PATHS, "table")  # elsewhere: the portable code on every path
+    if platform.machine() == "x86_64":
+        assert {"pclmulqdq", "sse4_2"} <= flags, "this CPU lacks PCLMULQDQ or SSE 4.2"
+        wide = {"avx512f", "vpclmulqdq"} <= flags
+        expected = {
+            FASTEST: "clmul512" if wide else "clmul128",
+            CLMUL128: "clmul128",
+            CRC_INSTRUCTION: "crc32",
+            PORTABLE: "table",
+        }
+    for path, kernel in expected.items():
+        assert _on_path(path, _core._checksum_kernel) == kernel, PATH_IDS[PATHS.index(path)]
 
 
 @pytest.fixture(params=PATHS, ids=PATH_IDS)

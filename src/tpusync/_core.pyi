@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tpusync._native.checksum import _checksum_kernel as _checksum_kernel
 from tpusync._native.checksum import _crc32c_shift as _crc32c_shift
 from tpusync._native.checksum import _force_portable_checksum as _force_portable_checksum
 from tpusync._native.checksum import blake2b as blake2b
@@ -62,6 +63,7 @@ __all__ = [
     "PieceHasher",
     "PjrtApi",
     "PjrtError",
+    "_checksum_kernel",
     "_crc32c_shift",
     "_force_portable_checksum",
     "_set_rcvlowat_max",

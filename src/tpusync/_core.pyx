@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from tpusync._native.checksum import (
-    _crc32c_shift, _force_portable_checksum, blake2b, blake2b_chain, copy_sum64_streams, crc32c, sum64,
+    _checksum_kernel, _crc32c_shift, _force_portable_checksum, blake2b, blake2b_chain, copy_sum64_streams, crc32c, sum64,
     sum64_regions, xxh64, xxh64_gathered, xxh64_rows,
 )
 from tpusync._native.copy import (
@@ -45,7 +45,7 @@ from tpusync._native.pjrt import (
 __all__ = [
     "FRAMES_DONE", "FRAMES_HEADER", "MAX_IOVS_PER_RUN", "FRAMES_SILENT", "FRAMES_TIMEOUT", "FRAME_HEADER_BYTES",
     "PAGE_SIZE", "PJRT_EXTENSION_TYPE_RAW_BUFFER", "BlockRows", "CopyEngine", "FrameReceiver",
-    "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_crc32c_shift", "_force_portable_checksum",
+    "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_checksum_kernel", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
     "collapse_huge_pages", "copy_seconds", "copy_sum64_streams", "crc32c", "file_runs", "have_streaming", "openmp_here",

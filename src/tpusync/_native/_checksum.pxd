@@ -15,5 +15,6 @@ cdef extern from "tpusync/checksum.h" nogil:
     int tps_sum64_copy_streaming_next(tps_sum64_state *state, void *dst, const void *src, size_t n,
                                       const void *next)
     void tps_checksum_force_portable(int on)
+    const char *tps_checksum_kernel()
     int *tps_checksum_path_flag()
     void tps_checksum_share_path_flag(int *flag)

@@ -17,8 +17,8 @@ from tpusync._native._blake2b cimport (
     tps_blake2b, tps_blake2b_chain, tps_blake2b_final, tps_blake2b_init, tps_blake2b_update,
 )
 from tpusync._native._checksum cimport (
-    tps_checksum_force_portable, tps_checksum_path_flag, tps_crc32c, tps_crc32c_shift, tps_sum64,
-    tps_sum64_copy_streaming_next, tps_sum64_digest, tps_sum64_init, tps_sum64_state,
+    tps_checksum_force_portable, tps_checksum_kernel, tps_checksum_path_flag, tps_crc32c,
+    tps_crc32c_shift, tps_sum64, tps_sum64_copy_streaming_next, tps_sum64_digest, tps_sum64_init, tps_sum64_state,
     tps_sum64_update, tps_xxh64,
 )
 
@@ -69,6 +69,13 @@ def _force_portable_checksum(int on):
     instruction without the carry-less multiplication paths, 3 the 128-bit carry-less
     multiplication (PCLMULQDQ) even where AVX-512 is there, 0 (False) the fastest."""
     tps_checksum_force_portable(on)
+
+
+def _checksum_kernel():
+    """Tests only: the kernel that runs of 3 KiB and more go through under the current
+    :func:`_force_portable_checksum` choice on this CPU ("clmul512", "clmul128", "crc32" or
+    "table"): a path the CPU lacks falls back, and a test of it would test another."""
+    return tps_checksum_kernel().decode()
 
 
 def xxh64(data, uint64_t seed=0):

@@ -614,6 +614,15 @@ static uint32_t feed_byte(uint32_t c, uint8_t b) {
 }
 
 void tps_checksum_force_portable(int on) { *force_portable = on; }
+
+const char *tps_checksum_kernel(void) {
+#if defined(__x86_64__)
+  if (have_clmul512()) return "clmul512";
+  if (have_clmul128()) return "clmul128";
+  if (have_sse42()) return "crc32";
+#endif
+  return "table";
+}
 int *tps_checksum_path_flag(void) { return force_portable; }
 void tps_checksum_share_path_flag(int *flag) { force_portable = flag; }
 
