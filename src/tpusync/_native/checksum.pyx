@@ -72,9 +72,10 @@ def _force_portable_checksum(int on):
 
 
 def _checksum_kernel():
-    """Tests only: the kernel that runs of 3 KiB and more go through under the current
-    :func:`_force_portable_checksum` choice on this CPU ("clmul512", "clmul128", "crc32" or
-    "table"): a path the CPU lacks falls back, and a test of it would test another."""
+    """Tests only: the kernel sum64 and its fused copy run whole 192-byte blocks through under
+    the current :func:`_force_portable_checksum` choice on this CPU ("clmul512", "clmul128"
+    from 16 blocks on, "crc32" or "table"): a path the CPU lacks falls back to another, and
+    a test of it would test that one. Dispatch reads the same choice."""
     return tps_checksum_kernel().decode()
 
 

@@ -4,6 +4,7 @@ limit, and the results scheme ``<results>/<bench>/<commit>-<machine>.json``."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -153,11 +154,13 @@ def commit_of(directory: str | os.PathLike[str]) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+@functools.cache
 def _commit() -> str:
     """The commit of the checkout holding the package, else (a wheel installed outside a
     checkout) of the checkout holding the running script (``benchmarks/*.py``), with
     "+stale" when the package runs from a wheel built from other sources than that
-    checkout's (an environment not rebuilt since the last change)."""
+    checkout's (an environment not rebuilt since the last change). Once per process: the
+    file name and the record of a run name the same commit."""
     source = PACKAGE_DIR
     found = commit_of(source)
     if found == "unknown" and sys.argv and sys.argv[0]:

@@ -235,7 +235,8 @@ def _hits(
             done = list(worker.recent_loads)
             loads.append(sum(d.seconds for d in done) if done else float("nan"))
             below.append(_blocks_below_dram(worker) - before)
-            full.append(bool(done) and all(d.loaded_blocks == len(prompt) // BLOCK for d in done))
+            whole = (len(prompt) - 1) // BLOCK  # the full blocks before the last token
+            full.append(bool(done) and all(d.loaded_blocks == whole for d in done))
         seconds, token = _ttft(llm, prompt)  # vLLM's own prefix hit, in this engine
         own.append(seconds)
         equal &= token == expected[id(prompt)]
@@ -254,7 +255,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
     prompts = _prompts(tokens, 2, seed=tokens)
     blocks = tokens // BLOCK
     kv_bytes = blocks * BLOCK * KV_BYTES_PER_TOKEN
-    loaded_blocks = (tokens - 1) // BLOCK  # the block of the last token is vLLM's to compute
+    loaded_blocks = (tokens + 1) // BLOCK  # of tokens + 2: the last token's block is vLLM's
     result: dict[str, Any] = {
         "tokens": tokens,
         "kv_bytes": kv_bytes,

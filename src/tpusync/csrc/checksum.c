@@ -578,18 +578,32 @@ static void lanes_portable(uint32_t lanes[3], const uint8_t *p, size_t n_groups)
   }
 }
 
+/* The kernel sum64 runs its whole 192-byte blocks through (at least CLM_MIN_BLOCKS of them for
+ * the carry-less ones), under the path flag on this CPU: the one choice feed_groups, the fused
+ * copy and tps_checksum_kernel all read, so the tests see what runs. */
+enum { KERNEL_TABLE, KERNEL_CRC32, KERNEL_CLMUL128, KERNEL_CLMUL512 };
+static int sum64_kernel(void) {
+#if defined(__x86_64__)
+  if (have_clmul512()) return KERNEL_CLMUL512;
+  if (have_clmul128()) return KERNEL_CLMUL128;
+  if (have_sse42()) return KERNEL_CRC32;
+#endif
+  return KERNEL_TABLE;
+}
+
 static void feed_groups(uint32_t lanes[3], const uint8_t *p, size_t n_groups) {
 #if defined(__x86_64__)
-  if (n_groups >= CLM_MIN_BLOCKS * 8 && (have_clmul512() || have_clmul128())) {
+  int kernel = sum64_kernel();
+  if (n_groups >= CLM_MIN_BLOCKS * 8 && kernel >= KERNEL_CLMUL128) {
     size_t blocks = n_groups / 8;
-    if (have_clmul512())
+    if (kernel == KERNEL_CLMUL512)
       clm_lanes(lanes, NULL, (const char *)p, blocks, NULL);
     else
       clm128_lanes(lanes, NULL, (const char *)p, blocks, NULL);
     p += blocks * 192;
     n_groups -= blocks * 8;
   }
-  if (have_sse42()) {
+  if (kernel >= KERNEL_CRC32) {
     lanes_hw(lanes, p, n_groups);
     return;
   }
@@ -616,12 +630,8 @@ static uint32_t feed_byte(uint32_t c, uint8_t b) {
 void tps_checksum_force_portable(int on) { *force_portable = on; }
 
 const char *tps_checksum_kernel(void) {
-#if defined(__x86_64__)
-  if (have_clmul512()) return "clmul512";
-  if (have_clmul128()) return "clmul128";
-  if (have_sse42()) return "crc32";
-#endif
-  return "table";
+  static const char *const names[] = {"table", "crc32", "clmul128", "clmul512"};
+  return names[sum64_kernel()];
 }
 int *tps_checksum_path_flag(void) { return force_portable; }
 void tps_checksum_share_path_flag(int *flag) { force_portable = flag; }
@@ -798,7 +808,8 @@ int tps_sum64_copy_streaming(tps_sum64_state *s, void *dst, const void *src, siz
 int tps_sum64_copy_streaming_next(tps_sum64_state *s, void *dst, const void *src, size_t n,
                                   const void *next) {
 #if defined(__x86_64__)
-  if (!have_sse42() || s->n_pending != 0) return 0;
+  int kernel = sum64_kernel();
+  if (kernel < KERNEL_CRC32 || s->n_pending != 0) return 0;
   if ((uintptr_t)dst % 8 != 0) return 0;
   size_t head = line_head(dst, n);
   const char *sp = src;
@@ -809,9 +820,9 @@ int tps_sum64_copy_streaming_next(tps_sum64_state *s, void *dst, const void *src
   dp += head;
   n -= head;
   size_t blocks = n / 192;
-  if (have_clmul512())
+  if (kernel == KERNEL_CLMUL512)
     clm_lanes(s->lanes, dp, sp, blocks, next);
-  else if (blocks >= CLM_MIN_BLOCKS && have_clmul128())
+  else if (blocks >= CLM_MIN_BLOCKS && kernel == KERNEL_CLMUL128)
     clm128_lanes(s->lanes, dp, sp, blocks, next);
   else
     copy_crc_blocks(s->lanes, dp, sp, blocks, (const char *)src + head + n, next);

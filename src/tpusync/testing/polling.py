@@ -13,7 +13,7 @@ def eventually(
     condition: Callable[[], object],
     timeout: float = 5.0,
     what: str = "the condition",
-    interval: float = 0.005,
+    interval: float = 0.01,
 ) -> float:
     """Polls ``condition`` every ``interval`` seconds until it is true; returns the seconds
     it took. AssertionError naming ``what`` when it is still false after ``timeout`` s."""
