@@ -4,11 +4,7 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 builder="${1:-python3}"
-fingerprint="$(
-    find "$repo/src" "$repo/include" "$repo/meson.build" "$repo/pyproject.toml" -type f \
-        ! -name '*.so' ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha1sum \
-        | sed "s|$repo/||" | sha1sum | cut -d' ' -f1
-)"
+fingerprint="$(bash "$repo/scripts/_fingerprint.sh" "$repo")"
 wheel_dir="$repo/.wheelhouse/$fingerprint"
 wheel="$(ls "$wheel_dir"/tpusync-*.whl 2>/dev/null | head -1 || true)"
 if [[ -z "$wheel" ]]; then

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -216,31 +217,64 @@ def test_results_written_by_a_run_leave_the_commit_clean(tmp_path: Path) -> None
     assert commit_of(tmp_path / "benchmarks") == clean + "+dirty"
 
 
+def _checkout(root: Path) -> Path:
+    """A checkout's wheel sources: a Python module, a stub, a header and the build files."""
+    (root / "src" / "tpusync" / "bench").mkdir(parents=True)
+    (root / "src" / "tpusync" / "bench" / "run.py").write_text("ROWS = 3\n")
+    (root / "src" / "tpusync" / "api.pyi").write_text("def f() -> int: ...\n")
+    (root / "include").mkdir()
+    (root / "include" / "core.h").write_text("int f(void);\n")
+    (root / "meson.build").write_text("project('t')\n")
+    (root / "pyproject.toml").write_text("[project]\n")
+    return root
+
+
 def test_a_wheel_built_from_other_sources_is_named_stale(tmp_path: Path) -> None:
     """A benchmark run in an environment whose wheel predates the checkout's last change
-    measures old code: its results must not go under the checkout's commit."""
+    measures old code: its results must not go under the checkout's commit. Without the
+    environment's stamp the Python files are compared."""
     from tpusync.bench.common import stale_install
 
-    sources, installed = tmp_path / "src" / "tpusync", tmp_path / "site" / "tpusync"
-    for root in (sources, installed):
-        (root / "bench").mkdir(parents=True)
-        (root / "bench" / "run.py").write_text("ROWS = 3\n")
-        (root / "api.pyi").write_text("def f() -> int: ...\n")
-    (sources / "core.pyx").write_text("# native\n")
-    (installed / "core.so").write_bytes(b"\x7fELF")
-    os.utime(sources / "core.pyx", (1_000, 1_000))
-    os.utime(installed / "core.so", (2_000, 2_000))
-    assert stale_install(installed, sources) is None
+    checkout = _checkout(tmp_path / "checkout")
+    sources, installed = checkout / "src" / "tpusync", tmp_path / "site" / "tpusync"
+    shutil.copytree(sources, installed)
+    assert stale_install(installed, checkout) is None
     assert stale_install(installed, tmp_path / "no-checkout") is None
-    assert stale_install(sources, sources) is None  # run from the checkout itself
+    assert stale_install(sources, checkout) is None  # run from the checkout itself
     (sources / "bench" / "run.py").write_text("ROWS = 4\n")
-    assert "run.py" in (stale_install(installed, sources) or "")
+    assert "run.py" in (stale_install(installed, checkout) or "")
     (sources / "bench" / "run.py").write_text("ROWS = 3\n")
     (sources / "new.py").write_text("x = 1\n")  # not in the wheel at all
-    assert "new.py" in (stale_install(installed, sources) or "")
-    (sources / "new.py").unlink()
-    os.utime(sources / "core.pyx")  # now: newer than the extension
-    assert "native source" in (stale_install(installed, sources) or "")
+    assert "new.py" in (stale_install(installed, checkout) or "")
+
+
+def test_the_environments_wheel_fingerprint_covers_every_source(tmp_path: Path) -> None:
+    """With the stamp scripts/_engine_envs.sh writes (the wheel of .wheelhouse/<fingerprint>/),
+    any change to what the wheel is built from (a header included) makes the install stale,
+    and undoing it (same contents, new times) makes it current again."""
+    from tpusync.bench.common import stale_install
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "_fingerprint.sh"
+    checkout = _checkout(tmp_path / "checkout")
+    (checkout / "scripts").mkdir()
+    shutil.copy(script, checkout / "scripts" / "_fingerprint.sh")
+    installed = tmp_path / "site" / "tpusync"
+    shutil.copytree(checkout / "src" / "tpusync", installed)
+
+    def fingerprint() -> str:
+        return subprocess.run(
+            ["bash", str(checkout / "scripts" / "_fingerprint.sh"), str(checkout)],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+
+    stamp = tmp_path / ".tpusync-installed"
+    stamp.write_text(f"{checkout}/.wheelhouse/{fingerprint()}/tpusync-0-cp311.whl\n")
+    assert stale_install(installed, checkout, stamp) is None
+    header = checkout / "include" / "core.h"
+    header.write_text("int f(int);\n")
+    assert "other sources" in (stale_install(installed, checkout, stamp) or "")
+    header.write_text("int f(void);\n")
+    assert stale_install(installed, checkout, stamp) is None
 
 
 def test_results_md_goes_inside_a_results_dir_of_another_name(tmp_path: Path) -> None:

@@ -167,7 +167,9 @@ def _commit() -> str:
         source = Path(sys.argv[0]).resolve().parent
         found = commit_of(source)
     checkout = _toplevel(source)
-    stale = checkout is not None and stale_install(PACKAGE_DIR.parent, checkout / "src" / "tpusync")
+    stale = checkout is not None and stale_install(
+        PACKAGE_DIR.parent, checkout, Path(sys.prefix) / INSTALLED_STAMP
+    )
     if found != "unknown" and stale:
         print(f"tpusync bench: WARNING: {stale}; results go under +stale", file=sys.stderr)
         found += "+stale"
@@ -185,33 +187,45 @@ def _toplevel(directory: Path) -> Path | None:
     return Path(top)
 
 
-NATIVE_SOURCES = (".pyx", ".pxd", ".pxi", ".c", ".h")
+INSTALLED_STAMP = ".tpusync-installed"  # scripts/_engine_envs.sh: the wheel an environment has
 
 
-def stale_install(installed: Path, sources: Path) -> str | None:
-    """Why the package installed at ``installed`` is not built from the checkout's
-    ``sources`` (a Python file that differs or is missing there, or a native source newer
-    than the installed extensions), or None when it is (or ``sources`` is no checkout)."""
+def stale_install(installed: Path, checkout: Path, stamp: Path | None = None) -> str | None:
+    """Why the package installed at ``installed`` is not built from the sources of the git
+    checkout at ``checkout``, or None when it is (or ``checkout`` holds no sources, or the
+    package runs from them). Where ``stamp`` names the wheel the environment installed
+    (``.wheelhouse/<fingerprint>/...``, written by scripts/_engine_envs.sh), its fingerprint
+    is compared with the checkout's (``scripts/_fingerprint.sh``: every source by content);
+    elsewhere, the Python files by content."""
+    sources = checkout / "src" / "tpusync"
     if not sources.is_dir() or sources.resolve() == installed.resolve():
         return None
-    newest_native = 0.0
-    for path in sorted(sources.rglob("*")):
-        relative = path.relative_to(sources)
-        if path.suffix in (".py", ".pyi"):
-            copy = installed / relative
-            if not copy.is_file() or copy.read_bytes() != path.read_bytes():
-                return (
-                    f"the installed tpusync ({installed}) differs from {path}: rebuild the "
-                    "environment (scripts/test.sh or source scripts/_venv.sh) before benchmarking"
-                )
-        elif path.suffix in NATIVE_SOURCES:
-            newest_native = max(newest_native, path.stat().st_mtime)
-    built = [so.stat().st_mtime for so in installed.rglob("*.so")]
-    if built and newest_native > min(built):
-        return (
-            f"a native source in {sources} is newer than the installed extensions in "
-            f"{installed}: rebuild the environment before benchmarking"
-        )
+    script = checkout / "scripts" / "_fingerprint.sh"
+    if stamp is not None and stamp.is_file() and script.is_file():
+        built = Path(stamp.read_text().strip()).parent.name
+        try:
+            now = subprocess.run(
+                ["bash", str(script), str(checkout)],
+                capture_output=True, text=True, check=True, timeout=60,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"the sources of {checkout} could not be fingerprinted ({exc})"
+        if built != now:
+            return (
+                f"the installed tpusync was built from other sources than {checkout}'s (wheel "
+                f"{built[:12]}, checkout {now[:12]}): rebuild the environment (scripts/test.sh "
+                "or source scripts/_venv.sh) before benchmarking"
+            )
+        return None
+    for path in sorted(sources.rglob("*.py*")):
+        if path.suffix not in (".py", ".pyi") or "__pycache__" in path.parts:
+            continue
+        copy = installed / path.relative_to(sources)
+        if not copy.is_file() or copy.read_bytes() != path.read_bytes():
+            return (
+                f"the installed tpusync ({installed}) differs from {path}: rebuild the "
+                "environment (scripts/test.sh or source scripts/_venv.sh) before benchmarking"
+            )
     return None
 
 
