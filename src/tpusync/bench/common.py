@@ -249,12 +249,10 @@ def default_results_dir() -> Path:
     return benchmarks_path("results")
 
 
-def result_path(
-    bench: str, results_dir: str | os.PathLike[str] | None = None, commit: str | None = None
-) -> Path:
-    """Where a run of ``bench`` at this commit (or ``commit``) on this machine is written."""
+def result_path(bench: str, results_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where a run of ``bench`` at this commit on this machine is written."""
     base = Path(results_dir) if results_dir is not None else default_results_dir()
-    commit = commit or _commit()
+    commit = _commit()
     commit = "unknown-commit" if commit == "unknown" else commit
     return base / bench / f"{commit}-{machine_name()}.json"
 
@@ -271,11 +269,10 @@ class Run:
     def write(self, path: str | os.PathLike[str] | None, payload: dict[str, Any]) -> Path:
         """Writes ``payload`` with the commit, date, machine and load average at start and end
         to ``path`` (default: :func:`result_path`)."""
-        commit = _commit()
-        target = Path(path) if path else result_path(self.bench, commit=commit)
+        target = Path(path) if path else result_path(self.bench)
         record = {
             "benchmark": self.bench,
-            "commit": commit,
+            "commit": _commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {
