@@ -121,9 +121,10 @@ def trainer(
 ) -> None:
     """Publishes versions on command: ``publish V`` (answers the report), ``again V``
     (publishes the last tree once more as V: the benchmark's versions), ``stall V`` (stages
-    V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``reshard`` (times
-    ``jax.device_put`` of the last tree into the 2x4 layout, in this process), ``inproc V...``
-    (publish -> commit of each version into a 2x4 subscriber in this process), ``quit``."""
+    V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``reshard [N]``
+    (times N ``jax.device_put`` of the last tree into the 2x4 layout after a warm-up, in this
+    process), ``inproc V...`` (publish -> commit of each version into a 2x4 subscriber in this
+    process), ``quit``."""
     _setup()
 
     mesh = _mesh("8x1")
@@ -169,9 +170,13 @@ def trainer(
             mesh2 = _mesh("2x4")
             shardings = {p: NamedSharding(mesh2, _spec(s, "2x4")) for p, s, _ in spec}
             jax.block_until_ready(jax.device_put(tree, shardings))  # compiled / warmed
-            start = time.perf_counter()
-            jax.block_until_ready(jax.device_put(tree, shardings))
-            _say({"reshard_seconds": time.perf_counter() - start})
+            seconds = []
+            for _ in range(int(args[0]) if args else 1):
+                start = time.perf_counter()
+                placed = jax.block_until_ready(jax.device_put(tree, shardings))
+                seconds.append(time.perf_counter() - start)
+                del placed  # freed before the next run, as a sampler's old version would be
+            _say({"reshard_seconds": seconds})
             continue
         if command == "inproc":  # publish -> commit into 2x4 in this process (same host path)
             _say(_in_process(publisher, tree, spec, [int(v) for v in args], secret))
