@@ -186,3 +186,25 @@ def test_a_closed_named_pool_reopens_at_once_while_its_pages_are_collapsed(shm_n
         assert pool.attached
         pool.close()
     assert huge_pages.wait_until_idle(timeout_s=30)
+
+
+@pytest.mark.skipif(
+    not _shmem_collapses() and not tools_required(),
+    reason="needs MADV_COLLAPSE of shmem (Linux >= 6.1): else no pool's pages are collapsed",
+)
+def test_a_named_pool_made_with_collapse_false_keeps_small_pages(rng, shm_names):
+    """The weights publisher's pool opts out: no collapse is queued, no page of the file is
+    mapped huge (a collapse running beside a sampler's pull slowed it 1.5-2x)."""
+    from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
+
+    layout = PoolLayout("small", (ArrayLayout("k", "uint8", (1 << 20,), 0, 1),))
+    assert huge_pages.wait_until_idle(timeout_s=20)
+    before = huge_pages.collapsed_bytes
+    pool = HostPool(layout, 16, name=shm_names(), collapse=False)
+    view = pool.views()[0]
+    view[...] = rng.integers(0, 256, size=view.shape, dtype=np.uint8)
+    del view
+    assert huge_pages.wait_until_idle(timeout_s=20)
+    assert huge_pages.collapsed_bytes == before
+    assert _pmd_mapped_kib(str(pool.path)) == 0
+    pool.close()
