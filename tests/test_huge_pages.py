@@ -194,7 +194,7 @@ def test_a_closed_named_pool_reopens_at_once_while_its_pages_are_collapsed(shm_n
 )
 def test_a_named_pool_made_with_collapse_false_keeps_small_pages(rng, shm_names):
     """The weights publisher's pool opts out: no collapse is queued, no page of the file is
-    mapped huge (a collapse running beside a sampler's pull slowed it 1.5-2x)."""
+    mapped huge (samplers read a collapsed pool through small pages up to 2.4x slower)."""
     from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
     layout = PoolLayout("small", (ArrayLayout("k", "uint8", (1 << 20,), 0, 1),))

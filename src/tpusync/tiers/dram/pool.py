@@ -80,9 +80,10 @@ class HostPool(SlotRecords):
         user's file) is always refused (:class:`~tpusync.errors.UnsafeFileError`).
       populate: touch every page at creation so copies never pay page faults.
       collapse: collapse a named pool's /dev/shm pages into huge pages on a background thread
-        (see :mod:`tpusync.memory.huge_pages`): scattered block copies miss the TLB less, but
-        the collapse costs about 1.7 ms of a core per MiB and slows every process that maps
-        the file while it runs. False for a pool written and read in long sequential runs.
+        (see :mod:`tpusync.memory.huge_pages`): scattered block copies miss the TLB less. The
+        collapse costs about 1.7 ms of a core per MiB, and another process that maps the
+        collapsed file with small pages reads it slower (up to 2.4x, decision 0010): False
+        for a pool read that way in long runs (the weights publisher's).
     """
 
     def __init__(
