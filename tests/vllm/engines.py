@@ -27,7 +27,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 1024
 
 def build_model(path: Path, seed: int) -> Path:
     """A 2-layer Llama (head_dim 32) with random weights, scaled up so that greedy decoding
-    has no ties."""
+    has few near-ties (a test's reference prompt has none: :func:`reference_tokens`)."""
     from tpusync.testing.hf_llama import build_random_llama
 
     return build_random_llama(
@@ -106,6 +106,29 @@ def generate_with(
         (list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), o.kv_transfer_params)
         for o in outputs
     ]
+
+
+# The tests' model has bf16 logits 0.25 apart at their size: engines whose reductions run in
+# another order can differ by an ulp or two, which flips a greedy step whose top two are closer.
+MIN_MARGIN = 1.0
+
+
+def reference_tokens(llm: Any, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    """The greedy tokens of ``prompt``, for other engines' outputs to equal. Fails, naming
+    the step, where the top two tokens of a step are within :data:`MIN_MARGIN` (logprob):
+    a near-tie that numerics alone can flip, so the prompt is a bad reference."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    for step, candidates in enumerate(output.outputs[0].logprobs):
+        first, second = sorted((c.logprob for c in candidates.values()), reverse=True)[:2]
+        assert first - second >= MIN_MARGIN, (
+            f"greedy step {step} of the reference prompt is a near-tie ({first:.3f} vs "
+            f"{second:.3f}): choose another prompt seed"
+        )
+    return list(output.outputs[0].token_ids)
 
 
 @contextlib.contextmanager
