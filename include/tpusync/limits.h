@@ -9,6 +9,7 @@ enum tps_limit_method {
   TPS_LIMIT_MEMCPY = 0,       /* glibc memcpy of the whole slice */
   TPS_LIMIT_STREAM = 1,       /* non-temporal stores, one sequential stream */
   TPS_LIMIT_STREAM_PAGES = 2, /* non-temporal stores, four pages interleaved */
+  TPS_LIMIT_STREAM_FOUR = 3,  /* non-temporal stores, four 12 KiB streams, all loaded first */
 };
 
 /* Copies src to dst (n bytes, one contiguous region each) `repeats` times on `threads`

@@ -15,7 +15,7 @@ cdef extern from "tpusync/limits.h" nogil:
     int tps_limit_tcp(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int sndbuf,
                       size_t lowat, int repeats, double *seconds)
 
-COPY_METHODS = {"memcpy": 0, "stream": 1, "stream_pages": 2}
+COPY_METHODS = {"memcpy": 0, "stream": 1, "stream_pages": 2, "stream_four": 3}
 
 
 def have_streaming() -> bool:

@@ -28,16 +28,16 @@ before in another engine ("x hit").
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
-bytes measured in the same run (one contiguous copy on all cores, the best of memcpy and
-non-temporal stores, the caches emptied before each copy: the hits' source was written before
-model steps that streamed the weights through the caches, and a repeated copy of a region that
-fits in the last-level cache would read it from there). Before each hit of a disk row the
-page cache is dropped (as root; the JSON says whether it was), and the disk's own limit is
-fio's O_DIRECT read with the disk tier's threads and each of its read sizes (4 MiB into DRAM,
-2 MiB straight into the tensors), sampled after each prompt
-size's rows (the fastest sample is the limit: this VM's disk moves by 2x within minutes): the
-disk tier reads with O_DIRECT, ExampleConnector through the page cache, so a warm cache
-would compare memory with a disk.
+bytes measured in the same run, a sample after each row (one contiguous copy on all cores,
+the best of memcpy and non-temporal stores, the caches emptied before each copy: the hits'
+source was written before model steps that streamed the weights through the caches, and a
+repeated copy of a region that fits in the last-level cache would read it from there). Before
+each hit of a disk row the page cache is dropped (as root; the JSON says whether it was), and
+the disk's own limit is fio's O_DIRECT read with the disk tier's threads and each of its read
+sizes (4 MiB into DRAM, 2 MiB straight into the tensors), sampled after each prompt size's
+rows (the fastest sample is the limit: this VM's disk moves by 2x within minutes): the disk
+tier reads with O_DIRECT, ExampleConnector through the page cache, so a warm cache would
+compare memory with a disk.
 Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
 the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
 the median, over a row's hits, of TTFT minus the vLLM prefix hit right after it in the same
@@ -279,6 +279,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
     work = Path(tempfile.mkdtemp(prefix="tpusync-bench-vllm-", dir=disk_dir))
     shm = Path(tempfile.mkdtemp(prefix="tpusync-bench-vllm-", dir="/dev/shm"))
     node = None
+    limit = MemoryLimit(kv_bytes, cold=True)  # the hits' source: written before model steps
     try:
         sockets = str(work / "s")
         # saves write through to the disk: it holds the two hit prompts and the filler, or its
@@ -323,17 +324,16 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
                     llm, used, repeats, expected, cold_page_cache="disk" in row,
                     filler=filler if row in FROM_BELOW_DRAM else None,
                 )  # fmt: skip
+            limit.sample(repeats=3)  # beside the rows: this VM's memory speed drifts
+        found = limit.result()
     finally:
+        limit.close()
         if node is not None:
             stop_process(node)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    limit = MemoryLimit(kv_bytes, cold=True)  # the hits' source: written before model steps
-    for _ in range(repeats):
-        limit.sample(repeats=3)
-    found = limit.result()
-    limit.close()
     result["limit_gbps"], result["limit_method"] = found.gbps, found.method
+    result["limit_s_runs"] = found.runs
     return result
 
 

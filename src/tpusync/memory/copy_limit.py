@@ -1,5 +1,6 @@
 """The memory-copy limit: a copy of one contiguous region to another on all cores, the best of
-glibc ``memcpy`` and non-temporal stores (one stream, or four pages interleaved), timed in C
+glibc ``memcpy`` and non-temporal stores (one stream, four pages interleaved, or four 12 KiB
+streams loaded together as the fused copy + checksum reads), timed in C
 between barriers so that no thread start or dispatch is in it. ``np.copyto`` on a thread per
 core is measured beside it and never used as the limit. The demo and ``tpusync bench`` divide
 their host-side figures by it.
@@ -7,7 +8,9 @@ their host-side figures by it.
 With ``cold=True`` the caches are emptied before each timed copy: for a region that fits in the
 last-level cache, back-to-back copies read a source the previous copy left in the cache, which
 a load of blocks written long ago (a KV hit after model steps that streamed the weights through
-the cache) never finds there."""
+the cache) never finds there. The caches are emptied by reading, not writing, a buffer four
+times the last-level cache: written, it left the cache full of dirty lines that the timed copy
+then wrote back, a cost no load of clean blocks pays."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ __all__ = [
     "memory_limit_gbps",
 ]
 
-STREAMING_METHODS = ("stream", "stream_pages")
+STREAMING_METHODS = ("stream", "stream_pages", "stream_four")
 
 
 @dataclass
@@ -108,12 +111,12 @@ class MemoryLimit:
         self._slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self._pool = ThreadPoolExecutor(self.threads)
         self._runs: dict[str, list[float]] = {m: [] for m in [*self.methods, "np.copyto"]}
-        # written over before each timed copy: four times the largest cache evicts it all
-        self._evict = np.ones(4 * last_level_cache_bytes(), np.uint8) if cold else None
+        # read before each timed copy: four times the largest cache evicts it all
+        self._evict = np.ones(4 * last_level_cache_bytes() // 8, np.uint64) if cold else None
 
     def _empty_caches(self) -> None:
         if self._evict is not None:
-            self._evict += 1
+            int(self._evict.sum())
 
     def sample(self, repeats: int = 1) -> None:
         """Times every method ``repeats`` times (the best repeat counts: the limit is what the
