@@ -18,8 +18,10 @@ import tpusync
 from tpusync.bench.common import LIMIT_BEATEN, format_table
 from tpusync.bench.plot import plot_results
 from tpusync.bench.results import (
+    bracketing_limits,
     hicache_round_trip,
     paired_over_hit,
+    row_memory_limit,
     vllm_loaded_bytes,
     write_results_md,
 )
@@ -155,6 +157,23 @@ def test_vllm_ttft_over_hit_pairs_each_hit_with_vllms_own_right_after_it() -> No
     over = paired_over_hit(result)
     assert over.keys() == {"tpusync DRAM"}
     assert over["tpusync DRAM"] == pytest.approx(0.003)  # the median of 3, 1 and 10 ms
+
+
+def test_vllm_ttft_row_limit_is_the_faster_sample_around_the_row() -> None:
+    gib = 1 << 30
+    # sample 0 before row a, 1 between a and b, 2 after b; seconds to copy 1 GiB
+    runs = {
+        "memcpy": [gib / 10e9, gib / 30e9, gib / 10e9],
+        "stream": [gib / 20e9, gib / 25e9, gib / 15e9],
+        "np.copyto": [gib / 90e9] * 3,  # never a limit
+    }
+    by_row = bracketing_limits(runs, gib, ["a", "b"])
+    assert by_row == pytest.approx({"a": 30.0, "b": 30.0})
+    later = bracketing_limits({"stream": [gib / 20e9, gib / 12e9, gib / 16e9]}, gib, ["a", "b"])
+    assert later == pytest.approx({"a": 20.0, "b": 16.0})
+    record = {"limit_gbps": 21.0, "limit_gbps_by_row": later}
+    assert row_memory_limit(record, "b") == pytest.approx(16.0)
+    assert row_memory_limit({"limit_gbps": 21.0}, "b") == 21.0  # an older record
 
 
 def test_sglang_hicache_round_trip_moves_the_batch_twice_over_set_plus_get() -> None:

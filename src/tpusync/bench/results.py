@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,24 @@ def paired_ratio(row: dict[str, Any]) -> Any:
     return float(np.median(pairs)) if pairs else "-"
 
 
+def bracketing_limits(
+    runs: dict[str, list[float]], nbytes: int, rows: Sequence[str]
+) -> dict[str, float]:
+    """Each row's memory limit (GB/s) from a ``MemoryLimit``'s runs sampled once before the
+    first row and once after each (sample ``i`` precedes row ``i``): the faster of the samples
+    on either side, each sample's best method. This VM's memory speed drifts within minutes,
+    so a load is set beside what the memory did around it, not a median over all rows."""
+    methods = [m for m in runs if m != "np.copyto"]
+    best = [max(nbytes / runs[m][k] for m in methods) / 1e9 for k in range(len(runs[methods[0]]))]
+    return {row: max(best[i], best[i + 1]) for i, row in enumerate(rows) if i + 1 < len(best)}
+
+
+def row_memory_limit(result: dict[str, Any], row: str) -> float:
+    """A vllm_ttft row's memory limit (GB/s): the faster of the samples taken around that row
+    where the record has them, else (older records) the size's median limit."""
+    return float((result.get("limit_gbps_by_row") or {}).get(row, result["limit_gbps"]))
+
+
 def paired_over_hit(result: dict[str, Any]) -> dict[str, float]:
     """Per row of a vllm_ttft prompt that has the pairs: the median of its TTFT minus vLLM's
     own prefix hit right after it in the same engine (seconds)."""
@@ -200,7 +218,8 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
             str(r.get("tokens")), _num(med.get("cold", 0) * 1e3, 1), _num(hit * 1e3, 1),
             f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f}"
             f"{_paired(r.get('tpusync DRAM') or {})})",
-            _ratio(dram_gbps, r.get("limit_gbps")), _num(med.get("tpusync disk", 0) * 1e3, 1),
+            _ratio(dram_gbps, row_memory_limit(r, "tpusync DRAM") if "limit_gbps" in r else None),
+            _num(med.get("tpusync disk", 0) * 1e3, 1),
             _ratio(disk_gbps, fio) if fio else "-",
             _num(med.get("tpusync store node", 0) * 1e3, 1),
             f"{_faster(over, 'tpusync DRAM', 'Example /dev/shm')} / "

@@ -28,7 +28,8 @@ before in another engine ("x hit").
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
-bytes measured in the same run, a sample after each row (one contiguous copy on all cores,
+bytes measured in the same run, the faster of the samples just before and just after the row
+(one contiguous copy on all cores,
 the best of memcpy and non-temporal stores, the caches emptied before each copy: the hits'
 source was written before model steps that streamed the weights through the caches, and a
 repeated copy of a region that fits in the last-level cache would read it from there). Before
@@ -76,7 +77,13 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
-from tpusync.bench.results import paired_over_hit, paired_ratio, vllm_loaded_bytes
+from tpusync.bench.results import (
+    bracketing_limits,
+    paired_over_hit,
+    paired_ratio,
+    row_memory_limit,
+    vllm_loaded_bytes,
+)
 from tpusync.bench.tiers import fastest_read, fio_limit
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import MemoryLimit
@@ -313,6 +320,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
             {"dram": {"capacity_blocks": blocks}, "secret_file": str(work / "secret"),
              "store_node": {"address": ready["address"], "timeout_s": 30.0}},
         )  # fmt: skip
+        limit.sample(repeats=3)  # before the first row: each row has a sample on either side
         for row in ROWS:
             connector, extra = configs[row]
             used = prompts if row in FROM_BELOW_DRAM else prompts[:1]
@@ -334,6 +342,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         shutil.rmtree(shm, ignore_errors=True)
     result["limit_gbps"], result["limit_method"] = found.gbps, found.method
     result["limit_s_runs"] = found.runs
+    result["limit_gbps_by_row"] = bracketing_limits(found.runs, kv_bytes, ROWS)
     return result
 
 
@@ -372,7 +381,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
                 paired_ratio(data), over[row] * 1e3,
                 "-" if load != load else load * 1e3,
                 "-" if gbps != gbps else gbps,
-                _x_limit(row, gbps, r["limit_gbps"], disk_gbps),
+                _x_limit(row, gbps, row_memory_limit(r, row), disk_gbps),
                 f"{over[peer] / over[row]:.1f}x {peer}" if peer and over[row] > 0 else "-",
                 "equal" if data["outputs_equal"] else "DIFFERENT",
             ])  # fmt: skip
