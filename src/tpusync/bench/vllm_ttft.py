@@ -29,16 +29,15 @@ before in another engine ("x hit").
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
 bytes measured in the same run, the faster of the samples just before and just after the row
-(one contiguous copy on all cores,
-the best of memcpy and non-temporal stores, the caches emptied before each copy: the hits'
-source was written before model steps that streamed the weights through the caches, and a
-repeated copy of a region that fits in the last-level cache would read it from there). Before
-each hit of a disk row the page cache is dropped (as root; the JSON says whether it was), and
-the disk's own limit is fio's O_DIRECT read with the disk tier's threads and each of its read
-sizes (4 MiB into DRAM, 2 MiB straight into the tensors), sampled after each prompt size's
-rows (the fastest sample is the limit: this VM's disk moves by 2x within minutes): the disk
-tier reads with O_DIRECT, ExampleConnector through the page cache, so a warm cache would
-compare memory with a disk.
+(one contiguous copy on all cores, the best of memcpy and non-temporal stores, the caches
+emptied before each copy: the hits' source was written before model steps that streamed the
+weights through the caches, and a repeated copy of a region that fits in the last-level cache
+would read it from there). Before each hit of a disk row the page cache is dropped (as root;
+the JSON says whether it was), and the disk's own limit is fio's O_DIRECT read with the disk
+tier's threads and each of its read sizes (4 MiB into DRAM, 2 MiB straight into the tensors),
+sampled after each prompt size's rows (the fastest sample is the limit: this VM's disk moves
+by 2x within minutes): the disk tier reads with O_DIRECT, ExampleConnector through the page
+cache, so a warm cache would compare memory with a disk.
 Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
 the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
 the median, over a row's hits, of TTFT minus the vLLM prefix hit right after it in the same
