@@ -4,6 +4,7 @@ ExampleConnector. A thin script over :mod:`tpusync.bench.vllm_disagg` (``tpusync
 vllm_disagg`` in the vLLM environment); the command line is the same.
 
     .venv-vllm/bin/python benchmarks/vllm_disagg.py [--tokens 1024,4096,8192] [--repeats 3]
+        [--rounds 3]
 """
 
 import importlib.util

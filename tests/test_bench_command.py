@@ -18,6 +18,7 @@ import tpusync
 from tpusync.bench.common import LIMIT_BEATEN, format_table
 from tpusync.bench.plot import plot_results
 from tpusync.bench.results import (
+    TABLES,
     bracketing_limits,
     hicache_round_trip,
     paired_over_hit,
@@ -174,6 +175,27 @@ def test_vllm_ttft_row_limit_is_the_faster_sample_around_the_row() -> None:
     record = {"limit_gbps": 21.0, "limit_gbps_by_row": later}
     assert row_memory_limit(record, "b") == pytest.approx(16.0)
     assert row_memory_limit({"limit_gbps": 21.0}, "b") == 21.0  # an older record
+
+
+def test_vllm_disagg_compares_like_with_like() -> None:
+    mb = 10**6
+    record = {
+        "tokens": 1024, "loaded_bytes": 16 * mb,
+        "cold_ttft_s_runs": [0.5], "ExampleConnector": {"ttft_s_runs": [0.03]},
+        "tpusync": {"ttft_s_runs": [0.02], "load_s_runs": [0.008, 0.010, 0.009],
+                    "outputs_equal": True},
+        "data_plane_s_runs": [0.009, 0.004, 0.008],
+    }  # fmt: skip
+    headers = TABLES["vllm_disagg"]({"results": [dict(record, data_plane_paired=True)]})[0]
+    column = headers.index("transfer x data plane")
+
+    def ratio(r: dict[str, object]) -> str:
+        return str(TABLES["vllm_disagg"]({"results": [r]})[1][0][column])
+
+    # paired repeats of the loads' own pulls: median against median (8 ms / 9 ms)
+    assert ratio(dict(record, data_plane_paired=True)) == "0.89"
+    # an older record's pulls from a node of their own: their best (4 ms / 9 ms)
+    assert ratio(dict(record, data_plane_best=True)) == "0.44"
 
 
 def test_sglang_hicache_round_trip_moves_the_batch_twice_over_set_plus_get() -> None:

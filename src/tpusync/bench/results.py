@@ -333,8 +333,9 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
         if not all(runs):
             continue
         cold, ttft, load, plane, example = (float(np.median(v)) for v in runs)  # type: ignore[arg-type]
-        if r.get("data_plane_best"):  # the limit: its best repeat
+        if r.get("data_plane_best"):  # older records: its own node, the best repeat
             plane = float(min(r["data_plane_s_runs"]))
+        # else the median; since data_plane_paired, of each load's pull repeated alone
         gb = float(r.get("loaded_bytes", 0)) / 1e9
         nixl = [r.get(f"NIXL {t}") or {} for t in ("cma", "tcp")]
         same = bool(ours.get("outputs_equal") and peer.get("outputs_equal")) and all(

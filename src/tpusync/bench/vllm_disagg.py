@@ -4,18 +4,22 @@ node (``tpusync serve``, its own process, loopback); a consumer engine (``"kv_co
 an empty DRAM gets the producer's ``kv_transfer_params`` and decodes the first token, pulling
 the KV from the node over the authenticated data plane.
 
-The model is :mod:`tpusync.bench.vllm_ttft`'s (8 layers, 16 KiB of KV per token). For each
-prompt size, medians over the prompts:
+The model is :mod:`tpusync.bench.vllm_ttft`'s (8 layers, 16 KiB of KV per token). Each
+consumer serves each prompt ``--rounds`` times (its own prefix cache emptied before each), each
+request started from the same quiet point (:class:`Quiet`: a pause, then the caches emptied).
+For each prompt size, medians over the requests:
 
 * cold: one engine without a connector computing the prompt (the single-engine bound the
   consumer must beat);
 * tpusync consumer TTFT (a one-token generate with the producer's params) and its KV transfer
-  (the store's ``LoadResult.seconds``: lookup, pull from the node, verification, copy into
-  vLLM's KV tensors);
-* the data plane's own pull of the same bytes: as many blocks of the same size pulled from a
-  store node of their own by the store-node tier's pull, each block received straight into
-  its places (one per layer) and verified there, as the consumer's are, caches emptied before
-  each pull: the transfer's limit here, the best of 9 repeats (:func:`data_plane_pull`);
+  (the store's ``LoadResult.seconds``: its own steps, the pull from the node and the
+  verification where the blocks land in vLLM's KV tensors);
+* the data plane's own pull of the same bytes: right after each load, from the same quiet
+  point, that load's pull done again by the store-node tier's pool alone (:class:`PullProbe`:
+  the same node, connection, blocks and places, verified there), with no store, engine step
+  or connector around it. Paired with the loads, in the same process and minutes, so that
+  the memory speed and the kernel's placement of the two ends, which move a lot on a small VM,
+  weigh on both alike;
 * vLLM's ExampleConnector as a disaggregation peer (its producer writes safetensors files to
   /dev/shm, its consumer reads them): the consumer's TTFT;
 * vLLM's NixlConnector, its own disaggregation connector (:mod:`tpusync.bench.vllm_nixl`):
@@ -26,7 +30,8 @@ prompt size, medians over the prompts:
 Goals (issue 25): the transfer at >= 0.8x the data plane's own pull of the same bytes; the
 consumer's TTFT below the cold prefill.
 
-    python benchmarks/vllm_disagg.py [--tokens 1024,4096,8192] [--repeats 3] [--json FILE]
+    python benchmarks/vllm_disagg.py [--tokens 1024,4096,8192] [--repeats 3] [--rounds 3]
+        [--json FILE]
 
 Runs only where vLLM is installed (``.venv-vllm``): importing this module imports vLLM.
 """
@@ -34,6 +39,7 @@ Runs only where vLLM is installed (``.venv-vllm``): importing this module import
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -49,73 +55,115 @@ from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.bench.results import nixl_figures
 from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
-from tpusync.cluster import Scatter, StoreNodePool
+from tpusync.cluster import Scatter
 from tpusync.connectors.vllm.worker import local_worker
 from tpusync.memory.copy_limit import last_level_cache_bytes
 from tpusync.testing.processes import start_store_node, stop_process
-from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
-QUICK = ["--tokens", "1024", "--repeats", "2"]
-LAYERS = 8
+QUICK = ["--tokens", "1024", "--repeats", "2", "--rounds", "1"]
+QUIET_S = 0.05
 
 
 def _worker(llm: Any) -> Any:
     return local_worker(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
 
 
-def data_plane_pull(blocks: int, block_bytes: int, pieces: int, repeats: int) -> list[float]:
-    """Seconds of the data plane's own pull of what a consumer loads, ``repeats`` times:
-    ``blocks`` random blocks of ``block_bytes`` pulled from a store node in another process
-    (``tpusync serve``, as the consumer's) by a ``StoreNodePool`` (the store-node tier's pull:
-    one connection, each block received straight into its ``pieces`` places, spaced apart in
-    one array as a block's layers are in vLLM's KV, and verified there), with no KV store,
-    lookup or engine around it. The caches are emptied before each pull: a consumer's blocks
-    were written long before, so neither the node's copy nor the landing place is cache-hot."""
-    layout = PoolLayout("disagg-limit", (ArrayLayout("kv", "uint8", (block_bytes,), 0, 1),))
-    keys = [b"b%d" % i for i in range(blocks)]
-    secret = os.urandom(32)
-    piece = block_bytes // pieces
-    landed = np.zeros(blocks * block_bytes, dtype=np.uint8)
-    # piece p of block b at (p * blocks + b) * piece: a layer's blocks side by side
-    places = (np.arange(pieces)[None, :] * blocks + np.arange(blocks)[:, None]) * piece
-    scatter = Scatter(
-        np.arange(0, blocks * pieces + 1, pieces),
-        np.tile(np.arange(pieces, dtype=np.int64) * piece, blocks),
-        landed.ctypes.data + places.reshape(-1).astype(np.uint64),
-    )
-    # read, not written, before each pull: dirty lines written back during the pull slowed it
-    evict = np.ones(4 * last_level_cache_bytes() // 8, np.uint64)
-    work = Path(tempfile.mkdtemp(prefix="tpusync-bench-limit-", dir="/var/tmp"))
-    node = None
-    seconds = []
-    try:
-        node, ready = start_store_node(work, secret, blocks * block_bytes + (64 << 20))
-        with (
-            HostPool(layout, blocks) as source,
-            StoreNodePool(ready["address"], layout=layout, secret=secret, connections=1) as pool,
-        ):
-            reservation = source.reserve(keys)
-            rng = np.random.default_rng(5)
-            for slot in reservation.slots.tolist():
-                with source.slot_memory(slot) as memory:
-                    memory[:block_bytes] = rng.integers(0, 256, block_bytes, np.uint8).tobytes()
-            source.commit(reservation, source.hash_slots(reservation.slots))
-            pool.put(keys, source)
-            assert all(pool.get_scattered(keys, scatter))  # warm: every page of the array
-            for _ in range(repeats):
-                int(evict.sum())
-                start = time.perf_counter()
-                loaded = pool.get_scattered(keys, scatter)
-                seconds.append(time.perf_counter() - start)
-                assert all(loaded)
-    finally:
-        if node is not None:
-            stop_process(node)
-        shutil.rmtree(work, ignore_errors=True)
-    return seconds
+class PullProbe:
+    """Repeats a consumer's pull on the data plane alone: while installed, it records the
+    arguments of the consumer store's last pull from a tier below DRAM (the tier, the keys and
+    the places in vLLM's tensors: what ``kv/_direct.py`` hands the store-node tier), and
+    :meth:`repeat` runs that same pull again straight on the tier's pool (the same node, the
+    same connection, the same blocks landing in the same places, verified there), with no
+    store, lookup, engine step or connector around it. The request that loaded the blocks is
+    finished by then, so landing the same bytes in its freed blocks again changes nothing."""
+
+    def __init__(self, store: Any) -> None:
+        self._stack = store._stack
+        self._last: tuple[int, list[bytes], Scatter] | None = None
+
+    def __enter__(self) -> PullProbe:
+        original = self._stack.get_scattered
+
+        def recorded(tier: int, keys: list[bytes], scatter: Scatter) -> list[bool]:
+            self._last = (tier, list(keys), scatter)
+            return original(tier, keys, scatter)
+
+        self._stack.get_scattered = recorded  # an instance attribute over the method
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._stack.get_scattered
+
+    def repeat(self) -> float:
+        """Seconds of the last recorded pull, done again by the tier's pool alone."""
+        if self._last is None:
+            raise RuntimeError("vllm_disagg: the consumer pulled nothing from the store node")
+        tier, keys, scatter = self._last
+        self._last = None
+        start = time.perf_counter()
+        landed = self._stack.tiers[tier].get_scattered(keys, scatter)
+        seconds = time.perf_counter() - start
+        if not all(landed):
+            raise RuntimeError("vllm_disagg: the data plane's repeat of a pull missed blocks")
+        return seconds
 
 
-def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, Any]:
+class Quiet:
+    """The same starting point before every timed request or pull: a pause, so that no thread
+    of the last request still runs (PyTorch's OpenMP workers spin for milliseconds after a
+    forward, and a pull started then shares the cores with them), then the caches emptied by
+    reading 4x the last-level cache (a consumer's blocks were written long before it loads
+    them: neither the node's copy nor the landing places are cache-hot; read, not written: dirty
+    lines written back during the pull would slow it)."""
+
+    def __init__(self, pause_s: float = QUIET_S) -> None:
+        self.pause_s = pause_s
+        self._buffer = np.ones(4 * last_level_cache_bytes() // 8, np.uint64)
+
+    def __call__(self) -> None:
+        time.sleep(self.pause_s)
+        int(self._buffer.sum())
+
+
+def _consume(
+    consumer: Any,
+    requests: list[tuple[list[int], Any, int]],
+    rounds: int,
+    blocks: int,
+    quiet: Quiet,
+) -> dict[str, Any]:
+    """Serves each (prompt, producer's params, expected token) ``rounds`` times on a consumer
+    engine, its own prefix cache emptied before each, every request started from
+    :class:`Quiet`. With the tpusync connector each load's pull is then repeated on the data
+    plane alone (:class:`PullProbe`), again from :class:`Quiet`: ``data_plane_s_runs`` pairs
+    with ``load_s_runs``."""
+    worker = _worker(consumer)
+    ttfts, loads, planes, equal = [], [], [], True
+    with contextlib.ExitStack() as stack:
+        probe = stack.enter_context(PullProbe(worker.store)) if worker is not None else None
+        for _ in range(rounds):
+            for prompt, params, token in requests:
+                consumer.reset_prefix_cache()
+                if worker is not None:
+                    worker.recent_loads.clear()
+                quiet()
+                seconds, got, _ = first_token(consumer, prompt, params)
+                ttfts.append(seconds)
+                equal &= got == token
+                if worker is None or probe is None:
+                    continue
+                done = list(worker.recent_loads)
+                loads.append(sum(d.seconds for d in done) if done else float("nan"))
+                equal &= bool(done) and all(d.loaded_blocks == blocks for d in done)
+                quiet()
+                planes.append(probe.repeat())
+    figures: dict[str, Any] = {"ttft_s_runs": ttfts, "load_s_runs": loads, "outputs_equal": equal}
+    if planes:
+        figures["data_plane_s_runs"] = planes
+    return figures
+
+
+def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -> dict[str, Any]:
     rng = np.random.default_rng(tokens)
     prompts = [rng.integers(1, 4096, tokens + 2).tolist() for _ in range(repeats)]
     blocks = (tokens + 1) // BLOCK  # the full blocks before the last token
@@ -123,6 +171,7 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
     result: dict[str, Any] = {"tokens": tokens, "loaded_bytes": loaded_bytes}
     expected: list[int] = []
     warm_up = rng.integers(1, 4096, tokens + 2).tolist()
+    quiet = Quiet()
     with engine(model, max_len, None, {}) as llm:
         first_token(llm, warm_up)
         colds = []
@@ -158,26 +207,23 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
                 if worker is not None:
                     worker.store.flush(timeout=120)
             settle()
-            ttfts, loads, equal = [], [], True
             with engine(model, max_len, connector, config, "kv_consumer") as consumer:
                 first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
-                worker = _worker(consumer)
-                for p, params, token in zip(prompts, announced, expected, strict=True):
-                    if worker is not None:
-                        worker.recent_loads.clear()
-                    seconds, got, _ = first_token(consumer, p, params)
-                    ttfts.append(seconds)
-                    equal &= got == token
-                    if worker is not None:
-                        done = list(worker.recent_loads)
-                        loads.append(sum(d.seconds for d in done) if done else float("nan"))
-                        equal &= bool(done) and all(d.loaded_blocks == blocks for d in done)
-            result[label] = {"ttft_s_runs": ttfts, "load_s_runs": loads, "outputs_equal": equal}
+                result[label] = _consume(
+                    consumer, list(zip(prompts, announced, expected, strict=True)), rounds,
+                    blocks, quiet,
+                )  # fmt: skip
     finally:
         if node is not None:
             stop_process(node)
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
+    result["data_plane_s_runs"] = result["tpusync"].pop("data_plane_s_runs")
+    result["data_plane_paired"] = True
+    result["data_plane_source"] = (
+        "each consumer load's pull repeated on the data plane alone: the same node, connection,"
+        " blocks and places in vLLM's tensors; both from a pause and emptied caches"
+    )
     missing = nixl_missing()
     for transport in TRANSPORTS:
         settle()
@@ -190,11 +236,6 @@ def measure(model: Path, tokens: int, repeats: int, max_len: int) -> dict[str, A
         except (RuntimeError, TimeoutError) as error:  # the peer's failure, not the run's
             print(f"note: {label} failed: {error}", flush=True)
             result[label] = {"error": str(error)}
-    # the limit is what the data plane can do: the best of several repeats
-    settle()
-    result["data_plane_s_runs"] = data_plane_pull(blocks, BLOCK * KV_BYTES_PER_TOKEN, LAYERS, 9)
-    result["data_plane_best"] = True
-    result["data_plane_source"] = "a store node of its own, caches emptied before each pull"
     return result
 
 
@@ -209,7 +250,7 @@ def table(results: list[dict[str, Any]]) -> None:
         cold = median(r["cold_ttft_s_runs"])
         ours, peer = r["tpusync"], r["ExampleConnector"]
         ttft, load = median(ours["ttft_s_runs"]), median(ours["load_s_runs"])
-        plane = min(r["data_plane_s_runs"])
+        plane = median(r["data_plane_s_runs"])
         rows.append([
             r["tokens"], f"{r['loaded_bytes'] / 2**20:.0f}", _ms(r["cold_ttft_s_runs"]),
             _ms(ours["ttft_s_runs"]), ttft / cold, _ms(ours["load_s_runs"]),
@@ -219,10 +260,9 @@ def table(results: list[dict[str, Any]]) -> None:
         ])  # fmt: skip
     print_table(
         ["tokens", "KV MiB", "cold ms", "consumer ttft ms", "x cold", "transfer ms",
-         "transfer GB/s", "data plane GB/s", "x data plane", "Example consumer ms",
+         "transfer GB/s", "same pull alone GB/s", "x pull alone", "Example consumer ms",
          "Example / ours", "same tokens"],
         rows,
-        limit_columns=(8,),
     )  # fmt: skip
     rows = []
     for r in results:
@@ -258,6 +298,9 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--tokens", default="1024,4096,8192")
     parser.add_argument("--repeats", type=int, default=3, help="prompts per size")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="times each prompt is served by each consumer"
+    )
     parser.add_argument("--json", default=None, help="default: the results scheme")
     return parser
 
@@ -271,9 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_len = max(sizes) + 2 * BLOCK
     with tempfile.TemporaryDirectory(prefix="tpusync-bench-model-") as directory:
         model = build_model(Path(directory) / "model", max_len)
-        results = [measure(model, n, args.repeats, max_len) for n in sizes]
+        results = [measure(model, n, args.repeats, args.rounds, max_len) for n in sizes]
     table(results)
-    run.write(args.json, {"repeats": args.repeats, "results": results})
+    run.write(args.json, {"repeats": args.repeats, "rounds": args.rounds, "results": results})
     return 0
 
 
