@@ -196,6 +196,10 @@ def test_vllm_disagg_compares_like_with_like() -> None:
     assert ratio(dict(record, data_plane_paired=True)) == "0.89"
     # an older record's pulls from a node of their own: their best (4 ms / 9 ms)
     assert ratio(dict(record, data_plane_best=True)) == "0.44"
+    # a paired repeat is not a limit: matching it is not flagged as beating one
+    faster = dict(record, data_plane_paired=True, data_plane_s_runs=[0.010, 0.011, 0.012])
+    assert ratio(faster) == "1.22"
+    assert ratio(dict(faster, data_plane_paired=False)).endswith("the limit is wrong)")
 
 
 def test_sglang_hicache_round_trip_moves_the_batch_twice_over_set_plus_get() -> None:
