@@ -57,7 +57,7 @@ from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
 from tpusync.cluster import Scatter
 from tpusync.connectors.vllm.worker import local_worker
-from tpusync.memory.copy_limit import last_level_cache_bytes
+from tpusync.memory.copy_limit import CacheEmptier
 from tpusync.testing.processes import start_store_node, stop_process
 
 QUICK = ["--tokens", "1024", "--repeats", "2", "--rounds", "1"]
@@ -118,11 +118,11 @@ class Quiet:
 
     def __init__(self, pause_s: float = QUIET_S) -> None:
         self.pause_s = pause_s
-        self._buffer = np.ones(4 * last_level_cache_bytes() // 8, np.uint64)
+        self._empty_caches = CacheEmptier()
 
     def __call__(self) -> None:
         time.sleep(self.pause_s)
-        int(self._buffer.sum())
+        self._empty_caches()
 
 
 def _consume(

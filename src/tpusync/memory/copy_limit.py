@@ -30,6 +30,7 @@ from tpusync.errors import InvalidArgumentError
 
 __all__ = [
     "STREAMING_METHODS",
+    "CacheEmptier",
     "LimitResult",
     "MemoryLimit",
     "last_level_cache_bytes",
@@ -83,6 +84,22 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
+class CacheEmptier:
+    """Empties the CPU caches when called, by reading (not writing: see the module's docstring)
+    a buffer of four times the last-level cache, as before a timed copy of blocks that were
+    written long ago."""
+
+    def __init__(self) -> None:
+        self._buffer = np.ones(4 * last_level_cache_bytes() // 8, np.uint64)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._buffer.nbytes)
+
+    def __call__(self) -> None:
+        int(self._buffer.sum())
+
+
 class MemoryLimit:
     """The memory-copy limit for ``nbytes``: one contiguous region to another, on ``threads``
     threads (default: every core this process may run on); ``cold``: the caches emptied before
@@ -111,12 +128,11 @@ class MemoryLimit:
         self._slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self._pool = ThreadPoolExecutor(self.threads)
         self._runs: dict[str, list[float]] = {m: [] for m in [*self.methods, "np.copyto"]}
-        # read before each timed copy: four times the largest cache evicts it all
-        self._evict = np.ones(4 * last_level_cache_bytes() // 8, np.uint64) if cold else None
+        self._evict = CacheEmptier() if cold else None
 
     def _empty_caches(self) -> None:
         if self._evict is not None:
-            int(self._evict.sum())
+            self._evict()
 
     def sample(self, repeats: int = 1) -> None:
         """Times every method ``repeats`` times (the best repeat counts: the limit is what the
