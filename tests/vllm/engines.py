@@ -84,6 +84,28 @@ def generate(
     return [(tokens, cached) for tokens, cached, _ in generate_with(llm, prompts, max_tokens)]
 
 
+def _greedy(
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    logprobs: int | None = None,
+) -> list[Any]:
+    """vLLM's outputs of greedy requests for ``prompts``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args=extra,
+        logprobs=logprobs,
+    )
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
 def generate_with(
     llm: Any,
     prompts: list[list[int]],
@@ -92,19 +114,9 @@ def generate_with(
 ) -> list[tuple[list[int], int, dict[str, Any] | None]]:
     """:func:`generate` with ``kv_transfer_params`` given to each request (as a proxy in front
     of disaggregated engines passes them), and each output's own."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra
-    )
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-    )
     return [
         (list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), o.kv_transfer_params)
-        for o in outputs
+        for o in _greedy(llm, prompts, max_tokens, kv_transfer_params)
     ]
 
 
@@ -117,11 +129,7 @@ def reference_tokens(llm: Any, prompt: list[int], max_tokens: int = 8) -> list[i
     """The greedy tokens of ``prompt``, for other engines' outputs to equal. Fails, naming
     the step, where the top two tokens of a step are within :data:`MIN_MARGIN` (logprob):
     a near-tie that numerics alone can flip, so the prompt is a bad reference."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    (output,) = _greedy(llm, [prompt], max_tokens, logprobs=2)
     for step, candidates in enumerate(output.outputs[0].logprobs):
         first, second = sorted((c.logprob for c in candidates.values()), reverse=True)[:2]
         assert first - second >= MIN_MARGIN, (
