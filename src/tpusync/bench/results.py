@@ -164,6 +164,18 @@ def paired_ratio(row: dict[str, Any]) -> Any:
     return float(np.median(pairs)) if pairs else "-"
 
 
+# vllm_ttft's rows after the cold prefill and vLLM's own prefix hit, in the order they run
+VLLM_TTFT_ROWS = (
+    "tpusync DRAM",
+    "tpusync DRAM own threads",
+    "tpusync DRAM by layer",
+    "tpusync disk",
+    "tpusync store node",
+    "Example /dev/shm",
+    "Example disk",
+)
+
+
 def bracketing_limits(
     runs: dict[str, list[float]], nbytes: int, rows: Sequence[str]
 ) -> dict[str, float]:
@@ -241,9 +253,7 @@ def _faster(over: dict[str, float], ours: str, theirs: str) -> str:
 
 def _ttft_runs(r: dict[str, Any]) -> dict[str, list[float]]:
     runs = {"cold": r.get("cold_ttft_s_runs") or [], "prefix": r.get("prefix_ttft_s_runs") or []}
-    rows = ("tpusync DRAM", "tpusync DRAM own threads", "tpusync DRAM by layer", "tpusync disk",
-            "tpusync store node", "Example /dev/shm", "Example disk")  # fmt: skip
-    for row in rows:
+    for row in VLLM_TTFT_ROWS:
         runs[row] = (r.get(row) or {}).get("ttft_s_runs") or []
     return runs
 

@@ -77,6 +77,7 @@ from vllm.inputs import TokensPrompt
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.bench.results import (
+    VLLM_TTFT_ROWS,
     bracketing_limits,
     paired_over_hit,
     paired_ratio,
@@ -101,15 +102,7 @@ DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
 # the rows whose every hit must come from below DRAM
 FROM_BELOW_DRAM = ("tpusync disk", "tpusync store node")
-ROWS = (
-    "tpusync DRAM",
-    "tpusync DRAM own threads",
-    "tpusync DRAM by layer",
-    "tpusync disk",
-    "tpusync store node",
-    "Example /dev/shm",
-    "Example disk",
-)
+ROWS = VLLM_TTFT_ROWS
 
 
 def build_model(path: Path, max_len: int) -> Path:
