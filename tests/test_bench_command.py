@@ -160,19 +160,20 @@ def test_vllm_ttft_over_hit_pairs_each_hit_with_vllms_own_right_after_it() -> No
     assert over["tpusync DRAM"] == pytest.approx(0.003)  # the median of 3, 1 and 10 ms
 
 
-def test_vllm_ttft_row_limit_is_the_faster_sample_around_the_row() -> None:
+def test_vllm_ttft_row_limit_is_the_fastest_sample_in_or_just_before_the_row() -> None:
     gib = 1 << 30
-    # sample 0 before row a, 1 between a and b, 2 after b; seconds to copy 1 GiB
+    # sample 0 before the rows, 1-2 after row a's hits, 3-4 after row b's; seconds per 1 GiB
     runs = {
-        "memcpy": [gib / 10e9, gib / 30e9, gib / 10e9],
-        "stream": [gib / 20e9, gib / 25e9, gib / 15e9],
-        "np.copyto": [gib / 90e9] * 3,  # never a limit
+        "memcpy": [gib / 10e9, gib / 30e9, gib / 10e9, gib / 10e9, gib / 10e9],
+        "stream": [gib / 20e9, gib / 25e9, gib / 15e9, gib / 12e9, gib / 14e9],
+        "np.copyto": [gib / 90e9] * 5,  # never a limit
     }
-    by_row = bracketing_limits(runs, gib, ["a", "b"])
-    assert by_row == pytest.approx({"a": 30.0, "b": 30.0})
-    later = bracketing_limits({"stream": [gib / 20e9, gib / 12e9, gib / 16e9]}, gib, ["a", "b"])
-    assert later == pytest.approx({"a": 20.0, "b": 16.0})
-    record = {"limit_gbps": 21.0, "limit_gbps_by_row": later}
+    sampled_in = [None, "a", "a", "b", "b"]
+    by_row = bracketing_limits(runs, gib, sampled_in)
+    assert by_row == pytest.approx({"a": 30.0, "b": 15.0})  # b: a's last sample leads in
+    slow_start = {"stream": [gib / 40e9, gib / 12e9, gib / 16e9, gib / 11e9, gib / 13e9]}
+    assert bracketing_limits(slow_start, gib, sampled_in) == pytest.approx({"a": 40.0, "b": 16.0})
+    record = {"limit_gbps": 21.0, "limit_gbps_by_row": {"b": 16.0}}
     assert row_memory_limit(record, "b") == pytest.approx(16.0)
     assert row_memory_limit({"limit_gbps": 21.0}, "b") == 21.0  # an older record
 

@@ -177,15 +177,23 @@ VLLM_TTFT_ROWS = (
 
 
 def bracketing_limits(
-    runs: dict[str, list[float]], nbytes: int, rows: Sequence[str]
+    runs: dict[str, list[float]], nbytes: int, rows: Sequence[str | None]
 ) -> dict[str, float]:
-    """Each row's memory limit (GB/s) from a ``MemoryLimit``'s runs sampled once before the
-    first row and once after each (sample ``i`` precedes row ``i``): the faster of the samples
-    on either side, each sample's best method. This VM's memory speed drifts within minutes,
-    so a load is set beside what the memory did around it, not a median over all rows."""
+    """Each row's memory limit (GB/s) from a ``MemoryLimit``'s runs: ``rows[k]`` names the row
+    that sample ``k`` was taken in (after one of its hits, the last one after the row), None
+    for samples before the first row. A row's limit is the fastest of its own samples and the
+    last sample before it, each sample's best method. This VM's memory speed drifts within
+    seconds, so a load is set beside what the memory did around it, not a median over all."""
     methods = [m for m in runs if m != "np.copyto"]
     best = [max(nbytes / runs[m][k] for m in methods) / 1e9 for k in range(len(runs[methods[0]]))]
-    return {row: max(best[i], best[i + 1]) for i, row in enumerate(rows) if i + 1 < len(best)}
+    limits: dict[str, float] = {}
+    for k, row in enumerate(rows[: len(best)]):
+        if row is None:
+            continue
+        if row not in limits:
+            limits[row] = best[k - 1] if k else best[k]
+        limits[row] = max(limits[row], best[k])
+    return limits
 
 
 def row_memory_limit(result: dict[str, Any], row: str) -> float:

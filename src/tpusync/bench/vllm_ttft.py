@@ -28,25 +28,26 @@ before in another engine ("x hit").
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
-bytes measured in the same run, the faster of the samples just before and just after the row
-(one contiguous copy on all cores, the best of memcpy and non-temporal stores, the caches
-emptied before each copy: the hits' source was written before model steps that streamed the
-weights through the caches, and a repeated copy of a region that fits in the last-level cache
-would read it from there). Before each hit of a disk row the page cache is dropped (as root;
-the JSON says whether it was), and the disk's own limit is fio's O_DIRECT read with the disk
-tier's threads and each of its read sizes (4 MiB into DRAM, 2 MiB straight into the tensors),
-sampled after each prompt size's rows (the fastest sample is the limit: this VM's disk moves
-by 2x within minutes): the disk tier reads with O_DIRECT, ExampleConnector through the page
-cache, so a warm cache would compare memory with a disk.
-Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector saves
-the first chunk's KV under the whole prompt's name and then fails to load it. "over hit ms" is
-the median, over a row's hits, of TTFT minus the vLLM prefix hit right after it in the same
-engine: what loading costs beyond computing the last token, the one figure that exists for
+bytes measured in the same run: the fastest of the samples taken after each of the row's hits
+and the last one before the row (one contiguous copy on all cores, the best of memcpy and
+non-temporal stores, the caches emptied before each copy: the hits' source was written before
+model steps that streamed the weights through the caches, and a repeated copy of a region that
+fits in the last-level cache would read it from there). Before each hit of a disk row the page
+cache is dropped (as root; the JSON says whether it was), and the disk's own limit is fio's
+O_DIRECT read with the disk tier's threads and each of its read sizes (4 MiB into DRAM, 2 MiB
+straight into the tensors), sampled after each prompt size's rows (the fastest sample is the
+limit: this VM's disk moves by 2x within minutes): the disk tier reads with O_DIRECT,
+ExampleConnector through the page cache, so a warm cache would compare memory with a disk.
+Prefill is not chunked (``max_num_batched_tokens`` = the longest prompt): ExampleConnector
+saves the first chunk's KV under the whole prompt's name and then fails to load it. "over hit
+ms" is the median, over a row's hits, of TTFT minus the vLLM prefix hit right after it in the
+same engine: what loading costs beyond computing the last token, the one figure that exists for
 every row. (A row's median TTFT minus the prefix-hit row's, measured minutes before in another
 engine, came out negative in some runs: the drift between engines exceeded a DRAM load.) Goals:
-a DRAM hit's TTFT within 1.3x of vLLM's prefix hit; its load at >= 0.6x the limit; loads at least
-5x faster than ExampleConnector's on the same medium (over-hit time). LMCache's vLLM connector
-does not run here (it needs CUDA; on CPU only its storage path runs, with a mock GPU connector).
+a DRAM hit's TTFT within 1.3x of vLLM's prefix hit; its load at >= 0.6x the limit; loads at
+least 5x faster than ExampleConnector's on the same medium (over-hit time). LMCache's vLLM
+connector does not run here (it needs CUDA; on CPU only its storage path runs, with a mock GPU
+connector).
 
     python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 5] [--json FILE]
         [--disk-dir /var/tmp]
@@ -66,7 +67,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,7 @@ def _hits(
     *,
     filler: list[int] | None = None,
     cold_page_cache: bool = False,
+    after_hit: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Serves ``prompts`` once (cold: the saves), then ``filler`` (a prompt that is never hit:
     its save pushes the last of ``prompts`` out of a DRAM tier that holds one prompt, so that
@@ -213,7 +215,8 @@ def _hits(
     own prefix cache reset before each: TTFTs, the connector's loads, same tokens, and the
     blocks each hit took from below DRAM. Each hit is followed by the same prompt again, now a
     hit of vLLM's own prefix cache in this engine: a pair measured moments apart, whose ratio
-    drifts less with the machine's load than medians taken minutes apart."""
+    drifts less with the machine's load than medians taken minutes apart. ``after_hit`` is
+    called after each pair (the benchmark samples its memory limit there)."""
     for p in prompts if filler is None else [*prompts, filler]:
         _ttft(llm, p)
     worker = _worker(llm)
@@ -241,6 +244,8 @@ def _hits(
         seconds, token = _ttft(llm, prompt)  # vLLM's own prefix hit, in this engine
         own.append(seconds)
         equal &= token == expected[id(prompt)]
+        if after_hit is not None:
+            after_hit()
     return {
         "ttft_s_runs": ttfts,
         "own_hit_ttft_s_runs": own,
@@ -312,7 +317,10 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
             {"dram": {"capacity_blocks": blocks}, "secret_file": str(work / "secret"),
              "store_node": {"address": ready["address"], "timeout_s": 30.0}},
         )  # fmt: skip
-        limit.sample(repeats=3)  # before the first row: each row has a sample on either side
+        # sampled before the first row and after every hit: this VM's memory speed moves
+        # between 20 and 40 GB/s within seconds, and a row's limit is the fastest around it
+        sampled_in: list[str | None] = [None]
+        limit.sample(repeats=3)
         for row in ROWS:
             connector, extra = configs[row]
             used = prompts if row in FROM_BELOW_DRAM else prompts[:1]
@@ -323,8 +331,8 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
                 result[row] = _hits(
                     llm, used, repeats, expected, cold_page_cache="disk" in row,
                     filler=filler if row in FROM_BELOW_DRAM else None,
+                    after_hit=lambda row=row: _sample(limit, sampled_in, row),
                 )  # fmt: skip
-            limit.sample(repeats=3)  # beside the rows: this VM's memory speed drifts
         found = limit.result()
     finally:
         limit.close()
@@ -334,8 +342,14 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         shutil.rmtree(shm, ignore_errors=True)
     result["limit_gbps"], result["limit_method"] = found.gbps, found.method
     result["limit_s_runs"] = found.runs
-    result["limit_gbps_by_row"] = bracketing_limits(found.runs, kv_bytes, ROWS)
+    result["limit_sampled_in"] = sampled_in
+    result["limit_gbps_by_row"] = bracketing_limits(found.runs, kv_bytes, sampled_in)
     return result
+
+
+def _sample(limit: MemoryLimit, sampled_in: list[str | None], row: str) -> None:
+    limit.sample(repeats=3)
+    sampled_in.append(row)
 
 
 def _ms(values: Sequence[float]) -> str:
