@@ -173,6 +173,9 @@ def test_vllm_ttft_row_limit_is_the_fastest_sample_in_or_just_before_the_row() -
     assert by_row == pytest.approx({"a": 30.0, "b": 15.0})  # b: a's last sample leads in
     slow_start = {"stream": [gib / 40e9, gib / 12e9, gib / 16e9, gib / 11e9, gib / 13e9]}
     assert bracketing_limits(slow_start, gib, sampled_in) == pytest.approx({"a": 40.0, "b": 16.0})
+    sampled = {"limit_gbps": 21.0, "limit_s_runs": slow_start, "kv_bytes": gib,
+               "limit_sampled_in": sampled_in}  # fmt: skip
+    assert row_memory_limit(sampled, "a") == pytest.approx(40.0)  # derived from the samples
     record = {"limit_gbps": 21.0, "limit_gbps_by_row": {"b": 16.0}}
     assert row_memory_limit(record, "b") == pytest.approx(16.0)
     assert row_memory_limit({"limit_gbps": 21.0}, "b") == 21.0  # an older record

@@ -197,9 +197,16 @@ def bracketing_limits(
 
 
 def row_memory_limit(result: dict[str, Any], row: str) -> float:
-    """A vllm_ttft row's memory limit (GB/s): the faster of the samples taken around that row
-    where the record has them, else (older records) the size's median limit."""
-    return float((result.get("limit_gbps_by_row") or {}).get(row, result["limit_gbps"]))
+    """A vllm_ttft row's memory limit (GB/s): derived from the samples and the rows they were
+    taken in (:func:`bracketing_limits`) where the record has them, else the per-row limits
+    that older records stored, else (older still) the size's median limit."""
+    if "limit_sampled_in" in result:
+        by_row = bracketing_limits(
+            result["limit_s_runs"], int(result["kv_bytes"]), result["limit_sampled_in"]
+        )
+    else:
+        by_row = result.get("limit_gbps_by_row") or {}
+    return float(by_row.get(row, result["limit_gbps"]))
 
 
 def paired_over_hit(result: dict[str, Any]) -> dict[str, float]:

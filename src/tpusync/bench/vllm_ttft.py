@@ -79,7 +79,6 @@ from vllm.inputs import TokensPrompt
 from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.bench.results import (
     VLLM_TTFT_ROWS,
-    bracketing_limits,
     paired_over_hit,
     paired_ratio,
     row_memory_limit,
@@ -103,7 +102,6 @@ DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
 # the rows whose every hit must come from below DRAM
 FROM_BELOW_DRAM = ("tpusync disk", "tpusync store node")
-ROWS = VLLM_TTFT_ROWS
 
 
 def build_model(path: Path, max_len: int) -> Path:
@@ -321,7 +319,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         # between 20 and 40 GB/s within seconds, and a row's limit is the fastest around it
         sampled_in: list[str | None] = [None]
         limit.sample(repeats=3)
-        for row in ROWS:
+        for row in VLLM_TTFT_ROWS:
             connector, extra = configs[row]
             used = prompts if row in FROM_BELOW_DRAM else prompts[:1]
             if connector == "TpuSyncConnector":
@@ -342,8 +340,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
         shutil.rmtree(shm, ignore_errors=True)
     result["limit_gbps"], result["limit_method"] = found.gbps, found.method
     result["limit_s_runs"] = found.runs
-    result["limit_sampled_in"] = sampled_in
-    result["limit_gbps_by_row"] = bracketing_limits(found.runs, kv_bytes, sampled_in)
+    result["limit_sampled_in"] = sampled_in  # with limit_s_runs: each row's limit
     return result
 
 
@@ -373,7 +370,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         prefix = median(r["prefix_ttft_s_runs"])
         over = paired_over_hit(r)
         same_medium = {"tpusync DRAM": "Example /dev/shm", "tpusync disk": "Example disk"}
-        for row in ("cold", "vLLM prefix hit", *ROWS):
+        for row in ("cold", "vLLM prefix hit", *VLLM_TTFT_ROWS):
             if row in ("cold", "vLLM prefix hit"):
                 runs = r["cold_ttft_s_runs" if row == "cold" else "prefix_ttft_s_runs"]
                 rows.append([r["tokens"], row, _ms(runs), median(runs) / prefix, *["-"] * 7])
@@ -405,7 +402,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         limit_columns=(8,),
     )  # fmt: skip
     for r in results:
-        for row in ROWS:
+        for row in VLLM_TTFT_ROWS:
             missed = r[row].get("full_hit_runs", []).count(False)
             if missed:
                 print(
