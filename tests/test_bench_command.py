@@ -185,7 +185,8 @@ def test_vllm_disagg_compares_like_with_like() -> None:
     mb = 10**6
     record = {
         "tokens": 1024, "loaded_bytes": 16 * mb,
-        "cold_ttft_s_runs": [0.5], "ExampleConnector": {"ttft_s_runs": [0.03]},
+        "cold_ttft_s_runs": [0.5],
+        "ExampleConnector": {"ttft_s_runs": [0.03], "outputs_equal": True},
         "tpusync": {"ttft_s_runs": [0.02], "load_s_runs": [0.008, 0.010, 0.009],
                     "outputs_equal": True},
         "data_plane_s_runs": [0.009, 0.004, 0.008],
@@ -204,6 +205,16 @@ def test_vllm_disagg_compares_like_with_like() -> None:
     faster = dict(record, data_plane_paired=True, data_plane_s_runs=[0.010, 0.011, 0.012])
     assert ratio(faster) == "1.22"
     assert ratio(dict(faster, data_plane_paired=False)).endswith("the limit is wrong)")
+    # the consumer reading the node's pool file: its own transfer against its own pulls alone
+    local = headers.index("same host: consumer ms, transfer GB/s, x its pull alone")
+    assert TABLES["vllm_disagg"]({"results": [record]})[1][0][local] == "-"  # not measured
+    read = {"ttft_s_runs": [0.01], "load_s_runs": [0.004, 0.002, 0.003],
+            "data_plane_s_runs": [0.004, 0.0036, 0.003], "outputs_equal": True}  # fmt: skip
+    row = TABLES["vllm_disagg"]({"results": [dict(record, **{"tpusync same host": read})]})[1][0]
+    assert row[local] == "10.0, 5.33, 1.20" and row[-1] == "yes"
+    read = dict(read, outputs_equal=False)
+    row = TABLES["vllm_disagg"]({"results": [dict(record, **{"tpusync same host": read})]})[1][0]
+    assert row[-1] == "NO"
 
 
 def test_sglang_hicache_round_trip_moves_the_batch_twice_over_set_plus_get() -> None:

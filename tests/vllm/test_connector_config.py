@@ -53,6 +53,10 @@ def test_defaults_come_from_the_engine(tmp_path: Path) -> None:
         ({"socket_dir": "/" + "d" * 100}, "socket_dir: .* too long for a Unix socket path"),
         ({"store_node": {"nodes": 3}}, "store_node"),
         (
+            {"store_node": {"address": "127.0.0.1:9", "same_host": "yes"}},
+            "node.same_host: expected True or False",
+        ),
+        (
             {"serve": {"registry": "10.1.2.3:7411"}},
             r"serve\.tls_ca: missing, and the registry 10\.1\.2\.3:7411 is not a loopback "
             r"address: .* give tls_ca, the PEM CA bundle",

@@ -40,19 +40,32 @@ def _pools(kv: torch.Tensor) -> list[TorchPool]:
 
 
 def _store(
-    pools: list[TorchPool], *tiers: object, dram: int = 64, block_axis: int = 0
+    pools: list[TorchPool],
+    *tiers: object,
+    dram: int = 64,
+    block_axis: int = 0,
+    shm_dir: str | None = None,
 ) -> KVCacheStore:
+    """A store over ``pools``; ``shm_dir``: its DRAM a named pool there."""
+    named = {"name": "producer", "shm_dir": shm_dir} if shm_dir else {}
     config = KVStoreConfig(
-        "direct", BLOCK, DramTier(dram), secret=SECRET, tiers=tiers, block_axis=block_axis,
-        token_axis=block_axis + 2,
+        "direct", BLOCK, DramTier(dram, **named), secret=SECRET, tiers=tiers,
+        block_axis=block_axis, token_axis=block_axis + 2,
     )  # fmt: skip
     return KVCacheStore(config, pools)
 
 
-@pytest.fixture
-def node() -> Iterator[StoreNode]:
-    with StoreNode(64 << 20, secret=SECRET) as node:
+@pytest.fixture(params=["tcp", "pool file"])
+def node(request: pytest.FixtureRequest, tmp_path) -> Iterator[StoreNode]:
+    """A store node; "pool file": its DRAM is a named pool, which a consumer on this host
+    reads directly instead of over TCP (``cluster/dataplane/local_reads.py``)."""
+    named = {"name": "direct", "shm_dir": str(tmp_path)} if request.param == "pool file" else {}
+    with StoreNode(64 << 20, secret=SECRET, **named) as node:
         yield node
+
+
+def _file_blocks(store: KVCacheStore) -> int:
+    return store._stack.tiers[1].client.local_blocks
 
 
 def _saved(store: KVCacheStore, n: int) -> list[bytes]:
@@ -83,6 +96,7 @@ def test_a_store_node_hit_lands_in_the_tensors_bit_exact(node, dtype, shape) -> 
         done = consumer.load(result, ids)
         stats = consumer.stats()
         assert consumer.dram.used == 0  # nothing staged in DRAM
+        assert _file_blocks(consumer) == (6 if node.server.name else 0)
     assert done.loaded_blocks == 6 and done.promoted_blocks == 0
     assert stats["store"]["direct_loads"] == 6 and stats["store"]["promotions"] == 0
     for i, block in enumerate(ids):
@@ -117,14 +131,16 @@ def _lookup_all(store: KVCacheStore, hashes: list[bytes]) -> object:
         time.sleep(0.02)
 
 
-def test_a_damaged_block_is_never_reported_loaded() -> None:
+@pytest.mark.parametrize("named", [False, True])
+def test_a_damaged_block_is_never_reported_loaded(tmp_path, caplog, named: bool) -> None:
     """A peer whose DRAM holds a damaged block (bytes changed after its checksum was taken):
     the consumer's load stops before that block, and every block it reports loaded is the
-    producer's, byte for byte."""
+    producer's, byte for byte; also when the peer's DRAM is a named pool the consumer reads
+    from its file."""
     registry = MemoryRegistry()
     shape = (2, BLOCK, 32)
     source, target = _kv(8, torch.bfloat16, 5, shape), _kv(8, torch.bfloat16, 6, shape)
-    with _store(_pools(source)) as producer:
+    with _store(_pools(source), shm_dir=str(tmp_path) if named else None) as producer:
         serving.serve(producer, registry, "producer", secret=SECRET, ttl_s=30)
         hashes = _saved(producer, 6)
         damaged = producer.dram.slot_of(producer._engine_keys(hashes, None)[3])
@@ -137,6 +153,8 @@ def test_a_damaged_block_is_never_reported_loaded() -> None:
             stats = consumer.stats()["store"]
     assert done.loaded_blocks == 3
     assert stats["direct_loads"] == 3  # the blocks used, not every one that arrived
+    # a named pool was read from its file (where the damaged block failed)
+    assert any("pool file: 1 blocks failed" in r.getMessage() for r in caplog.records) == named
     for block in range(3):
         assert _same(target[:, block], source[:, block])
 

@@ -349,10 +349,12 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "consumer TTFT ms (x cold)", "transfer GB/s",
                "data plane GB/s", "transfer x data plane", "ExampleConnector consumer ms",
                "NIXL consumer ms, GB/s (this host)", "NIXL consumer ms, GB/s (TCP)",
+               "same host: consumer ms, transfer GB/s, x its pull alone",
                "same tokens"]  # fmt: skip
     rows = []
     for r in record.get("results", []):
         ours, peer = r.get("tpusync") or {}, r.get("ExampleConnector") or {}
+        local = r.get("tpusync same host") or {}
         runs = [r.get("cold_ttft_s_runs"), ours.get("ttft_s_runs"), ours.get("load_s_runs"),
                 r.get("data_plane_s_runs"), peer.get("ttft_s_runs")]  # fmt: skip
         if not all(runs):
@@ -365,7 +367,7 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
         nixl = [r.get(f"NIXL {t}") or {} for t in ("cma", "tcp")]
         same = bool(ours.get("outputs_equal") and peer.get("outputs_equal")) and all(
             p.get("outputs_equal", True)
-            for p in nixl  # True: not run
+            for p in [*nixl, local]  # True: not run
         )
         rows.append([
             str(r.get("tokens")), _num(cold * 1e3, 1),
@@ -374,9 +376,20 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
             f"{plane / load:.2f}" if r.get("data_plane_paired") else _ratio(gb / load, gb / plane),
             _num(example * 1e3, 1),
             *(", ".join(nixl_figures(p, int(r.get("loaded_bytes", 0)))) for p in nixl),
+            _same_host_figures(local, gb),
             "yes" if same else "NO",
         ])  # fmt: skip
     return headers, rows
+
+
+def _same_host_figures(local: dict[str, Any], gb: float) -> str:
+    """The consumer reading the node's pool file (records since it was measured; "-" before):
+    its median TTFT, transfer rate and transfer against its own paired pulls alone."""
+    runs = [local.get(k) for k in ("ttft_s_runs", "load_s_runs", "data_plane_s_runs")]
+    if not all(runs):
+        return "-"
+    ttft, load, plane = (float(np.median(v)) for v in runs)  # type: ignore[arg-type]
+    return f"{ttft * 1e3:.1f}, {gb / load:.2f}, {plane / load:.2f}"
 
 
 def nixl_figures(peer: dict[str, Any], loaded_bytes: int) -> tuple[str, str]:

@@ -20,6 +20,10 @@ For each prompt size, medians over the requests:
   or connector around it. Paired with the loads, in the same process and minutes, so that
   the memory speed and the kernel's placement of the two ends, which move a lot on a small VM,
   weigh on both alike;
+* the same consumer reading the node's pool file on this host (``"tpusync same host"``: the
+  node keeps its DRAM in a named pool, the store-node tier's default ``same_host`` copies the
+  blocks from it, verified, instead of receiving them over TCP), with its own paired pulls
+  alone. The row above sets ``same_host: false``: the data plane between hosts;
 * vLLM's ExampleConnector as a disaggregation peer (its producer writes safetensors files to
   /dev/shm, its consumer reads them): the consumer's TTFT;
 * vLLM's NixlConnector, its own disaggregation connector (:mod:`tpusync.bench.vllm_nixl`):
@@ -62,10 +66,19 @@ from tpusync.testing.processes import start_store_node, stop_process
 
 QUICK = ["--tokens", "1024", "--repeats", "2", "--rounds", "1"]
 QUIET_S = 0.05
+SAME_HOST = "tpusync same host"
 
 
 def _worker(llm: Any) -> Any:
     return local_worker(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
+
+
+def _file_blocks(store: Any) -> int:
+    """The blocks a consumer's store-node tier copied from the node's pool file (not TCP)."""
+    return sum(
+        int(getattr(getattr(tier, "client", None), "local_blocks", 0))
+        for tier in store._stack.tiers[1:]
+    )
 
 
 class PullProbe:
@@ -185,27 +198,36 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
     node = None
     try:
         node, ready = start_store_node(
-            work, os.urandom(32), 2 * repeats * loaded_bytes + (64 << 20)
+            work,
+            os.urandom(32),
+            2 * repeats * loaded_bytes + (64 << 20),
+            flags=["--name", "bench-disagg", "--shm-dir", str(shm)],  # its DRAM: a pool file
         )
+        node_tier = {"address": ready["address"], "timeout_s": 30.0}
         extra = {
             "dram": {"capacity_blocks": blocks + 8},
             "secret_file": str(work / "secret"),
             "socket_dir": str(work / "s"),
-            "store_node": {"address": ready["address"], "timeout_s": 30.0},
+            "store_node": {**node_tier, "same_host": False},  # as between hosts
         }
         peers = {
             "tpusync": ("TpuSyncConnector", extra),
+            SAME_HOST: ("TpuSyncConnector", {**extra, "store_node": node_tier}),
             "ExampleConnector": ("ExampleConnector", {"shared_storage_path": str(shm / "ex")}),
         }
+        announced_by: dict[str, list[Any]] = {}
         for label, (connector, config) in peers.items():
             settle()
-            announced = []
-            with engine(model, max_len, connector, config, "kv_producer") as producer:
-                for p in prompts:
-                    announced.append(first_token(producer, p)[2])
-                worker = _worker(producer)
-                if worker is not None:
-                    worker.store.flush(timeout=120)
+            # the same-host consumer reads what the tpusync producer saved in the node
+            announced = announced_by.get("tpusync", []) if label == SAME_HOST else []
+            if label != SAME_HOST:
+                with engine(model, max_len, connector, config, "kv_producer") as producer:
+                    for p in prompts:
+                        announced.append(first_token(producer, p)[2])
+                    worker = _worker(producer)
+                    if worker is not None:
+                        worker.store.flush(timeout=120)
+                announced_by[label] = announced
             settle()
             with engine(model, max_len, connector, config, "kv_consumer") as consumer:
                 first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
@@ -213,6 +235,9 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
                     consumer, list(zip(prompts, announced, expected, strict=True)), rounds,
                     blocks, quiet,
                 )  # fmt: skip
+                worker = _worker(consumer)
+                if worker is not None:
+                    result[label]["blocks_read_from_node_file"] = _file_blocks(worker.store)
     finally:
         if node is not None:
             stop_process(node)
@@ -264,6 +289,27 @@ def table(results: list[dict[str, Any]]) -> None:
          "Example / ours", "same tokens"],
         rows,
     )  # fmt: skip
+    rows = []
+    for r in results:
+        local = r.get(SAME_HOST)
+        if not local:
+            continue
+        gb = r["loaded_bytes"] / 1e9
+        load, plane = median(local["load_s_runs"]), median(local["data_plane_s_runs"])
+        rows.append([
+            r["tokens"], _ms(local["ttft_s_runs"]), _ms(local["load_s_runs"]),
+            f"{gb / load:.2f}", f"{gb / plane:.2f}", plane / load,
+            f"{local.get('blocks_read_from_node_file', 0)}",
+            "yes" if local["outputs_equal"] else "NO",
+        ])  # fmt: skip
+    if rows:
+        print("\nThe same consumer reading the node's pool file on this host (same_host)")
+        print_table(
+            ["tokens", "consumer ttft ms", "transfer ms", "transfer GB/s",
+             "same pull alone GB/s", "x pull alone", "blocks read from the file",
+             "same tokens"],
+            rows,
+        )  # fmt: skip
     rows = []
     for r in results:
         ours = r["tpusync"]

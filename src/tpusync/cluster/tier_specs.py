@@ -94,6 +94,7 @@ class _PeerSpec:
     insecure: bool = False
     secret: bytes | None = field(default=None, repr=False)
     name: str = ""
+    same_host: bool = True
 
     section = ""  # the spec's section in the plain-data form of a config
 
@@ -104,6 +105,10 @@ class _PeerSpec:
         _check_client_fields(
             self.name, self.connections, self.timeout_s, self.tls, self.insecure, self.secret
         )
+        if self.same_host is not True and self.same_host is not False:
+            raise InvalidArgumentError(
+                f"{self.name}.same_host: expected True or False, got {self.same_host!r}"
+            )
 
     def check(self, context: TierContext) -> None:
         pass  # the peer is reached when the tier opens
@@ -116,6 +121,7 @@ class _PeerSpec:
             "timeout_s": self.timeout_s,
             "tls": self.tls,
             "insecure": self.insecure,
+            "same_host": self.same_host,
         }
 
 
@@ -125,7 +131,9 @@ class StoreNodeTier(_PeerSpec):
 
     Args:
       address: the node's ``host:port`` (or ``addresses``: several, striped).
-      connections, timeout_s, tls, insecure: as for :class:`~tpusync.cluster.BlockClient`.
+      connections, timeout_s, tls, insecure, same_host: as for
+        :class:`~tpusync.cluster.BlockClient` (``same_host``: a node on this host whose DRAM
+        is a named /dev/shm pool, ``tpusync serve --name``, is read from its pool file).
       secret: the data plane's secret; None: the store's ``KVStoreConfig.secret``.
       name: the tier's name in the store.
     """
@@ -252,7 +260,8 @@ class PeerTier(_PeerSpec):
 
     Args:
       address: the peer's ``host:port`` (or ``addresses``: several, striped).
-      connections, timeout_s, tls, insecure: as for :class:`~tpusync.cluster.BlockClient`.
+      connections, timeout_s, tls, insecure, same_host: as for
+        :class:`~tpusync.cluster.BlockClient`.
       secret: the data plane's secret; None: the store's ``KVStoreConfig.secret``.
       name: the tier's name in the store.
     """

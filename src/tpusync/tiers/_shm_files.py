@@ -39,6 +39,7 @@ __all__ = [
     "check_sessions_dir",
     "creating",
     "find_temp_files",
+    "header_of_descriptor",
     "pool_path",
     "read_pool_header",
     "remove_sessions_dir",
@@ -212,9 +213,15 @@ def read_pool_header(path: str | os.PathLike[str]) -> PoolHeader:
     missing."""
     fd = open_file(path, os.O_RDONLY)
     try:
-        return decode_header(os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size)
+        return header_of_descriptor(fd)
     finally:
         os.close(fd)
+
+
+def header_of_descriptor(fd: int) -> PoolHeader:
+    """The decoded header of the pool file open at ``fd`` (checked against its size now);
+    :class:`~tpusync.errors.PoolFormatError` if it is not a pool this build reads."""
+    return decode_header(os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size)
 
 
 def check_sessions_dir(name: str, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> Path | None:

@@ -31,6 +31,7 @@ from tpusync.tiers._shm_files import (
     TempFile,
     check_sessions_dir,
     find_temp_files,
+    header_of_descriptor,
     pool_path,
     read_pool_header,
     remove_sessions_dir,
@@ -40,6 +41,7 @@ from tpusync.tiers._shm_files import (
 __all__ = [
     "Removed",
     "ShmPoolInfo",
+    "header_of_descriptor",
     "list_pools",
     "read_pool_header",
     "remove_pool",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
@@ -26,6 +25,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
+from tpusync.cluster.dataplane.local_reads import boot_id
 from tpusync.engines import native
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
@@ -61,15 +61,6 @@ def tree_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     """The leaves of ``tree`` with their paths (``jax.tree_util.keystr``) and the treedef."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return [jax.tree_util.keystr(p) for p, _ in with_paths], [x for _, x in with_paths], treedef
-
-
-def boot_id() -> str:
-    """This host's boot id: a subscriber reads /dev/shm directly only on the same boot."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 @dataclass

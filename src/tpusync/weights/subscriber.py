@@ -201,6 +201,7 @@ class Subscriber:
             "timeout_s": timeout_s,
             "tls": tls,
             "insecure": insecure,
+            "same_host": False,  # the subscriber reads the publisher's pool itself, first
         }
         self._address, self._registry = address, registry
         self.deadline_s = float(deadline_s)

@@ -21,7 +21,8 @@ from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_tran
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._connection import Connection, Deadline
 from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper
-from tpusync.cluster.dataplane.frames import FrameBatch
+from tpusync.cluster.dataplane.frames import FrameBatch, slot_addresses
+from tpusync.cluster.dataplane.local_reads import PoolFileReader
 from tpusync.cluster.dataplane.protocol import (
     DEADLINE_FRACTION,
     MAX_ERROR_BYTES,
@@ -44,6 +45,9 @@ __all__ = ["BlockClient", "HeldBlocks", "PullResult"]
 
 log = logging.getLogger(__name__)
 
+# (reader, key indices, their slots, their checksums) -> verified per index, or None (use TCP)
+_LocalLanding = Callable[[PoolFileReader, np.ndarray, np.ndarray, np.ndarray], "np.ndarray | None"]
+
 
 @dataclass
 class PullResult:
@@ -56,6 +60,7 @@ class PullResult:
     error: BaseException | None = None
     released: bool = True
     bytes_received: int = field(default=0)
+    local_blocks: int = 0  # of the loaded ones, read from the server's pool file on this host
 
 
 @dataclass
@@ -88,6 +93,11 @@ class BlockClient:
     node, :mod:`tpusync.cluster.store_node`) serves that one, and a plain BlockServer ignores it
     (pulls compare fingerprints). :meth:`push` needs a server that accepts blocks (a store node).
 
+    ``same_host`` (default True): when the server runs on this host as this user and its pool
+    is a named /dev/shm pool, pulls copy the blocks from its pool file instead of receiving
+    them over TCP, verified the same way (:mod:`tpusync.cluster.dataplane.local_reads`);
+    :attr:`local_blocks` counts them. False: always TCP.
+
     Raises:
       AuthenticationError: the server and this client do not share ``secret``.
       PeerUnavailableError: the server cannot be reached or is not a block server.
@@ -106,6 +116,7 @@ class BlockClient:
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
         layout: PoolLayout | None = None,
+        same_host: bool = True,
     ) -> None:
         if (address is None) == (addresses is None):
             raise InvalidArgumentError("address, addresses: give exactly one of them")
@@ -129,6 +140,11 @@ class BlockClient:
             raise InvalidArgumentError(
                 f"layout: expected a PoolLayout or None, got {type(layout).__name__}"
             )
+        if not isinstance(same_host, bool):
+            raise InvalidArgumentError(f"same_host: expected True or False, got {same_host!r}")
+        self.same_host = same_host
+        self._pool_file: PoolFileReader | None = None
+        self.local_blocks = 0  # blocks pulled from the server's pool file on this host
         self._timeout = float(timeout_s)
         self._ttl = lease_ttl_s
         self._lock = threading.Lock()
@@ -304,6 +320,7 @@ class BlockClient:
                 part = self._pull_batch(unique[i : i + MAX_KEYS_PER_REQUEST], target, loaded)
                 total.corrupt += part.corrupt
                 total.bytes_received += part.bytes_received
+                total.local_blocks += part.local_blocks
                 total.released = total.released and part.released
                 total.error = total.error or part.error
         total.loaded = [loaded.get(k, False) for k in keys]
@@ -319,12 +336,20 @@ class BlockClient:
             loaded.update(zip(others, target.contains(others), strict=True))
         if not reservation.keys:
             return PullResult(loaded=[])
+
+        def land_locally(
+            reader: PoolFileReader, indices: np.ndarray, slots: np.ndarray, sums: np.ndarray
+        ) -> np.ndarray | None:
+            with slot_addresses(target, reservation.slots[indices]) as addresses:
+                return reader.land(target.layout, slots, sums, _in_slots(addresses))
+
         try:
             good, expected, result = self._receive_leased(
                 reservation.keys,
                 lambda indices, sums: PoolStripe(
                     reservation.keys, indices, sums, target, reservation.slots
                 ),
+                land_locally=land_locally,
             )
         except BaseException:
             target.abort(reservation)  # no stripe writes into a slot any more
@@ -402,8 +427,17 @@ class BlockClient:
                 def stripe(indices: np.ndarray, sums: np.ndarray, batch=batch, base=base) -> Any:
                     return ScatterStripe(batch, indices, sums, layout, scatter, base[indices])
 
+                def land_locally(
+                    reader: PoolFileReader,
+                    indices: np.ndarray,
+                    slots: np.ndarray,
+                    sums: np.ndarray,
+                    base: np.ndarray = base,
+                ) -> np.ndarray | None:
+                    return reader.land(layout, slots, sums, scatter.select(base[indices]))
+
                 part = None if required is None else required[i : i + len(batch)]
-                good, _, result = self._receive_leased(batch, stripe, part)
+                good, _, result = self._receive_leased(batch, stripe, part, land_locally)
                 loaded.extend(good.tolist())
                 corrupt += result.corrupt
         return loaded, corrupt
@@ -413,54 +447,56 @@ class BlockClient:
         keys: list[bytes],
         make_stripe: Callable[[np.ndarray, np.ndarray], _Stripe],
         required: np.ndarray | None = None,
+        land_locally: _LocalLanding | None = None,
     ) -> tuple[np.ndarray, np.ndarray, PullResult]:
         """Leases ``keys`` and receives them striped over the connections (``make_stripe``
         makes each connection's share from its key indices and their recorded checksums; a key
-        recorded with another checksum than ``required`` is not fetched). Returns the mask of
-        verified keys (none when the lease lapsed), their recorded checksums and the counts.
-        When it raises, no stripe is receiving any more."""
+        recorded with another checksum than ``required`` is not fetched), or, when the server's
+        pool file can be read here, copies them from it (``land_locally(reader, indices, slots,
+        sums)``: the verified mask over ``indices``, or None to go over TCP).
+        Returns the mask of verified keys (none when the lease lapsed), their recorded
+        checksums and the counts. When it raises, no stripe is receiving any more."""
         result = PullResult(loaded=[])
         n = len(keys)
         good = np.zeros(n, dtype=bool)
         jobs: list[Future[Any]] = []
+        reader = self._local_reader() if land_locally is not None else None
         try:
             lease_conn = self._conns[0]
             start = time.monotonic()
             params: dict[str, Any] = {"keys": [k.hex() for k in keys]}
             if self._ttl is not None:
                 params["ttl_s"] = self._ttl
+            if reader is not None:
+                params["slots"] = True
             lease = self._request(lease_conn, "acquire", params)
             lease_id, present, expected, ttl = _check_lease(lease, n)
             deadline = Deadline(start + ttl * DEADLINE_FRACTION)
             if required is not None:
                 present = present & (expected == required)
             wanted = np.flatnonzero(present)
-            shares = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
-            # every stripe made before any receives: one that fails to be made stops none
-            stripes = [
-                (conn, make_stripe(share, expected))
-                for conn, share in zip(self._conns, shares, strict=True)
-                if len(share)
-            ]
-            # the last stripe is received on this thread: a pool thread would first have to
-            # wake and take the GIL, which cost milliseconds in a busy engine process
-            for conn, stripe in stripes[:-1]:
-                jobs.append(
-                    self._executor.submit(self._receive_stripe, conn, lease_id, stripe, deadline)
-                )
-            outcomes = []
+            slots = _lease_slots(lease, n) if reader is not None else None
             with LeaseKeeper(self._executor, lambda: self._renew(lease_id, ttl, deadline), ttl / 3):
-                try:
-                    if stripes:
-                        conn, stripe = stripes[-1]
-                        outcomes.append(self._receive_stripe(conn, lease_id, stripe, deadline))
-                finally:
-                    wait(jobs)  # every stripe has stopped writing
-            for ok, corrupt, nbytes, error in [*(job.result() for job in jobs), *outcomes]:
-                good |= ok
-                result.corrupt += corrupt
-                result.bytes_received += nbytes
-                result.error = result.error or error
+                landed = None
+                if reader is not None and slots is not None and len(wanted):
+                    assert land_locally is not None
+                    landed = land_locally(reader, wanted, slots[wanted], expected[wanted])
+                if landed is not None:
+                    ok = landed
+                    good[wanted[ok]] = True
+                    result.corrupt += int((~ok).sum())
+                    result.local_blocks = int(ok.sum())
+                    if result.corrupt:
+                        log.warning(
+                            "tpusync: pull from %s's pool file: %d blocks failed verification; "
+                            "dropped",
+                            self.label,
+                            result.corrupt,
+                        )
+                else:
+                    self._receive_stripes(
+                        lease_id, wanted, expected, make_stripe, deadline, good, result, jobs
+                    )
             try:
                 released = self._request(lease_conn, "release", {"lease": lease_id}) is True
             except (PeerUnavailableError, InvalidArgumentError) as exc:
@@ -476,12 +512,67 @@ class BlockClient:
                         int(good.sum()),
                     )
                 good[:] = False
+                result.local_blocks = 0
         except BaseException:
             wait(jobs)  # no stripe writes once it is aborted
             raise
         if result.error is not None:
             log.warning("tpusync: pull from %s: %s", self.label, result.error)
+        self.local_blocks += result.local_blocks
         return good, expected, result
+
+    def _receive_stripes(
+        self,
+        lease_id: int,
+        wanted: np.ndarray,
+        expected: np.ndarray,
+        make_stripe: Callable[[np.ndarray, np.ndarray], _Stripe],
+        deadline: Deadline,
+        good: np.ndarray,
+        result: PullResult,
+        jobs: list[Future[Any]],
+    ) -> None:
+        """Receives the ``wanted`` keys over the connections, a stripe each, into ``good`` and
+        ``result`` (``jobs``: the stripes received on pool threads, for the caller to wait on
+        when this raises)."""
+        shares = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
+        # every stripe made before any receives: one that fails to be made stops none
+        stripes = [
+            (conn, make_stripe(share, expected))
+            for conn, share in zip(self._conns, shares, strict=True)
+            if len(share)
+        ]
+        # the last stripe is received on this thread: a pool thread would first have to wake
+        # and take the GIL, which cost milliseconds in a busy engine process
+        for conn, stripe in stripes[:-1]:
+            jobs.append(
+                self._executor.submit(self._receive_stripe, conn, lease_id, stripe, deadline)
+            )
+        outcomes = []
+        try:
+            if stripes:
+                conn, stripe = stripes[-1]
+                outcomes.append(self._receive_stripe(conn, lease_id, stripe, deadline))
+        finally:
+            wait(jobs)  # every stripe has stopped writing
+        for ok, corrupt, nbytes, error in [*(job.result() for job in jobs), *outcomes]:
+            good |= ok
+            result.corrupt += corrupt
+            result.bytes_received += nbytes
+            result.error = result.error or error
+
+    def _local_reader(self) -> PoolFileReader | None:
+        """The server's pool file, when its hello advertised one this process may read (and
+        ``same_host`` is on); followed across reconnections to a restarted server."""
+        if not self.same_host:
+            return None
+        advert = self._conns[0].hello.get("local")
+        reader = self._pool_file
+        if reader is None or reader.advert != advert:
+            if reader is not None:
+                reader.close()
+            reader = self._pool_file = PoolFileReader(advert, self.fingerprint)
+        return reader if reader.usable else None
 
     def _renew(self, lease_id: int, ttl: float, deadline: Deadline) -> bool:
         """Renews the lease over the control connection and moves the stripes' deadline on
@@ -740,6 +831,8 @@ class BlockClient:
         for conn in [*self._conns, self._control, *list(self._holding)]:
             conn.close()
         self._executor.shutdown(wait=False)
+        if self._pool_file is not None:
+            self._pool_file.close()  # after a copy from it in progress
 
     def __enter__(self) -> BlockClient:
         return self
@@ -754,6 +847,27 @@ def _bool_list(answer: Any, field_name: str, n: int) -> list[bool]:
     if not isinstance(value, list) or len(value) != n or not all(type(v) is bool for v in value):
         raise StreamError(f"malformed put answer: {answer!r:.200}")
     return value
+
+
+def _lease_slots(lease: Any, n: int) -> np.ndarray | None:
+    """The slots an acquire answer names (None when it names none or they are malformed:
+    then the pull goes over TCP)."""
+    slots = lease.get("slots") if isinstance(lease, dict) else None
+    if (
+        not isinstance(slots, list)
+        or len(slots) != n
+        or not all(type(s) is int and -1 <= s < 2**62 for s in slots)
+    ):
+        return None
+    return np.array(slots, dtype=np.int64)
+
+
+def _in_slots(addresses: np.ndarray) -> Scatter:
+    """Blocks landing whole at ``addresses`` (a pool's slots), as a scatter."""
+    n = len(addresses)
+    return Scatter(
+        np.arange(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64), addresses.astype(np.uint64)
+    )
 
 
 def _check_lease(lease: Any, n: int) -> tuple[int, np.ndarray, np.ndarray, float]:

@@ -27,7 +27,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,13 +43,15 @@ MAX_LEASES = 65536
 @dataclass(frozen=True)
 class Lease:
     """A granted lease: ``present[i]`` says whether ``keys[i]`` was present (and is now
-    pinned); ``checksums[i]`` is its recorded block checksum (0 where absent)."""
+    pinned); ``checksums[i]`` is its recorded block checksum (0 where absent); ``slots[i]``
+    its slot in the pool (-1 where absent), for readers on the same host."""
 
     lease_id: int
     keys: list[bytes]
     present: list[bool]
     checksums: list[int]
     ttl_s: float
+    slots: list[int] = field(default_factory=list)
 
 
 class _Held:
@@ -125,6 +127,7 @@ class LeaseTable:
                 pinned.present.tolist(),
                 np.asarray(pinned.checksums, dtype=np.uint64).tolist(),
                 ttl,
+                np.asarray(pinned.slots, dtype=np.int64).tolist(),
             )
             self._held[lease_id] = _Held(lease, pinned, self._clock() + ttl)
             self._cond.notify_all()  # the expiry thread may need to wake earlier

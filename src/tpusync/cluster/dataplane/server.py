@@ -15,6 +15,7 @@ from tpusync.cluster._tcp_server import AuthenticatedTcpServer, BlockServerOptio
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane.frames import FrameBatch, send_buffers, tune_for_peer
 from tpusync.cluster.dataplane.leases import LeaseTable
+from tpusync.cluster.dataplane.local_reads import advertised_file
 from tpusync.cluster.dataplane.protocol import (
     MAX_ERROR_BYTES,
     PROTOCOL,
@@ -172,7 +173,7 @@ class BlockServer(AuthenticatedTcpServer):
             )
         served = self._bind(params, served)
         layout = served.pool.layout
-        return {
+        answer = {
             "protocol": PROTOCOL,
             "version": VERSION,
             "server_id": self.server_id,
@@ -181,7 +182,11 @@ class BlockServer(AuthenticatedTcpServer):
             "capacity": served.pool.capacity,
             "lease_ttl_s": self.lease_ttl_s,
             "writable": "put" in self._streams(),
-        }, served
+        }
+        local = advertised_file(served.pool)
+        if local is not None:
+            answer["local"] = local
+        return answer, served
 
     def _acquire(self, served: Served, params: dict[str, Any]) -> dict[str, Any]:
         keys = keys_param(params.get("keys"))
@@ -194,12 +199,15 @@ class BlockServer(AuthenticatedTcpServer):
                 log.warning("block server: preparing %d keys failed: %r", len(keys), exc)
         lease = served.leases.acquire(keys, ttl)
         self._read(served, [k for k, p in zip(keys, lease.present, strict=True) if p])
-        return {
+        answer = {
             "lease": lease.lease_id,
             "present": lease.present,
             "checksums": lease.checksums,
             "ttl_s": lease.ttl_s,
         }
+        if params.get("slots") is True:  # a reader on this host reads them from the pool file
+            answer["slots"] = lease.slots
+        return answer
 
     def _read(self, served: Served, keys: list[bytes]) -> None:
         """Told of the keys a peer is about to read (a hook for servers that keep an LRU)."""

@@ -30,7 +30,7 @@ class StoreNodePool(RemotePool):
     evicts from it: :attr:`free` is unbounded.
 
     Args:
-      address / addresses, connections, secret, timeout_s, tls, insecure: as for
+      address / addresses, connections, secret, timeout_s, tls, insecure, same_host: as for
         :class:`~tpusync.cluster.BlockClient`.
       layout: the store's block layout (its DRAM tier's).
     """
@@ -48,6 +48,7 @@ class StoreNodePool(RemotePool):
         timeout_s: float = 10.0,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
+        same_host: bool = True,
     ) -> None:
         if not isinstance(layout, PoolLayout):
             raise InvalidArgumentError(
@@ -62,6 +63,7 @@ class StoreNodePool(RemotePool):
             tls=tls,
             insecure=insecure,
             layout=layout,
+            same_host=same_host,
         )
         try:
             if not client.writable:

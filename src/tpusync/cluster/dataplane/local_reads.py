@@ -1,0 +1,273 @@
+"""Pulls that read a block server's pool file directly when the server runs on this host.
+
+A server whose pool lives in a named /dev/shm file says so in its hello (``"local"``: the
+file's path, the host's boot id and the server's uid; :func:`advertised_file`). A client on the
+same boot and uid maps that file read-only once (:class:`PoolFileReader`); each pull then asks
+its lease for the blocks' slots (``"slots": true``) and copies every block from its slot into
+the caller's places, hashing the bytes as they are copied: a block whose checksum differs from
+the lease's is not loaded, as over TCP. The lease pins the slots while they are copied and its
+release must answer True, as for every pull (:mod:`tpusync.cluster.dataplane.leases`). No
+socket carries the payload and no sender thread runs on the server: on a host with few cores
+the copy no longer competes with the server's sender for them.
+
+What is trusted: the path comes from an authenticated peer, but only a regular file of this uid
+that nobody else may write, holding a pool header of the pull's layout, is mapped; the slots
+the lease names are checked against that header; every byte copied is checked against the
+lease's checksums. A peer gains nothing this way that it could not do over TCP, and another
+user can neither plant the file nor change it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpusync import _core
+from tpusync.engines import native
+from tpusync.errors import PoolFormatError, TpuSyncError
+from tpusync.tiers.blocks import slot_checksums
+from tpusync.tiers.files import open_file
+from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.scatter import Scatter
+from tpusync.tiers.shm_admin import header_of_descriptor
+
+__all__ = ["PoolFileReader", "advertised_file", "boot_id"]
+
+log = logging.getLogger(__name__)
+
+MAX_PATH_CHARS = 4096
+MAX_COPY_THREADS = 8  # a pull's copy is memory-bound: a few threads fill the bandwidth
+# madvise(MADV_POPULATE_READ) (Linux 5.14); Python 3.11's mmap module has no name for it
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def boot_id() -> str:
+    """This host's boot id: a pool file is read directly only by a reader on the same boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def advertised_file(pool: Any) -> dict[str, Any] | None:
+    """What a server's hello says of ``pool``'s file for readers on this host (None when the
+    pool has no file: an anonymous pool is read over TCP only)."""
+    path = getattr(pool, "path", None)
+    if path is None:
+        return None
+    return {"path": str(path), "boot_id": boot_id(), "uid": os.geteuid()}
+
+
+@dataclass
+class _Mapped:
+    identity: tuple[int, int, int]  # st_dev, st_ino, st_size of the file mapped
+    mapping: mmap.mmap
+    view: np.ndarray  # read-only bytes of the mapping (its address; keeps it mapped)
+    data_offset: int
+    n_slots: int
+    slot_bytes: int
+    populated: np.ndarray  # per slot: its pages are mapped in this process
+
+
+class PoolFileReader:
+    """The pool file a server's hello advertised, mapped read-only when this process may use it.
+
+    Args:
+      advert: the hello's ``"local"`` field (untrusted: checked here).
+      fingerprint: the layout the server serves (the file must hold a pool of it).
+    """
+
+    def __init__(self, advert: Any, fingerprint: bytes) -> None:
+        self.advert = advert
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._mapped: _Mapped | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._warned = False
+        self.path: str | None = None
+        if (
+            isinstance(advert, dict)
+            and isinstance(advert.get("path"), str)
+            and 0 < len(advert["path"]) <= MAX_PATH_CHARS
+            and os.path.isabs(advert["path"])
+            and advert.get("boot_id") == boot_id()
+            and advert.get("uid") == os.geteuid()
+        ):
+            self.path = advert["path"]
+
+    @property
+    def usable(self) -> bool:
+        """Whether the server runs on this host, as this user (its file may be read)."""
+        return self.path is not None
+
+    def land(
+        self, layout: PoolLayout, slots: np.ndarray, expected: np.ndarray, scatter: Scatter
+    ) -> np.ndarray | None:
+        """Copies the blocks in ``slots`` of the file into ``scatter``'s places (block ``i``
+        to its runs), each hashed as it is copied; returns whether each block's bytes match
+        ``expected`` (its checksum), or None when the file cannot be read now (then nothing
+        was written: pull over TCP)."""
+        if self.path is None or layout.fingerprint != self.fingerprint:
+            return None
+        with self._lock:
+            mapped = self._map()
+            if mapped is None:
+                return None
+            slots = np.asarray(slots, dtype=np.int64)
+            if mapped.slot_bytes != layout.slot_bytes or (
+                len(slots) and (slots.min() < 0 or slots.max() >= mapped.n_slots)
+            ):
+                self._warn("the lease named slots outside the pool file, or another slot size")
+                return None
+            addresses = mapped.view.ctypes.data + mapped.data_offset + slots * mapped.slot_bytes
+            self._populate(mapped, slots, layout.payload_bytes)
+            regions = block_regions(layout, scatter, addresses)
+            digests = self._copy(regions, len(slots), len(layout.piece_table[0]))
+        sums = slot_checksums(digests.reshape(len(slots), -1))
+        return sums == np.asarray(expected, dtype=np.uint64)
+
+    def _copy(self, regions: tuple[np.ndarray, ...], blocks: int, pieces: int) -> np.ndarray:
+        """``_core.copy_sum64_streams`` over ``regions``, on every copy thread: contiguous runs
+        of blocks per thread, the last on this one (the GIL is released while they copy)."""
+        sources, targets, lengths, ends = regions
+        threads = min(native.copy_threads(), MAX_COPY_THREADS)
+        n = min(threads, blocks)
+        if n <= 1:
+            return _core.copy_sum64_streams(sources, targets, lengths, ends)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(threads - 1, thread_name_prefix="tpusync-file-read")
+        cuts = [b * pieces for b in np.linspace(0, blocks, n + 1).astype(np.int64).tolist()]
+        starts = np.concatenate(([0], ends))  # the first region of each stream, and the end
+
+        def part(g0: int, g1: int) -> np.ndarray:
+            r0, r1 = int(starts[g0]), int(starts[g1])
+            return _core.copy_sum64_streams(
+                sources[r0:r1], targets[r0:r1], lengths[r0:r1], ends[g0:g1] - r0
+            )
+
+        jobs = [self._executor.submit(part, a, b) for a, b in itertools.pairwise(cuts[:-1])]
+        try:
+            last = part(cuts[-2], cuts[-1])
+        finally:
+            wait(jobs)  # none copies once this returns
+        return np.concatenate([*(job.result() for job in jobs), last])
+
+    def _map(self) -> _Mapped | None:
+        """The file mapped (again when it changed since: a restarted server's new pool)."""
+        assert self.path is not None
+        try:
+            fd = open_file(self.path, os.O_RDONLY)
+        except (OSError, TpuSyncError) as error:
+            self._warn(f"cannot open it ({error})")
+            return None
+        try:
+            info = os.fstat(fd)
+            identity = (info.st_dev, info.st_ino, info.st_size)
+            if self._mapped is not None and self._mapped.identity == identity:
+                return self._mapped
+            self._unmap()
+            try:
+                header = header_of_descriptor(fd)
+            except (OSError, PoolFormatError) as error:
+                self._warn(f"not a pool file ({error})")
+                return None
+            size = header.data_offset + header.n_slots * header.slot_bytes
+            if header.fingerprint != self.fingerprint or size > info.st_size:
+                self._warn("it holds another layout than the server serves")
+                return None
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._mapped = _Mapped(
+                identity,
+                mapping,
+                np.frombuffer(mapping, dtype=np.uint8),
+                header.data_offset,
+                header.n_slots,
+                header.slot_bytes,
+                np.zeros(header.n_slots, dtype=bool),
+            )
+            return self._mapped
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _populate(mapped: _Mapped, slots: np.ndarray, payload_bytes: int) -> None:
+        """Maps the pages of ``slots`` not read before in one call per run of slots (instead of
+        a fault per page during the copy)."""
+        fresh = np.unique(slots[~mapped.populated[slots]])
+        if not len(fresh):
+            return
+        breaks = np.flatnonzero(np.diff(fresh) != 1) + 1
+        for run in np.split(fresh, breaks):
+            start = mapped.data_offset + int(run[0]) * mapped.slot_bytes
+            length = (len(run) - 1) * mapped.slot_bytes + payload_bytes
+            aligned = start - start % mmap.PAGESIZE
+            try:
+                mapped.mapping.madvise(_MADV_POPULATE_READ, aligned, length + start - aligned)
+            except (OSError, ValueError):
+                break  # an older kernel: the copy faults the pages in
+        mapped.populated[fresh] = True
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("tpusync: pool file %s is read over TCP instead: %s", self.path, why)
+
+    def close(self) -> None:
+        """Unmaps the file, after a copy in progress (a later pull maps it again)."""
+        with self._lock:
+            self._unmap()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+
+    def _unmap(self) -> None:
+        mapped, self._mapped = self._mapped, None
+        if mapped is not None:
+            mapped.view = np.empty(0, dtype=np.uint8)  # the mapping's only export
+            mapped.mapping.close()
+
+
+def block_regions(
+    layout: PoolLayout, scatter: Scatter, addresses: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The copy of blocks at ``addresses`` (one payload each) to ``scatter``'s runs, as
+    ``_core.copy_sum64_streams`` takes it: regions (source, target, length; target 0 where a
+    run lands nowhere: only hashed), one stream of regions per piece of each block in order,
+    so that the streams' digests are the pieces' checksums. The bytes between pieces are not
+    copied (no checksum covers them)."""
+    size = layout.payload_bytes
+    piece_offsets, piece_lengths = (np.asarray(a, dtype=np.int64) for a in layout.piece_table)
+    n = len(addresses)
+    base = np.arange(n, dtype=np.int64)[:, None] * size
+    piece_starts = (base + piece_offsets[None, :]).reshape(-1)
+    piece_ends = (base + (piece_offsets + piece_lengths)[None, :]).reshape(-1)
+    counts = np.diff(scatter.first)
+    run_starts = np.repeat(np.arange(n, dtype=np.int64), counts) * size + scatter.offsets
+    cuts = np.unique(np.concatenate([piece_starts, piece_ends, run_starts]))
+    starts, stops = cuts[:-1], cuts[1:]
+    piece = np.searchsorted(piece_starts, starts, side="right") - 1
+    inside = (piece >= 0) & (starts < piece_ends[np.maximum(piece, 0)])
+    starts, stops, piece = starts[inside], stops[inside], piece[inside]
+    run = np.searchsorted(run_starts, starts, side="right") - 1
+    block = starts // size
+    offset = starts - block * size
+    sources = np.asarray(addresses, dtype=np.int64)[block] + offset
+    run_targets = scatter.targets[run].astype(np.int64)
+    targets = np.where(run_targets == 0, 0, run_targets + offset - scatter.offsets[run])
+    ends = np.searchsorted(piece, np.arange(n * len(piece_offsets)), side="right")
+    return (
+        sources.astype(np.uint64),
+        targets.astype(np.uint64),
+        (stops - starts).astype(np.uint64),
+        ends.astype(np.int64),
+    )

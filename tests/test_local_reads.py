@@ -1,0 +1,244 @@
+"""Pulls from a block server on this host read its named /dev/shm pool file directly
+(tpusync.cluster.dataplane.local_reads): real pools, servers and sockets, random bits. The
+bytes land exactly where a TCP pull puts them; a damaged slot is a miss; a server that
+advertises a file this process must not read, or slots outside it, is pulled from over TCP;
+a restarted server's new file is mapped again."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_pull_scattered import KEYS, LAYOUT, SECRET, SIZE, Places, payload
+
+from tpusync.cluster import BlockClient, BlockServer, StoreNode, StoreNodePool
+from tpusync.cluster.dataplane.local_reads import block_regions
+from tpusync.errors import InvalidArgumentError
+from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
+from tpusync.tiers.scatter import Scatter
+
+
+def fill(pool: HostPool, keys: list[bytes], rng: np.random.Generator) -> None:
+    reservation = pool.reserve(keys)
+    for slot in reservation.slots.tolist():
+        with pool.slot_memory(slot) as memory:
+            memory[:SIZE] = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    pool.commit(reservation, pool.hash_slots(reservation.slots))
+
+
+@pytest.fixture
+def named(shm_names: Callable[[], str], rng: np.random.Generator) -> Iterator[HostPool]:
+    """A named /dev/shm pool holding random blocks under KEYS, in random slots."""
+    with HostPool(LAYOUT, 3 * len(KEYS), name=shm_names()) as pool:
+        fill(pool, [b"filler-%d" % i for i in range(len(KEYS))], rng)  # KEYS not in slots 0..
+        pool.delete([b"filler-%d" % i for i in range(0, len(KEYS), 2)])
+        fill(pool, KEYS, rng)
+        yield pool
+
+
+def test_a_pull_from_a_named_pool_on_this_host_reads_its_file(
+    named: HostPool, rng: np.random.Generator
+) -> None:
+    with (
+        BlockServer(named, secret=SECRET) as server,
+        BlockClient(server.address, secret=SECRET) as local,
+        BlockClient(server.address, secret=SECRET, same_host=False) as tcp,
+    ):
+        for _ in range(3):
+            places, again = Places(rng, len(KEYS)), None
+            assert local.pull_scattered(KEYS, LAYOUT, places.scatter) == [True] * len(KEYS)
+            want = places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
+            assert np.array_equal(places.arena, want)  # and nothing outside the runs moved
+            again = Places(rng, len(KEYS))
+            assert tcp.pull_scattered(KEYS, LAYOUT, again.scatter) == [True] * len(KEYS)
+        assert local.local_blocks == 3 * len(KEYS)
+        assert tcp.local_blocks == 0
+
+
+def test_a_pull_into_a_pool_reads_the_file_too(named: HostPool, rng: np.random.Generator) -> None:
+    with (
+        BlockServer(named, secret=SECRET) as server,
+        BlockClient(server.address, secret=SECRET) as client,
+        HostPool(LAYOUT, len(KEYS) + 1) as target,
+    ):
+        result = client.pull_result([*KEYS, b"absent"], target)
+        assert result.loaded == [True] * len(KEYS) + [False]
+        assert result.local_blocks == len(KEYS) and result.bytes_received == 0
+        for key in KEYS:
+            assert np.array_equal(payload(target, key), payload(named, key))
+        pinned = target.pin(KEYS)  # committed with the checksums the lease named
+        assert np.array_equal(pinned.checksums, target.hash_slots(pinned.slots))
+        target.unpin(pinned)
+
+
+def test_a_damaged_slot_is_a_miss(named: HostPool, rng: np.random.Generator) -> None:
+    victim = KEYS[5]
+    slot = named.slot_of(victim)
+    assert slot is not None
+    with named.slot_memory(slot) as memory:
+        memory[SIZE // 3] ^= 0x10  # the record keeps the old checksum
+    places = Places(rng, len(KEYS))
+    with (
+        BlockServer(named, secret=SECRET) as server,
+        BlockClient(server.address, secret=SECRET) as client,
+    ):
+        loaded, corrupt = client.pull_scattered_counted(KEYS, LAYOUT, places.scatter)
+    assert loaded == [k != victim for k in KEYS] and corrupt == 1
+    good = {i: payload(named, k) for i, k in enumerate(KEYS) if k != victim}
+    want = places.expected(good)
+    for i in good:
+        for r in range(places.first[i], places.first[i + 1]):
+            span = slice(places.place[r], places.place[r] + places.lengths[r])
+            assert np.array_equal(places.arena[span], want[span])
+
+
+class Advertising(BlockServer):
+    """A server whose hello advertises ``local`` (or whose leases name ``slots``) as told."""
+
+    local: Any = None
+    slots: Callable[[list[int]], Any] | None = None
+
+    def _hello(self, params: dict[str, Any], served: Any) -> tuple[dict[str, Any], Any]:
+        answer, served = super()._hello(params, served)
+        if self.local is not None:
+            answer["local"] = self.local(answer.get("local"))
+        return answer, served
+
+    def _acquire(self, served: Any, params: dict[str, Any]) -> dict[str, Any]:
+        answer = super()._acquire(served, params)
+        if self.slots is not None and "slots" in answer:
+            answer["slots"] = self.slots(answer["slots"])
+        return answer
+
+
+def other_layout_pool(tmp_path: Path) -> Path:
+    other = PoolLayout("other", (ArrayLayout("w", "float32", (SIZE // 4,), 0, 1),))
+    with HostPool(other, 4, name="other", shm_dir=tmp_path) as pool:
+        path = pool.path
+    assert path is not None
+    return path
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        "not a pool",
+        "symlink",
+        "fifo",
+        "other layout",
+        "other boot",
+        "other uid",
+        "relative",
+        "not a dict",
+        "slots out of range",
+        "slots malformed",
+    ],
+)
+def test_a_file_or_slots_this_process_must_not_read_go_over_tcp(
+    named: HostPool, rng: np.random.Generator, tmp_path: Path, lie: str
+) -> None:
+    server = Advertising(named, secret=SECRET)
+    real = str(named.path)
+    if lie == "not a pool":
+        junk = tmp_path / "junk.pool"
+        junk.write_bytes(rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes())
+        server.local = lambda a: {**a, "path": str(junk)}
+    elif lie == "symlink":
+        (tmp_path / "link.pool").symlink_to(real)
+        server.local = lambda a: {**a, "path": str(tmp_path / "link.pool")}
+    elif lie == "fifo":
+        os.mkfifo(tmp_path / "fifo.pool", 0o600)
+        server.local = lambda a: {**a, "path": str(tmp_path / "fifo.pool")}
+    elif lie == "other layout":
+        other = other_layout_pool(tmp_path)
+        server.local = lambda a: {**a, "path": str(other)}
+    elif lie == "other boot":
+        server.local = lambda a: {**a, "boot_id": "another-boot"}
+    elif lie == "other uid":
+        server.local = lambda a: {**a, "uid": os.geteuid() + 1}
+    elif lie == "relative":
+        server.local = lambda a: {**a, "path": os.path.relpath(real)}
+    elif lie == "not a dict":
+        server.local = lambda a: [real]
+    elif lie == "slots out of range":
+        server.slots = lambda s: [named.capacity + 7] * len(s)
+    else:
+        server.slots = lambda s: ["0"] * len(s)
+    places = Places(rng, len(KEYS))
+    with server, BlockClient(server.address, secret=SECRET) as client:
+        assert client.pull_scattered(KEYS, LAYOUT, places.scatter) == [True] * len(KEYS)
+        assert client.local_blocks == 0
+    want = places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
+    assert np.array_equal(places.arena, want)
+
+
+def test_lying_slots_inside_the_file_are_misses(named: HostPool, rng: np.random.Generator) -> None:
+    """Slots that exist but hold other blocks: the bytes fail the lease's checksums."""
+    server = Advertising(named, secret=SECRET)
+    server.slots = lambda s: [s[0]] * len(s)
+    places = Places(rng, len(KEYS))
+    with server, BlockClient(server.address, secret=SECRET) as client:
+        loaded, corrupt = client.pull_scattered_counted(KEYS, LAYOUT, places.scatter)
+    assert loaded == [True] + [False] * (len(KEYS) - 1) and corrupt == len(KEYS) - 1
+
+
+def test_a_named_store_node_is_read_from_its_file_also_after_a_restart(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A store node with a name keeps its DRAM in a pool file (/dev/shm by default): a
+    consumer on this host reads its blocks from there, and from the new file of the node
+    restarted on the same port."""
+    node = StoreNode(64 << 20, secret=SECRET, name="node", shm_dir=str(tmp_path))
+    port = int(node.address.rsplit(":", 1)[1])
+    with HostPool(LAYOUT, len(KEYS)) as source:
+        fill(source, KEYS, rng)
+        try:
+            for restarted in (False, True):
+                if restarted:
+                    node.close()
+                    for path in tmp_path.glob("tpusync-node-*.pool"):
+                        path.unlink()  # the next node makes a new file
+                    node = StoreNode(
+                        64 << 20, secret=SECRET, name="node", shm_dir=str(tmp_path), port=port
+                    )
+                with StoreNodePool(node.address, layout=LAYOUT, secret=SECRET) as tier:
+                    assert tier.put(KEYS, source) == len(KEYS)
+                    places = Places(rng, len(KEYS))
+                    assert tier.get_scattered(KEYS, places.scatter) == [True] * len(KEYS)
+                    assert tier.client.local_blocks == len(KEYS)
+                want = places.expected({i: payload(source, k) for i, k in enumerate(KEYS)})
+                assert np.array_equal(places.arena, want)
+        finally:
+            node.close()
+
+
+def test_same_host_must_be_a_bool(named: HostPool) -> None:
+    with (
+        BlockServer(named, secret=SECRET) as server,
+        pytest.raises(InvalidArgumentError, match="same_host"),
+    ):
+        BlockClient(server.address, secret=SECRET, same_host="yes")  # type: ignore[arg-type]
+
+
+def test_regions_follow_pieces_and_runs(rng: np.random.Generator) -> None:
+    """Each piece of each block is one stream of regions in payload order, split where a run
+    starts; a run landing nowhere is hashed from the source only."""
+    n = 5
+    places = Places(rng, n)
+    addresses = np.arange(n, dtype=np.int64) * 100_000 + 1_000_000
+    sources, targets, lengths, ends = block_regions(LAYOUT, places.scatter, addresses)
+    offsets, piece_lengths = LAYOUT.piece_table
+    assert len(ends) == n * len(offsets) and ends[-1] == len(sources)
+    starts = np.concatenate(([0], ends[:-1]))
+    for g, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        block, piece = divmod(g, len(offsets))
+        first = addresses[block] + offsets[piece]
+        assert int(sources[a]) == first and int(lengths[a:b].sum()) == piece_lengths[piece]
+        assert np.array_equal(sources[a + 1 : b], (sources[a:b] + lengths[a:b])[:-1])
+    scatter = Scatter(np.arange(n + 1), np.zeros(n, np.int64), np.zeros(n, np.uint64))
+    _, targets, _, _ = block_regions(LAYOUT, scatter, addresses)
+    assert not targets.any()
