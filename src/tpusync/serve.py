@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=port_number, default=0, help="data-plane port (0: a free one)"
     )
     parser.add_argument("--layouts", type=int, default=1, help="models sharing the DRAM")
-    parser.add_argument("--name", help="keep the DRAM in /dev/shm under this name (restarts)")
+    parser.add_argument(
+        "--name",
+        help="keep the DRAM in /dev/shm under this name (it survives restarts, and clients on "
+        "this host, as this user, read blocks from it instead of over TCP)",
+    )
     parser.add_argument("--shm-dir", default="/dev/shm", help="where named pools live")
     parser.add_argument("--disk", help="also lend local disk: a directory for its block files")
     parser.add_argument("--disk-size", default="0", help="disk to lend with --disk (e.g. 500GiB)")

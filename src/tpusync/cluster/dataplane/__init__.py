@@ -9,8 +9,12 @@ JSON object, ``{"id", "method", "params"}`` -> ``{"id", "result"}`` or ``{"id", 
 
     hello    {"protocol": "tpusync-blocks", "version": 1, "layout": {...} (optional)}
              -> {"protocol", "version", "server_id", "fingerprint" (hex), "payload_bytes",
-                 "capacity", "lease_ttl_s", "writable" (accepts put)}
-    acquire  {"keys": [hex, ...], "ttl_s": s}   -> {"lease", "present", "checksums", "ttl_s"}
+                 "capacity", "lease_ttl_s", "writable" (accepts put),
+                 "local" (only when the pool is a named /dev/shm pool: its file's "path", the
+                 host's "boot_id", the server's "uid")}
+    acquire  {"keys": [hex, ...], "ttl_s": s, "slots": true (optional)}
+             -> {"lease", "present", "checksums", "ttl_s", "slots" (when asked: each key's
+                 slot in the pool, -1 where absent)}
     renew    {"lease": id, "ttl_s": s}          -> bool
     release  {"lease": id}                       -> bool (held the whole time)
     contains {"keys": [hex, ...]}                -> [bool, ...]
@@ -33,6 +37,12 @@ connection that breaks, times out or breaks the format loses the blocks not yet 
 straight into the caller's places, run by run (:class:`Scatter`; ``recvmsg`` over the runs, then
 the bytes hashed where they landed, still in cache), and a verified key is reported loaded;
 weights subscribers land their shards this way.
+
+A client on the same host, boot and uid as a server that advertises ``"local"`` (and made
+with ``same_host=True``, the default) asks the lease for the slots and copies each block from
+the mapped pool file into its place, hashing it as it is copied: the same lease, timing rule
+and verification, no socket carrying the payload
+(:mod:`tpusync.cluster.dataplane.local_reads`).
 
 The server pins the slots of every ``get`` while it sends them (on top of the lease's pins) and
 sends each payload from a view of its slot (``sendmsg``, no copy).
