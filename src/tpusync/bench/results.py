@@ -346,7 +346,7 @@ def _generic(record: dict[str, Any]) -> Table:
 
 
 def _vllm_disagg(record: dict[str, Any]) -> Table:
-    headers = ["tokens", "cold ms", "consumer TTFT ms (x cold)", "transfer GB/s",
+    headers = ["tokens", "cold ms", "consumer TTFT ms (x cold)", "transfer GB/s (TCP)",
                "data plane GB/s", "transfer x data plane", "ExampleConnector consumer ms",
                "NIXL consumer ms, GB/s (this host)", "NIXL consumer ms, GB/s (TCP)",
                "same host: consumer ms, transfer GB/s, x its pull alone",
