@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import tpusync
-from tpusync.bench.common import LIMIT_BEATEN, format_table
+from tpusync.bench.common import LIMIT_BEATEN, format_table, listen_port
 from tpusync.bench.plot import plot_results
 from tpusync.bench.results import (
     TABLES,
@@ -360,3 +361,14 @@ def test_the_disk_limit_is_the_fastest_fio_sample() -> None:
     assert best["fio_read_gbps_samples"] == [2.2, 4.1]
     assert "fio_read_gbps_samples" not in samples[2]  # a copy
     assert fastest_read([{"fio_numjobs": 4}]) == {"fio_numjobs": 4, "fio_read_gbps_samples": []}
+
+
+def test_listen_port_is_free_and_outside_the_ephemeral_range() -> None:
+    """A port a child will listen on later: never one that binding port 0 can hand out."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(5):
+        port = listen_port()
+        assert 10000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

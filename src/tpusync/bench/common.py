@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import statistics
@@ -32,6 +33,7 @@ __all__ = [
     "default_results_dir",
     "format_table",
     "free_port",
+    "listen_port",
     "machine_name",
     "median",
     "print_table",
@@ -300,6 +302,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port below the kernel's ephemeral range, for a child to listen on later:
+    a port from :func:`free_port` may meanwhile be handed to anyone binding port 0 (in a
+    ``vllm_disagg`` run the NIXL producer's own engine took its side channel's port, and the
+    engine hung at start)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> int:

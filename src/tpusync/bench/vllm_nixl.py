@@ -43,7 +43,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tpusync.bench.common import free_port
+from tpusync.bench.common import listen_port
 from tpusync.bench.vllm_ttft import engine, first_token
 
 __all__ = ["TRANSPORTS", "measure_nixl", "nixl_missing"]
@@ -195,8 +195,8 @@ def measure_nixl(
         raise ValueError(f"transport: one of {TRANSPORTS}, got {transport!r}")
     producer = consumer = None
     try:
-        producer = _Engine(model, max_len, "kv_producer", free_port(), transport)
-        consumer = _Engine(model, max_len, "kv_consumer", free_port(), transport)
+        producer = _Engine(model, max_len, "kv_producer", listen_port(), transport)
+        consumer = _Engine(model, max_len, "kv_consumer", listen_port(), transport)
         ttfts, seconds_runs, bytes_runs = [], [], []
         equal = moved_all = True
         for i, prompt in enumerate([warm_up, *prompts]):
