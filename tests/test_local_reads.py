@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from test_pull_scattered import KEYS, LAYOUT, SECRET, SIZE, Places, payload
 
+from tpusync import options
 from tpusync.cluster import BlockClient, BlockServer, StoreNode, StoreNodePool
 from tpusync.cluster.dataplane.local_reads import block_regions
 from tpusync.errors import InvalidArgumentError
@@ -31,9 +32,10 @@ def fill(pool: HostPool, keys: list[bytes], rng: np.random.Generator) -> None:
 
 
 @pytest.fixture
-def named(shm_names: Callable[[], str], rng: np.random.Generator) -> Iterator[HostPool]:
-    """A named /dev/shm pool holding random blocks under KEYS, in random slots."""
-    with HostPool(LAYOUT, 3 * len(KEYS), name=shm_names()) as pool:
+def named(tmp_path: Path, rng: np.random.Generator) -> Iterator[HostPool]:
+    """A named pool (in a directory of the test's: /dev/shm by default) holding random blocks
+    under KEYS, in random slots."""
+    with HostPool(LAYOUT, 3 * len(KEYS), name="served", shm_dir=tmp_path) as pool:
         fill(pool, [b"filler-%d" % i for i in range(len(KEYS))], rng)  # KEYS not in slots 0..
         pool.delete([b"filler-%d" % i for i in range(0, len(KEYS), 2)])
         fill(pool, KEYS, rng)
@@ -127,9 +129,12 @@ def other_layout_pool(tmp_path: Path) -> Path:
     "lie",
     [
         "not a pool",
+        "not a pool's name",
         "symlink",
         "fifo",
         "other layout",
+        "another file of that name",
+        "nul in the path",
         "other boot",
         "other uid",
         "relative",
@@ -143,19 +148,31 @@ def test_a_file_or_slots_this_process_must_not_read_go_over_tcp(
 ) -> None:
     server = Advertising(named, secret=SECRET)
     real = str(named.path)
+
+    def file(path: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """The advert naming ``path``, with its own device and inode (no link followed)."""
+        info = os.lstat(path)
+        return lambda a: {**a, "path": str(path), "dev": info.st_dev, "ino": info.st_ino}
+
+    junk = tmp_path / "tpusync-junk.pool"
+    junk.write_bytes(rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes())
     if lie == "not a pool":
-        junk = tmp_path / "junk.pool"
-        junk.write_bytes(rng.integers(0, 256, 1 << 16, dtype=np.uint8).tobytes())
-        server.local = lambda a: {**a, "path": str(junk)}
+        server.local = file(junk)
+    elif lie == "not a pool's name":
+        os.link(real, tmp_path / "secrets.txt")  # the very pool, under another name
+        server.local = file(tmp_path / "secrets.txt")
     elif lie == "symlink":
-        (tmp_path / "link.pool").symlink_to(real)
-        server.local = lambda a: {**a, "path": str(tmp_path / "link.pool")}
+        (tmp_path / "tpusync-link.pool").symlink_to(real)
+        server.local = file(tmp_path / "tpusync-link.pool")
     elif lie == "fifo":
-        os.mkfifo(tmp_path / "fifo.pool", 0o600)
-        server.local = lambda a: {**a, "path": str(tmp_path / "fifo.pool")}
+        os.mkfifo(tmp_path / "tpusync-fifo.pool", 0o600)
+        server.local = file(tmp_path / "tpusync-fifo.pool")
     elif lie == "other layout":
-        other = other_layout_pool(tmp_path)
-        server.local = lambda a: {**a, "path": str(other)}
+        server.local = file(other_layout_pool(tmp_path))
+    elif lie == "another file of that name":  # e.g. a container's own /dev/shm
+        server.local = lambda a: {**a, "ino": a["ino"] + 1}
+    elif lie == "nul in the path":
+        server.local = lambda a: {**a, "path": real + "\x00x"}
     elif lie == "other boot":
         server.local = lambda a: {**a, "boot_id": "another-boot"}
     elif lie == "other uid":
@@ -174,6 +191,60 @@ def test_a_file_or_slots_this_process_must_not_read_go_over_tcp(
         assert client.local_blocks == 0
     want = places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
     assert np.array_equal(places.arena, want)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5, 8])
+def test_the_copy_split_over_threads_lands_every_byte(
+    named: HostPool, rng: np.random.Generator, threads: int
+) -> None:
+    """Seven blocks over 1 to 8 copy threads (uneven shares, and more threads than blocks)."""
+    keys = KEYS[:7]
+    with (
+        options.overridden(copy_threads=threads),
+        BlockServer(named, secret=SECRET) as server,
+        BlockClient(server.address, secret=SECRET) as client,
+    ):
+        places = Places(rng, len(keys))
+        assert client.pull_scattered(keys, LAYOUT, places.scatter) == [True] * len(keys)
+        assert client.local_blocks == len(keys)
+    want = places.expected({i: payload(named, k) for i, k in enumerate(keys)})
+    assert np.array_equal(places.arena, want)
+
+
+def test_a_lease_that_lapsed_keeps_nothing(named: HostPool, rng: np.random.Generator) -> None:
+    """The release answers False (the lease was not held the whole time): the blocks copied
+    from the file are all discarded, as over TCP."""
+
+    class Lapsing(BlockServer):
+        def _handlers(self, served: Any) -> dict[str, Callable[[dict[str, Any]], Any]]:
+            return {**super()._handlers(served), "release": lambda p: False}
+
+    places = Places(rng, len(KEYS))
+    with (
+        Lapsing(named, secret=SECRET) as server,
+        BlockClient(server.address, secret=SECRET) as client,
+        HostPool(LAYOUT, len(KEYS)) as target,
+    ):
+        assert client.pull_scattered(KEYS, LAYOUT, places.scatter) == [False] * len(KEYS)
+        result = client.pull_result(KEYS, target)
+        assert result.loaded == [False] * len(KEYS) and not result.released
+        assert client.local_blocks == 0 and result.local_blocks == 0
+        assert target.contains(KEYS) == [False] * len(KEYS)  # nothing committed
+
+
+def test_a_closed_reader_reads_nothing(named: HostPool, rng: np.random.Generator) -> None:
+    with BlockServer(named, secret=SECRET) as server:
+        client = BlockClient(server.address, secret=SECRET)
+        places = Places(rng, len(KEYS))
+        assert client.pull_scattered(KEYS, LAYOUT, places.scatter) == [True] * len(KEYS)
+        reader = client._pool_file
+        assert reader is not None
+        client.close()
+        pinned = named.pin(KEYS)
+        named.unpin(pinned)
+        assert reader.land(LAYOUT, pinned.slots, pinned.checksums, places.scatter) is None
+        with pytest.raises(InvalidArgumentError, match="closed"):
+            client.pull_scattered(KEYS, LAYOUT, places.scatter)
 
 
 def test_lying_slots_inside_the_file_are_misses(named: HostPool, rng: np.random.Generator) -> None:

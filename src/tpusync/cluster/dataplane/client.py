@@ -16,16 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._connection import Connection, Deadline
 from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper
+from tpusync.cluster.dataplane._receiving import Link, receive_stripe
 from tpusync.cluster.dataplane.frames import FrameBatch, slot_addresses
-from tpusync.cluster.dataplane.local_reads import PoolFileReader
+from tpusync.cluster.dataplane.local_reads import PoolFileReader, lease_slots, whole_slots
 from tpusync.cluster.dataplane.protocol import (
     DEADLINE_FRACTION,
-    MAX_ERROR_BYTES,
     MAX_KEYS_PER_REQUEST,
     StreamError,
     parse_path,
@@ -146,6 +145,7 @@ class BlockClient:
         self._pool_file: PoolFileReader | None = None
         self.local_blocks = 0  # blocks pulled from the server's pool file on this host
         self._timeout = float(timeout_s)
+        self._link = Link(self._ensure, self._timeout)
         self._ttl = lease_ttl_s
         self._lock = threading.Lock()
         described = None if layout is None else layout.describe()
@@ -341,7 +341,7 @@ class BlockClient:
             reader: PoolFileReader, indices: np.ndarray, slots: np.ndarray, sums: np.ndarray
         ) -> np.ndarray | None:
             with slot_addresses(target, reservation.slots[indices]) as addresses:
-                return reader.land(target.layout, slots, sums, _in_slots(addresses))
+                return reader.land(target.layout, slots, sums, whole_slots(addresses))
 
         try:
             good, expected, result = self._receive_leased(
@@ -475,7 +475,7 @@ class BlockClient:
             if required is not None:
                 present = present & (expected == required)
             wanted = np.flatnonzero(present)
-            slots = _lease_slots(lease, n) if reader is not None else None
+            slots = lease_slots(lease, n) if reader is not None else None
             with LeaseKeeper(self._executor, lambda: self._renew(lease_id, ttl, deadline), ttl / 3):
                 landed = None
                 if reader is not None and slots is not None and len(wanted):
@@ -546,13 +546,13 @@ class BlockClient:
         # and take the GIL, which cost milliseconds in a busy engine process
         for conn, stripe in stripes[:-1]:
             jobs.append(
-                self._executor.submit(self._receive_stripe, conn, lease_id, stripe, deadline)
+                self._executor.submit(receive_stripe, conn, lease_id, stripe, deadline, self._link)
             )
         outcomes = []
         try:
             if stripes:
                 conn, stripe = stripes[-1]
-                outcomes.append(self._receive_stripe(conn, lease_id, stripe, deadline))
+                outcomes.append(receive_stripe(conn, lease_id, stripe, deadline, self._link))
         finally:
             wait(jobs)  # every stripe has stopped writing
         for ok, corrupt, nbytes, error in [*(job.result() for job in jobs), *outcomes]:
@@ -589,111 +589,6 @@ class BlockClient:
             return False
         deadline.at = asked + ttl * DEADLINE_FRACTION
         return True
-
-    def _receive_stripe(
-        self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
-    ) -> tuple[np.ndarray, int, int, BaseException | None]:
-        """Receives ``stripe``'s blocks over ``conn``; returns the mask of verified blocks
-        (over the whole pull), the corrupt count, the bytes received and the failure that
-        ended the stream early (if any)."""
-        error: BaseException | None = None
-        try:
-            self._ensure(conn)
-            if isinstance(conn.sock, ssl.SSLSocket):  # TLS decrypts in Python's ssl
-                self._receive_frames_in_python(conn, lease_id, stripe, deadline)
-            else:
-                self._receive_frames_natively(conn, lease_id, stripe, deadline)
-        except (OSError, EOFError, wire.FrameError, StreamError, _ProtocolError) as exc:
-            error = exc
-            conn.drop()  # the stream's position is unknown
-        except PeerUnavailableError as exc:
-            error = exc
-        corrupt = int((stripe.complete & ~stripe.ok).sum())
-        if corrupt:
-            log.warning(
-                "tpusync: pull from %s: %d blocks failed verification; dropped", conn.label, corrupt
-            )
-        return stripe.ok, corrupt, stripe.nbytes, error
-
-    def _receive_frames_natively(
-        self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
-    ) -> None:
-        """The stripe's frames through one :class:`_core.FrameReceiver` (the GIL released across
-        blocks); the frames it does not expect are handled here, one at a time."""
-        with stripe.landing():
-            rid = conn.send_get(lease_id, stripe.keys)
-            receiver = stripe.receiver(conn, rid)
-            try:
-                try:
-                    status = conn.receive_frames(receiver, deadline)
-                except (EOFError, ConnectionError):
-                    if receiver.bytes_read:
-                        raise
-                    # Closed before the first byte (an idle connection the server had just
-                    # timed out): nothing was written anywhere; ask once more, freshly connected.
-                    conn.drop()
-                    self._ensure(conn)
-                    rid = conn.send_get(lease_id, stripe.keys)
-                    receiver = stripe.receiver(conn, rid)
-                    status = conn.receive_frames(receiver, deadline)
-                while status == _core.FRAMES_HEADER:  # a frame the receiver did not expect
-                    j = receiver.index
-                    header = wire.decode_header(receiver.header, max_payload=stripe.limit)
-                    if self._frame_has_block(header, rid, conn, stripe.keys[j], stripe.size):
-                        stripe.receive_block(conn, j, header, deadline)
-                    receiver.resume(j + 1)
-                    status = conn.receive_frames(receiver, deadline)
-                self._check_end(wire.decode_header(receiver.header, max_payload=stripe.limit),
-                                rid, conn)  # fmt: skip
-            finally:
-                stripe.take_results(receiver)
-                del receiver  # before the memory it lands in may go
-
-    def _receive_frames_in_python(
-        self, conn: Connection, lease_id: int, stripe: _Stripe, deadline: Deadline
-    ) -> None:
-        """The stripe's frames one at a time through :meth:`Connection.recv_into`."""
-        header_buf = bytearray(wire.HEADER_SIZE)
-        header_view = memoryview(header_buf)
-        rid = conn.send_get(lease_id, stripe.keys)
-        try:
-            conn.recv_into(header_view, deadline)
-        except (EOFError, ConnectionError):
-            # Closed before the first frame (an idle connection the server had just timed
-            # out): nothing was written anywhere; ask once more on a fresh connection.
-            conn.drop()
-            self._ensure(conn)
-            rid = conn.send_get(lease_id, stripe.keys)
-            conn.recv_into(header_view, deadline)
-        for j, key in enumerate(stripe.keys):
-            if j:
-                conn.recv_into(header_view, deadline)
-            header = wire.decode_header(header_buf, max_payload=stripe.limit)
-            if self._frame_has_block(header, rid, conn, key, stripe.size):
-                stripe.receive_block(conn, j, header, deadline)
-        conn.recv_into(header_view, deadline)
-        self._check_end(wire.decode_header(header_buf, max_payload=stripe.limit), rid, conn)
-
-    def _frame_has_block(
-        self, header: wire.FrameHeader, rid: int, conn: Connection, key: bytes, size: int
-    ) -> bool:
-        """Whether the frame of block ``key`` carries its payload (BLOCK) or not (MISSING);
-        raises StreamError for anything else."""
-        self._check_frame(header, rid, conn)
-        if header.frame_type == wire.END:
-            raise StreamError("the response ended early")
-        if header.key != key:
-            raise StreamError(f"a frame for {header.key.hex()}, expected {key.hex()}")
-        if header.frame_type == wire.MISSING:
-            return False
-        if header.payload_length != size:
-            raise StreamError(f"a block of {header.payload_length} B, expected {size}")
-        return True
-
-    def _check_end(self, header: wire.FrameHeader, rid: int, conn: Connection) -> None:
-        self._check_frame(header, rid, conn)
-        if header.frame_type != wire.END:
-            raise StreamError(f"a {header.type_name} frame after the last block")
 
     # --- push -------------------------------------------------------------------------------
 
@@ -813,18 +708,6 @@ class BlockClient:
                 f"server at {self.label} ({self.payload_bytes} B blocks)"
             )
 
-    def _check_frame(self, header: wire.FrameHeader, rid: int, conn: Connection) -> None:
-        if header.request_id != rid:
-            raise StreamError(f"a frame for request {header.request_id}, expected {rid}")
-        if header.frame_type == wire.ERROR:
-            if header.payload_length > MAX_ERROR_BYTES:
-                raise StreamError(f"an error message of {header.payload_length} B")
-            message = bytearray(header.payload_length)
-            conn.recv_into(memoryview(message), time.monotonic() + self._timeout)
-            raise StreamError(
-                f"the server failed the request: {message.decode('utf-8', 'replace')}"
-            )
-
     def close(self) -> None:
         """Closes every connection (a pull in progress fails)."""
         self._closed = True
@@ -847,27 +730,6 @@ def _bool_list(answer: Any, field_name: str, n: int) -> list[bool]:
     if not isinstance(value, list) or len(value) != n or not all(type(v) is bool for v in value):
         raise StreamError(f"malformed put answer: {answer!r:.200}")
     return value
-
-
-def _lease_slots(lease: Any, n: int) -> np.ndarray | None:
-    """The slots an acquire answer names (None when it names none or they are malformed:
-    then the pull goes over TCP)."""
-    slots = lease.get("slots") if isinstance(lease, dict) else None
-    if (
-        not isinstance(slots, list)
-        or len(slots) != n
-        or not all(type(s) is int and -1 <= s < 2**62 for s in slots)
-    ):
-        return None
-    return np.array(slots, dtype=np.int64)
-
-
-def _in_slots(addresses: np.ndarray) -> Scatter:
-    """Blocks landing whole at ``addresses`` (a pool's slots), as a scatter."""
-    n = len(addresses)
-    return Scatter(
-        np.arange(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64), addresses.astype(np.uint64)
-    )
 
 
 def _check_lease(lease: Any, n: int) -> tuple[int, np.ndarray, np.ndarray, float]:

@@ -23,6 +23,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -40,11 +41,12 @@ from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.shm_admin import header_of_descriptor
 
-__all__ = ["PoolFileReader", "advertised_file", "boot_id"]
+__all__ = ["PoolFileReader", "advertised_file", "boot_id", "lease_slots", "whole_slots"]
 
 log = logging.getLogger(__name__)
 
 MAX_PATH_CHARS = 4096
+POOL_FILE = re.compile(r"tpusync-[A-Za-z0-9._-]+\.pool")  # a named pool's file, nothing else
 MAX_COPY_THREADS = 8  # a pull's copy is memory-bound: a few threads fill the bandwidth
 # madvise(MADV_POPULATE_READ) (Linux 5.14); Python 3.11's mmap module has no name for it
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -61,11 +63,23 @@ def boot_id() -> str:
 
 def advertised_file(pool: Any) -> dict[str, Any] | None:
     """What a server's hello says of ``pool``'s file for readers on this host (None when the
-    pool has no file: an anonymous pool is read over TCP only)."""
-    path = getattr(pool, "path", None)
-    if path is None:
+    pool has no file: an anonymous pool is read over TCP only). The file's device and inode
+    let a reader in another mount namespace (a container of the same host) tell its own file
+    of that name from the server's."""
+    path, fd = getattr(pool, "path", None), getattr(pool, "_fd", -1)
+    if path is None or not isinstance(fd, int) or fd < 0:
         return None
-    return {"path": str(path), "boot_id": boot_id(), "uid": os.geteuid()}
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return None
+    return {
+        "path": os.path.abspath(path),
+        "boot_id": boot_id(),
+        "uid": os.geteuid(),
+        "dev": info.st_dev,
+        "ino": info.st_ino,
+    }
 
 
 @dataclass
@@ -93,17 +107,24 @@ class PoolFileReader:
         self._lock = threading.Lock()
         self._mapped: _Mapped | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
         self._warned = False
         self.path: str | None = None
+        self._file = (-1, -1)  # the server's (st_dev, st_ino) of it
         if (
             isinstance(advert, dict)
             and isinstance(advert.get("path"), str)
             and 0 < len(advert["path"]) <= MAX_PATH_CHARS
+            and "\x00" not in advert["path"]
             and os.path.isabs(advert["path"])
+            and POOL_FILE.fullmatch(os.path.basename(advert["path"])) is not None
             and advert.get("boot_id") == boot_id()
             and advert.get("uid") == os.geteuid()
+            and type(advert.get("dev")) is int
+            and type(advert.get("ino")) is int
         ):
             self.path = advert["path"]
+            self._file = (advert["dev"], advert["ino"])
 
     @property
     def usable(self) -> bool:
@@ -120,6 +141,8 @@ class PoolFileReader:
         if self.path is None or layout.fingerprint != self.fingerprint:
             return None
         with self._lock:
+            if self._closed:
+                return None
             mapped = self._map()
             if mapped is None:
                 return None
@@ -163,24 +186,26 @@ class PoolFileReader:
         return np.concatenate([*(job.result() for job in jobs), last])
 
     def _map(self) -> _Mapped | None:
-        """The file mapped (again when it changed since: a restarted server's new pool)."""
+        """The file mapped (again when it changed since: a restarted server's new pool), or
+        None (unmapped) when it cannot be read: then the pull goes over TCP."""
         assert self.path is not None
         try:
             fd = open_file(self.path, os.O_RDONLY)
-        except (OSError, TpuSyncError) as error:
+        except (OSError, ValueError, TpuSyncError) as error:
+            self._unmap()  # the file is gone: keep none of its memory
             self._warn(f"cannot open it ({error})")
             return None
         try:
             info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) != self._file:
+                self._unmap()
+                self._warn("the file of that name here is not the server's (another mount?)")
+                return None
             identity = (info.st_dev, info.st_ino, info.st_size)
             if self._mapped is not None and self._mapped.identity == identity:
                 return self._mapped
             self._unmap()
-            try:
-                header = header_of_descriptor(fd)
-            except (OSError, PoolFormatError) as error:
-                self._warn(f"not a pool file ({error})")
-                return None
+            header = header_of_descriptor(fd)
             size = header.data_offset + header.n_slots * header.slot_bytes
             if header.fingerprint != self.fingerprint or size > info.st_size:
                 self._warn("it holds another layout than the server serves")
@@ -196,6 +221,9 @@ class PoolFileReader:
                 np.zeros(header.n_slots, dtype=bool),
             )
             return self._mapped
+        except (OSError, ValueError, PoolFormatError) as error:
+            self._warn(f"cannot map it ({error})")
+            return None
         finally:
             os.close(fd)
 
@@ -223,8 +251,9 @@ class PoolFileReader:
             log.warning("tpusync: pool file %s is read over TCP instead: %s", self.path, why)
 
     def close(self) -> None:
-        """Unmaps the file, after a copy in progress (a later pull maps it again)."""
+        """Unmaps the file, after a copy in progress; later pulls go over TCP."""
         with self._lock:
+            self._closed = True
             self._unmap()
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
@@ -270,4 +299,25 @@ def block_regions(
         targets.astype(np.uint64),
         (stops - starts).astype(np.uint64),
         ends.astype(np.int64),
+    )
+
+
+def lease_slots(lease: Any, n: int) -> np.ndarray | None:
+    """The slots an acquire answer names (None when it names none or they are malformed:
+    then the pull goes over TCP)."""
+    slots = lease.get("slots") if isinstance(lease, dict) else None
+    if (
+        not isinstance(slots, list)
+        or len(slots) != n
+        or not all(type(s) is int and -1 <= s < 2**62 for s in slots)
+    ):
+        return None
+    return np.array(slots, dtype=np.int64)
+
+
+def whole_slots(addresses: np.ndarray) -> Scatter:
+    """Blocks landing whole at ``addresses`` (a pool's slots), as a scatter."""
+    n = len(addresses)
+    return Scatter(
+        np.arange(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64), addresses.astype(np.uint64)
     )

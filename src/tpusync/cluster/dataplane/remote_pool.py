@@ -57,7 +57,7 @@ class RemotePool:
         self.stats.add(
             hits=hits,
             misses=len(result.loaded) - hits,
-            bytes_out=result.bytes_received,
+            bytes_out=hits * self.layout.payload_bytes,  # received, or read from the file
             checksum_failures=result.corrupt,
         )
         if hits < len(result.loaded):
