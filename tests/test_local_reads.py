@@ -7,6 +7,7 @@ a restarted server's new file is mapped again."""
 from __future__ import annotations
 
 import os
+import resource
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,40 @@ def test_a_pull_into_a_pool_reads_the_file_too(named: HostPool, rng: np.random.G
         pinned = target.pin(KEYS)  # committed with the checksums the lease named
         assert np.array_equal(pinned.checksums, target.hash_slots(pinned.slots))
         target.unpin(pinned)
+
+
+def test_the_file_is_mapped_before_the_first_pull(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A client maps the server's file at connection, and its pages in the background: the
+    first pull then takes no page faults in this process (without that, one per 64 KiB at
+    least: the kernel maps a file's pages in small batches)."""
+    layout = PoolLayout("warm", (ArrayLayout("kv", "uint8", (1 << 20,), 0, 1),))
+    keys = [b"block-%d" % i for i in range(48)]
+    arena = rng.integers(0, 256, len(keys) << 20, dtype=np.uint8)  # its pages already written
+    scatter = Scatter(
+        np.arange(len(keys) + 1),
+        np.zeros(len(keys), dtype=np.int64),
+        arena.ctypes.data + (np.arange(len(keys), dtype=np.uint64) << np.uint64(20)),
+    )
+    with (
+        HostPool(layout, 64, name="warm", shm_dir=tmp_path) as pool,
+        BlockServer(pool, secret=SECRET) as server,
+    ):
+        for key in keys:
+            reservation = pool.reserve([key])
+            with pool.slot_memory(int(reservation.slots[0])) as memory:
+                memory[: 1 << 20] = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+            pool.commit(reservation, pool.hash_slots(reservation.slots))
+        with BlockClient(server.address, secret=SECRET) as client:
+            reader = client._pool_file
+            assert reader is not None and reader._warming is not None
+            reader._warming.join(timeout=20)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            assert client.pull_scattered(keys, layout, scatter) == [True] * len(keys)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            assert client.local_blocks == len(keys)
+        for i, key in enumerate(keys):
+            assert np.array_equal(arena[i << 20 : (i + 1) << 20], payload(pool, key))
+    assert faults < (len(keys) << 20) // (64 << 10) // 4
 
 
 def test_a_damaged_slot_is_a_miss(named: HostPool, rng: np.random.Generator) -> None:

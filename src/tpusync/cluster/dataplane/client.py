@@ -186,6 +186,7 @@ class BlockClient:
         self.payload_bytes = int(hello.get("payload_bytes", 0))
         self.server_capacity = int(hello.get("capacity", 0))
         self.writable = hello.get("writable") is True
+        self._local_reader()  # maps the server's pool file now, if it may be read
 
     def _check_same_server(self, conn: Connection) -> None:
         server_id = conn.hello.get("server_id")
@@ -572,6 +573,7 @@ class BlockClient:
             if reader is not None:
                 reader.close()
             reader = self._pool_file = PoolFileReader(advert, self.fingerprint)
+            reader.warm()  # its pages mapped before the first pulls need them
         return reader if reader.usable else None
 
     def _renew(self, lease_id: int, ttl: float, deadline: Deadline) -> bool:

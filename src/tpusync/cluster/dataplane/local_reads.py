@@ -50,6 +50,10 @@ POOL_FILE = re.compile(r"tpusync-[A-Za-z0-9._-]+\.pool")  # a named pool's file,
 MAX_COPY_THREADS = 8  # a pull's copy is memory-bound: a few threads fill the bandwidth
 # madvise(MADV_POPULATE_READ) (Linux 5.14); Python 3.11's mmap module has no name for it
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# How much of a pool file :meth:`PoolFileReader.warm` maps ahead (page tables cost 1/512 of it);
+# slots beyond are mapped when first read.
+WARM_MAX_BYTES = 16 << 30
+WARM_STEP_BYTES = 4 << 20  # mapped per step, the lock released between steps
 
 
 def boot_id() -> str:
@@ -107,6 +111,7 @@ class PoolFileReader:
         self._lock = threading.Lock()
         self._mapped: _Mapped | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._warming: threading.Thread | None = None
         self._closed = False
         self._warned = False
         self.path: str | None = None
@@ -130,6 +135,33 @@ class PoolFileReader:
     def usable(self) -> bool:
         """Whether the server runs on this host, as this user (its file may be read)."""
         return self.path is not None
+
+    def warm(self) -> None:
+        """Maps the file now and its pages in the background (up to :data:`WARM_MAX_BYTES`),
+        so that the first pulls do not map them while they copy. Does nothing where the file
+        cannot be read (the first pull says why)."""
+        if self.path is None:
+            return
+        with self._lock:
+            if self._closed or self._warming is not None:
+                return
+            mapped = self._map()
+            if mapped is None:
+                return
+            self._warming = threading.Thread(
+                target=self._warm_pages, args=(mapped,), name="tpusync-file-warm", daemon=True
+            )
+        self._warming.start()
+
+    def _warm_pages(self, mapped: _Mapped) -> None:
+        per_step = max(1, WARM_STEP_BYTES // mapped.slot_bytes)
+        end = min(mapped.n_slots, max(1, WARM_MAX_BYTES // mapped.slot_bytes))
+        for first in range(0, end, per_step):
+            with self._lock:
+                if self._closed or self._mapped is not mapped:
+                    return  # closed, or remapped: a new file's pages are mapped when read
+                slots = np.arange(first, min(first + per_step, end), dtype=np.int64)
+                self._populate(mapped, slots, mapped.slot_bytes)
 
     def land(
         self, layout: PoolLayout, slots: np.ndarray, expected: np.ndarray, scatter: Scatter
