@@ -207,12 +207,19 @@ def test_vllm_disagg_compares_like_with_like() -> None:
     assert ratio(faster) == "1.22"
     assert ratio(dict(faster, data_plane_paired=False)).endswith("the limit is wrong)")
     # the consumer reading the node's pool file: its own transfer against its own pulls alone
-    local = headers.index("same host: consumer ms, transfer GB/s, x its pull alone")
+    local = headers.index("same host: consumer ms, transfer GB/s, x its pull alone, x copy limit")
+    tcp = headers.index("x TCP limit")
     assert TABLES["vllm_disagg"]({"results": [record]})[1][0][local] == "-"  # not measured
     read = {"ttft_s_runs": [0.01], "load_s_runs": [0.004, 0.002, 0.003],
             "data_plane_s_runs": [0.004, 0.0036, 0.003], "outputs_equal": True}  # fmt: skip
     row = TABLES["vllm_disagg"]({"results": [dict(record, **{"tpusync same host": read})]})[1][0]
-    assert row[local] == "10.0, 5.33, 1.20" and row[-1] == "yes"
+    assert row[local] == "10.0, 5.33, 1.20, -" and row[tcp] == "-" and row[-1] == "yes"
+    # the limits measured in the same run: 1.78 GB/s over TCP, 5.33 GB/s from the file
+    limits = {"tcp_limit": {"limit_gbps": 3.56}, "memory_limit": {"limit_gbps": 10.66}}
+    row = TABLES["vllm_disagg"](
+        {"results": [dict(record, **limits, **{"tpusync same host": read})]}
+    )[1][0]
+    assert row[tcp] == "0.50" and row[local] == "10.0, 5.33, 1.20, 0.50"
     read = dict(read, outputs_equal=False)
     row = TABLES["vllm_disagg"]({"results": [dict(record, **{"tpusync same host": read})]})[1][0]
     assert row[-1] == "NO"

@@ -55,10 +55,10 @@ from typing import Any
 
 from tpusync.bench.common import Run, median, print_table, spread
 from tpusync.bench.external import peer_state, start_peer
+from tpusync.bench.limits import TcpLimit
 from tpusync.bench.network_peers import (
     REDIS_ROW,
     JaxPuller,
-    TcpLimit,
     bench_registry,
     iperf3_available,
     iperf3_gbps,

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from tpusync.bench.common import free_port, median, stop_process
-from tpusync.bench.limits import Iperf3PerStream, loopback_tcp
 from tpusync.bench.network_procs import (
     Child,
     block_keys,
@@ -36,45 +35,6 @@ from tpusync.cluster import (
 
 REGISTRY_BLOCKS = 512
 REDIS_ROW = "RedisRegistry -> redis-server"  # the peer of the registry lookups
-# iperf3 as tpusync runs within a host: a 256 KiB socket buffer (iperf3 sets both ends') and
-# 1 MiB writes, beside its defaults; the limit takes the better.
-IPERF3_TUNED = ("-w", "256K", "-l", "1M")
-IPERF3_OPTIONS = {"": (), " " + " ".join(IPERF3_TUNED): IPERF3_TUNED}
-
-
-class TcpLimit:
-    """The TCP limit within this host for ``connections`` streams: per sample, the C sender and
-    receiver of each chunk/buffer setting once, and one iperf3 process per stream with each
-    option set once; :meth:`result` gives the best median and its method."""
-
-    def __init__(self, stack: contextlib.ExitStack, connections: int, nbytes: int) -> None:
-        self.connections = connections
-        self.nbytes = nbytes
-        self.iperf: Iperf3PerStream | None = None
-        if shutil.which("iperf3") is not None:
-            self.iperf = stack.enter_context(Iperf3PerStream(connections))
-        self.runs: dict[str, list[float]] = {}
-
-    def _label(self, suffix: str) -> str:
-        c = self.connections
-        return f"iperf3 {c} stream{'s' if c > 1 else ''}{suffix}"
-
-    def sample(self, tries: int = 1) -> None:
-        found = loopback_tcp(self.connections, self.nbytes, repeats=3)
-        moved = self.nbytes // self.connections * self.connections  # what loopback_tcp sends
-        for label, seconds in found.runs.items():  # the best of 3: what the machine can do
-            self.runs.setdefault(f"C tcp {label}", []).append(moved / min(seconds) / 1e9)
-        if self.iperf is not None:
-            for suffix, options in IPERF3_OPTIONS.items():
-                gbps = self.iperf.gbps(self.nbytes, options, tries=tries)
-                self.runs.setdefault(self._label(suffix), []).append(gbps)
-
-    def result(self) -> dict[str, Any]:
-        medians = {k: median(v) for k, v in self.runs.items()}
-        best = max(medians, key=medians.__getitem__)
-        return {"limit_gbps": medians[best], "limit_method": best, "gbps_by_method": medians}
-
-
 # -- iperf3 over the shaped paths (one process per path) -------------------------------------------
 
 

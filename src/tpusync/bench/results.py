@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["latest_results", "write_results_md"]
+__all__ = [
+    "disagg_limits",
+    "latest_results",
+    "nixl_figures",
+    "same_host_figures",
+    "write_results_md",
+]
 
 Table = tuple[list[str], list[list[str]]]
 NO_PEER = "none runs here"
@@ -347,9 +353,10 @@ def _generic(record: dict[str, Any]) -> Table:
 
 def _vllm_disagg(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "consumer TTFT ms (x cold)", "transfer GB/s (TCP)",
-               "data plane GB/s", "transfer x data plane", "ExampleConnector consumer ms",
-               "NIXL consumer ms, GB/s (this host)", "NIXL consumer ms, GB/s (TCP)",
-               "same host: consumer ms, transfer GB/s, x its pull alone",
+               "x TCP limit", "data plane GB/s", "transfer x data plane",
+               "ExampleConnector consumer ms", "NIXL consumer ms, GB/s (this host)",
+               "NIXL consumer ms, GB/s (TCP)",
+               "same host: consumer ms, transfer GB/s, x its pull alone, x copy limit",
                "same tokens"]  # fmt: skip
     rows = []
     for r in record.get("results", []):
@@ -364,6 +371,8 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
             plane = float(min(r["data_plane_s_runs"]))
         # else the median; since data_plane_paired, of each load's pull repeated alone
         gb = float(r.get("loaded_bytes", 0)) / 1e9
+        tcp_limit, memory_limit = disagg_limits(r)
+        local_figures = same_host_figures(local, gb, memory_limit)
         nixl = [r.get(f"NIXL {t}") or {} for t in ("cma", "tcp")]
         same = bool(ours.get("outputs_equal") and peer.get("outputs_equal")) and all(
             p.get("outputs_equal", True)
@@ -371,25 +380,44 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
         )
         rows.append([
             str(r.get("tokens")), _num(cold * 1e3, 1),
-            f"{ttft * 1e3:.1f} ({ttft / cold:.2f}x)", _num(gb / load), _num(gb / plane),
+            f"{ttft * 1e3:.1f} ({ttft / cold:.2f}x)", _num(gb / load),
+            _ratio(gb / load, tcp_limit), _num(gb / plane),
             # a paired repeat of the load's own pull is no limit: ours may match it within noise
             f"{plane / load:.2f}" if r.get("data_plane_paired") else _ratio(gb / load, gb / plane),
             _num(example * 1e3, 1),
             *(", ".join(nixl_figures(p, int(r.get("loaded_bytes", 0)))) for p in nixl),
-            _same_host_figures(local, gb),
+            ", ".join(local_figures) if local_figures else "-",
             "yes" if same else "NO",
         ])  # fmt: skip
     return headers, rows
 
 
-def _same_host_figures(local: dict[str, Any], gb: float) -> str:
-    """The consumer reading the node's pool file (records since it was measured; "-" before):
-    its median TTFT, transfer rate and transfer against its own paired pulls alone."""
+def disagg_limits(r: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A ``vllm_disagg`` result's physical limits in GB/s: one TCP stream over loopback and a
+    streaming memory copy (None in records from before they were measured)."""
+    found = []
+    for key in ("tcp_limit", "memory_limit"):
+        gbps = (r.get(key) or {}).get("limit_gbps")
+        found.append(float(gbps) if isinstance(gbps, int | float) and gbps > 0 else None)
+    return found[0], found[1]
+
+
+def same_host_figures(
+    local: dict[str, Any], gb: float, memory_gbps: float | None
+) -> tuple[str, str, str, str] | None:
+    """The consumer reading the node's pool file (None where not measured): its median TTFT
+    (ms), transfer rate (GB/s), transfer against its own paired pulls alone, and its rate
+    against the memory-copy limit ("-" in records without one)."""
     runs = [local.get(k) for k in ("ttft_s_runs", "load_s_runs", "data_plane_s_runs")]
     if not all(runs):
-        return "-"
+        return None
     ttft, load, plane = (float(np.median(v)) for v in runs)  # type: ignore[arg-type]
-    return f"{ttft * 1e3:.1f}, {gb / load:.2f}, {plane / load:.2f}"
+    return (
+        f"{ttft * 1e3:.1f}",
+        f"{gb / load:.2f}",
+        f"{plane / load:.2f}",
+        _ratio(gb / load, memory_gbps),
+    )
 
 
 def nixl_figures(peer: dict[str, Any], loaded_bytes: int) -> tuple[str, str]:

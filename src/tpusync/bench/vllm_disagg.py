@@ -31,6 +31,12 @@ For each prompt size, medians over the requests:
   host ("cma") and over TCP as between hosts ("tcp"); nothing verified. Its row says so when
   nixl is not installed.
 
+The physical limits of the two paths, sampled before the first consumer and after each (no
+engine step runs then), medians of those samples: for the TCP row one TCP stream over loopback
+(a store-node tier pulls over one connection: the C sender and receiver and one iperf3 process,
+:class:`~tpusync.bench.limits.TcpLimit`); for the pool-file row a streaming copy of the loaded
+bytes on every core with the caches emptied first (:class:`~tpusync.memory.copy_limit.MemoryLimit`).
+
 Goals (issue 25): the transfer at >= 0.8x the data plane's own pull of the same bytes; the
 consumer's TTFT below the cold prefill.
 
@@ -56,12 +62,13 @@ from typing import Any
 import numpy as np
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
-from tpusync.bench.results import nixl_figures
+from tpusync.bench.limits import TcpLimit
+from tpusync.bench.results import disagg_limits, nixl_figures, same_host_figures
 from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
 from tpusync.cluster import Scatter
 from tpusync.connectors.vllm.worker import local_worker
-from tpusync.memory.copy_limit import CacheEmptier
+from tpusync.memory.copy_limit import CacheEmptier, MemoryLimit
 from tpusync.testing.processes import start_store_node, stop_process
 
 QUICK = ["--tokens", "1024", "--repeats", "2", "--rounds", "1"]
@@ -119,6 +126,32 @@ class PullProbe:
         if not all(landed):
             raise RuntimeError("vllm_disagg: the data plane's repeat of a pull missed blocks")
         return seconds
+
+
+class PathLimits:
+    """The physical limits of the consumer's two paths for ``nbytes``, sampled together between
+    consumers: one TCP stream over loopback and a streaming copy from emptied caches."""
+
+    def __init__(self, stack: contextlib.ExitStack, nbytes: int) -> None:
+        self.tcp = TcpLimit(stack, 1, nbytes)
+        self.memory = MemoryLimit(nbytes, cold=True)
+        stack.callback(self.memory.close)
+
+    def sample(self) -> None:
+        self.tcp.sample(tries=20)
+        self.memory.sample(repeats=3)
+
+    def record(self) -> dict[str, Any]:
+        memory = self.memory.result()
+        return {
+            "tcp_limit": self.tcp.result(),
+            "memory_limit": {
+                "limit_gbps": memory.gbps,
+                "limit_method": memory.method,
+                "gbps_by_method": memory.gbps_by_method,
+                "limit_s_runs": memory.runs,
+            },
+        }
 
 
 class Quiet:
@@ -196,7 +229,10 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
     work = Path(tempfile.mkdtemp(prefix="tpusync-bench-disagg-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="tpusync-bench-disagg-", dir="/dev/shm"))
     node = None
+    stack = contextlib.ExitStack()
     try:
+        limits = PathLimits(stack, loaded_bytes)
+        limits.sample()
         node, ready = start_store_node(
             work,
             os.urandom(32),
@@ -238,7 +274,10 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
                 worker = _worker(consumer)
                 if worker is not None:
                     result[label]["blocks_read_from_node_file"] = _file_blocks(worker.store)
+            limits.sample()
+        result.update(limits.record())
     finally:
+        stack.close()
         if node is not None:
             stop_process(node)
         shutil.rmtree(work, ignore_errors=True)
@@ -268,6 +307,16 @@ def _ms(values: Sequence[float]) -> str:
     return spread([v * 1e3 for v in values], digits=0)
 
 
+def _gbps(limit: float | None) -> str:
+    return "-" if limit is None else f"{limit:.2f}"
+
+
+def _x(gbps: float, limit: float | None) -> str:
+    if limit is None:
+        return "-"
+    return f"{gbps / limit:.2f}" + (" (limit beaten: the limit is wrong)" if gbps > limit else "")
+
+
 def table(results: list[dict[str, Any]]) -> None:
     rows = []
     for r in results:
@@ -276,37 +325,41 @@ def table(results: list[dict[str, Any]]) -> None:
         ours, peer = r["tpusync"], r["ExampleConnector"]
         ttft, load = median(ours["ttft_s_runs"]), median(ours["load_s_runs"])
         plane = median(r["data_plane_s_runs"])
+        tcp_limit, _ = disagg_limits(r)
         rows.append([
             r["tokens"], f"{r['loaded_bytes'] / 2**20:.0f}", _ms(r["cold_ttft_s_runs"]),
             _ms(ours["ttft_s_runs"]), ttft / cold, _ms(ours["load_s_runs"]),
-            f"{gb / load:.2f}", f"{gb / plane:.2f}", plane / load,
+            f"{gb / load:.2f}", _gbps(tcp_limit), _x(gb / load, tcp_limit),
+            f"{gb / plane:.2f}", plane / load,
             _ms(peer["ttft_s_runs"]), median(peer["ttft_s_runs"]) / ttft,
             "yes" if ours["outputs_equal"] and peer["outputs_equal"] else "NO",
         ])  # fmt: skip
     print_table(
         ["tokens", "KV MiB", "cold ms", "consumer ttft ms", "x cold", "transfer ms",
-         "transfer GB/s", "same pull alone GB/s", "x pull alone", "Example consumer ms",
-         "Example / ours", "same tokens"],
+         "transfer GB/s", "TCP limit GB/s", "x limit", "same pull alone GB/s", "x pull alone",
+         "Example consumer ms", "Example / ours", "same tokens"],
         rows,
     )  # fmt: skip
     rows = []
     for r in results:
         local = r.get(SAME_HOST)
-        if not local:
+        _, memory_limit = disagg_limits(r)
+        figures = same_host_figures(local or {}, r["loaded_bytes"] / 1e9, memory_limit)
+        if not local or figures is None:
             continue
+        _, gbps, over_pull, over_limit = figures
         gb = r["loaded_bytes"] / 1e9
-        load, plane = median(local["load_s_runs"]), median(local["data_plane_s_runs"])
         rows.append([
-            r["tokens"], _ms(local["ttft_s_runs"]), _ms(local["load_s_runs"]),
-            f"{gb / load:.2f}", f"{gb / plane:.2f}", plane / load,
-            f"{local.get('blocks_read_from_node_file', 0)}",
+            r["tokens"], _ms(local["ttft_s_runs"]), _ms(local["load_s_runs"]), gbps,
+            _gbps(memory_limit), over_limit, f"{gb / median(local['data_plane_s_runs']):.2f}",
+            over_pull, f"{local.get('blocks_read_from_node_file', 0)}",
             "yes" if local["outputs_equal"] else "NO",
         ])  # fmt: skip
     if rows:
         print("\nThe same consumer reading the node's pool file on this host (same_host)")
         print_table(
-            ["tokens", "consumer ttft ms", "transfer ms", "transfer GB/s",
-             "same pull alone GB/s", "x pull alone", "blocks read from the file",
+            ["tokens", "consumer ttft ms", "transfer ms", "transfer GB/s", "copy limit GB/s",
+             "x limit", "same pull alone GB/s", "x pull alone", "blocks read from the file",
              "same tokens"],
             rows,
         )  # fmt: skip
