@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 from tools import self_signed_tls
 
 from tpusync import DevicePool, _core
-from tpusync.cluster import BlockClient, MemoryRegistry
+from tpusync.cluster import BlockClient, MemoryRegistry, Scatter
+from tpusync.cluster.dataplane.local_reads import block_regions
 from tpusync.errors import (
     AuthenticationError,
     DtypeMismatchError,
@@ -36,9 +37,11 @@ from tpusync.errors import (
 )
 from tpusync.kv import DramTier, KVStoreConfig
 from tpusync.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
+from tpusync.tiers.blocks import slot_checksums
 from tpusync.weights import Publisher, Subscriber
-from tpusync.weights._stream import Rows, land_chunks
+from tpusync.weights._stream import Rows, scatter_runs
 from tpusync.weights.manifest import Manifest, chunk_key, manifest_key
+from tpusync.weights.publisher import chunk_layout
 
 SECRET = secrets.token_bytes(32)
 CHUNK = 1 << 16
@@ -114,9 +117,11 @@ def test_copy_sum64_streams_copies_and_hashes_what_it_wrote(data, cuts, written)
     taken=st.lists(st.booleans(), min_size=25, max_size=25),
 )
 @settings(max_examples=60, deadline=None)
-def test_land_chunks_copies_the_rows_and_checks_whole_chunks(n_chunks, cuts, taken):
-    """Rows that cover only part of some chunks (a process that needs part of an array):
-    the rows' bytes are copied, and each chunk's checksum is that of the whole chunk."""
+def test_rows_of_part_of_a_chunk_land_and_the_whole_chunk_is_checked(n_chunks, cuts, taken):
+    """Rows that cover only part of some chunks (a process that needs part of an array), copied
+    from a pool file's chunks as a same-host pull does (the scatter the subscriber hands its
+    client, the regions the client copies): the rows' bytes are copied, nothing else is, and
+    each chunk's checksum is that of the whole chunk."""
     C = 4096
     stream = np.random.default_rng(len(cuts)).integers(0, 256, n_chunks * C, dtype=np.uint8)
     bounds = sorted({0, n_chunks * C, *(c for c in cuts if c < n_chunks * C)})
@@ -131,7 +136,9 @@ def test_land_chunks_copies_the_rows_and_checks_whole_chunks(n_chunks, cuts, tak
     if not len(rows):
         return
     chunks = np.unique(rows.offset // C)
-    got = land_chunks(rows, chunks, C, stream.ctypes.data + chunks * C)
+    scatter = Scatter(*scatter_runs(rows, chunks, C))
+    regions = block_regions(chunk_layout("t", C), scatter, stream.ctypes.data + chunks * C)
+    got = slot_checksums(_core.copy_sum64_streams(*regions).reshape(len(chunks), -1))
     want = [_core.xxh64_rows(np.array([[_core.sum64(stream[c * C : (c + 1) * C])]], "<u8"))[0]
             for c in chunks.tolist()]  # fmt: skip
     assert got.tolist() == [int(w) for w in want]

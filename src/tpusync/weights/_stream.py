@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpusync import _core
-from tpusync.tiers.blocks import slot_checksums
 from tpusync.weights.plan import Piece
 
-__all__ = ["Rows", "land_chunks", "piece_rows", "scatter_runs", "split_at_chunks"]
+__all__ = ["Rows", "piece_rows", "scatter_runs", "split_at_chunks"]
 
 
 class Rows:
@@ -103,17 +101,6 @@ def _chunk_regions(
         length[keep].astype(np.uint64),
         ends,
     )
-
-
-def land_chunks(
-    rows: Rows, chunks: np.ndarray, chunk_bytes: int, source_of_chunk: np.ndarray
-) -> np.ndarray:
-    """Copies the rows of ``chunks`` (chunk ``chunks[i]`` is at ``source_of_chunk[i]``) into
-    place and returns each chunk's block checksum over the bytes **as written** (and, for bytes
-    no row carries, the chunk's own), in one pass (``_core.copy_sum64_streams``)."""
-    sources, targets, lengths, ends = _chunk_regions(rows, chunks, chunk_bytes, source_of_chunk)
-    digests = _core.copy_sum64_streams(sources, targets, lengths, ends)
-    return slot_checksums(digests[:, None])
 
 
 def scatter_runs(

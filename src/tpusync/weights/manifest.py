@@ -29,7 +29,7 @@ from tpusync.weights.plan import Box, leaf_plan
 
 __all__ = ["FORMAT", "LeafEntry", "Manifest", "chunk_key", "manifest_key"]
 
-FORMAT = 1
+FORMAT = 2  # 2: no pool slots or path (a same-host subscriber asks the lease)
 STREAM_ALIGNMENT = 64
 _MAX_LEAVES = 1 << 16
 _MAX_DIMS = 16
@@ -90,9 +90,7 @@ def dtype_of(name: str) -> np.dtype:
 class Manifest:
     """A version's manifest (see the module docstring).
 
-    ``checksums[i]`` is chunk ``i``'s block checksum (the tiers' scheme); ``slots[i]`` is where
-    the publisher's pool holds it, for a subscriber on the same host (``local``: the pool's
-    path, data offset, slot bytes and the host's boot id)."""
+    ``checksums[i]`` is chunk ``i``'s block checksum (the tiers' scheme)."""
 
     name: str
     version: int
@@ -101,8 +99,6 @@ class Manifest:
     total_bytes: int
     leaves: tuple[LeafEntry, ...]
     checksums: np.ndarray
-    slots: np.ndarray
-    local: dict[str, Any]
 
     @property
     def n_chunks(self) -> int:
@@ -127,8 +123,6 @@ class Manifest:
                 for leaf in self.leaves
             ],
             "checksums": self.checksums.astype("<u8").tobytes().hex(),
-            "slots": self.slots.astype("<i8").tobytes().hex(),
-            "local": self.local,
         }
         text = json.dumps(body, separators=(",", ":")).encode()
         return len(text).to_bytes(8, "little") + text
@@ -176,9 +170,8 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     total = _int(body["total_bytes"], "total_bytes", 0, chunk_bytes * _MAX_CHUNKS)
     n_chunks = -(-total // chunk_bytes)
     checksums = np.frombuffer(bytes.fromhex(body["checksums"]), dtype="<u8").astype(np.uint64)
-    slots = np.frombuffer(bytes.fromhex(body["slots"]), dtype="<i8").astype(np.int64)
-    if len(checksums) != n_chunks or len(slots) != n_chunks:
-        raise ValueError(f"checksums, slots: expected {n_chunks} each")
+    if len(checksums) != n_chunks:
+        raise ValueError(f"checksums: expected {n_chunks}")
     leaves_in = body["leaves"]
     if not isinstance(leaves_in, list) or len(leaves_in) > _MAX_LEAVES:
         raise ValueError("leaves: expected a list")
@@ -199,12 +192,7 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
             if offset + entry.box_bytes(b) > total:
                 raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")
         leaves.append(entry)
-    local = body["local"]
-    if not isinstance(local, dict):
-        raise ValueError("local: expected an object")
-    return Manifest(
-        name, version, parent, chunk_bytes, total, tuple(leaves), checksums, slots, local
-    )
+    return Manifest(name, version, parent, chunk_bytes, total, tuple(leaves), checksums)
 
 
 def check_name(name: Any) -> str:

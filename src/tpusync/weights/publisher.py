@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import ssl
 import threading
 import time
@@ -25,7 +24,6 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
-from tpusync.cluster.dataplane.local_reads import boot_id
 from tpusync.engines import native
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
@@ -251,14 +249,6 @@ class Publisher:
             total,
             tuple(entries),
             checksums,
-            reservation.slots.astype(np.int64),
-            {
-                "boot_id": boot_id(),
-                "uid": os.getuid(),
-                "pool_path": str(self.pool.path),
-                "data_offset": self.pool.geometry.data_offset,
-                "slot_bytes": self.layout.slot_bytes,
-            },
         )
         manifest_keys = self._write_manifest(version, manifest.to_bytes())
         with self._lock:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import mmap
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,24 +46,21 @@ from tpusync.errors import (
     WeightSyncError,
 )
 from tpusync.tiers import HostPool
-from tpusync.tiers.files import open_file
 from tpusync.weights._stream import (
     Rows,
-    land_chunks,
     piece_rows,
     scatter_runs,
     split_at_chunks,
 )
 from tpusync.weights.manifest import Manifest, check_name, check_version, chunk_key, manifest_key
 from tpusync.weights.plan import leaf_plan, shard_boxes
-from tpusync.weights.publisher import boot_id, chunk_layout, tree_paths
+from tpusync.weights.publisher import chunk_layout, tree_paths
 
 __all__ = ["PullReport", "Subscriber"]
 
 log = logging.getLogger("tpusync.weights")
 
 _PAGE = 4096
-_LAND_WINDOW = 256 << 20  # bytes landed from /dev/shm between deadline checks
 
 
 @dataclass
@@ -201,7 +196,7 @@ class Subscriber:
             "timeout_s": timeout_s,
             "tls": tls,
             "insecure": insecure,
-            "same_host": False,  # the subscriber reads the publisher's pool itself, first
+            "same_host": bool(same_host),
         }
         self._address, self._registry = address, registry
         self.deadline_s = float(deadline_s)
@@ -215,7 +210,6 @@ class Subscriber:
         self.same_host = bool(same_host)
         self._clients: dict[str, BlockClient] = {}
         self._manifest_staging: HostPool | None = None
-        self._local: tuple[tuple[int, int, int], mmap.mmap, int] | None = None
         self._rows_cache: dict[Any, Rows] = {}
         self._executor = ThreadPoolExecutor(
             max_workers=native.copy_threads(),  # every core lands chunks
@@ -489,120 +483,23 @@ class Subscriber:
         # the rows are sorted: each chunk's first row starts a run of equal chunk numbers
         chunks = row_chunk[np.flatnonzero(np.diff(row_chunk, prepend=-1))]
         report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
-        todo = chunks
-        local = self._open_local(manifest) if self.same_host else None
-        if local is not None:
-            source = local + int(manifest.local["data_offset"])
-            sources = source + manifest.slots[chunks] * int(manifest.local["slot_bytes"])
-            bad = self._land(rows, row_chunk, chunks, sources, manifest, deadline)
-            report.chunks_local = len(chunks) - len(bad)
-            report.chunks_retried = len(bad)
-            todo = bad
-        if len(todo):
-            report.chunks_network = len(todo)
-            report.chunks_retried += self._pull_network(client, manifest, rows, todo)
+        read_locally = client.local_blocks
+        report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks)
+        report.chunks_local = client.local_blocks - read_locally
+        report.chunks_network = len(chunks) + report.chunks_retried - report.chunks_local
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
         self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
         report.seconds = time.perf_counter() - start
         return report
 
-    def _open_local(self, manifest: Manifest) -> int | None:
-        """The address of the publisher's pool mapped read-only, when it is on this host and
-        this user's (else None: pull over the network). The mapping is kept while the file is
-        the same one, so later pulls pay no page faults for it."""
-        local = manifest.local
-        try:
-            if local.get("boot_id") != boot_id() or local.get("uid") != os.getuid():
-                return None
-            fd = open_file(str(local["pool_path"]), os.O_RDONLY)
-        except (OSError, TpuSyncError, KeyError):
-            return None
-        try:
-            info = os.fstat(fd)
-            slot_bytes = int(local["slot_bytes"])
-            end = int(local["data_offset"]) + (int(manifest.slots.max(initial=0)) + 1) * slot_bytes
-            if (
-                slot_bytes < manifest.chunk_bytes
-                or manifest.slots.min(initial=0) < 0
-                or end > info.st_size
-            ):
-                return None
-            identity = (info.st_dev, info.st_ino, info.st_size)
-            if self._local is None or self._local[0] != identity:
-                self._close_local()
-                # populated now: a page first touched while landing costs a fault each
-                mapped = mmap.mmap(
-                    fd, info.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                    prot=mmap.PROT_READ,
-                )  # fmt: skip
-                address = int(np.frombuffer(mapped, dtype=np.uint8).ctypes.data)
-                self._local = (identity, mapped, address)
-        finally:
-            os.close(fd)
-        return self._local[2]
-
-    def _close_local(self) -> None:
-        if self._local is not None:
-            self._local[1].close()
-            self._local = None
-
-    def _land(
-        self,
-        rows: Rows,
-        row_chunk: np.ndarray,
-        chunks: np.ndarray,
-        sources: np.ndarray,
-        manifest: Manifest,
-        deadline: float,
-    ) -> np.ndarray:
-        """Copies the rows of ``chunks`` (chunk ``chunks[i]`` at address ``sources[i]``) into
-        place and checks each chunk where it landed; returns the chunks that failed."""
-        C = manifest.chunk_bytes
-        bad: list[np.ndarray] = []
-        window = max(1, _LAND_WINDOW // C)
-        for w in range(0, len(chunks), window):
-            if time.monotonic() > deadline:
-                raise WeightSyncError(
-                    f"version {manifest.version}: the pull missed its deadline with "
-                    f"{len(chunks) - w} chunks to go"
-                )
-            part, src = chunks[w : w + window], sources[w : w + window]
-            lo, hi = np.searchsorted(row_chunk, [part[0], part[-1] + 1])
-            sel = slice(int(lo), int(hi))
-            window_rows = Rows(rows.offset[sel], rows.address[sel], rows.nbytes[sel])
-            digests = self._land_window(window_rows, part, C, src)
-            failed = digests != manifest.checksums[part]
-            if failed.any():
-                log.warning(
-                    "tpusync weights: version %d: %d chunks failed their checksum",
-                    manifest.version,
-                    int(failed.sum()),
-                )
-                bad.append(part[failed])
-        return np.concatenate(bad) if bad else np.zeros(0, dtype=np.int64)
-
-    def _land_window(
-        self, rows: Rows, chunks: np.ndarray, C: int, sources: np.ndarray
-    ) -> np.ndarray:
-        """:func:`land_chunks` on every core: contiguous runs of chunks per thread, the last
-        on this one."""
-        n = min(native.copy_threads(), len(chunks))
-        if n <= 1:
-            return land_chunks(rows, chunks, C, sources)
-        parts = np.array_split(np.arange(len(chunks)), n)
-        jobs = [
-            self._executor.submit(land_chunks, rows, chunks[p], C, sources[p]) for p in parts[:-1]
-        ]
-        last = land_chunks(rows, chunks[parts[-1]], C, sources[parts[-1]])
-        return np.concatenate([*(j.result() for j in jobs), last])
-
-    def _pull_network(
+    def _pull_chunk_rows(
         self, client: BlockClient, manifest: Manifest, rows: Rows, chunks: np.ndarray
     ) -> int:
-        """Receives ``chunks`` over the data plane straight into their rows' places (gaps
-        hashed and dropped), each verified against the manifest's checksum as it lands;
-        fetches the failed ones once more. Returns how many were fetched again."""
+        """Pulls ``chunks`` straight into their rows' places (gaps hashed and dropped), each
+        verified against the manifest's checksum as it lands: copied from the publisher's pool
+        file when it is on this host (the client's ``same_host``), else received over the data
+        plane; fetches the failed ones once more. Returns how many were fetched again."""
         layout = chunk_layout(self.name, manifest.chunk_bytes)
         todo, retried = chunks, 0
         for attempt in range(2):
@@ -703,7 +600,6 @@ class Subscriber:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
-        self._close_local()
         if self._manifest_staging is not None:
             self._manifest_staging.close()
             self._manifest_staging = None
