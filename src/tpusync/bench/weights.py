@@ -242,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [f"memory limit ({found.method}, all cores)", f"{lim:.2f}", "", ""],
         [f"TCP limit, 2 streams (ours {tcp:.2f}, iperf3 {iperf:.2f})", f"{net_lim:.2f}", "", ""],
         ["jax.device_put 8x1 -> 2x4, in process", spread(runs["device_put"]), "", ""],
-        ["BlockClient pull of the chunks (2 connections)", spread(runs["raw pull"]), "", ""],
+        ["BlockClient pull of the chunks, TCP (2 connections)", spread(runs["raw pull"]), "", ""],
         ["jax.experimental.transfer pull (8x1 -> 8x1)", spread(runs["jax pull"]), "", ""],
         ["jax.experimental.transfer + device_put into 2x4", spread(runs["jax e2e"]), "", ""],
         *orbax_rows,
