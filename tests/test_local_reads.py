@@ -18,7 +18,7 @@ from test_pull_scattered import KEYS, LAYOUT, SECRET, SIZE, Places, payload
 
 from tpusync import options
 from tpusync.cluster import BlockClient, BlockServer, StoreNode, StoreNodePool
-from tpusync.cluster.dataplane.local_reads import block_regions
+from tpusync.cluster.dataplane.local_reads import PoolFileReader, block_regions, boot_id
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 from tpusync.tiers.scatter import Scatter
@@ -110,6 +110,27 @@ def test_the_file_is_mapped_before_the_first_pull(tmp_path: Path, rng: np.random
         for i, key in enumerate(keys):
             assert np.array_equal(arena[i << 20 : (i + 1) << 20], payload(pool, key))
     assert faults < (len(keys) << 20) // (64 << 10) // 4
+
+
+def test_each_reason_to_fall_back_is_logged_once(
+    tmp_path: Path, rng: np.random.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "tpusync-gone.pool"
+    advert = {"path": str(path), "boot_id": boot_id(), "uid": os.geteuid(), "dev": 1, "ino": 2}
+    reader = PoolFileReader(advert, LAYOUT.fingerprint)
+    places = Places(rng, 1)
+    slots, sums = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint64)
+    with caplog.at_level("WARNING", logger="tpusync.cluster.dataplane.local_reads"):
+        for _ in range(2):
+            assert reader.land(LAYOUT, slots, sums, places.scatter) is None  # no such file
+        path.write_bytes(b"x" * 4096)
+        path.chmod(0o600)
+        for _ in range(2):
+            assert reader.land(LAYOUT, slots, sums, places.scatter) is None  # not the server's
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
+    assert "cannot open it" in said[0] and "not the server's" in said[1]
+    reader.close()
 
 
 def test_a_damaged_slot_is_a_miss(named: HostPool, rng: np.random.Generator) -> None:

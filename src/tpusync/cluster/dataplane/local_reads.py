@@ -56,6 +56,21 @@ WARM_MAX_BYTES = 16 << 30
 WARM_STEP_BYTES = 4 << 20  # mapped per step, the lock released between steps
 
 
+_copy_threads: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in, it)
+_copy_threads_lock = threading.Lock()
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    """The copy threads every reader of this process shares (a client of many servers would
+    hold a pool per server otherwise); a forked child makes its own (threads do not fork)."""
+    global _copy_threads
+    with _copy_threads_lock:
+        if _copy_threads is None or _copy_threads[0] != os.getpid():
+            made = ThreadPoolExecutor(MAX_COPY_THREADS - 1, thread_name_prefix="tpusync-file-read")
+            _copy_threads = (os.getpid(), made)
+        return _copy_threads[1]
+
+
 def boot_id() -> str:
     """This host's boot id: a pool file is read directly only by a reader on the same boot."""
     try:
@@ -110,10 +125,9 @@ class PoolFileReader:
         self.fingerprint = fingerprint
         self._lock = threading.Lock()
         self._mapped: _Mapped | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._warming: threading.Thread | None = None
         self._closed = False
-        self._warned = False
+        self._warned: set[str] = set()  # the reasons logged (each once)
         self.path: str | None = None
         self._file = (-1, -1)  # the server's (st_dev, st_ino) of it
         if (
@@ -199,8 +213,7 @@ class PoolFileReader:
         n = min(threads, blocks)
         if n <= 1:
             return _core.copy_sum64_streams(sources, targets, lengths, ends)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(threads - 1, thread_name_prefix="tpusync-file-read")
+        pool = _copy_pool()
         cuts = [b * pieces for b in np.linspace(0, blocks, n + 1).astype(np.int64).tolist()]
         starts = np.concatenate(([0], ends))  # the first region of each stream, and the end
 
@@ -210,7 +223,7 @@ class PoolFileReader:
                 sources[r0:r1], targets[r0:r1], lengths[r0:r1], ends[g0:g1] - r0
             )
 
-        jobs = [self._executor.submit(part, a, b) for a, b in itertools.pairwise(cuts[:-1])]
+        jobs = [pool.submit(part, a, b) for a, b in itertools.pairwise(cuts[:-1])]
         try:
             last = part(cuts[-2], cuts[-1])
         finally:
@@ -225,7 +238,7 @@ class PoolFileReader:
             fd = open_file(self.path, os.O_RDONLY)
         except (OSError, ValueError, TpuSyncError) as error:
             self._unmap()  # the file is gone: keep none of its memory
-            self._warn(f"cannot open it ({error})")
+            self._warn("cannot open it", error)
             return None
         try:
             info = os.fstat(fd)
@@ -254,7 +267,7 @@ class PoolFileReader:
             )
             return self._mapped
         except (OSError, ValueError, PoolFormatError) as error:
-            self._warn(f"cannot map it ({error})")
+            self._warn("cannot map it", error)
             return None
         finally:
             os.close(fd)
@@ -277,19 +290,18 @@ class PoolFileReader:
                 break  # an older kernel: the copy faults the pages in
         mapped.populated[fresh] = True
 
-    def _warn(self, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning("tpusync: pool file %s is read over TCP instead: %s", self.path, why)
+    def _warn(self, why: str, detail: object = None) -> None:
+        """Logs why pulls go over TCP, once per reason (``detail`` varies, the reason not)."""
+        if why not in self._warned:
+            self._warned.add(why)
+            because = why if detail is None else f"{why} ({detail})"
+            log.warning("tpusync: pool file %s is read over TCP instead: %s", self.path, because)
 
     def close(self) -> None:
         """Unmaps the file, after a copy in progress; later pulls go over TCP."""
         with self._lock:
             self._closed = True
             self._unmap()
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
-                self._executor = None
 
     def _unmap(self) -> None:
         mapped, self._mapped = self._mapped, None
