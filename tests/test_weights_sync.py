@@ -305,6 +305,10 @@ def test_a_chunk_damaged_in_flight_is_fetched_again(publisher):
             report = sub.pull(1)
             assert proxy.flipped == 1
             assert report.chunks_retried >= 1
+            # each chunk counted once, where it finally came from (every chunk: one process
+            # holds all eight devices)
+            assert report.chunks_local == 0
+            assert report.chunks_network == publisher._chunks[1]
             _same_bits(sub.commit(), params)
     finally:
         proxy.close()

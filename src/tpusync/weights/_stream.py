@@ -1,5 +1,5 @@
-"""Byte rows between a version's stream and shard buffers, and the per-chunk checksum of the
-bytes that landed.
+"""Byte rows between a version's stream and shard buffers, and a subscriber's rows as the
+scatter of a data-plane pull of its chunks.
 
 A row is (stream offset, address, bytes): ``bytes`` of the stream at ``offset`` sit at
 ``address``. The publisher's rows read shards into chunks; a subscriber's rows are the runs of

@@ -2,12 +2,13 @@
 own layout (any mesh, any sharding), verifies every byte that lands, and switches to it at
 once on :meth:`Subscriber.commit`.
 
-A pull reads only the chunks its own shards need: from the publisher's /dev/shm pool when it
-runs on the same host (read-only, the same user), else over the authenticated data plane. The
-reshard plan (:mod:`tpusync.weights.plan`) cuts each chunk into its runs in the target shards;
-then each chunk's checksum is computed over the bytes where they landed and compared with the
-manifest's, so nothing is trusted between the trainer's arrays and the sampler's. A chunk that
-fails is fetched again over the network; failing twice fails the pull.
+A pull reads only the chunks its own shards need, through its data-plane client: from the
+publisher's /dev/shm pool file when it runs on the same host (read-only, the same user and
+boot: the client's same-host reads), else over the authenticated data plane. The reshard plan
+(:mod:`tpusync.weights.plan`) cuts each chunk into its runs in the target shards; then each
+chunk's checksum is computed over the bytes where they landed and compared with the manifest's,
+so nothing is trusted between the trainer's arrays and the sampler's. A chunk that fails is
+fetched again (the same way); failing twice fails the pull.
 
 Shadow mode (the default): the pull fills new buffers; the committed version is untouched until
 :meth:`commit`, which only swaps references, and a failed pull leaves it as it was. In-place mode
@@ -61,6 +62,7 @@ __all__ = ["PullReport", "Subscriber"]
 log = logging.getLogger("tpusync.weights")
 
 _PAGE = 4096
+_PULL_WINDOW = 256 << 20  # bytes pulled between deadline checks
 
 
 @dataclass
@@ -211,10 +213,7 @@ class Subscriber:
         self._clients: dict[str, BlockClient] = {}
         self._manifest_staging: HostPool | None = None
         self._rows_cache: dict[Any, Rows] = {}
-        self._executor = ThreadPoolExecutor(
-            max_workers=native.copy_threads(),  # every core lands chunks
-            thread_name_prefix="tpusync-weights",
-        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpusync-weights")
         # a thread made now: commit() hands it the next buffers, never waits for one to start
         self._executor.submit(int)
         self._live: _Pulled | None = None
@@ -484,9 +483,10 @@ class Subscriber:
         chunks = row_chunk[np.flatnonzero(np.diff(row_chunk, prepend=-1))]
         report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
         read_locally = client.local_blocks
-        report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks)
-        report.chunks_local = client.local_blocks - read_locally
-        report.chunks_network = len(chunks) + report.chunks_retried - report.chunks_local
+        report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks, deadline)
+        # every chunk landed once, from the file or over the network (retries included)
+        report.chunks_local = min(len(chunks), client.local_blocks - read_locally)
+        report.chunks_network = len(chunks) - report.chunks_local
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
         self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
@@ -494,21 +494,42 @@ class Subscriber:
         return report
 
     def _pull_chunk_rows(
-        self, client: BlockClient, manifest: Manifest, rows: Rows, chunks: np.ndarray
+        self,
+        client: BlockClient,
+        manifest: Manifest,
+        rows: Rows,
+        chunks: np.ndarray,
+        deadline: float,
     ) -> int:
         """Pulls ``chunks`` straight into their rows' places (gaps hashed and dropped), each
         verified against the manifest's checksum as it lands: copied from the publisher's pool
         file when it is on this host (the client's ``same_host``), else received over the data
-        plane; fetches the failed ones once more. Returns how many were fetched again."""
+        plane; fetches the failed ones once more. Returns how many were fetched again.
+
+        Pulled in windows of :data:`_PULL_WINDOW` bytes with the deadline checked between them:
+        a copy from the file cannot be cut short by the watchdog closing the client."""
         layout = chunk_layout(self.name, manifest.chunk_bytes)
+        window = max(1, _PULL_WINDOW // manifest.chunk_bytes)
         todo, retried = chunks, 0
         for attempt in range(2):
-            first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
-            keys = [chunk_key(self.name, manifest.version, int(c)) for c in todo]
-            loaded = client.pull_scattered(
-                keys, layout, Scatter(first, offsets, targets), checksums=manifest.checksums[todo]
-            )
-            todo = todo[~np.asarray(loaded, dtype=bool)]
+            failed = []
+            for w in range(0, len(todo), window):
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(
+                        f"version {manifest.version}: the pull missed its deadline with "
+                        f"{len(todo) - w} chunks to go"
+                    )
+                part = todo[w : w + window]
+                first, offsets, targets = scatter_runs(rows, part, manifest.chunk_bytes)
+                keys = [chunk_key(self.name, manifest.version, int(c)) for c in part]
+                loaded = client.pull_scattered(
+                    keys,
+                    layout,
+                    Scatter(first, offsets, targets),
+                    checksums=manifest.checksums[part],
+                )
+                failed.append(part[~np.asarray(loaded, dtype=bool)])
+            todo = np.concatenate(failed) if failed else todo[:0]
             if not len(todo):
                 return retried
             if not attempt:

@@ -56,19 +56,28 @@ WARM_MAX_BYTES = 16 << 30
 WARM_STEP_BYTES = 4 << 20  # mapped per step, the lock released between steps
 
 
-_copy_threads: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in, it)
+_copy_threads: ThreadPoolExecutor | None = None
 _copy_threads_lock = threading.Lock()
+
+
+def _forget_copy_threads() -> None:
+    global _copy_threads, _copy_threads_lock
+    _copy_threads, _copy_threads_lock = None, threading.Lock()  # threads do not survive a fork
+
+
+os.register_at_fork(after_in_child=_forget_copy_threads)
 
 
 def _copy_pool() -> ThreadPoolExecutor:
     """The copy threads every reader of this process shares (a client of many servers would
-    hold a pool per server otherwise); a forked child makes its own (threads do not fork)."""
+    hold a pool per server otherwise)."""
     global _copy_threads
     with _copy_threads_lock:
-        if _copy_threads is None or _copy_threads[0] != os.getpid():
-            made = ThreadPoolExecutor(MAX_COPY_THREADS - 1, thread_name_prefix="tpusync-file-read")
-            _copy_threads = (os.getpid(), made)
-        return _copy_threads[1]
+        if _copy_threads is None:
+            _copy_threads = ThreadPoolExecutor(
+                MAX_COPY_THREADS - 1, thread_name_prefix="tpusync-file-read"
+            )
+        return _copy_threads
 
 
 def boot_id() -> str:
@@ -152,8 +161,8 @@ class PoolFileReader:
 
     def warm(self) -> None:
         """Maps the file now and its pages in the background (up to :data:`WARM_MAX_BYTES`),
-        so that the first pulls do not map them while they copy. Does nothing where the file
-        cannot be read (the first pull says why)."""
+        so that the first pulls do not map them while they copy. Where the file cannot be read
+        it logs why (pulls then go over TCP)."""
         if self.path is None:
             return
         with self._lock:
@@ -165,7 +174,11 @@ class PoolFileReader:
             self._warming = threading.Thread(
                 target=self._warm_pages, args=(mapped,), name="tpusync-file-warm", daemon=True
             )
-        self._warming.start()
+            try:
+                self._warming.start()
+            except RuntimeError as error:  # no thread to spare: pulls map their own slots
+                self._warming = None
+                log.warning("tpusync: pool file %s is not mapped ahead: %s", self.path, error)
 
     def _warm_pages(self, mapped: _Mapped) -> None:
         per_step = max(1, WARM_STEP_BYTES // mapped.slot_bytes)
