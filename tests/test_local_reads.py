@@ -17,7 +17,16 @@ import pytest
 from test_pull_scattered import KEYS, LAYOUT, SECRET, SIZE, Places, payload
 
 from tpusync import options
-from tpusync.cluster import BlockClient, BlockServer, StoreNode, StoreNodePool
+from tpusync.cluster import (
+    BlockClient,
+    BlockServer,
+    MemoryRegistry,
+    NodeInfo,
+    RegistryPool,
+    RegistryTier,
+    StoreNode,
+    StoreNodePool,
+)
 from tpusync.cluster.dataplane.local_reads import PoolFileReader, block_regions, boot_id
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
@@ -341,6 +350,26 @@ def test_a_named_store_node_is_read_from_its_file_also_after_a_restart(
                 assert np.array_equal(places.arena, want)
         finally:
             node.close()
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["file", "tcp"])
+def test_a_registry_pool_reads_a_peer_on_this_host_from_its_file(
+    named: HostPool, rng: np.random.Generator, same_host: bool
+) -> None:
+    registry = MemoryRegistry()
+    with BlockServer(named, secret=SECRET) as server:
+        registry.register(NodeInfo("peer", addresses=(server.address,)), ttl_s=60)
+        registry.publish("peer", KEYS, "dram")
+        places = Places(rng, len(KEYS))
+        with RegistryPool(registry, LAYOUT, secret=SECRET, same_host=same_host) as cluster:
+            assert cluster.get_scattered(KEYS, places.scatter) == [True] * len(KEYS)
+            read = sum(peer.client.local_blocks for peer in cluster._peers.values())
+        assert np.array_equal(
+            places.arena, places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
+        )
+        assert read == (len(KEYS) if same_host else 0)
+    with pytest.raises(InvalidArgumentError, match="same_host"):
+        RegistryTier(registry, same_host="no")  # type: ignore[arg-type]
 
 
 def test_same_host_must_be_a_bool(named: HostPool) -> None:

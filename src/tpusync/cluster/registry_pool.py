@@ -44,6 +44,8 @@ class RegistryPool:
       connections: connections per peer (striping).
       timeout_s: every socket operation's timeout.
       tls, insecure: as for :class:`~tpusync.cluster.BlockClient` (TLS off loopback).
+      same_host: as for :class:`~tpusync.cluster.BlockClient`: a peer on this host whose pool
+        is a named /dev/shm pool is read from its file (False: always over TCP).
     """
 
     read_only = True
@@ -59,6 +61,7 @@ class RegistryPool:
         timeout_s: float = 10.0,
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
+        same_host: bool = True,
     ) -> None:
         if not isinstance(registry, Registry):
             raise InvalidArgumentError(
@@ -68,8 +71,11 @@ class RegistryPool:
             raise InvalidArgumentError(
                 f"layout: expected a PoolLayout, got {type(layout).__name__}"
             )
+        if not isinstance(same_host, bool):
+            raise InvalidArgumentError(f"same_host: expected True or False, got {same_host!r}")
         self.registry = registry
         self.layout = layout
+        self.same_host = same_host
         self.stats = TierStats("cluster")
         self._secret = secret
         self._exclude = exclude
@@ -113,6 +119,7 @@ class RegistryPool:
                 tls=self._tls,
                 insecure=self._insecure,
                 layout=self.layout,  # a store node serves the layout its client names
+                same_host=self.same_host,
             )
             peer = self._peers[node_id] = RemotePool(client, self.layout)
             return peer

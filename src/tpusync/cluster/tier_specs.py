@@ -158,7 +158,9 @@ class RegistryTier:
         :class:`~tpusync.cluster.RemoteRegistry`, the data plane's secret and ``tls``), or
       redis_url, redis_prefix: a :class:`~tpusync.cluster.RedisRegistry`.
       exclude: this node's id (its own blocks are in its local tiers).
-      connections, timeout_s, tls, insecure: as for :class:`~tpusync.cluster.BlockClient`.
+      connections, timeout_s, tls, insecure, same_host: as for
+        :class:`~tpusync.cluster.BlockClient` (``same_host``: peers on this host whose DRAM is
+        a named /dev/shm pool are read from its file).
       secret: the data plane's secret; None: the store's ``KVStoreConfig.secret``.
       name: the tier's name in the store.
     """
@@ -174,9 +176,14 @@ class RegistryTier:
     insecure: bool = False
     secret: bytes | None = field(default=None, repr=False)
     name: str = "cluster"
+    same_host: bool = True
 
     def __post_init__(self) -> None:
         check_tier_name(self.name, "registry.name")
+        if self.same_host is not True and self.same_host is not False:
+            raise InvalidArgumentError(
+                f"{self.name}.same_host: expected True or False, got {self.same_host!r}"
+            )
         given = [self.registry is not None, self.address is not None, self.redis_url is not None]
         if sum(given) != 1:
             raise InvalidArgumentError(
@@ -232,6 +239,7 @@ class RegistryTier:
                 timeout_s=self.timeout_s,
                 tls=self.tls,
                 insecure=self.insecure,
+                same_host=self.same_host,
             )
         except BaseException:
             if owned is not None:
