@@ -67,12 +67,12 @@ def split_at_chunks(rows: Rows, chunk_bytes: int) -> Rows:
 
 
 def _chunk_regions(
-    rows: Rows, chunks: np.ndarray, chunk_bytes: int, source_of_chunk: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rows: Rows, chunks: np.ndarray, chunk_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each chunk of ``chunks`` (sorted; each holds at least one row) as a stream of regions in
-    its byte order: the rows (sorted, each inside one chunk, not overlapping; source, target)
-    and, around them, the bytes no row carries (source only: target 0). Returns sources,
-    targets, lengths, ends."""
+    its byte order: the rows (sorted, each inside one chunk, not overlapping; offset in the
+    chunk, target) and, around them, the bytes no row carries (target 0). Returns the offsets,
+    targets and each chunk's end in them."""
     chunk_of_row = rows.offset // chunk_bytes
     lo, hi = np.searchsorted(chunk_of_row, [chunks[0], chunks[-1] + 1]) if len(chunks) else (0, 0)
     rc = chunk_of_row[lo:hi]
@@ -81,7 +81,6 @@ def _chunk_regions(
     rel = rows.offset[lo:hi][picked] - rc * chunk_bytes
     n = rows.nbytes[lo:hi][picked]
     address = rows.address[lo:hi][picked]
-    base = source_of_chunk[np.searchsorted(chunks, rc)].astype(np.int64)
     first = np.ones(len(rc), dtype=bool)
     first[1:] = rc[1:] != rc[:-1]
     last = np.ones(len(rc), dtype=bool)
@@ -89,18 +88,13 @@ def _chunk_regions(
     end = rel + n
     gap_start = np.where(first, 0, np.concatenate([[0], end[:-1]]))
     # per row: the gap before it, the row, and after a chunk's last row the chunk's tail
-    src = np.stack([base + gap_start, base + rel, base + end], 1).reshape(-1)
+    offset = np.stack([gap_start, rel, end], 1).reshape(-1)
     dst = np.stack([np.zeros_like(rel), address, np.zeros_like(rel)], 1).reshape(-1)
     length = np.stack([rel - gap_start, n, np.where(last, chunk_bytes - end, 0)], 1).reshape(-1)
     keep = length > 0
     region_chunk = np.repeat(rc, 3)[keep]
     ends = np.searchsorted(region_chunk, chunks, side="right").astype(np.int64)
-    return (
-        src[keep].astype(np.uint64),
-        dst[keep].astype(np.uint64),
-        length[keep].astype(np.uint64),
-        ends,
-    )
+    return offset[keep].astype(np.int64), dst[keep].astype(np.uint64), ends
 
 
 def scatter_runs(
@@ -109,9 +103,5 @@ def scatter_runs(
     """Where each chunk of ``chunks`` lands, as a data-plane scatter (first, offsets, targets):
     its rows' places in its byte order and, for the bytes no row carries, target 0 (hashed,
     then dropped)."""
-    starts, targets, _, ends = _chunk_regions(
-        rows, chunks, chunk_bytes, chunks.astype(np.int64) * chunk_bytes
-    )
-    region_chunk = np.repeat(chunks.astype(np.int64), np.diff(ends, prepend=0))
-    offsets = starts.astype(np.int64) - region_chunk * chunk_bytes
+    offsets, targets, ends = _chunk_regions(rows, chunks, chunk_bytes)
     return np.concatenate(([0], ends)).astype(np.int64), offsets, targets
