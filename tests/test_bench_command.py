@@ -223,6 +223,15 @@ def test_vllm_disagg_compares_like_with_like() -> None:
     read = dict(read, outputs_equal=False)
     row = TABLES["vllm_disagg"]({"results": [dict(record, **{"tpusync same host": read})]})[1][0]
     assert row[-1] == "NO"
+    # the TCP consumer with its ends left to the kernel: against its own pulls alone, no limit
+    unpinned = headers.index("TCP, ends unpinned: consumer ms, transfer GB/s, x its pull alone")
+    free = {"ttft_s_runs": [0.03], "load_s_runs": [0.016, 0.020], "data_plane_s_runs": [0.009],
+            "outputs_equal": True}  # fmt: skip
+    row = TABLES["vllm_disagg"]({"results": [dict(record, **{"tpusync, ends unpinned": free})]})[1][
+        0
+    ]
+    assert row[unpinned] == "30.0, 0.89, 0.50" and row[-1] == "yes"
+    assert TABLES["vllm_disagg"]({"results": [record]})[1][0][unpinned] == "-"
 
 
 def test_sglang_hicache_round_trip_moves_the_batch_twice_over_set_plus_get() -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tools import require_tool
 
 from tpusync._native import limits as native
+from tpusync.bench.cores import SplitEnds
 from tpusync.bench.limits import (
     NR_HUGEPAGES,
     TCP_SETTINGS,
@@ -119,6 +120,17 @@ def test_a_low_mark_above_what_the_window_holds_still_finishes() -> None:
     assert time.monotonic() - start < 20
 
 
+def test_the_tcp_ends_can_each_be_pinned_to_a_cpu() -> None:
+    ends = SplitEnds.here()
+    assert ends is not None, "this test needs two CPUs"
+    result = loopback_tcp(1, 4 << 20, repeats=1, ends=ends)
+    assert all(g > 0 for g in result.gbps_by_method.values())
+    # the pinning is applied, not ignored: a CPU this machine lacks fails the run
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(OSError):
+        native.tcp_seconds(1, 1 << 20, 0, 1 << 16, 0, 1, 0, missing, ends.receiver)
+
+
 def _copy(dst_size: int, src_size: int, threads: int = 1, method: str = "memcpy") -> None:
     native.copy_seconds(
         np.ones(dst_size, np.uint8), np.ones(src_size, np.uint8), threads, method, 1
@@ -132,6 +144,7 @@ def _copy(dst_size: int, src_size: int, threads: int = 1, method: str = "memcpy"
         (lambda: _copy(8, 8, method="fast"), "method"),
         (lambda: _copy(8, 8, threads=0), "threads"),
         (lambda: native.tcp_seconds(0, 1, 0, 1, 0, 1), "streams"),
+        (lambda: native.tcp_seconds(1, 1, 0, 1, 0, 1, 0, -2), "sender_cpu, receiver_cpu"),
         (lambda: MemoryLimit(0), "nbytes"),
         (lambda: MemoryLimit(True), "nbytes"),
     ],
@@ -181,6 +194,12 @@ def test_iperf3_per_stream_runs_one_client_per_stream() -> None:
     with Iperf3PerStream(2) as iperf:
         assert len(iperf.ports) == 2 and len(set(iperf.ports)) == 2
         assert iperf.gbps(16 << 20) > 0
+        ends = SplitEnds.here()
+        assert ends is not None, "this test needs two CPUs"
+        assert iperf.gbps(16 << 20, ends=ends) > 0
+        # the ends' CPUs reach iperf3 (-A): one this machine lacks fails the run
+        with pytest.raises(RuntimeError, match="iperf3 failed"):
+            iperf.gbps(1 << 20, tries=1, ends=SplitEnds(max(os.sched_getaffinity(0)) + 1, 0))
         servers = list(iperf._servers)
     assert all(server.poll() is not None for server in servers)  # stopped by pid
 

@@ -28,9 +28,10 @@ int tps_limit_have_streaming(void);
  * has everything. The sender writes one touched buffer in `chunk`-byte send calls; the receiver
  * reads into one buffer, at most `chunk` bytes a call, touching nothing. sndbuf > 0 sets
  * SO_SNDBUF (0: autotuned); lowat > 0 makes each receive wait for min(lowat, what is missing)
- * bytes (SO_RCVLOWAT, as tpusync's receiver does; 0: the kernel's default of 1). Returns 0, or
- * an errno value. */
+ * bytes (SO_RCVLOWAT, as tpusync's receiver does; 0: the kernel's default of 1). sender_cpu,
+ * receiver_cpu >= 0 pin every sender / receiver thread to that CPU (-1: wherever the kernel
+ * puts them). Returns 0, or an errno value. */
 int tps_limit_tcp(int streams, size_t bytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                  size_t lowat, int repeats, double *seconds);
+                  size_t lowat, int repeats, int sender_cpu, int receiver_cpu, double *seconds);
 
 #endif

@@ -16,4 +16,6 @@ def tcp_seconds(
     sndbuf: int,
     repeats: int,
     lowat: int = 0,
+    sender_cpu: int = -1,
+    receiver_cpu: int = -1,
 ) -> list[float]: ...

@@ -13,7 +13,8 @@ cdef extern from "tpusync/limits.h" nogil:
                        int repeats, double *seconds)
     int tps_limit_have_streaming()
     int tps_limit_tcp(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                      size_t lowat, int repeats, double *seconds)
+                      size_t lowat, int repeats, int sender_cpu, int receiver_cpu,
+                      double *seconds)
 
 COPY_METHODS = {"memcpy": 0, "stream": 1, "stream_pages": 2, "stream_four": 3}
 
@@ -56,14 +57,20 @@ def copy_seconds(dst, src, int threads, str method, int repeats) -> list:
 
 
 def tcp_seconds(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                int repeats, size_t lowat=0) -> list:
+                int repeats, size_t lowat=0, int sender_cpu=-1, int receiver_cpu=-1) -> list:
     """Moves ``nbytes`` per stream over ``streams`` loopback connections at once, ``repeats``
     times after ``warm_bytes`` untimed; the seconds of each repeat (see csrc/limits.c).
-    ``lowat``: the receiver's SO_RCVLOWAT step (0: the kernel's default)."""
+    ``lowat``: the receiver's SO_RCVLOWAT step (0: the kernel's default). ``sender_cpu``,
+    ``receiver_cpu``: the CPU each sending / receiving thread is pinned to (-1: not pinned)."""
     if streams < 1 or repeats < 1 or chunk < 1 or nbytes < 1:
         raise InvalidArgumentError(
             "streams, repeats, chunk, nbytes: expected positive ints, got "
             f"{streams}, {repeats}, {chunk} and {nbytes}"
+        )
+    if sender_cpu < -1 or receiver_cpu < -1:
+        raise InvalidArgumentError(
+            "sender_cpu, receiver_cpu: expected a CPU number or -1 (not pinned), got "
+            f"{sender_cpu} and {receiver_cpu}"
         )
     cdef double *seconds = <double *>malloc(repeats * sizeof(double))
     cdef int err
@@ -72,7 +79,7 @@ def tcp_seconds(int streams, size_t nbytes, size_t warm_bytes, size_t chunk, int
     try:
         with nogil:
             err = tps_limit_tcp(streams, nbytes, warm_bytes, chunk, sndbuf, lowat, repeats,
-                                seconds)
+                                sender_cpu, receiver_cpu, seconds)
         if err:
             raise OSError(err, strerror(err).decode())
         return [seconds[i] for i in range(repeats)]

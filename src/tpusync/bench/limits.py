@@ -28,6 +28,7 @@ from typing import Any
 
 from tpusync._native import limits as _limits
 from tpusync.bench.common import free_port, median, stop_process
+from tpusync.bench.cores import SplitEnds
 from tpusync.errors import InvalidArgumentError
 from tpusync.memory.copy_limit import LimitResult, MemoryLimit
 
@@ -61,11 +62,18 @@ def _size(nbytes: int) -> str:
 
 
 def loopback_tcp(
-    streams: int, nbytes: int, *, repeats: int = 3, warm_bytes: int | None = None
+    streams: int,
+    nbytes: int,
+    *,
+    repeats: int = 3,
+    warm_bytes: int | None = None,
+    ends: SplitEnds | None = None,
 ) -> LimitResult:
     """TCP over loopback with ``streams`` connections at once, ``nbytes`` in all per repeat:
     GB/s per setting ("chunk=…,sndbuf=…[,lowat=…]"), medians of ``repeats`` runs on warm
-    connections."""
+    connections. ``ends``: the senders on one CPU and the receivers on another, as between
+    hosts (None: wherever the kernel puts them)."""
+    cpus = (-1, -1) if ends is None else (ends.sender, ends.receiver)
     per_stream = max(1, nbytes // streams)
     warm = per_stream // 4 if warm_bytes is None else warm_bytes
     gbps: dict[str, float] = {}
@@ -73,7 +81,9 @@ def loopback_tcp(
     for chunk, sndbuf, lowat in TCP_SETTINGS:
         label = f"chunk={_size(chunk)},sndbuf={'auto' if sndbuf == 0 else _size(sndbuf)}"
         label += f",lowat={_size(lowat)}" if lowat else ""
-        seconds = _limits.tcp_seconds(streams, per_stream, warm, chunk, sndbuf, repeats, lowat)
+        seconds = _limits.tcp_seconds(
+            streams, per_stream, warm, chunk, sndbuf, repeats, lowat, *cpus
+        )
         runs[label] = seconds
         gbps[label] = per_stream * streams / statistics.median(seconds) / 1e9
     return LimitResult(gbps, runs)
@@ -200,8 +210,17 @@ class Iperf3PerStream:
             for port in self.ports
         ]
 
-    def gbps(self, nbytes: int, options: Sequence[str] = (), tries: int = 20) -> float:
-        """GB/s of one run: ``nbytes`` in all, each client its share over one connection."""
+    def gbps(
+        self,
+        nbytes: int,
+        options: Sequence[str] = (),
+        tries: int = 20,
+        ends: SplitEnds | None = None,
+    ) -> float:
+        """GB/s of one run: ``nbytes`` in all, each client its share over one connection.
+        ``ends``: the sending clients on one CPU, the receiving servers on another."""
+        if ends is not None:
+            options = [*options, "-A", f"{ends.sender},{ends.receiver}"]
         for attempt in range(tries):  # the first tries may find a server not listening yet
             clients = [
                 subprocess.Popen(
@@ -264,11 +283,19 @@ IPERF3_OPTIONS = {"": (), " " + " ".join(IPERF3_TUNED): IPERF3_TUNED}
 class TcpLimit:
     """The TCP limit within this host for ``connections`` streams: per sample, the C sender and
     receiver of each chunk/buffer setting once, and one iperf3 process per stream with each
-    option set once; :meth:`result` gives the best median and its method."""
+    option set once; :meth:`result` gives the best median and its method. ``ends``: each end
+    pinned to its own CPU, as between hosts (None: not pinned)."""
 
-    def __init__(self, stack: contextlib.ExitStack, connections: int, nbytes: int) -> None:
+    def __init__(
+        self,
+        stack: contextlib.ExitStack,
+        connections: int,
+        nbytes: int,
+        ends: SplitEnds | None = None,
+    ) -> None:
         self.connections = connections
         self.nbytes = nbytes
+        self.ends = ends
         self.iperf: Iperf3PerStream | None = None
         if shutil.which("iperf3") is not None:
             self.iperf = stack.enter_context(Iperf3PerStream(connections))
@@ -279,16 +306,23 @@ class TcpLimit:
         return f"iperf3 {c} stream{'s' if c > 1 else ''}{suffix}"
 
     def sample(self, tries: int = 1) -> None:
-        found = loopback_tcp(self.connections, self.nbytes, repeats=3)
+        found = loopback_tcp(self.connections, self.nbytes, repeats=3, ends=self.ends)
         moved = self.nbytes // self.connections * self.connections  # what loopback_tcp sends
         for label, seconds in found.runs.items():  # the best of 3: what the machine can do
             self.runs.setdefault(f"C tcp {label}", []).append(moved / min(seconds) / 1e9)
         if self.iperf is not None:
             for suffix, options in IPERF3_OPTIONS.items():
-                gbps = self.iperf.gbps(self.nbytes, options, tries=tries)
+                gbps = self.iperf.gbps(self.nbytes, options, tries=tries, ends=self.ends)
                 self.runs.setdefault(self._label(suffix), []).append(gbps)
 
     def result(self) -> dict[str, Any]:
         medians = {k: median(v) for k, v in self.runs.items()}
         best = max(medians, key=medians.__getitem__)
-        return {"limit_gbps": medians[best], "limit_method": best, "gbps_by_method": medians}
+        found: dict[str, Any] = {
+            "limit_gbps": medians[best],
+            "limit_method": best,
+            "gbps_by_method": medians,
+        }
+        if self.ends is not None:
+            found["ends"] = self.ends.describe()
+        return found

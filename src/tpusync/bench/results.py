@@ -15,7 +15,7 @@ __all__ = [
     "disagg_limits",
     "latest_results",
     "nixl_figures",
-    "same_host_figures",
+    "paired_figures",
     "write_results_md",
 ]
 
@@ -357,11 +357,13 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
                "ExampleConnector consumer ms", "NIXL consumer ms, GB/s (this host)",
                "NIXL consumer ms, GB/s (TCP)",
                "same host: consumer ms, transfer GB/s, x its pull alone, x copy limit",
+               "TCP, ends unpinned: consumer ms, transfer GB/s, x its pull alone",
                "same tokens"]  # fmt: skip
     rows = []
     for r in record.get("results", []):
         ours, peer = r.get("tpusync") or {}, r.get("ExampleConnector") or {}
         local = r.get("tpusync same host") or {}
+        unpinned = r.get("tpusync, ends unpinned") or {}
         runs = [r.get("cold_ttft_s_runs"), ours.get("ttft_s_runs"), ours.get("load_s_runs"),
                 r.get("data_plane_s_runs"), peer.get("ttft_s_runs")]  # fmt: skip
         if not all(runs):
@@ -372,11 +374,12 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
         # else the median; since data_plane_paired, of each load's pull repeated alone
         gb = float(r.get("loaded_bytes", 0)) / 1e9
         tcp_limit, memory_limit = disagg_limits(r)
-        local_figures = same_host_figures(local, gb, memory_limit)
+        local_figures = paired_figures(local, gb, memory_limit)
+        unpinned_figures = paired_figures(unpinned, gb, None)
         nixl = [r.get(f"NIXL {t}") or {} for t in ("cma", "tcp")]
         same = bool(ours.get("outputs_equal") and peer.get("outputs_equal")) and all(
             p.get("outputs_equal", True)
-            for p in [*nixl, local]  # True: not run
+            for p in [*nixl, local, unpinned]  # True: not run
         )
         rows.append([
             str(r.get("tokens")), _num(cold * 1e3, 1),
@@ -387,6 +390,7 @@ def _vllm_disagg(record: dict[str, Any]) -> Table:
             _num(example * 1e3, 1),
             *(", ".join(nixl_figures(p, int(r.get("loaded_bytes", 0)))) for p in nixl),
             ", ".join(local_figures) if local_figures else "-",
+            ", ".join(unpinned_figures[:3]) if unpinned_figures else "-",
             "yes" if same else "NO",
         ])  # fmt: skip
     return headers, rows
@@ -402,12 +406,12 @@ def disagg_limits(r: dict[str, Any]) -> tuple[float | None, float | None]:
     return found[0], found[1]
 
 
-def same_host_figures(
-    local: dict[str, Any], gb: float, memory_gbps: float | None
+def paired_figures(
+    local: dict[str, Any], gb: float, limit_gbps: float | None
 ) -> tuple[str, str, str, str] | None:
-    """The consumer reading the node's pool file (None where not measured): its median TTFT
-    (ms), transfer rate (GB/s), transfer against its own paired pulls alone, and its rate
-    against the memory-copy limit ("-" in records without one)."""
+    """A ``vllm_disagg`` consumer with its own paired pulls alone (None where not measured):
+    its median TTFT (ms), transfer rate (GB/s), transfer against those pulls, and its rate
+    against ``limit_gbps`` ("-" for None)."""
     runs = [local.get(k) for k in ("ttft_s_runs", "load_s_runs", "data_plane_s_runs")]
     if not all(runs):
         return None
@@ -416,7 +420,7 @@ def same_host_figures(
         f"{ttft * 1e3:.1f}",
         f"{gb / load:.2f}",
         f"{plane / load:.2f}",
-        _ratio(gb / load, memory_gbps),
+        _ratio(gb / load, limit_gbps),
     )
 
 

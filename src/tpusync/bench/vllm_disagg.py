@@ -18,8 +18,13 @@ For each prompt size, medians over the requests:
   point, that load's pull done again by the store-node tier's pool alone (:class:`PullProbe`:
   the same node, connection, blocks and places, verified there), with no store, engine step
   or connector around it. Paired with the loads, in the same process and minutes, so that
-  the memory speed and the kernel's placement of the two ends, which move a lot on a small VM,
-  weigh on both alike;
+  the memory speed, which moves a lot on a small VM, weighs on both alike;
+* the two ends of that TCP row stand for two hosts (:class:`~tpusync.bench.cores.SplitEnds`):
+  the node runs on one CPU, the consumer's pulling thread on another, in its loads and in its
+  pulls alone. Left to the kernel, the woken receiving thread often stays on the sender's CPU
+  and the two take turns there, more often in a load (its pull runs on the connector's worker
+  thread, asleep between loads) than in the pull alone: ``"tpusync, ends unpinned"`` is the
+  same consumer, with its own paired pulls, without the pinning;
 * the same consumer reading the node's pool file on this host (``"tpusync same host"``: the
   node keeps its DRAM in a named pool, the store-node tier's default ``same_host`` copies the
   blocks from it, verified, instead of receiving them over TCP), with its own paired pulls
@@ -34,8 +39,9 @@ For each prompt size, medians over the requests:
 The physical limits of the two paths, sampled before the first consumer and after each (no
 engine step runs then), medians of those samples: for the TCP row one TCP stream over loopback
 (a store-node tier pulls over one connection: the C sender and receiver and one iperf3 process,
-:class:`~tpusync.bench.limits.TcpLimit`); for the pool-file row a streaming copy of the loaded
-bytes on every core with the caches emptied first (:class:`~tpusync.memory.copy_limit.MemoryLimit`).
+:class:`~tpusync.bench.limits.TcpLimit`, each end on the CPU the TCP row's is); for the
+pool-file row a streaming copy of the loaded bytes on every core with the caches emptied first
+(:class:`~tpusync.memory.copy_limit.MemoryLimit`).
 
 Goals (issue 25): the transfer at >= 0.8x the data plane's own pull of the same bytes; the
 consumer's TTFT below the cold prefill.
@@ -62,8 +68,9 @@ from typing import Any
 import numpy as np
 
 from tpusync.bench.common import Run, median, print_table, settle, spread
+from tpusync.bench.cores import SplitEnds, pin_process, pinned_thread
 from tpusync.bench.limits import TcpLimit
-from tpusync.bench.results import disagg_limits, nixl_figures, same_host_figures
+from tpusync.bench.results import disagg_limits, nixl_figures, paired_figures
 from tpusync.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
 from tpusync.cluster import Scatter
@@ -74,6 +81,7 @@ from tpusync.testing.processes import start_store_node, stop_process
 QUICK = ["--tokens", "1024", "--repeats", "2", "--rounds", "1"]
 QUIET_S = 0.05
 SAME_HOST = "tpusync same host"
+UNPINNED = "tpusync, ends unpinned"
 
 
 def _worker(llm: Any) -> Any:
@@ -95,10 +103,13 @@ class PullProbe:
     :meth:`repeat` runs that same pull again straight on the tier's pool (the same node, the
     same connection, the same blocks landing in the same places, verified there), with no
     store, lookup, engine step or connector around it. The request that loaded the blocks is
-    finished by then, so landing the same bytes in its freed blocks again changes nothing."""
+    finished by then, so landing the same bytes in its freed blocks again changes nothing.
+    ``cpu``: the CPU both pulls (the load's, on the connector's worker thread, and the repeat)
+    run on (None: wherever the kernel puts them)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, cpu: int | None = None) -> None:
         self._stack = store._stack
+        self._cpu = cpu
         self._last: tuple[int, list[bytes], Scatter] | None = None
 
     def __enter__(self) -> PullProbe:
@@ -106,7 +117,8 @@ class PullProbe:
 
         def recorded(tier: int, keys: list[bytes], scatter: Scatter) -> list[bool]:
             self._last = (tier, list(keys), scatter)
-            return original(tier, keys, scatter)
+            with pinned_thread(self._cpu):
+                return original(tier, keys, scatter)
 
         self._stack.get_scattered = recorded  # an instance attribute over the method
         return self
@@ -120,9 +132,10 @@ class PullProbe:
             raise RuntimeError("vllm_disagg: the consumer pulled nothing from the store node")
         tier, keys, scatter = self._last
         self._last = None
-        start = time.perf_counter()
-        landed = self._stack.tiers[tier].get_scattered(keys, scatter)
-        seconds = time.perf_counter() - start
+        with pinned_thread(self._cpu):
+            start = time.perf_counter()
+            landed = self._stack.tiers[tier].get_scattered(keys, scatter)
+            seconds = time.perf_counter() - start
         if not all(landed):
             raise RuntimeError("vllm_disagg: the data plane's repeat of a pull missed blocks")
         return seconds
@@ -130,10 +143,11 @@ class PullProbe:
 
 class PathLimits:
     """The physical limits of the consumer's two paths for ``nbytes``, sampled together between
-    consumers: one TCP stream over loopback and a streaming copy from emptied caches."""
+    consumers: one TCP stream over loopback (its ends split as the TCP row's are) and a
+    streaming copy from emptied caches."""
 
-    def __init__(self, stack: contextlib.ExitStack, nbytes: int) -> None:
-        self.tcp = TcpLimit(stack, 1, nbytes)
+    def __init__(self, stack: contextlib.ExitStack, nbytes: int, ends: SplitEnds | None) -> None:
+        self.tcp = TcpLimit(stack, 1, nbytes, ends)
         self.memory = MemoryLimit(nbytes, cold=True)
         stack.callback(self.memory.close)
 
@@ -177,16 +191,17 @@ def _consume(
     rounds: int,
     blocks: int,
     quiet: Quiet,
+    cpu: int | None = None,
 ) -> dict[str, Any]:
     """Serves each (prompt, producer's params, expected token) ``rounds`` times on a consumer
     engine, its own prefix cache emptied before each, every request started from
     :class:`Quiet`. With the tpusync connector each load's pull is then repeated on the data
-    plane alone (:class:`PullProbe`), again from :class:`Quiet`: ``data_plane_s_runs`` pairs
-    with ``load_s_runs``."""
+    plane alone (:class:`PullProbe`, both on ``cpu``), again from :class:`Quiet`:
+    ``data_plane_s_runs`` pairs with ``load_s_runs``."""
     worker = _worker(consumer)
     ttfts, loads, planes, equal = [], [], [], True
     with contextlib.ExitStack() as stack:
-        probe = stack.enter_context(PullProbe(worker.store)) if worker is not None else None
+        probe = stack.enter_context(PullProbe(worker.store, cpu)) if worker is not None else None
         for _ in range(rounds):
             for prompt, params, token in requests:
                 consumer.reset_prefix_cache()
@@ -218,6 +233,7 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
     expected: list[int] = []
     warm_up = rng.integers(1, 4096, tokens + 2).tolist()
     quiet = Quiet()
+    ends = SplitEnds.here()
     with engine(model, max_len, None, {}) as llm:
         first_token(llm, warm_up)
         colds = []
@@ -231,7 +247,7 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
     node = None
     stack = contextlib.ExitStack()
     try:
-        limits = PathLimits(stack, loaded_bytes)
+        limits = PathLimits(stack, loaded_bytes, ends)
         limits.sample()
         node, ready = start_store_node(
             work,
@@ -248,15 +264,19 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
         }
         peers = {
             "tpusync": ("TpuSyncConnector", extra),
+            UNPINNED: ("TpuSyncConnector", extra),
             SAME_HOST: ("TpuSyncConnector", {**extra, "store_node": node_tier}),
             "ExampleConnector": ("ExampleConnector", {"shared_storage_path": str(shm / "ex")}),
         }
         announced_by: dict[str, list[Any]] = {}
         for label, (connector, config) in peers.items():
             settle()
-            # the same-host consumer reads what the tpusync producer saved in the node
-            announced = announced_by.get("tpusync", []) if label == SAME_HOST else []
-            if label != SAME_HOST:
+            # these consumers read what the tpusync producer saved in the node
+            reuse = label in (SAME_HOST, UNPINNED)
+            announced = announced_by.get("tpusync", []) if reuse else []
+            split = ends if label == "tpusync" else None
+            pin_process(node.pid, os.sched_getaffinity(0) if split is None else {split.sender})
+            if not reuse:
                 with engine(model, max_len, connector, config, "kv_producer") as producer:
                     for p in prompts:
                         announced.append(first_token(producer, p)[2])
@@ -269,7 +289,7 @@ def measure(model: Path, tokens: int, repeats: int, rounds: int, max_len: int) -
                 first_token(consumer, rng.integers(1, 4096, tokens + 2).tolist())  # warm-up
                 result[label] = _consume(
                     consumer, list(zip(prompts, announced, expected, strict=True)), rounds,
-                    blocks, quiet,
+                    blocks, quiet, None if split is None else split.receiver,
                 )  # fmt: skip
                 worker = _worker(consumer)
                 if worker is not None:
@@ -344,7 +364,7 @@ def table(results: list[dict[str, Any]]) -> None:
     for r in results:
         local = r.get(SAME_HOST)
         _, memory_limit = disagg_limits(r)
-        figures = same_host_figures(local or {}, r["loaded_bytes"] / 1e9, memory_limit)
+        figures = paired_figures(local or {}, r["loaded_bytes"] / 1e9, memory_limit)
         if not local or figures is None:
             continue
         _, gbps, over_pull, over_limit = figures
@@ -363,6 +383,21 @@ def table(results: list[dict[str, Any]]) -> None:
              "same tokens"],
             rows,
         )  # fmt: skip
+    rows = []
+    for r in results:
+        figures = paired_figures(r.get(UNPINNED) or {}, r["loaded_bytes"] / 1e9, None)
+        if figures is not None:
+            ttft, gbps, over_pull, _ = figures
+            rows.append([r["tokens"], ttft, gbps, over_pull,
+                         "yes" if r[UNPINNED]["outputs_equal"] else "NO"])  # fmt: skip
+    if rows:
+        print(
+            "\nThe TCP consumer with both ends left where the kernel puts them (not pinned to "
+            "a CPU each)"
+        )
+        print_table(
+            ["tokens", "consumer ttft ms", "transfer GB/s", "x pull alone", "same tokens"], rows
+        )
     rows = []
     for r in results:
         ours = r["tpusync"]

@@ -2,6 +2,7 @@
  * all cores (best of glibc memcpy and non-temporal stores), and TCP over loopback with one
  * sender and one receiver thread per stream. Each times repeats between barriers, so no thread
  * start or dispatch is in a figure. */
+#define _GNU_SOURCE /* pthread_setaffinity_np */
 #include "tpusync/limits.h"
 
 #include <arpa/inet.h>
@@ -280,7 +281,7 @@ int tps_limit_copy(char *dst, const char *src, size_t n, int threads, int method
 typedef struct {
   int fd;
   size_t bytes, warm_bytes, chunk, lowat;
-  int repeats, sender;
+  int repeats, sender, cpu;
   char *buffer;
   pthread_barrier_t *start, *done;
   gate *gate;
@@ -330,7 +331,15 @@ static int recv_all(int fd, char *buffer, size_t chunk, size_t lowat, size_t byt
 static void *tcp_worker(void *arg) {
   tcp_end *e = arg;
   if (!gate_wait(e->gate)) return NULL;
-  int err = e->sender ? send_all(e->fd, e->buffer, e->chunk, e->warm_bytes)
+  int err = 0;
+  if (e->cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(e->cpu, &set);
+    err = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  }
+  if (!err)
+    err = e->sender ? send_all(e->fd, e->buffer, e->chunk, e->warm_bytes)
                       : recv_all(e->fd, e->buffer, e->chunk, e->lowat, e->warm_bytes);
   if (err) shutdown(e->fd, SHUT_RDWR);
   for (int r = 0; r < e->repeats; r++) {
@@ -370,8 +379,9 @@ static int tcp_pair(int listener, const struct sockaddr_in *at, int sndbuf, int 
 }
 
 int tps_limit_tcp(int streams, size_t bytes, size_t warm_bytes, size_t chunk, int sndbuf,
-                  size_t lowat, int repeats, double *seconds) {
+                  size_t lowat, int repeats, int sender_cpu, int receiver_cpu, double *seconds) {
   if (streams < 1 || repeats < 1 || chunk < 1 || bytes < 1) return EINVAL;
+  if (sender_cpu >= CPU_SETSIZE || receiver_cpu >= CPU_SETSIZE) return EINVAL;
   int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listener < 0) return errno;
   struct sockaddr_in at = {.sin_family = AF_INET, .sin_port = 0};
@@ -400,7 +410,7 @@ int tps_limit_tcp(int streams, size_t bytes, size_t warm_bytes, size_t chunk, in
     for (int side = 0; side < 2; side++) {
       tcp_end *e = &ends[2 * p + side];
       *e = (tcp_end){fds[side], bytes, warm_bytes, chunk, lowat, repeats, side == 0,
-                     buffers + (size_t)(2 * p + side) * chunk, &start, &done, &g, 0};
+                     side == 0 ? sender_cpu : receiver_cpu, buffers + (size_t)(2 * p + side) * chunk, &start, &done, &g, 0};
     }
   }
   close(listener);
