@@ -3,7 +3,7 @@ benchmark runs both ends of a TCP transfer on this machine.
 
 Over loopback the receiving thread is woken from the sender's core, and on a small machine the
 kernel often leaves it there: the two ends then take turns on one core while another idles, in
-some runs and not others (docs/BENCHMARKS.md, "Two hosts on one"). Between hosts the sender
+some runs and not others (docs/connectors/vllm.md, "Two hosts on one"). Between hosts the sender
 has cores of its own, so a figure "as between hosts" pins each end to its own cores.
 """
 
