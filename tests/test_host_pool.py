@@ -1205,7 +1205,7 @@ def test_wait_mapped_maps_a_reattached_pool_and_keeps_its_blocks(
     pool.close()
     pool = open_pool(model.layout, 8, name=name, populate=populate)
     assert pool.attached and pool.wait_mapped(timeout=20)
-    assert pool._populated.all()
+    assert pool._pages.all_mapped
     load(pool, model, keys, [0, 2, 3], path)
 
 

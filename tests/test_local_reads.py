@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ from tpusync.cluster import (
     StoreNode,
     StoreNodePool,
 )
+from tpusync.cluster.dataplane import local_reads
 from tpusync.cluster.dataplane.local_reads import PoolFileReader, block_regions, boot_id
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, PeerUnavailableError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 from tpusync.tiers.scatter import Scatter
 
@@ -142,7 +144,12 @@ def test_each_reason_to_fall_back_is_logged_once(
     reader.close()
 
 
-def test_a_damaged_slot_is_a_miss(named: HostPool, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("window_blocks", [0, 4], ids=["one copy", "windows of 4"])
+def test_a_damaged_slot_is_a_miss(
+    named: HostPool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, window_blocks: int
+) -> None:
+    if window_blocks:  # the victim in the second window
+        monkeypatch.setattr(local_reads, "LAND_WINDOW_BYTES", window_blocks * SIZE)
     victim = KEYS[5]
     slot = named.slot_of(victim)
     assert slot is not None
@@ -312,6 +319,56 @@ def test_a_closed_reader_reads_nothing(named: HostPool, rng: np.random.Generator
             client.pull_scattered(KEYS, LAYOUT, places.scatter)
 
 
+def test_closing_the_client_cuts_a_copy_from_the_file_short(
+    named: HostPool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy from the file looks between windows whether its reader is being closed: closed
+    during the first window (of one block here), the pull stops after it, as a TCP pull of a
+    closed client fails, and the file is unmapped."""
+    monkeypatch.setattr(local_reads, "LAND_WINDOW_BYTES", SIZE)
+    windows: list[int] = []
+    closers: list[threading.Thread] = []
+    with BlockServer(named, secret=SECRET) as server:
+        client = BlockClient(server.address, secret=SECRET)
+        reader = client._pool_file
+        assert reader is not None
+        original = reader._copy
+
+        def close_during_the_first(regions: Any, blocks: int, pieces: int) -> Any:
+            windows.append(blocks)
+            if len(windows) == 1:
+                closers.append(threading.Thread(target=client.close))
+                closers[0].start()
+                assert reader._closing.wait(10)  # close() now waits for this copy
+            return original(regions, blocks, pieces)
+
+        reader._copy = close_during_the_first  # type: ignore[method-assign]
+        places = Places(rng, len(KEYS))
+        try:
+            with pytest.raises(PeerUnavailableError, match="closed during the copy"):
+                client.pull_scattered(KEYS, LAYOUT, places.scatter)
+        finally:
+            for closer in closers:
+                closer.join(10)
+        assert windows == [1]
+        assert reader._mapped is None and not closers[0].is_alive()
+
+
+def test_a_copy_in_windows_lands_every_byte(
+    named: HostPool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_reads, "LAND_WINDOW_BYTES", 5 * SIZE)  # 5, 5 and 2 blocks
+    with (
+        BlockServer(named, secret=SECRET) as server,
+        BlockClient(server.address, secret=SECRET) as client,
+    ):
+        places = Places(rng, len(KEYS))
+        assert client.pull_scattered(KEYS, LAYOUT, places.scatter) == [True] * len(KEYS)
+        assert client.local_blocks == len(KEYS)
+    want = places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
+    assert np.array_equal(places.arena, want)
+
+
 def test_lying_slots_inside_the_file_are_misses(named: HostPool, rng: np.random.Generator) -> None:
     """Slots that exist but hold other blocks: the bytes fail the lease's checksums."""
     server = Advertising(named, secret=SECRET)
@@ -363,7 +420,8 @@ def test_a_registry_pool_reads_a_peer_on_this_host_from_its_file(
         places = Places(rng, len(KEYS))
         with RegistryPool(registry, LAYOUT, secret=SECRET, same_host=same_host) as cluster:
             assert cluster.get_scattered(KEYS, places.scatter) == [True] * len(KEYS)
-            read = sum(peer.client.local_blocks for peer in cluster._peers.values())
+            read = cluster.local_blocks
+        assert cluster.local_blocks == read  # kept after its clients closed
         assert np.array_equal(
             places.arena, places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
         )

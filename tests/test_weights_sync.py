@@ -26,7 +26,7 @@ from tools import self_signed_tls
 
 from tpusync import DevicePool, _core
 from tpusync.cluster import BlockClient, MemoryRegistry, Scatter
-from tpusync.cluster.dataplane.local_reads import block_regions
+from tpusync.cluster.dataplane.local_reads import PoolFileReader, block_regions
 from tpusync.errors import (
     AuthenticationError,
     DtypeMismatchError,
@@ -333,6 +333,30 @@ def test_a_stalled_publisher_fails_the_pull_at_its_deadline(publisher, stall_at)
             _same_bits(sub.update(2), _params(2))  # a new connection goes through
     finally:
         proxy.close()
+
+
+def test_a_copy_from_the_publishers_file_stops_at_the_deadline(publisher, monkeypatch):
+    """On the same host the chunks are copied from the publisher's pool file: the watchdog's
+    closing the client cuts that copy short too (here one that would not end by itself)."""
+    publisher.publish(_params(1), 1)
+    original = PoolFileReader._copy
+
+    def stalled(self: PoolFileReader, *args: Any) -> Any:
+        self._closing.wait(30)  # until the reader is being closed
+        return original(self, *args)
+
+    monkeypatch.setattr(PoolFileReader, "_copy", stalled)
+    with Subscriber(publisher.name, _target((2, 4)), secret=SECRET,
+                    address=publisher.address) as sub:  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="deadline"):
+            sub.pull(1, deadline_s=1.0)
+        assert time.monotonic() - start < 5
+        assert sub.version is None
+        monkeypatch.setattr(PoolFileReader, "_copy", original)
+        report = sub.pull(1)  # a new client, the file read again
+        assert report.chunks_local > 0
+        _same_bits(sub.commit(), _params(1))
 
 
 def test_a_deadline_fails_the_pull_and_keeps_the_committed_version(publisher):

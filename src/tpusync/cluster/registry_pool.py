@@ -84,6 +84,16 @@ class RegistryPool:
         self._tls, self._insecure = tls, insecure
         self._peers: dict[str, RemotePool] = {}
         self._lock = threading.Lock()
+        self._local_blocks_before = 0  # read from files by the clients of forgotten peers
+
+    @property
+    def local_blocks(self) -> int:
+        """Blocks this pool read from peers' pool files on this host (``same_host``), verified,
+        since it was made (the rest came over TCP)."""
+        with self._lock:
+            peers = list(self._peers.values())
+            before = self._local_blocks_before
+        return before + sum(peer.client.local_blocks for peer in peers)
 
     @property
     def capacity(self) -> int:
@@ -128,6 +138,8 @@ class RegistryPool:
         """Closes the client of a peer that failed (the next pull from it connects anew)."""
         with self._lock:
             stale = self._peers.pop(node_id, None)
+            if stale is not None:
+                self._local_blocks_before += stale.client.local_blocks
         if stale is not None:
             stale.close()
 
@@ -207,6 +219,7 @@ class RegistryPool:
     def close(self) -> None:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
+            self._local_blocks_before += sum(peer.client.local_blocks for peer in peers)
         for peer in peers:
             peer.close()
 

@@ -62,7 +62,6 @@ __all__ = ["PullReport", "Subscriber"]
 log = logging.getLogger("tpusync.weights")
 
 _PAGE = 4096
-_PULL_WINDOW = 1 << 30  # bytes pulled between deadline checks (a file copy: ~0.1 s)
 
 
 @dataclass
@@ -484,8 +483,9 @@ class Subscriber:
         report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
         read_locally = client.local_blocks
         report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks, deadline)
-        # every chunk landed once, from the file or over the network (retries included)
-        report.chunks_local = min(len(chunks), client.local_blocks - read_locally)
+        # every chunk landed verified once, from the file or over the network (the client
+        # counts the verified blocks it read from the file)
+        report.chunks_local = client.local_blocks - read_locally
         report.chunks_network = len(chunks) - report.chunks_local
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
@@ -506,30 +506,22 @@ class Subscriber:
         file when it is on this host (the client's ``same_host``), else received over the data
         plane; fetches the failed ones once more. Returns how many were fetched again.
 
-        Pulled in windows of :data:`_PULL_WINDOW` bytes with the deadline checked between them:
-        a copy from the file cannot be cut short by the watchdog closing the client."""
+        At the deadline the watchdog closes the client, which cuts the pull short, from the file
+        as over TCP; a retry is not started past it."""
         layout = chunk_layout(self.name, manifest.chunk_bytes)
-        window = max(1, _PULL_WINDOW // manifest.chunk_bytes)
         todo, retried = chunks, 0
         for attempt in range(2):
-            failed = []
-            for w in range(0, len(todo), window):
-                if time.monotonic() > deadline:
-                    raise WeightSyncError(
-                        f"version {manifest.version}: the pull missed its deadline with "
-                        f"{len(todo) - w} chunks to go"
-                    )
-                part = todo[w : w + window]
-                first, offsets, targets = scatter_runs(rows, part, manifest.chunk_bytes)
-                keys = [chunk_key(self.name, manifest.version, int(c)) for c in part]
-                loaded = client.pull_scattered(
-                    keys,
-                    layout,
-                    Scatter(first, offsets, targets),
-                    checksums=manifest.checksums[part],
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"version {manifest.version}: the pull missed its deadline with "
+                    f"{len(todo)} chunks to go"
                 )
-                failed.append(part[~np.asarray(loaded, dtype=bool)])
-            todo = np.concatenate(failed) if failed else todo[:0]
+            first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
+            keys = [chunk_key(self.name, manifest.version, int(c)) for c in todo]
+            loaded = client.pull_scattered(
+                keys, layout, Scatter(first, offsets, targets), checksums=manifest.checksums[todo]
+            )
+            todo = todo[~np.asarray(loaded, dtype=bool)]
             if not len(todo):
                 return retried
             if not attempt:

@@ -19,6 +19,7 @@ user can neither plant the file nor change it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
@@ -34,12 +35,13 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.engines import native
-from tpusync.errors import PoolFormatError, TpuSyncError
+from tpusync.errors import PeerUnavailableError, PoolFormatError, TpuSyncError
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.files import open_file
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.shm_admin import header_of_descriptor
+from tpusync.tiers.slot_pages import SlotPages
 
 __all__ = ["PoolFileReader", "advertised_file", "boot_id", "lease_slots", "whole_slots"]
 
@@ -54,6 +56,9 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 # slots beyond are mapped when first read.
 WARM_MAX_BYTES = 16 << 30
 WARM_STEP_BYTES = 4 << 20  # mapped per step, the lock released between steps
+# Copied by :meth:`PoolFileReader.land` between looks at whether the reader is being closed,
+# so that closing the client cuts a long copy short (as it cuts a TCP receive).
+LAND_WINDOW_BYTES = 256 << 20
 
 
 _copy_threads: ThreadPoolExecutor | None = None
@@ -118,7 +123,7 @@ class _Mapped:
     data_offset: int
     n_slots: int
     slot_bytes: int
-    populated: np.ndarray  # per slot: its pages are mapped in this process
+    pages: SlotPages  # which slots' pages are mapped in this process
 
 
 class PoolFileReader:
@@ -136,6 +141,7 @@ class PoolFileReader:
         self._mapped: _Mapped | None = None
         self._warming: threading.Thread | None = None
         self._closed = False
+        self._closing = threading.Event()  # set by close() before it waits for the lock
         self._warned: set[str] = set()  # the reasons logged (each once)
         self.path: str | None = None
         self._file = (-1, -1)  # the server's (st_dev, st_ino) of it
@@ -181,14 +187,11 @@ class PoolFileReader:
                 log.warning("tpusync: pool file %s is not mapped ahead: %s", self.path, error)
 
     def _warm_pages(self, mapped: _Mapped) -> None:
-        per_step = max(1, WARM_STEP_BYTES // mapped.slot_bytes)
-        end = min(mapped.n_slots, max(1, WARM_MAX_BYTES // mapped.slot_bytes))
-        for first in range(0, end, per_step):
+        for slots in mapped.pages.steps(WARM_STEP_BYTES, WARM_MAX_BYTES):
             with self._lock:
                 if self._closed or self._mapped is not mapped:
                     return  # closed, or remapped: a new file's pages are mapped when read
-                slots = np.arange(first, min(first + per_step, end), dtype=np.int64)
-                self._populate(mapped, slots, mapped.slot_bytes)
+                mapped.pages.ensure(slots)
 
     def land(
         self, layout: PoolLayout, slots: np.ndarray, expected: np.ndarray, scatter: Scatter
@@ -196,7 +199,9 @@ class PoolFileReader:
         """Copies the blocks in ``slots`` of the file into ``scatter``'s places (block ``i``
         to its runs), each hashed as it is copied; returns whether each block's bytes match
         ``expected`` (its checksum), or None when the file cannot be read now (then nothing
-        was written: pull over TCP)."""
+        was written: pull over TCP). Copies :data:`LAND_WINDOW_BYTES` at a time and raises
+        PeerUnavailableError when :meth:`close` was called meanwhile (as a closed client's
+        TCP pull fails); the places then hold part of the blocks, none reported loaded."""
         if self.path is None or layout.fingerprint != self.fingerprint:
             return None
         with self._lock:
@@ -212,10 +217,26 @@ class PoolFileReader:
                 self._warn("the lease named slots outside the pool file, or another slot size")
                 return None
             addresses = mapped.view.ctypes.data + mapped.data_offset + slots * mapped.slot_bytes
-            self._populate(mapped, slots, layout.payload_bytes)
-            regions = block_regions(layout, scatter, addresses)
-            digests = self._copy(regions, len(slots), len(layout.piece_table[0]))
-        sums = slot_checksums(digests.reshape(len(slots), -1))
+            window = max(1, LAND_WINDOW_BYTES // layout.payload_bytes)
+            digests = []
+            for first in range(0, len(slots), window):
+                if self._closing.is_set():
+                    raise PeerUnavailableError(
+                        f"pull from the pool file {self.path}: the client was closed during "
+                        "the copy"
+                    )
+                part = slice(first, first + window)
+                blocks = len(slots[part])
+                mapped.pages.ensure(slots[part], layout.payload_bytes)
+                placed = (
+                    scatter
+                    if blocks == len(slots)
+                    else scatter.select(np.arange(first, first + blocks))
+                )
+                regions = block_regions(layout, placed, addresses[part])
+                digests.append(self._copy(regions, blocks, len(layout.piece_table[0])))
+        copied = np.concatenate(digests) if digests else np.empty(0, dtype=np.uint64)
+        sums = slot_checksums(copied.reshape(len(slots), -1))
         return sums == np.asarray(expected, dtype=np.uint64)
 
     def _copy(self, regions: tuple[np.ndarray, ...], blocks: int, pieces: int) -> np.ndarray:
@@ -276,7 +297,12 @@ class PoolFileReader:
                 header.data_offset,
                 header.n_slots,
                 header.slot_bytes,
-                np.zeros(header.n_slots, dtype=bool),
+                SlotPages(
+                    header.n_slots,
+                    header.slot_bytes,
+                    header.data_offset,
+                    lambda start, length: _populate_read(mapping, start, length),
+                ),
             )
             return self._mapped
         except (OSError, ValueError, PoolFormatError) as error:
@@ -284,24 +310,6 @@ class PoolFileReader:
             return None
         finally:
             os.close(fd)
-
-    @staticmethod
-    def _populate(mapped: _Mapped, slots: np.ndarray, payload_bytes: int) -> None:
-        """Maps the pages of ``slots`` not read before in one call per run of slots (instead of
-        a fault per page during the copy)."""
-        fresh = np.unique(slots[~mapped.populated[slots]])
-        if not len(fresh):
-            return
-        breaks = np.flatnonzero(np.diff(fresh) != 1) + 1
-        for run in np.split(fresh, breaks):
-            start = mapped.data_offset + int(run[0]) * mapped.slot_bytes
-            length = (len(run) - 1) * mapped.slot_bytes + payload_bytes
-            aligned = start - start % mmap.PAGESIZE
-            try:
-                mapped.mapping.madvise(_MADV_POPULATE_READ, aligned, length + start - aligned)
-            except (OSError, ValueError):
-                break  # an older kernel: the copy faults the pages in
-        mapped.populated[fresh] = True
 
     def _warn(self, why: str, detail: object = None) -> None:
         """Logs why pulls go over TCP, once per reason (``detail`` varies, the reason not)."""
@@ -311,7 +319,9 @@ class PoolFileReader:
             log.warning("tpusync: pool file %s is read over TCP instead: %s", self.path, because)
 
     def close(self) -> None:
-        """Unmaps the file, after a copy in progress; later pulls go over TCP."""
+        """Unmaps the file once a copy in progress stopped (at its next window); later pulls
+        go over TCP."""
+        self._closing.set()
         with self._lock:
             self._closed = True
             self._unmap()
@@ -321,6 +331,13 @@ class PoolFileReader:
         if mapped is not None:
             mapped.view = np.empty(0, dtype=np.uint8)  # the mapping's only export
             mapped.mapping.close()
+
+
+def _populate_read(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Maps ``length`` bytes of ``mapping`` from ``start`` for reading, in one call."""
+    aligned = start - start % mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):  # an older kernel: the copy faults them in
+        mapping.madvise(_MADV_POPULATE_READ, aligned, length + start - aligned)
 
 
 def block_regions(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import functools
 import logging
 import numbers
 import os
@@ -52,6 +53,7 @@ from tpusync.tiers.dram._prefault import prefault
 from tpusync.tiers.dram._records import SlotRecords
 from tpusync.tiers.dram.slots import Pinned, Reservation
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.slot_pages import SlotPages
 from tpusync.tiers.stats import TierStats
 from tpusync.transfer import Transfer, transfer_batch
 from tpusync.transfer.api import pools_locked as _pools_locked
@@ -158,8 +160,15 @@ class HostPool(SlotRecords):
         # Slots whose pages are mapped: all of a pool created with populate=True; none of a
         # re-attached one (its pages exist in /dev/shm but this process has not mapped them;
         # a copy maps the slots it touches in one call first, instead of a fault per page).
-        self._populated = np.full(capacity, populate and not self.attached, dtype=bool)
-        self._all_populated = bool(self._populated.all())  # then a copy need not look
+        self._pages = SlotPages(
+            capacity,
+            layout.slot_bytes,
+            self.geometry.data_offset,
+            # /dev/shm pages exist (allocated at creation): mapping them to read is cheaper;
+            # anonymous memory has no pages until written (the mapping, not self: no cycle)
+            functools.partial(self._mapping.populate, write=self.path is None),
+            mapped=populate and not self.attached,
+        )
         self._mapper_stop = threading.Event()
         self._mapper_done: threading.Event | None = None
         if self.attached and populate:
@@ -563,11 +572,10 @@ class HostPool(SlotRecords):
 
     def _map_in_background(self, done: threading.Event) -> None:
         try:
-            step = max(1, (64 << 20) // self.layout.slot_bytes)  # 64 MiB a call: stops promptly
-            for first in range(0, self.capacity, step):
+            for slots in self._pages.steps(64 << 20):  # 64 MiB a call: stops promptly
                 if self._mapper_stop.is_set():
                     return
-                self._ensure_populated(np.arange(first, min(first + step, self.capacity)))
+                self._pages.ensure(slots)
         except Exception:  # mapping is an optimisation: a copy maps what it needs itself
             log.debug("tpusync: background mapping of %s stopped", self.path, exc_info=True)
         finally:
@@ -575,24 +583,7 @@ class HostPool(SlotRecords):
 
     def _ensure_populated(self, slots: np.ndarray) -> None:
         """Maps the pages of ``slots`` not yet mapped, a run of neighbouring slots per call."""
-        if self._all_populated:
-            return
-        todo = slots[~self._populated[slots]]
-        if not len(todo):
-            return
-        todo = np.unique(todo)
-        breaks = np.flatnonzero(np.diff(todo) != 1) + 1
-        base = self.geometry.data_offset
-        for run in np.split(todo, breaks):
-            self._mapping.populate(
-                base + int(run[0]) * self.layout.slot_bytes,
-                len(run) * self.layout.slot_bytes,
-                # /dev/shm pages exist (allocated at creation): mapping them to read is cheaper;
-                # anonymous memory has no pages until written
-                write=self.path is None,
-            )
-        self._populated[todo] = True
-        self._all_populated = bool(self._populated.all())
+        self._pages.ensure(slots)
 
     def prepare(self, pools: Sequence[DevicePool]) -> None:
         """Does now, once, what the first move between ``pools`` and the slots would pay for:
