@@ -664,6 +664,28 @@ def test_save_future_and_skips(arrays, rng, stores):
     assert (empty.stored_blocks, empty.skipped_blocks, empty.bytes) == (0, 0, 0)
 
 
+def test_a_save_of_stored_blocks_is_done_at_once_on_the_callers_thread(arrays, rng, stores):
+    """Every block already stored (an engine saving what its own prefix cache served): the
+    future is done when the call returns, no worker thread ran, and the blocks are the most
+    recently used (a later eviction takes the others first)."""
+    kv = Kv(arrays, rng)
+    store = stores(make_config(None, 4), kv.pools)
+    first, second = prompt(rng, 2 * BS), prompt(rng, 2 * BS)
+    store.save(first, [0, 1])
+    store.save(second, [2, 3])
+    calls = store._calls.submit
+    store._calls.submit = None  # type: ignore[method-assign]  # any hop to a worker fails
+    try:
+        again = store.save_async(first, [0, 1])
+        assert again.done() and again.released.done()
+    finally:
+        store._calls.submit = calls  # type: ignore[method-assign]
+    assert (again.result().stored_blocks, again.result().skipped_blocks) == (0, 2)
+    store.save(prompt(rng, 2 * BS), [4, 5])  # DRAM holds 4: the two least recent go
+    with store.lookup(first) as kept, store.lookup(second) as evicted:
+        assert (kept.num_blocks, evicted.num_blocks) == (2, 0)
+
+
 def test_device_blocks_are_held_while_a_save_runs(arrays, rng, stores):
     kv = Kv(arrays, rng)
     store = stores(make_config(None, 16), kv.pools)

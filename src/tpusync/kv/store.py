@@ -457,6 +457,13 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
     ) -> SaveFuture:
         pools = self.pools if pools is None else pools
         future = SaveFuture()
+        if self._all_stored(keys):
+            # e.g. an engine saving the prompt its own prefix cache served: no hold, no copy and
+            # no hop to a worker thread on the caller's critical path
+            future.released.set_result(None)
+            self._count(saves=1, saved_blocks=0, save_skipped_blocks=len(keys))
+            future.set_result(SaveResult(0, len(keys), 0, 0.0))
+            return future
         for pool in pools:
             pool.hold_blocks(ids, self.config.block_axis)
         with self._handles_lock:
@@ -469,6 +476,18 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             future.set_exception(error)
             raise
         return future
+
+    def _all_stored(self, keys: list[bytes]) -> bool:
+        """Whether this node's tiers hold every one of ``keys`` (then refreshed in their LRU,
+        as a save of them would); an index lookup, no I/O."""
+        stack = self._stack
+        with stack.lock:
+            where = stack.locate(keys, prefix=False, local=True, probe=False)
+        if not where or min(where) < 0:
+            return False
+        for t in set(where):
+            stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
+        return True
 
     def _save_done(self, future: SaveFuture) -> None:
         with self._handles_lock:
