@@ -331,26 +331,22 @@ def _gbps(limit: float | None) -> str:
     return "-" if limit is None else f"{limit:.2f}"
 
 
-def _x(gbps: float, limit: float | None) -> str:
-    if limit is None:
-        return "-"
-    return f"{gbps / limit:.2f}" + (" (limit beaten: the limit is wrong)" if gbps > limit else "")
-
-
 def table(results: list[dict[str, Any]]) -> None:
     rows = []
     for r in results:
         gb = r["loaded_bytes"] / 1e9
         cold = median(r["cold_ttft_s_runs"])
         ours, peer = r["tpusync"], r["ExampleConnector"]
-        ttft, load = median(ours["ttft_s_runs"]), median(ours["load_s_runs"])
-        plane = median(r["data_plane_s_runs"])
+        ttft, plane = median(ours["ttft_s_runs"]), median(r["data_plane_s_runs"])
         tcp_limit, _ = disagg_limits(r)
+        with_pulls = {**ours, "data_plane_s_runs": r["data_plane_s_runs"]}
+        paired = paired_figures(with_pulls, gb, tcp_limit)
+        assert paired is not None  # every run since data_plane_paired has these
+        _, gbps, over_pull, over_limit = paired
         rows.append([
             r["tokens"], f"{r['loaded_bytes'] / 2**20:.0f}", _ms(r["cold_ttft_s_runs"]),
             _ms(ours["ttft_s_runs"]), ttft / cold, _ms(ours["load_s_runs"]),
-            f"{gb / load:.2f}", _gbps(tcp_limit), _x(gb / load, tcp_limit),
-            f"{gb / plane:.2f}", plane / load,
+            gbps, _gbps(tcp_limit), over_limit, f"{gb / plane:.2f}", over_pull,
             _ms(peer["ttft_s_runs"]), median(peer["ttft_s_runs"]) / ttft,
             "yes" if ours["outputs_equal"] and peer["outputs_equal"] else "NO",
         ])  # fmt: skip
