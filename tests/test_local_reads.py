@@ -265,11 +265,18 @@ def test_a_file_or_slots_this_process_must_not_read_go_over_tcp(
     assert np.array_equal(places.arena, want)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 5, 8])
+@pytest.mark.parametrize(("threads", "window_blocks"), [(1, 0), (3, 0), (5, 0), (8, 0), (3, 2)])
 def test_the_copy_split_over_threads_lands_every_byte(
-    named: HostPool, rng: np.random.Generator, threads: int
+    named: HostPool,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+    threads: int,
+    window_blocks: int,
 ) -> None:
-    """Seven blocks over 1 to 8 copy threads (uneven shares, and more threads than blocks)."""
+    """Seven blocks over 1 to 8 copy threads (uneven shares, and more threads than blocks),
+    in one copy or in windows of 2 blocks (2, 2, 2 and 1)."""
+    if window_blocks:
+        monkeypatch.setattr(local_reads, "LAND_WINDOW_BYTES", window_blocks * SIZE)
     keys = KEYS[:7]
     with (
         options.overridden(copy_threads=threads),
@@ -352,21 +359,6 @@ def test_closing_the_client_cuts_a_copy_from_the_file_short(
                 closer.join(10)
         assert windows == [1]
         assert reader._mapped is None and not closers[0].is_alive()
-
-
-def test_a_copy_in_windows_lands_every_byte(
-    named: HostPool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(local_reads, "LAND_WINDOW_BYTES", 5 * SIZE)  # 5, 5 and 2 blocks
-    with (
-        BlockServer(named, secret=SECRET) as server,
-        BlockClient(server.address, secret=SECRET) as client,
-    ):
-        places = Places(rng, len(KEYS))
-        assert client.pull_scattered(KEYS, LAYOUT, places.scatter) == [True] * len(KEYS)
-        assert client.local_blocks == len(KEYS)
-    want = places.expected({i: payload(named, k) for i, k in enumerate(KEYS)})
-    assert np.array_equal(places.arena, want)
 
 
 def test_lying_slots_inside_the_file_are_misses(named: HostPool, rng: np.random.Generator) -> None:
