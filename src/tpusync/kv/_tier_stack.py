@@ -165,6 +165,17 @@ class TierStack:
                 except KeyError:  # new here: enters at the hot end
                     lru[key] = None
 
+    def touch_if_all_local(self, keys: Sequence[bytes]) -> bool:
+        """Whether this node's tiers hold every one of ``keys`` (an index lookup, no I/O); if
+        so they are touched in their tiers' LRU, as a save of them would."""
+        with self.lock:
+            where = self.locate(keys, prefix=False, local=True, probe=False)
+        if not where or min(where) < 0:
+            return False
+        for t in set(where):
+            self.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
+        return True
+
     def forget(self, tier: int, keys: Sequence[bytes]) -> None:
         with self.lock:
             for key in keys:

@@ -457,7 +457,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
     ) -> SaveFuture:
         pools = self.pools if pools is None else pools
         future = SaveFuture()
-        if self._all_stored(keys):
+        if self._stack.touch_if_all_local(keys):
             # e.g. an engine saving the prompt its own prefix cache served: no hold, no copy and
             # no hop to a worker thread on the caller's critical path
             future.released.set_result(None)
@@ -476,18 +476,6 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             future.set_exception(error)
             raise
         return future
-
-    def _all_stored(self, keys: list[bytes]) -> bool:
-        """Whether this node's tiers hold every one of ``keys`` (then refreshed in their LRU,
-        as a save of them would); an index lookup, no I/O."""
-        stack = self._stack
-        with stack.lock:
-            where = stack.locate(keys, prefix=False, local=True, probe=False)
-        if not where or min(where) < 0:
-            return False
-        for t in set(where):
-            stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
-        return True
 
     def _save_done(self, future: SaveFuture) -> None:
         with self._handles_lock:
