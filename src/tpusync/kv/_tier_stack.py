@@ -169,6 +169,9 @@ class TierStack:
         """Whether this node's tiers hold every one of ``keys`` (an index lookup, no I/O); if
         so they are touched in their tiers' LRU, as a save of them would."""
         with self.lock:
+            # a save of new blocks usually ends with one: then one key is looked up, not all
+            if not keys or self.locate(keys[-1:], prefix=False, local=True, probe=False)[0] < 0:
+                return False
             where = self.locate(keys, prefix=False, local=True, probe=False)
         if not where or min(where) < 0:
             return False

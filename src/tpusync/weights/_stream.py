@@ -66,13 +66,13 @@ def split_at_chunks(rows: Rows, chunk_bytes: int) -> Rows:
     return Rows(start, rows.address[index] + (start - rows.offset[index]), end - start)
 
 
-def _chunk_regions(
+def scatter_runs(
     rows: Rows, chunks: np.ndarray, chunk_bytes: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each chunk of ``chunks`` (sorted; each holds at least one row) as a stream of regions in
-    its byte order: the rows (sorted, each inside one chunk, not overlapping; offset in the
-    chunk, target) and, around them, the bytes no row carries (target 0). Returns the offsets,
-    targets and each chunk's end in them."""
+    """Where each chunk of ``chunks`` (sorted; each holds at least one row) lands, as a
+    data-plane scatter (first, offsets, targets) in its byte order: its rows (sorted, each
+    inside one chunk, not overlapping; offset in the chunk, place) and, around them, the bytes
+    no row carries (target 0: hashed, then dropped)."""
     chunk_of_row = rows.offset // chunk_bytes
     lo, hi = np.searchsorted(chunk_of_row, [chunks[0], chunks[-1] + 1]) if len(chunks) else (0, 0)
     rc = chunk_of_row[lo:hi]
@@ -94,14 +94,5 @@ def _chunk_regions(
     keep = length > 0
     region_chunk = np.repeat(rc, 3)[keep]
     ends = np.searchsorted(region_chunk, chunks, side="right").astype(np.int64)
-    return offset[keep].astype(np.int64), dst[keep].astype(np.uint64), ends
-
-
-def scatter_runs(
-    rows: Rows, chunks: np.ndarray, chunk_bytes: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where each chunk of ``chunks`` lands, as a data-plane scatter (first, offsets, targets):
-    its rows' places in its byte order and, for the bytes no row carries, target 0 (hashed,
-    then dropped)."""
-    offsets, targets, ends = _chunk_regions(rows, chunks, chunk_bytes)
-    return np.concatenate(([0], ends)).astype(np.int64), offsets, targets
+    chunk_first = np.concatenate(([0], ends)).astype(np.int64)  # each chunk's first run
+    return chunk_first, offset[keep].astype(np.int64), dst[keep].astype(np.uint64)
