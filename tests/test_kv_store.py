@@ -1676,3 +1676,45 @@ def test_other_pools_of_another_layout_are_refused(arrays, rng, stores):
     with pytest.raises(InvalidArgumentError, match=r"pools: .*list"):
         store.save_engine_blocks_async(_hashes(rng, 1), [0], pools=small.pools[0])
     assert counters(store)["saves"] == 1
+
+
+def test_a_lookup_in_dram_answers_only_a_hit_dram_holds_whole_and_never_waits(
+    arrays, rng, stores, tmp_path
+):
+    kv = Kv(arrays, rng)
+    store = stores(make_config(tmp_path, dram=4, disk=64), kv.pools)
+    hashes = _hashes(rng, 6)
+    store.save_engine_blocks_async(hashes, list(range(6))).result(TIMEOUT)
+    store.flush(timeout=TIMEOUT)
+    # DRAM holds 4 slots: the 6 blocks are all on disk, the last 4 in DRAM too
+    hit = store.lookup_engine_blocks_in_dram(hashes[2:])
+    assert hit is not None and hit.num_blocks == 4 and set(hit.tiers) == {"dram"}
+    assert hit.cached_tokens == 4 * BS and counters(store)["open_handles"] == 1
+    before = kv.snapshot()
+    assert store.load(hit, [10, 11, 12, 13]).loaded_blocks == 4
+    kv.check([10, 11, 12, 13], [b[2:6] for b in kv.blocks(range(6))], before)
+    # a block below DRAM: no answer and nothing pinned; the full lookup finds all of them
+    assert store.lookup_engine_blocks_in_dram(hashes) is None
+    assert store.lookup_engine_blocks_in_dram([*hashes[2:], _hashes(rng, 1)[0]]) is None
+    assert counters(store)["open_handles"] == 0
+    store.release(full := store.lookup_engine_blocks(hashes))
+    assert full.num_blocks == 6
+    # the store's lock held elsewhere (a lower tier answering over the network): no wait
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._stack.lock:
+            held.set()
+            done.wait(5.0)  # a lookup that waited for it would take 5 s
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(TIMEOUT)
+        started = time.monotonic()
+        assert store.lookup_engine_blocks_in_dram(hashes[2:]) is None
+        assert time.monotonic() - started < 1.0
+    finally:
+        done.set()
+        holder.join(TIMEOUT)
+    assert counters(store)["open_handles"] == 0

@@ -162,6 +162,20 @@ def small_worker(socket_dir: Path, engine_id: str) -> Iterator[Any]:
         side.close()
 
 
+def vllm_request(tokens: list[int], req_id: str = "req-1") -> Any:
+    """A real vLLM request with vLLM's own block hashes (sha256, as the engine computes them)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        req_id, tokens, SamplingParams(max_tokens=1), None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )  # fmt: skip
+
+
 def worker_of(llm: Any) -> Any:
     """The connector's worker side of a live in-process engine."""
     from tpusync.connectors.vllm.worker import local_worker

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engines import small_worker
+from engines import small_worker, vllm_request
 from tools import skip_or_fail
 
 from tpusync.connectors.vllm.events import MAX_KNOWN_BLOCKS, BlockEventLog
@@ -23,6 +23,7 @@ from tpusync.connectors.vllm.lookup_service import (
     LookupServer,
     encode_request,
 )
+from tpusync.connectors.vllm.scheduler import SchedulerSide
 from tpusync.connectors.vllm.settings import default_socket_dir, read_settings
 from tpusync.connectors.vllm.worker import WorkerSide
 from tpusync.errors import UnsafeFileError
@@ -70,6 +71,37 @@ def test_answers_in_any_order_the_highest_sequence_wins(worker) -> None:
     worker.release("r", 2)
     assert worker.answer("r", 2, hashes) == (0, False)  # released before it answered
     assert worker.store.stats()["store"]["open_handles"] == 0
+
+
+def test_in_one_process_a_hit_dram_holds_whole_is_answered_on_the_schedulers_thread(
+    worker, monkeypatch
+) -> None:
+    prompt = list(range(1, 201))  # 6 full blocks before the last token
+    request = vllm_request(prompt, "part")
+    hashes = list(request.block_hashes)
+    worker.store.save_engine_blocks_async(hashes[:3], [0, 1, 2]).result()
+    scheduler = SchedulerSide(worker.settings, BLOCK)
+    asked: list[str] = []
+    submit = scheduler._asker.submit
+    monkeypatch.setattr(
+        scheduler._asker, "submit", lambda fn, *args: asked.append(args[0]) or submit(fn, *args)
+    )
+    try:
+        # half of it stored: DRAM does not hold the whole hit, the asker looks in every tier
+        tokens = scheduler.matched_tokens(request, 0)[0]
+        deadline = time.monotonic() + 10
+        while tokens is None and time.monotonic() < deadline:
+            tokens = scheduler.matched_tokens(request, 0)[0]
+        assert tokens == 3 * BLOCK and asked == ["part"]
+        scheduler.finished(request)
+        worker.store.save_engine_blocks_async(hashes[3:], [3, 4, 5]).result()
+        whole = vllm_request(prompt, "whole")
+        assert scheduler.matched_tokens(whole, 0) == (6 * BLOCK, False)  # at once
+        assert asked == ["part"] and worker._pins["whole"][1].num_blocks == 6
+        scheduler.finished(whole)
+        assert worker.store.stats()["store"]["open_handles"] == 0
+    finally:
+        scheduler.close()
 
 
 def test_a_slow_worker_is_a_miss_within_the_deadline(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engines import BLOCK, build_model, engine, generate, transfer_config
+from engines import BLOCK, build_model, engine, generate, transfer_config, vllm_request
 
 from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.scheduler import SchedulerSide
@@ -50,20 +50,6 @@ def test_each_rank_has_its_own_socket_keys_and_node(tmp_path: Path) -> None:
         _settings(tmp_path, 0, {"disk": {"directory": str(tmp_path / "d"), "capacity_blocks": 8}})
 
 
-def _request(tokens: list[int]) -> Any:
-    """A real vLLM request with vLLM's own block hashes (sha256, as the engine computes them)."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(
-        "req-1", tokens, SamplingParams(max_tokens=1), None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
-    )  # fmt: skip
-
-
 def _matched(scheduler: SchedulerSide, request: Any) -> int:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -76,7 +62,7 @@ def _matched(scheduler: SchedulerSide, request: Any) -> int:
 
 
 def test_a_hit_counts_only_as_far_as_every_rank_holds_the_block(tmp_path: Path) -> None:
-    request = _request(PROMPT)
+    request = vllm_request(PROMPT)
     hashes = list(request.block_hashes)
     assert len(hashes) == 6
     workers = []
@@ -93,7 +79,7 @@ def test_a_hit_counts_only_as_far_as_every_rank_holds_the_block(tmp_path: Path) 
             assert _matched(scheduler, request) == 3 * BLOCK
             workers[1].close()  # a rank that does not answer: a miss, never a partial hit
             scheduler.finished(request)
-            assert _matched(scheduler, _request(PROMPT)) == 0
+            assert _matched(scheduler, vllm_request(PROMPT)) == 0
         finally:
             scheduler.close()
     finally:
@@ -126,7 +112,7 @@ def test_the_scheduler_asks_every_rank_at_once(tmp_path: Path) -> None:
     ]
     scheduler = SchedulerSide(settings, BLOCK)
     try:
-        assert _matched(scheduler, _request(PROMPT)) == 3 * BLOCK  # the smallest answer
+        assert _matched(scheduler, vllm_request(PROMPT)) == 3 * BLOCK  # the smallest answer
         assert most[0] == 2  # both ranks answered at once
     finally:
         scheduler.close()

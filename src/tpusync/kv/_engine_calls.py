@@ -29,6 +29,7 @@ class EngineBlockCalls:
     _check_open: Callable[[], None]
     _namespace: Callable[[Namespace | None], Namespace]
     _lookup_keys: Callable[[list[bytes], int, int], LookupResult]
+    _opened: Callable[[list[bytes], list[str], int, int], LookupResult]
     _check_block_ids: Callable[..., np.ndarray]
     _start_save: Callable[..., SaveFuture]
     _other_pools: Callable[[Any], tuple[list[Any], int]]
@@ -45,6 +46,28 @@ class EngineBlockCalls:
         self._check_open()
         keys = self._engine_keys(block_hashes, namespace)
         return self._lookup_keys(keys, len(keys) * self.block_size, len(keys))
+
+    def lookup_engine_blocks_in_dram(
+        self, block_hashes: Sequence[bytes], *, namespace: Namespace | None = None
+    ) -> LookupResult | None:
+        """:meth:`lookup_engine_blocks` answered from the DRAM tier's index alone and without
+        waiting: the hit, pinned, when DRAM holds every one of the blocks; ``None`` when it does
+        not, or when the store's lock is held (a lower tier may be answering a lookup over the
+        network): then ask :meth:`lookup_engine_blocks`. It does no I/O and never waits, so a
+        caller that must not block (an engine's scheduler) may call it on its own thread."""
+        self._check_open()
+        keys = self._engine_keys(block_hashes, namespace)
+        stack = self._stack
+        if not stack.lock.acquire(blocking=False):
+            return None
+        try:
+            if not all(stack.dram.contains(keys)):
+                return None
+            stack.pin(keys)
+        finally:
+            stack.lock.release()
+        size = len(keys)
+        return self._opened(keys, [stack.names[0]] * size, size * self.block_size, size)
 
     def _engine_keys(self, block_hashes: Any, namespace: Namespace | None) -> list[bytes]:
         hashes = check_engine_hashes(block_hashes)

@@ -280,11 +280,17 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             where = stack.locate(keys, prefix=True)
             hit = keys[: len(where)]
             stack.pin(hit)
+        return self._opened(hit, [stack.names[t] for t in where], total_tokens, asked)
+
+    def _opened(
+        self, hit: list[bytes], tiers: list[str], total_tokens: int, asked: int
+    ) -> LookupResult:
+        """The handle of a lookup whose ``hit`` is pinned (``tiers[i]``: where block i is)."""
         result = LookupResult(
             cached_tokens=len(hit) * self.block_size,
             total_tokens=total_tokens,
             keys=tuple(hit),
-            tiers=tuple(stack.names[t] for t in where),
+            tiers=tuple(tiers),
             _store=self,
         )
         with self._handles_lock:

@@ -202,12 +202,17 @@ class SchedulerSide:
         sequence = next(self._sequence)
         self._issued[req_id] = sequence
         hashes = [bytes(h) for h in request.block_hashes[local:usable]]
+        # in one process a hit that DRAM holds whole is answered here (an index lookup that
+        # never waits): the hop to the asker thread and back costs more than the lookup
+        worker = local_worker(self.settings.engine_id)
+        now = worker.answer_from_dram(req_id, sequence, hashes) if worker is not None else None
+        if now is None:
+            answer = self._asker.submit(self._ask, req_id, sequence, hashes)
+        else:
+            answer = concurrent.futures.Future()
+            answer.set_result(now)
         asking = _Asking(
-            sequence,
-            local,
-            usable,
-            self._asker.submit(self._ask, req_id, sequence, hashes),
-            time.monotonic() + self.settings.lookup_timeout_s,
+            sequence, local, usable, answer, time.monotonic() + self.settings.lookup_timeout_s
         )
         self._asking[req_id] = asking
         return asking

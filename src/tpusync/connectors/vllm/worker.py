@@ -192,8 +192,31 @@ class WorkerSide:
         except (TpuSyncError, OSError) as error:
             log.warning("tpusync vllm: lookup of %s failed (a miss): %s", req_id, error)
             return 0, False
+        return self._pin(req_id, sequence, block_hashes, result)
+
+    def answer_from_dram(
+        self, req_id: str, sequence: int, block_hashes: list[bytes]
+    ) -> tuple[int, bool] | None:
+        """:meth:`answer` when the store's DRAM tier holds every one of ``block_hashes`` (an
+        index lookup: no I/O, no wait, so the scheduler asks it on its own thread); ``None``
+        when it does not (ask :meth:`answer`, which looks in every tier)."""
+        store = self.store
+        if store is None:
+            return 0, False
+        try:
+            result = store.lookup_engine_blocks_in_dram(block_hashes)
+        except (TpuSyncError, OSError) as error:
+            log.warning("tpusync vllm: lookup of %s failed (a miss): %s", req_id, error)
+            return 0, False
+        return None if result is None else self._pin(req_id, sequence, block_hashes, result)
+
+    def _pin(
+        self, req_id: str, sequence: int, block_hashes: list[bytes], result: LookupResult
+    ) -> tuple[int, bool]:
+        """Keeps ``result`` as ``req_id``'s pins unless a later lookup of it (or its release)
+        overtook this one; returns the answer."""
         if not result.num_blocks:
-            store.release(result)
+            self._drop(result)
             return 0, False
         with self._lock:
             held = self._pins.get(req_id)
