@@ -96,7 +96,8 @@ class WritebackGate:
         self._disk.contains = self._gated  # an instance attribute shadows the method
 
     def _gated(self, keys: Sequence[bytes]) -> list[bool]:
-        if threading.current_thread() is self._stack._wb_thread and not self._opened.is_set():
+        writer = self._stack.writeback._thread
+        if threading.current_thread() is writer and not self._opened.is_set():
             self.entered.set()
             if not self._opened.wait(TIMEOUT):
                 raise TimeoutError("the write-back gate was never opened")

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError, TpuSyncError
 from tpusync.kv._tier_faults import TierFaults
+from tpusync.kv._writeback import WriteBackQueue, drop_one_each
 from tpusync.tiers.base import LowerTier, tier_free, tier_usable_capacity
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.scatter import Scatter
@@ -122,22 +123,13 @@ class TierStack:
             dict.fromkeys(POLICY_COUNTERS, 0)
         )
         self._counters_lock = threading.Lock()
-        # write-back queue
-        self._wb_policy = writeback_policy
-        self._wb_max = writeback_max_bytes
-        self._wb_cond = threading.Condition(threading.Lock())
-        self._wb_queue: collections.deque[list[bytes]] = collections.deque()
-        self._wb_bytes = 0  # queued or being written
-        self._wb_busy = 0
-        self._wb_active: set[bytes] = set()  # keys whose DRAM slots write-back reads now
-        self._wb_queued: dict[bytes, int] = {}  # keys in _wb_queue: how many times each
-        self._wb_stop = False
-        self._wb_thread: threading.Thread | None = None
-        if writable:
-            self._wb_thread = threading.Thread(
-                target=self._writeback_loop, name="tpusync-kv-writeback", daemon=True
-            )
-            self._wb_thread.start()
+        self.writeback = WriteBackQueue(
+            block_bytes=self.block_bytes,
+            max_bytes=writeback_max_bytes,
+            policy=writeback_policy,
+            write=self._write_back_all if writable else None,
+            bump=self.bump,
+        )
 
     @property
     def can_write_down(self) -> bool:
@@ -353,8 +345,7 @@ class TierStack:
         deadline = time.monotonic() + _WRITEBACK_WAIT_S
         stuck: set[bytes] = set()  # victims no lower tier took that must not be dropped
         while (need := blocks - self._free(tier)) > 0:
-            with self._wb_cond:
-                busy = set(self._wb_active) if tier == 0 else set()
+            busy = self.writeback.active() if tier == 0 else set()
             with self.lock:
                 victims, waiting = [], False
                 for key in self._lru[tier]:
@@ -377,7 +368,7 @@ class TierStack:
                 # Never evict for a request that cannot be met: wait for write-back to finish
                 # with the slots it reads, or fail with everything still cached.
                 if waiting and time.monotonic() < deadline:
-                    self._wait_writeback_progress()
+                    self.writeback.wait_progress()
                     continue
                 break
             if not bottom:
@@ -412,7 +403,7 @@ class TierStack:
             if not gone:
                 if time.monotonic() >= deadline:
                     break
-                self._wait_writeback_progress()
+                self.writeback.wait_progress()
         if self._free(tier) < blocks:
             untaken = f" ({len(stuck)} of them no lower tier could take)" if stuck else ""
             raise TierFullError(
@@ -495,8 +486,7 @@ class TierStack:
         lower tier but the ``skip`` ones (those that just failed): write-back reads DRAM, which
         is about to drop them. Call with DRAM's room lock held (lower tiers' room locks come
         after it). A failing tier is counted and logged, never raised: the eviction goes on."""
-        with self._wb_cond:
-            pending = [k for k in keys if k in self._wb_queued or k in self._wb_active]
+        pending = self.writeback.pending(keys)
         if not pending:
             return
         for tier in self._writable_lower:
@@ -669,61 +659,11 @@ class TierStack:
 
     # --- write-back ------------------------------------------------------------------------
 
-    def writeback_admit(self, blocks: int) -> bool:
-        """Takes queue room for ``blocks`` under the policy: waits for it (``"wait"``) or
-        answers False (``"skip"``). False with no lower tier to write to."""
-        if self._wb_thread is None or not blocks:
-            return False
-        nbytes = blocks * self.block_bytes
-        with self._wb_cond:
-            if self._wb_policy == "skip":
-                if self._wb_bytes and self._wb_bytes + nbytes > self._wb_max:
-                    self.bump("writeback_skipped", blocks)
-                    return False
-            else:
-                while self._wb_bytes and self._wb_bytes + nbytes > self._wb_max:
-                    self.bump("writeback_waits", 1)
-                    self._wb_cond.wait()
-            self._wb_bytes += nbytes
-            return True
-
-    def writeback_enqueue(self, keys: list[bytes], admitted_blocks: int) -> None:
-        """Queues keys for the lower tiers (room taken by :meth:`writeback_admit`)."""
-        with self._wb_cond:
-            self._wb_bytes -= (admitted_blocks - len(keys)) * self.block_bytes
-            if keys:
-                self._wb_queue.append(keys)
-                for key in keys:
-                    self._wb_queued[key] = self._wb_queued.get(key, 0) + 1
-            self._wb_cond.notify_all()
-
-    def _writeback_loop(self) -> None:
-        while True:
-            with self._wb_cond:
-                while not self._wb_queue and not self._wb_stop:
-                    self._wb_cond.wait()
-                if not self._wb_queue:
-                    return
-                keys = self._wb_queue.popleft()
-                self._unqueue(keys)
-                self._wb_busy += 1
-                self._wb_active.update(keys)
-            try:
-                for tier in self._writable_lower:  # each on its own: a failing one is skipped
-                    self._write_back_to(tier, keys)
-            except Exception:  # never let the thread die silently; the blocks stay in DRAM
-                self.bump("writeback_failed", len(keys))
-                log.exception("tpusync kv: write-back failed")
-            finally:
-                with self._wb_cond:
-                    self._wb_active.difference_update(keys)
-                    self._wb_busy -= 1
-                    self._wb_bytes -= len(keys) * self.block_bytes
-                    self._wb_cond.notify_all()
-
-    def _unqueue(self, keys: list[bytes]) -> None:
-        """Forgets one queued occurrence of each key. Call with ``_wb_cond`` held."""
-        drop_one_each(self._wb_queued, keys)
+    def _write_back_all(self, keys: list[bytes]) -> None:
+        """What the write-back thread does with each batch: every writable lower tier, each
+        on its own (a failing one is skipped)."""
+        for tier in self._writable_lower:
+            self._write_back_to(tier, keys)
 
     def _count_lost(self, tier: int, keys: list[bytes]) -> None:
         """Counts the keys write-back could not put into ``tier`` because DRAM dropped them
@@ -750,22 +690,6 @@ class TierStack:
                 self.names[tier],
             )
 
-    def _wait_writeback_progress(self) -> None:
-        with self._wb_cond:
-            if self._wb_busy:
-                self._wb_cond.wait(timeout=0.5)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Waits until the write-back queue is empty; False on timeout."""
-        with self._wb_cond:
-            return self._wb_cond.wait_for(
-                lambda: not self._wb_queue and not self._wb_busy, timeout=timeout
-            )
-
-    def writeback_pending_bytes(self) -> int:
-        with self._wb_cond:
-            return self._wb_bytes
-
     # --- deletion, shutdown ----------------------------------------------------------------
 
     def delete_everywhere(self, keys: Sequence[bytes]) -> int:
@@ -788,23 +712,7 @@ class TierStack:
         return dropped
 
     def close(self) -> None:
-        with self._wb_cond:
-            self._wb_stop = True
-            self._wb_cond.notify_all()
-        if self._wb_thread is not None:
-            self._wb_thread.join()
-        with self._wb_cond:
-            self._wb_queued.clear()  # the thread drained the queue; nothing waits any more
-
-
-def drop_one_each(counts: dict[bytes, int], keys: Sequence[bytes]) -> None:
-    """Counts one occurrence fewer of each key; a key whose count reaches zero goes."""
-    for key in keys:
-        count = counts.get(key, 0) - 1
-        if count > 0:
-            counts[key] = count
-        else:
-            counts.pop(key, None)
+        self.writeback.close()
 
 
 def present(tier: HostPool | LowerTier, keys: Sequence[bytes]) -> list[bytes]:

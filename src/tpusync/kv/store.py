@@ -511,7 +511,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
                 streamed, rest = save_through_dram(self, new_keys, new_ids, pools)
                 rest = len(new_keys) if rest is None else rest
                 new_keys, new_ids = new_keys[rest:], new_ids[rest:]
-            if stack.writeback_admit(len(new_keys)):
+            if stack.writeback.admit(len(new_keys)):
                 admitted = len(new_keys)
             stored = []
             if new_keys:
@@ -523,12 +523,12 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         except BaseException as error:
             self._release_blocks(ids, future, pools)
             if admitted:
-                stack.writeback_enqueue([], admitted)
+                stack.writeback.enqueue([], admitted)
             future.set_exception(error)
             return
         self._release_blocks(ids, future, pools)
         if admitted:
-            stack.writeback_enqueue(stored, admitted)
+            stack.writeback.enqueue(stored, admitted)
         n_stored = streamed + len(stored)
         self._count(saves=1, saved_blocks=n_stored, save_skipped_blocks=len(keys) - len(fresh))
         future.set_result(
@@ -712,7 +712,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         if pending:
             return False
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done = self._stack.flush(left)
+        done = self._stack.writeback.flush(left)
         if done and self._registry_link is not None:
             try:  # the registry learns of what those saves added
                 self._registry_link.flush_changes()
@@ -727,7 +727,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         with self._counters_lock:
             store: dict[str, Any] = dict(self._counters)
         store.update(stack.counters_snapshot())
-        store["writeback_pending_bytes"] = stack.writeback_pending_bytes()
+        store["writeback_pending_bytes"] = stack.writeback.pending_bytes()
         store["sessions"] = len(self._sessions.all())
         with self._handles_lock:
             store["open_handles"] = len(self._handles)
@@ -752,7 +752,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             self._server.close()  # no peer reads while the tiers close
         self._layer_calls.shutdown(wait=True)
         self._calls.shutdown(wait=True)
-        self._stack.flush()
+        self._stack.writeback.flush()
         self._release_open_handles()
         self._stack.close()
         if self._registry_link is not None:
