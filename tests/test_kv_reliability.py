@@ -632,13 +632,13 @@ def test_flush_waits_for_saves_in_flight(
     try:
         store = engine.store
         assert store is not None
-        enqueue = store._stack.writeback_enqueue
+        enqueue = store._stack.writeback.enqueue
 
         def late_enqueue(keys: list[bytes], admitted: int) -> None:
             time.sleep(0.3)
             enqueue(keys, admitted)
 
-        monkeypatch.setattr(store._stack, "writeback_enqueue", late_enqueue)
+        monkeypatch.setattr(store._stack.writeback, "enqueue", late_enqueue)
         prompt = _tokens(rng, 48)
         engine.generate(prompt, 1, use_cache=False, save=True)
         assert store.flush(timeout=60)

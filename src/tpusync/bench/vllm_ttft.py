@@ -22,9 +22,11 @@ size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 
 Each hit of a row is followed at once by the same prompt again, a hit of vLLM's own prefix cache
 in the same engine (the connector attached): "x own hit, paired" is the median of the ratios of
-these pairs. This machine's speed drifts from minute to minute (other tenants), and the pairs,
-moments apart, drift less than the row's median against the prefix-hit row measured minutes
-before in another engine ("x hit").
+these pairs. Each hit is preceded by a step of a prompt shorter than a block (nothing to save or
+load), so that both of a pair start from a warm engine (the memory-limit samples between pairs
+empty the caches and let the OpenMP team sleep). This machine's speed drifts from minute to
+minute (other tenants), and the pairs, moments apart, drift less than the row's median against
+the prefix-hit row measured minutes before in another engine ("x hit").
 
 "load ms" is the connector's own load (the store's ``LoadResult.seconds``; layer by layer it
 runs beside the forward, sharing the cores with it), set beside the memory limit of the same
@@ -102,6 +104,8 @@ DISK_IO_THREADS = inspect.signature(DiskPool).parameters["io_threads"].default
 LMCACHE = "does not run here: its vLLM connector needs CUDA"
 # the rows whose every hit must come from below DRAM
 FROM_BELOW_DRAM = ("tpusync disk", "tpusync store node")
+# run before each hit: shorter than a block, so no connector has anything to save or load
+WARM_UP_PROMPT = list(range(1, BLOCK // 2 + 1))
 
 
 def build_model(path: Path, max_len: int) -> Path:
@@ -214,7 +218,11 @@ def _hits(
     blocks each hit took from below DRAM. Each hit is followed by the same prompt again, now a
     hit of vLLM's own prefix cache in this engine: a pair measured moments apart, whose ratio
     drifts less with the machine's load than medians taken minutes apart. ``after_hit`` is
-    called after each pair (the benchmark samples its memory limit there)."""
+    called after each pair (the benchmark samples its memory limit there). Before each hit a
+    prompt shorter than a block runs a step, so that the hit starts from an engine as warm as
+    the one its paired prefix hit finds: the memory-limit sample empties the caches and the
+    OpenMP team falls asleep meanwhile (a probe of 1k hits: 2.8 ms over the paired prefix hit
+    right after a sample, 1.0 ms after such a step, 0.6 ms without samples)."""
     for p in prompts if filler is None else [*prompts, filler]:
         _ttft(llm, p)
     worker = _worker(llm)
@@ -224,9 +232,10 @@ def _hits(
     equal = True
     for r in range(repeats):
         prompt = prompts[r % len(prompts)]
-        llm.reset_prefix_cache()
         if cold_page_cache:
             dropped &= drop_page_cache()
+        _ttft(llm, WARM_UP_PROMPT)
+        llm.reset_prefix_cache()
         if worker is not None:
             worker.recent_loads.clear()
             before = _blocks_below_dram(worker)
