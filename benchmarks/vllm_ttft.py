@@ -2,7 +2,7 @@
 ExampleConnector. A thin script over :mod:`tpusync.bench.vllm_ttft` (``tpusync bench
 vllm_ttft`` in the vLLM environment); the command line is the same.
 
-    .venv-vllm/bin/python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 5]
+    .venv-vllm/bin/python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 11]
 """
 
 import importlib.util

@@ -5,7 +5,7 @@ The model is a random-weight Llama of 8 layers, hidden 1024, 16 query heads, 8 K
 intermediate 2816, vocab 4096, bf16 (16 KiB of KV per token), built at run time. For each prompt
 size, TTFT (a one-token generate, wall time, medians over the repeats) of:
 
-* cold: a prompt no cache holds;
+* cold: a prompt no cache holds (each of two prompts twice);
 * vLLM prefix hit: the same prompt again in the same engine (vLLM's own cache: the bound);
 * tpusync DRAM: vLLM's own prefix cache reset before each repeat, the prompt served from the
   connector's DRAM tier with its defaults (on a CPU: loaded whole before the forward);
@@ -51,7 +51,7 @@ least 5x faster than ExampleConnector's on the same medium (over-hit time). LMCa
 connector does not run here (it needs CUDA; on CPU only its storage path runs, with a mock GPU
 connector).
 
-    python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 5] [--json FILE]
+    python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 11] [--json FILE]
         [--disk-dir /var/tmp]
 
 Runs only where vLLM is installed (``scripts/test.sh`` makes ``.venv-vllm``): importing this
@@ -95,6 +95,8 @@ from tpusync.tiers import DiskPool
 from tpusync.tiers.disk.pool import LANDING_RUN_BYTES, MAX_RUN_BYTES
 
 QUICK = ["--tokens", "1024,4096", "--repeats", "3"]
+# cold prefills of each prompt (8k takes 12 s; the hits are the figures that need many runs)
+COLD_ROUNDS = 2
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bf16
 # the disk tier's reads: up to 4 MiB into DRAM slots, up to 2 MiB straight into the tensors
@@ -279,7 +281,7 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
     with engine(model, max_len, None, {}) as llm:
         _ttft(llm, _prompts(tokens, 1, seed=99)[0])  # warm-up
         colds = []
-        for p in prompts * max(1, repeats // 2):
+        for p in prompts * COLD_ROUNDS:
             llm.reset_prefix_cache()
             seconds, token = _ttft(llm, p)
             colds.append(seconds)
@@ -448,7 +450,9 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--tokens", default="1024,4096,8192")
-    parser.add_argument("--repeats", type=int, default=5)
+    # a 1k hit's TTFT moves by 1-2 ms from one hit to the next, more than its load: 5 pairs
+    # gave over-hit medians 0.9-1.9 ms in runs of the same code
+    parser.add_argument("--repeats", type=int, default=11, help="hits per row")
     parser.add_argument("--json", default=None, help="default: the results scheme")
     parser.add_argument(
         "--disk-dir", default="/var/tmp", help="the disk tier's and ExampleConnector's filesystem"
