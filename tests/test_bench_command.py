@@ -22,6 +22,7 @@ from tpusync.bench.results import (
     TABLES,
     bracketing_limits,
     hicache_round_trip,
+    paired_limit_ratio,
     paired_over_hit,
     row_memory_limit,
     vllm_loaded_bytes,
@@ -180,6 +181,24 @@ def test_vllm_ttft_row_limit_is_the_fastest_sample_in_or_just_before_the_row() -
     record = {"limit_gbps": 21.0, "limit_gbps_by_row": {"b": 16.0}}
     assert row_memory_limit(record, "b") == pytest.approx(16.0)
     assert row_memory_limit({"limit_gbps": 21.0}, "b") == 21.0  # an older record
+
+
+def test_vllm_ttft_paired_limit_sets_each_load_beside_the_sample_right_after_it() -> None:
+    gib = 1 << 30
+    # sample 0 before the rows (fast memory), 1-3 after row a's three hits (slow), 4 after b's
+    runs = {"stream": [gib / 40e9, gib / 20e9, gib / 25e9, gib / 20e9, gib / 30e9],
+            "np.copyto": [gib / 90e9] * 5}  # fmt: skip
+    record = {
+        "tokens": 1024, "kv_bytes": gib, "block_size": 32, "loaded_bytes": gib, "limit_gbps": 9.0,
+        "limit_s_runs": runs, "limit_sampled_in": [None, "a", "a", "a", "b"],
+        "a": {"load_s_runs": [gib / 10e9, gib / 20e9, gib / 16e9]},
+        "b": {"load_s_runs": []},
+    }  # fmt: skip
+    # 10/20, 20/25, 16/20: the median 0.8; against the fastest sample around the row, 0.4
+    assert paired_limit_ratio(record, "a") == pytest.approx(0.8)
+    assert 16 / row_memory_limit(record, "a") == pytest.approx(0.4)
+    assert paired_limit_ratio(record, "b") == "-"  # no loads
+    assert paired_limit_ratio({"a": record["a"]}, "a") == "-"  # an older record: no samples
 
 
 def test_vllm_disagg_compares_like_with_like() -> None:

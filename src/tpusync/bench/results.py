@@ -16,6 +16,7 @@ __all__ = [
     "latest_results",
     "nixl_figures",
     "paired_figures",
+    "paired_limit_ratio",
     "write_results_md",
 ]
 
@@ -190,8 +191,7 @@ def bracketing_limits(
     for samples before the first row. A row's limit is the fastest of its own samples and the
     last sample before it, each sample's best method. This VM's memory speed drifts within
     seconds, so a load is set beside what the memory did around it, not a median over all."""
-    methods = [m for m in runs if m != "np.copyto"]
-    best = [max(nbytes / runs[m][k] for m in methods) / 1e9 for k in range(len(runs[methods[0]]))]
+    best = _sample_bests(runs, nbytes)
     limits: dict[str, float] = {}
     for k, row in enumerate(rows[: len(best)]):
         if row is None:
@@ -200,6 +200,30 @@ def bracketing_limits(
             limits[row] = best[k - 1] if k else best[k]
         limits[row] = max(limits[row], best[k])
     return limits
+
+
+def _sample_bests(runs: dict[str, list[float]], nbytes: int) -> list[float]:
+    """Each ``MemoryLimit`` sample's limit in GB/s: its fastest method (``np.copyto`` never
+    is one)."""
+    methods = [m for m in runs if m != "np.copyto"]
+    return [max(nbytes / runs[m][k] for m in methods) / 1e9 for k in range(len(runs[methods[0]]))]
+
+
+def paired_limit_ratio(result: dict[str, Any], row: str) -> Any:
+    """The median, over a vllm_ttft row's hits, of each load's GB/s over the memory limit
+    sampled right after that hit: each load beside what the memory did moments later. This
+    VM's memory speed flips between about 26 and 40 GB/s from one minute to the next, and the
+    fastest sample around a row (:func:`row_memory_limit`) may come from the other speed than
+    its loads. "-" for records without samples taken in the row."""
+    runs, rows = result.get("limit_s_runs"), result.get("limit_sampled_in")
+    loads = (result.get(row) or {}).get("load_s_runs") or []
+    if not isinstance(runs, dict) or not rows or not loads:
+        return "-"
+    best = _sample_bests(runs, int(result["kv_bytes"]))
+    after = [best[k] for k, name in enumerate(rows[: len(best)]) if name == row]
+    loaded = vllm_loaded_bytes(result)
+    pairs = [loaded / s / 1e9 / g for s, g in zip(loads, after, strict=False) if s == s and s > 0]
+    return float(np.median(pairs)) if pairs else "-"
 
 
 def row_memory_limit(result: dict[str, Any], row: str) -> float:
@@ -228,8 +252,8 @@ def paired_over_hit(result: dict[str, Any]) -> dict[str, float]:
 
 def _vllm_ttft(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit; paired)",
-               "DRAM load x limit", "tpusync disk ms", "disk load x limit", "tpusync node ms",
-               "x Example (over hit, paired): shm / disk"]  # fmt: skip
+               "DRAM load x limit (paired)", "tpusync disk ms", "disk load x limit",
+               "tpusync node ms", "x Example (over hit, paired): shm / disk"]  # fmt: skip
     rows = []
     fio = (record.get("disk_limit") or {}).get("fio_read_gbps")
     for r in record.get("results", []):
@@ -251,7 +275,8 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
             str(r.get("tokens")), _num(med.get("cold", 0) * 1e3, 1), _num(hit * 1e3, 1),
             f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f}"
             f"{_paired(r.get('tpusync DRAM') or {})})",
-            _ratio(dram_gbps, row_memory_limit(r, "tpusync DRAM") if "limit_gbps" in r else None),
+            _ratio(dram_gbps, row_memory_limit(r, "tpusync DRAM") if "limit_gbps" in r else None)
+            + _paired_limit(r),
             _num(med.get("tpusync disk", 0) * 1e3, 1),
             _ratio(disk_gbps, fio) if fio else "-",
             _num(med.get("tpusync store node", 0) * 1e3, 1),
@@ -259,6 +284,11 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
             f"{_faster(over, 'tpusync disk', 'Example disk')}",
         ])  # fmt: skip
     return headers, rows
+
+
+def _paired_limit(result: dict[str, Any]) -> str:
+    ratio = paired_limit_ratio(result, "tpusync DRAM")
+    return f" ({ratio:.2f})" if isinstance(ratio, float) else ""
 
 
 def _paired(row: dict[str, Any]) -> str:
