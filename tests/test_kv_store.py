@@ -1718,3 +1718,21 @@ def test_a_lookup_in_dram_answers_only_a_hit_dram_holds_whole_and_never_waits(
         done.set()
         holder.join(TIMEOUT)
     assert counters(store)["open_handles"] == 0
+    store.release(again := store.lookup_engine_blocks_in_dram(hashes[2:]))  # the lock is free
+    assert again is not None and again.num_blocks == 4
+
+
+def test_a_lookup_in_dram_of_a_store_without_lower_tiers_answers_dram_s_leading_run(
+    arrays, rng, stores
+):
+    kv = Kv(arrays, rng)
+    store = stores(make_config(dram=16), kv.pools)
+    hashes = _hashes(rng, 6)
+    store.save_engine_blocks_async(hashes[:4], list(range(4))).result(TIMEOUT)
+    hit = store.lookup_engine_blocks_in_dram(hashes)  # nothing below DRAM can hold the rest
+    assert hit is not None and hit.num_blocks == 4 and hit.total_tokens == 6 * BS
+    store.release(hit)
+    miss = store.lookup_engine_blocks_in_dram(hashes[4:])
+    assert miss is not None and miss.num_blocks == 0
+    store.release(miss)
+    assert counters(store)["open_handles"] == 0

@@ -9,8 +9,10 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engines import small_worker, vllm_request
@@ -73,12 +75,23 @@ def test_answers_in_any_order_the_highest_sequence_wins(worker) -> None:
     assert worker.store.stats()["store"]["open_handles"] == 0
 
 
-def test_in_one_process_a_hit_dram_holds_whole_is_answered_on_the_schedulers_thread(
+def _answered(scheduler: SchedulerSide, request: Any) -> int | None:
+    tokens = scheduler.matched_tokens(request, 0)[0]
+    deadline = time.monotonic() + 10
+    while tokens is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        tokens = scheduler.matched_tokens(request, 0)[0]
+    return tokens
+
+
+def test_in_one_process_a_dram_lookup_is_answered_on_the_schedulers_thread(
     worker, monkeypatch
 ) -> None:
+    """A store whose only tier is DRAM: its index settles every lookup, whole or partial, in
+    the scheduler's call. The asker thread takes a lookup only while the store is busy (its
+    lock held, as by a lower tier's lookup over the network) or when the DRAM lookup fails."""
     prompt = list(range(1, 201))  # 6 full blocks before the last token
-    request = vllm_request(prompt, "part")
-    hashes = list(request.block_hashes)
+    hashes = list(vllm_request(prompt).block_hashes)
     worker.store.save_engine_blocks_async(hashes[:3], [0, 1, 2]).result()
     scheduler = SchedulerSide(worker.settings, BLOCK)
     asked: list[str] = []
@@ -87,18 +100,36 @@ def test_in_one_process_a_hit_dram_holds_whole_is_answered_on_the_schedulers_thr
         scheduler._asker, "submit", lambda fn, *args: asked.append(args[0]) or submit(fn, *args)
     )
     try:
-        # half of it stored: DRAM does not hold the whole hit, the asker looks in every tier
-        tokens = scheduler.matched_tokens(request, 0)[0]
-        deadline = time.monotonic() + 10
-        while tokens is None and time.monotonic() < deadline:
-            tokens = scheduler.matched_tokens(request, 0)[0]
-        assert tokens == 3 * BLOCK and asked == ["part"]
-        scheduler.finished(request)
-        worker.store.save_engine_blocks_async(hashes[3:], [3, 4, 5]).result()
-        whole = vllm_request(prompt, "whole")
-        assert scheduler.matched_tokens(whole, 0) == (6 * BLOCK, False)  # at once
-        assert asked == ["part"] and worker._pins["whole"][1].num_blocks == 6
-        scheduler.finished(whole)
+        part = vllm_request(prompt, "part")
+        assert scheduler.matched_tokens(part, 0) == (3 * BLOCK, False)  # in the call
+        assert asked == [] and worker._pins["part"][1].num_blocks == 3
+        scheduler.finished(part)
+        held, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with worker.store._stack.lock:
+                held.set()
+                done.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(10)
+            busy = vllm_request(prompt, "busy")
+            assert scheduler.matched_tokens(busy, 0) == (None, False)  # the asker waits
+        finally:
+            done.set()
+            holder.join(10)
+        assert _answered(scheduler, busy) == 3 * BLOCK and asked == ["busy"]
+        scheduler.finished(busy)
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a fault in the DRAM lookup")
+
+        monkeypatch.setattr(worker, "answer_from_dram", broken)
+        failed = vllm_request(prompt, "failed")
+        assert _answered(scheduler, failed) == 3 * BLOCK and asked == ["busy", "failed"]
+        scheduler.finished(failed)
         assert worker.store.stats()["store"]["open_handles"] == 0
     finally:
         scheduler.close()

@@ -211,7 +211,8 @@ def _sample_bests(runs: dict[str, list[float]], nbytes: int) -> list[float]:
 
 def paired_limit_ratio(result: dict[str, Any], row: str) -> Any:
     """The median, over a vllm_ttft row's hits, of each load's GB/s over the memory limit
-    sampled right after that hit: each load beside what the memory did moments later. This
+    sampled right after that hit's pair (the hit and the prefix hit after it): each load
+    beside what the memory did moments later. This
     VM's memory speed flips between about 26 and 40 GB/s from one minute to the next, and the
     fastest sample around a row (:func:`row_memory_limit`) may come from the other speed than
     its loads. "-" for records without samples taken in the row."""
@@ -221,8 +222,10 @@ def paired_limit_ratio(result: dict[str, Any], row: str) -> Any:
         return "-"
     best = _sample_bests(runs, int(result["kv_bytes"]))
     after = [best[k] for k, name in enumerate(rows[: len(best)]) if name == row]
+    if len(after) != len(loads):  # one sample after each hit's pair, or the pairs are unknown
+        return "-"
     loaded = vllm_loaded_bytes(result)
-    pairs = [loaded / s / 1e9 / g for s, g in zip(loads, after, strict=False) if s == s and s > 0]
+    pairs = [loaded / s / 1e9 / g for s, g in zip(loads, after, strict=True) if s == s and s > 0]
     return float(np.median(pairs)) if pairs else "-"
 
 

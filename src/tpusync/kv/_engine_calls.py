@@ -50,24 +50,28 @@ class EngineBlockCalls:
     def lookup_engine_blocks_in_dram(
         self, block_hashes: Sequence[bytes], *, namespace: Namespace | None = None
     ) -> LookupResult | None:
-        """:meth:`lookup_engine_blocks` answered from the DRAM tier's index alone and without
-        waiting: the hit, pinned, when DRAM holds every one of the blocks; ``None`` when it does
-        not, or when the store's lock is held (a lower tier may be answering a lookup over the
-        network): then ask :meth:`lookup_engine_blocks`. It does no I/O and never waits, so a
-        caller that must not block (an engine's scheduler) may call it on its own thread."""
+        """:meth:`lookup_engine_blocks` answered from the DRAM tier's index alone: the hit,
+        pinned, when DRAM holds every one of the blocks, or (a store without tiers below DRAM)
+        DRAM's leading run of them, the whole answer there. ``None`` when a lower tier may hold
+        more, or when the store's lock is held (a lower tier may be answering a lookup over the
+        network): then ask :meth:`lookup_engine_blocks`. It reads no tier below DRAM and only
+        tries the store's lock, so it never waits for another lookup: a caller that must not
+        block on I/O (an engine's scheduler) may call it on its own thread."""
         self._check_open()
         keys = self._engine_keys(block_hashes, namespace)
         stack = self._stack
         if not stack.lock.acquire(blocking=False):
             return None
         try:
-            if not all(stack.dram.contains(keys)):
+            found = stack.dram.contains(keys)
+            held = next((i for i, hit in enumerate(found) if not hit), len(keys))
+            if held < len(keys) and len(stack.tiers) > 1:
                 return None
-            stack.pin(keys)
+            hit = keys[:held]
+            stack.pin(hit)
         finally:
             stack.lock.release()
-        size = len(keys)
-        return self._opened(keys, [stack.names[0]] * size, size * self.block_size, size)
+        return self._opened(hit, [stack.names[0]] * held, len(keys) * self.block_size, len(keys))
 
     def _engine_keys(self, block_hashes: Any, namespace: Namespace | None) -> list[bytes]:
         hashes = check_engine_hashes(block_hashes)

@@ -202,10 +202,7 @@ class SchedulerSide:
         sequence = next(self._sequence)
         self._issued[req_id] = sequence
         hashes = [bytes(h) for h in request.block_hashes[local:usable]]
-        # in one process a hit that DRAM holds whole is answered here (an index lookup that
-        # never waits): the hop to the asker thread and back costs more than the lookup
-        worker = local_worker(self.settings.engine_id)
-        now = worker.answer_from_dram(req_id, sequence, hashes) if worker is not None else None
+        now = self._answer_from_dram(req_id, sequence, hashes)
         if now is None:
             answer = self._asker.submit(self._ask, req_id, sequence, hashes)
         else:
@@ -216,6 +213,21 @@ class SchedulerSide:
         )
         self._asking[req_id] = asking
         return asking
+
+    def _answer_from_dram(
+        self, req_id: str, sequence: int, hashes: list[bytes]
+    ) -> tuple[int, bool] | None:
+        """In one process, the answer of a lookup DRAM's index settles (it waits for no other
+        lookup): the hop to the asker thread and back costs more than such a lookup. ``None``
+        otherwise, also when it fails: the asker then looks in every tier."""
+        worker = local_worker(self.settings.engine_id)
+        if worker is None:
+            return None
+        try:
+            return worker.answer_from_dram(req_id, sequence, hashes)
+        except Exception as error:  # never an exception into vLLM's scheduler
+            log.warning("tpusync vllm: the DRAM lookup of %s failed: %s", req_id, error)
+            return None
 
     def _forget_lookup(self, req_id: str) -> None:
         old = self._lookups.pop(req_id, None)

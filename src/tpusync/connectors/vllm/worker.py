@@ -197,9 +197,10 @@ class WorkerSide:
     def answer_from_dram(
         self, req_id: str, sequence: int, block_hashes: list[bytes]
     ) -> tuple[int, bool] | None:
-        """:meth:`answer` when the store's DRAM tier holds every one of ``block_hashes`` (an
-        index lookup: no I/O, no wait, so the scheduler asks it on its own thread); ``None``
-        when it does not (ask :meth:`answer`, which looks in every tier)."""
+        """:meth:`answer` from the store's DRAM index alone
+        (:meth:`~tpusync.kv.KVCacheStore.lookup_engine_blocks_in_dram`: no tier below DRAM is
+        read and no lookup in progress waited for, so the scheduler asks it on its own thread);
+        ``None`` when a lower tier may hold more or the store is busy (ask :meth:`answer`)."""
         store = self.store
         if store is None:
             return 0, False
