@@ -68,6 +68,8 @@ def engine(model: Path, kv: Any = None, **options: Any) -> Iterator[Any]:
         num_gpu_blocks_override=256,
     )
     settings.update(options)
+    shm = Path("/dev/shm")
+    before = set(shm.glob("vllm_dist_*"))
     llm = LLM(kv_transfer_config=kv, **settings)
     try:
         yield llm
@@ -75,6 +77,9 @@ def engine(model: Path, kv: Any = None, **options: Any) -> Iterator[Any]:
         llm.llm_engine.engine_core.shutdown()  # in process: the connector's store closes
         del llm
         gc.collect()
+        # vLLM 0.32's CPU communicator (tensor parallelism) leaves its /dev/shm files behind
+        for leftover in set(shm.glob("vllm_dist_*")) - before:
+            leftover.unlink(missing_ok=True)
 
 
 def generate(
