@@ -181,6 +181,20 @@ def vllm_request(tokens: list[int], req_id: str = "req-1") -> Any:
     )  # fmt: skip
 
 
+def matched_when_answered(scheduler: Any, request: Any, timeout_s: float = 10.0) -> int:
+    """The scheduler side's count of ``request``'s stored tokens, asked again until its lookup
+    answers, as vLLM asks at each step (never a load below DRAM here)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tokens, is_async = scheduler.matched_tokens(request, 0)
+        if tokens is not None:
+            assert not is_async
+            return tokens
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"the scheduler got no answer in {timeout_s:g} s")
+        time.sleep(0.01)  # a scheduling step's pace
+
+
 def worker_of(llm: Any) -> Any:
     """The connector's worker side of a live in-process engine."""
     from tpusync.connectors.vllm.worker import local_worker

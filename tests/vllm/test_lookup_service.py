@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import small_worker, vllm_request
+from engines import matched_when_answered, small_worker, vllm_request
 from tools import skip_or_fail
 
 from tpusync.connectors.vllm.events import MAX_KNOWN_BLOCKS, BlockEventLog
@@ -75,15 +75,6 @@ def test_answers_in_any_order_the_highest_sequence_wins(worker) -> None:
     assert worker.store.stats()["store"]["open_handles"] == 0
 
 
-def _answered(scheduler: SchedulerSide, request: Any) -> int | None:
-    tokens = scheduler.matched_tokens(request, 0)[0]
-    deadline = time.monotonic() + 10
-    while tokens is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-        tokens = scheduler.matched_tokens(request, 0)[0]
-    return tokens
-
-
 def test_in_one_process_a_dram_lookup_is_answered_on_the_schedulers_thread(
     worker, monkeypatch
 ) -> None:
@@ -120,7 +111,7 @@ def test_in_one_process_a_dram_lookup_is_answered_on_the_schedulers_thread(
         finally:
             done.set()
             holder.join(10)
-        assert _answered(scheduler, busy) == 3 * BLOCK and asked == ["busy"]
+        assert matched_when_answered(scheduler, busy) == 3 * BLOCK and asked == ["busy"]
         scheduler.finished(busy)
 
         def broken(*args: Any) -> None:
@@ -128,7 +119,7 @@ def test_in_one_process_a_dram_lookup_is_answered_on_the_schedulers_thread(
 
         monkeypatch.setattr(worker, "answer_from_dram", broken)
         failed = vllm_request(prompt, "failed")
-        assert _answered(scheduler, failed) == 3 * BLOCK and asked == ["busy", "failed"]
+        assert matched_when_answered(scheduler, failed) == 3 * BLOCK and asked == ["busy", "failed"]
         scheduler.finished(failed)
         assert worker.store.stats()["store"]["open_handles"] == 0
     finally:

@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engines import BLOCK, build_model, engine, generate, transfer_config, vllm_request
+from engines import (
+    BLOCK,
+    build_model,
+    engine,
+    generate,
+    matched_when_answered,
+    transfer_config,
+    vllm_request,
+)
 
 from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.scheduler import SchedulerSide
@@ -50,17 +58,6 @@ def test_each_rank_has_its_own_socket_keys_and_node(tmp_path: Path) -> None:
         _settings(tmp_path, 0, {"disk": {"directory": str(tmp_path / "d"), "capacity_blocks": 8}})
 
 
-def _matched(scheduler: SchedulerSide, request: Any) -> int:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        tokens, is_async = scheduler.matched_tokens(request, 0)
-        if tokens is not None:
-            assert not is_async
-            return tokens
-        time.sleep(0.01)
-    raise AssertionError("the scheduler got no answer in 10 s")
-
-
 def test_a_hit_counts_only_as_far_as_every_rank_holds_the_block(tmp_path: Path) -> None:
     request = vllm_request(PROMPT)
     hashes = list(request.block_hashes)
@@ -76,10 +73,10 @@ def test_a_hit_counts_only_as_far_as_every_rank_holds_the_block(tmp_path: Path) 
             workers.append(worker)
         scheduler = SchedulerSide(workers[0].settings, BLOCK)
         try:
-            assert _matched(scheduler, request) == 3 * BLOCK
+            assert matched_when_answered(scheduler, request) == 3 * BLOCK
             workers[1].close()  # a rank that does not answer: a miss, never a partial hit
             scheduler.finished(request)
-            assert _matched(scheduler, vllm_request(PROMPT)) == 0
+            assert matched_when_answered(scheduler, vllm_request(PROMPT)) == 0
         finally:
             scheduler.close()
     finally:
@@ -112,7 +109,8 @@ def test_the_scheduler_asks_every_rank_at_once(tmp_path: Path) -> None:
     ]
     scheduler = SchedulerSide(settings, BLOCK)
     try:
-        assert _matched(scheduler, vllm_request(PROMPT)) == 3 * BLOCK  # the smallest answer
+        # the smallest answer
+        assert matched_when_answered(scheduler, vllm_request(PROMPT)) == 3 * BLOCK
         assert most[0] == 2  # both ranks answered at once
     finally:
         scheduler.close()

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from tpusync.cluster import RemoteRegistry
 from tpusync.cluster.serving import serve
@@ -184,15 +184,8 @@ class WorkerSide:
         Answers arrive in any order (a lookup the scheduler gave up on may finish after its
         next one): the highest sequence of a request wins, and a lookup already released (or
         overtaken) pins nothing. A failing lookup is a miss."""
-        store = self.store
-        if store is None:
-            return 0, False
-        try:
-            result = store.lookup_engine_blocks(block_hashes)
-        except (TpuSyncError, OSError) as error:
-            log.warning("tpusync vllm: lookup of %s failed (a miss): %s", req_id, error)
-            return 0, False
-        return self._pin(req_id, sequence, block_hashes, result)
+        answered = self._answer(req_id, sequence, block_hashes, in_dram=False)
+        return cast(tuple[int, bool], answered)  # a lookup of every tier always answers
 
     def answer_from_dram(
         self, req_id: str, sequence: int, block_hashes: list[bytes]
@@ -201,11 +194,17 @@ class WorkerSide:
         (:meth:`~tpusync.kv.KVCacheStore.lookup_engine_blocks_in_dram`: no tier below DRAM is
         read and no lookup in progress waited for, so the scheduler asks it on its own thread);
         ``None`` when a lower tier may hold more or the store is busy (ask :meth:`answer`)."""
+        return self._answer(req_id, sequence, block_hashes, in_dram=True)
+
+    def _answer(
+        self, req_id: str, sequence: int, block_hashes: list[bytes], *, in_dram: bool
+    ) -> tuple[int, bool] | None:
         store = self.store
         if store is None:
             return 0, False
+        lookup = store.lookup_engine_blocks_in_dram if in_dram else store.lookup_engine_blocks
         try:
-            result = store.lookup_engine_blocks_in_dram(block_hashes)
+            result = lookup(block_hashes)
         except (TpuSyncError, OSError) as error:
             log.warning("tpusync vllm: lookup of %s failed (a miss): %s", req_id, error)
             return 0, False
