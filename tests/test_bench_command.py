@@ -22,7 +22,7 @@ from tpusync.bench.results import (
     TABLES,
     bracketing_limits,
     hicache_round_trip,
-    paired_limit_ratio,
+    hit_limit_ratio,
     paired_over_hit,
     row_memory_limit,
     vllm_loaded_bytes,
@@ -183,7 +183,7 @@ def test_vllm_ttft_row_limit_is_the_fastest_sample_in_or_just_before_the_row() -
     assert row_memory_limit({"limit_gbps": 21.0}, "b") == 21.0  # an older record
 
 
-def test_vllm_ttft_paired_limit_sets_each_load_beside_the_sample_right_after_it() -> None:
+def test_vllm_ttft_hit_limit_sets_each_load_beside_the_faster_sample_around_it() -> None:
     gib = 1 << 30
     # sample 0 before the rows (fast memory), 1-3 after row a's three hits (slow), 4 after b's
     runs = {"stream": [gib / 40e9, gib / 20e9, gib / 25e9, gib / 20e9, gib / 30e9],
@@ -194,11 +194,16 @@ def test_vllm_ttft_paired_limit_sets_each_load_beside_the_sample_right_after_it(
         "a": {"load_s_runs": [gib / 10e9, gib / 20e9, gib / 16e9]},
         "b": {"load_s_runs": []},
     }  # fmt: skip
-    # 10/20, 20/25, 16/20: the median 0.8; against the fastest sample around the row, 0.4
-    assert paired_limit_ratio(record, "a") == pytest.approx(0.8)
+    # 10/max(40, 20), 20/max(20, 25), 16/max(25, 20): the median 0.64; against the fastest
+    # sample around the whole row, 0.4; against the sample after each hit alone, 0.8
+    assert hit_limit_ratio(record, "a") == pytest.approx(0.64)
     assert 16 / row_memory_limit(record, "a") == pytest.approx(0.4)
-    assert paired_limit_ratio(record, "b") == "-"  # no loads
-    assert paired_limit_ratio({"a": record["a"]}, "a") == "-"  # an older record: no samples
+    assert hit_limit_ratio(record, "b") == "-"  # no loads
+    assert hit_limit_ratio({"a": record["a"]}, "a") == "-"  # an older record: no samples
+    # no sample before the row's first hit: that hit has no limit before it
+    first = {**record, "limit_s_runs": {k: v[1:] for k, v in runs.items()},
+             "limit_sampled_in": ["a", "a", "a", "b"]}  # fmt: skip
+    assert hit_limit_ratio(first, "a") == "-"
 
 
 def test_vllm_disagg_compares_like_with_like() -> None:

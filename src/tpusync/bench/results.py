@@ -13,10 +13,10 @@ import numpy as np
 
 __all__ = [
     "disagg_limits",
+    "hit_limit_ratio",
     "latest_results",
     "nixl_figures",
     "paired_figures",
-    "paired_limit_ratio",
     "write_results_md",
 ]
 
@@ -209,24 +209,28 @@ def _sample_bests(runs: dict[str, list[float]], nbytes: int) -> list[float]:
     return [max(nbytes / runs[m][k] for m in methods) / 1e9 for k in range(len(runs[methods[0]]))]
 
 
-def paired_limit_ratio(result: dict[str, Any], row: str) -> Any:
+def hit_limit_ratio(result: dict[str, Any], row: str) -> Any:
     """The median, over a vllm_ttft row's hits, of each load's GB/s over the memory limit
-    sampled right after that hit's pair (the hit and the prefix hit after it): each load
-    beside what the memory did moments later. This
-    VM's memory speed flips between about 26 and 40 GB/s from one minute to the next, and the
-    fastest sample around a row (:func:`row_memory_limit`) may come from the other speed than
-    its loads. "-" for records without samples taken in the row."""
+    around that hit: the faster of the samples taken just before it (after the previous hit's
+    pair, or the last one before the row) and just after its pair (the hit and the prefix hit
+    after it). This VM's memory speed flips between about 26 and 40 GB/s from one minute to
+    the next, and the fastest sample around a whole row (:func:`row_memory_limit`) may come
+    from the other speed than its loads; the samples on both sides of a hit, seconds apart,
+    say what the memory did while it loaded. "-" for records without samples taken in the
+    row."""
     runs, rows = result.get("limit_s_runs"), result.get("limit_sampled_in")
     loads = (result.get(row) or {}).get("load_s_runs") or []
     if not isinstance(runs, dict) or not rows or not loads:
         return "-"
     best = _sample_bests(runs, int(result["kv_bytes"]))
-    after = [best[k] for k, name in enumerate(rows[: len(best)]) if name == row]
-    if len(after) != len(loads):  # one sample after each hit's pair, or the pairs are unknown
+    after = [k for k, name in enumerate(rows[: len(best)]) if name == row]
+    # one sample after each hit's pair and one before the row, or the pairs are unknown
+    if len(after) != len(loads) or after[0] == 0:
         return "-"
+    around = [max(best[k - 1], best[k]) for k in after]
     loaded = vllm_loaded_bytes(result)
-    pairs = [loaded / s / 1e9 / g for s, g in zip(loads, after, strict=True) if s == s and s > 0]
-    return float(np.median(pairs)) if pairs else "-"
+    ratios = [loaded / s / 1e9 / g for s, g in zip(loads, around, strict=True) if s == s and s > 0]
+    return float(np.median(ratios)) if ratios else "-"
 
 
 def row_memory_limit(result: dict[str, Any], row: str) -> float:
@@ -255,7 +259,7 @@ def paired_over_hit(result: dict[str, Any]) -> dict[str, float]:
 
 def _vllm_ttft(record: dict[str, Any]) -> Table:
     headers = ["tokens", "cold ms", "vLLM prefix hit ms", "tpusync DRAM ms (x hit; paired)",
-               "DRAM load x limit (paired)", "tpusync disk ms", "disk load x limit",
+               "DRAM load x limit (per hit)", "tpusync disk ms", "disk load x limit",
                "tpusync node ms", "x Example (over hit, paired): shm / disk"]  # fmt: skip
     rows = []
     fio = (record.get("disk_limit") or {}).get("fio_read_gbps")
@@ -279,7 +283,7 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
             f"{med.get('tpusync DRAM', 0) * 1e3:.1f} ({med.get('tpusync DRAM', 0) / hit:.2f}"
             f"{_paired(r.get('tpusync DRAM') or {})})",
             _ratio(dram_gbps, row_memory_limit(r, "tpusync DRAM") if "limit_gbps" in r else None)
-            + _paired_limit(r),
+            + _hit_limit(r),
             _num(med.get("tpusync disk", 0) * 1e3, 1),
             _ratio(disk_gbps, fio) if fio else "-",
             _num(med.get("tpusync store node", 0) * 1e3, 1),
@@ -289,8 +293,8 @@ def _vllm_ttft(record: dict[str, Any]) -> Table:
     return headers, rows
 
 
-def _paired_limit(result: dict[str, Any]) -> str:
-    ratio = paired_limit_ratio(result, "tpusync DRAM")
+def _hit_limit(result: dict[str, Any]) -> str:
+    ratio = hit_limit_ratio(result, "tpusync DRAM")
     return f" ({ratio:.2f})" if isinstance(ratio, float) else ""
 
 

@@ -34,10 +34,11 @@ bytes measured in the same run: the fastest of the samples taken after each of t
 and the last one before the row (one contiguous copy on all cores, the best of memcpy and
 non-temporal stores, the caches emptied before each copy: the hits' source was written before
 model steps that streamed the weights through the caches, and a repeated copy of a region that
-fits in the last-level cache would read it from there); "x limit, paired" sets each load
-beside the sample taken right after it instead (the median of those ratios): this VM's memory
-speed flips between about 26 and 40 GB/s from one minute to the next, and the fastest sample
-around a row may come from the other speed than its loads. Before each hit of a disk row the page
+fits in the last-level cache would read it from there); "x limit, per hit" sets each load
+beside the faster of the two samples around it instead, the one just before the hit and the one
+right after its pair (the median of those ratios): this VM's memory speed flips between about
+26 and 40 GB/s from one minute to the next, and the fastest sample around a row may come from
+the other speed than its loads. Before each hit of a disk row the page
 cache is dropped (as root; the JSON says whether it was), and the disk's own limit is fio's
 O_DIRECT read with the disk tier's threads and each of its read sizes (4 MiB into DRAM, 2 MiB
 straight into the tensors), sampled after each prompt size's rows (the fastest sample is the
@@ -84,7 +85,7 @@ from vllm.inputs import TokensPrompt
 from tpusync.bench.common import Run, median, print_table, settle, spread
 from tpusync.bench.results import (
     VLLM_TTFT_ROWS,
-    paired_limit_ratio,
+    hit_limit_ratio,
     paired_over_hit,
     paired_ratio,
     row_memory_limit,
@@ -400,7 +401,7 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
                 "-" if load != load else load * 1e3,
                 "-" if gbps != gbps else gbps,
                 _x_limit(row, gbps, row_memory_limit(r, row), disk_gbps),
-                paired_limit_ratio(r, row) if row.startswith("tpusync DRAM") else "-",
+                hit_limit_ratio(r, row) if row.startswith("tpusync DRAM") else "-",
                 f"{over[peer] / over[row]:.1f}x {peer}" if peer and over[row] > 0 else "-",
                 "equal" if data["outputs_equal"] else "DIFFERENT",
             ])  # fmt: skip
@@ -410,12 +411,12 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
         "it in the same engine; over hit = the median of TTFT - that prefix hit's; load = the "
         "connector's own load; x limit = load GB/s / the limit of its medium (DRAM rows: "
         "memory, the same bytes, the fastest sample in or just before the row; disk: fio's "
-        "O_DIRECT read); x limit, paired = the median of each load's GB/s / the memory limit "
-        f"sampled right after it; LMCache: {LMCACHE}"
+        "O_DIRECT read); x limit, per hit = the median of each load's GB/s / the faster of the "
+        f"memory-limit samples just before and just after its hit; LMCache: {LMCACHE}"
     )
     print_table(
         ["tokens", "served by", "TTFT ms", "x hit", "x own hit, paired", "over hit ms",
-         "load ms", "load GB/s", "x limit", "x limit, paired", "x peer (over hit)", "outputs"],
+         "load ms", "load GB/s", "x limit", "x limit, per hit", "x peer (over hit)", "outputs"],
         rows,
         limit_columns=(8, 9),
     )  # fmt: skip
