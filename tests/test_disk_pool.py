@@ -43,6 +43,7 @@ from tpusync.errors import (
 from tpusync.info import check_o_direct
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, LowerTier, PoolLayout
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, WRITING
+from tpusync.tiers.disk import _io_jobs as disk_io_jobs
 from tpusync.tiers.disk import pool as disk_pool_module
 
 PAGE = 4096
@@ -770,7 +771,7 @@ def test_buffered_fallback_where_o_direct_is_refused(tmp_path: Path, layout: Poo
 def test_auto_falls_back_when_the_probe_says_no(
     directory: Path, source: HostPool, monkeypatch, caplog
 ) -> None:
-    monkeypatch.setattr(disk_pool_module, "check_o_direct", lambda d: (False, "refused"))
+    monkeypatch.setattr(disk_io_jobs, "check_o_direct", lambda d: (False, "refused"))
     with caplog.at_level(logging.INFO, "tpusync.tiers"), open_pool(directory) as disk:
         assert disk.direct_io is False
         assert disk.direct_io_reason == "O_DIRECT unavailable: refused"

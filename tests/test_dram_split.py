@@ -50,6 +50,10 @@ def test_kv_store_names_are_the_same_objects_from_kv_and_kv_store() -> None:
 
 
 def test_the_split_modules_are_under_800_lines() -> None:
-    paths = [*sorted((SRC / "tiers" / "dram").glob("*.py")), *sorted((SRC / "kv").glob("*.py"))]
+    paths = [
+        *sorted((SRC / "tiers" / "dram").glob("*.py")),
+        *sorted((SRC / "tiers" / "disk").glob("*.py")),
+        *sorted((SRC / "kv").glob("*.py")),
+    ]
     long = {p.name: n for p in paths if (n := len(p.read_text().splitlines())) > 800}
     assert long == {}

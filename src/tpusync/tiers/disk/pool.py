@@ -72,7 +72,6 @@ import logging
 import os
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,7 +86,6 @@ from tpusync.tiers._files import check_directory
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
 from tpusync.tiers.base import BlockTier, Load, LoadStatus
-from tpusync.tiers.direct_io import check_o_direct
 from tpusync.tiers.disk._format import (
     DEFAULT_IO_THREADS,
     HEADER_BYTES,
@@ -97,6 +95,7 @@ from tpusync.tiers.disk._format import (
     _is_int,
     _mib,
 )
+from tpusync.tiers.disk._io_jobs import choose_direct_io, run_jobs
 from tpusync.tiers.disk._landing import StagingBuffers, lander, segments_of
 from tpusync.tiers.disk._opening import DiskFiles
 from tpusync.tiers.dram import HostPool, Reservation
@@ -229,7 +228,7 @@ class DiskPool(DiskFiles, BlockTier):
 
         self._take_lock()
         try:
-            self.direct_io, self.direct_io_reason = _choose_direct_io(directory, direct_io)
+            self.direct_io, self.direct_io_reason = choose_direct_io(directory, direct_io)
             log.info(
                 "tpusync: disk pool %s: %s I/O (%s), durability=%s",
                 directory,
@@ -708,42 +707,8 @@ class DiskPool(DiskFiles, BlockTier):
     def _run(
         self, fn: Callable[[Any], None], jobs: Sequence[Any], *, stop_on_error: bool
     ) -> dict[int, OSError]:
-        """Runs ``fn`` on every job on the I/O threads; returns the OSErrors by job index.
-
-        Every worker has finished when this returns (no I/O touches a slot afterwards)."""
-        if not jobs:
-            return {}
-        assert self._executor is not None
-        queue = deque(enumerate(jobs))
-        errors: dict[int, OSError] = {}
-        stop = threading.Event()
-
-        def worker() -> None:
-            while not stop.is_set():
-                try:
-                    i, job = queue.popleft()
-                except IndexError:
-                    return
-                try:
-                    fn(job)
-                except OSError as exc:
-                    errors[i] = exc
-                    if stop_on_error:
-                        stop.set()
-                except BaseException:
-                    stop.set()
-                    raise
-
-        n = min(len(jobs), self.io_threads)
-        if n == 1:
-            worker()
-        else:
-            futures = [self._executor.submit(worker) for _ in range(n)]
-            for future in futures:
-                future.exception()  # waits for every worker before anything is re-raised
-            for future in futures:
-                future.result()
-        return dict(sorted(errors.items()))
+        """Runs ``fn`` on every job on the I/O threads (:func:`run_jobs`)."""
+        return run_jobs(self._executor, self.io_threads, fn, jobs, stop_on_error=stop_on_error)
 
 
 MAX_RUN_BYTES = 4 << 20  # one preadv/pwritev covers at most this much of consecutive slots
@@ -789,18 +754,3 @@ def _slab_runs(
                 continue
         runs.append([i])
     return runs
-
-
-def _choose_direct_io(directory: Path, wanted: bool | str) -> tuple[bool, str]:
-    if wanted is False:
-        return False, "direct_io=False"
-    if not hasattr(os, "O_DIRECT"):
-        ok, reason = False, "this OS has no O_DIRECT"
-    else:
-        ok, reason = check_o_direct(str(directory))
-    if wanted is True and not ok:
-        raise InvalidArgumentError(
-            f"direct_io: O_DIRECT is not available in {directory} ({reason}); pass "
-            "direct_io='auto' to fall back to buffered I/O"
-        )
-    return ok, "O_DIRECT supported" if ok else f"O_DIRECT unavailable: {reason}"
