@@ -45,6 +45,27 @@ def test_engine_keyed_blocks_round_trip_bit_exact(dtype: torch.dtype) -> None:
         store.close()
 
 
+def test_warmup_plans_both_directions_over_torch_pools_and_moves_nothing() -> None:
+    buffer = torch.randn(3, 12, 2, BLOCK, 64).to(torch.bfloat16)
+    store, _ = _store(buffer)
+    try:
+        hashes = [os.urandom(32) for _ in range(3)]
+        store.save_engine_blocks_async(hashes, [0, 2, 4]).result()
+        store.flush(timeout=30)
+        before = buffer.clone()
+        store.warmup(wait_mapped=False)
+        plans = {way: id(plan) for way, plan in store.dram._kept.plans.items()}  # (no views held)
+        assert set(plans) == {True, False}  # loads and saves: planned now, not on first use
+        assert torch.equal(buffer.view(torch.uint8), before.view(torch.uint8))
+        assert store.load(store.lookup_engine_blocks(hashes), [5, 7, 9]).loaded_blocks == 3
+        # the load ran the plan made by warmup
+        assert {way: id(plan) for way, plan in store.dram._kept.plans.items()} == plans
+        moved = buffer[:, [5, 7, 9]].view(torch.uint8)
+        assert torch.equal(moved, before[:, [0, 2, 4]].view(torch.uint8))
+    finally:
+        store.close()
+
+
 def test_a_tensor_re_pointed_after_the_plan_was_kept_is_refused() -> None:
     buffer = torch.randn(2, 8, 2, BLOCK, 64).to(torch.bfloat16)
     store, pools = _store(buffer)

@@ -694,13 +694,15 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
                 keys.update(k for k in tier.keys() if k.startswith(tag))  # noqa: SIM118
         return self._stack.delete_everywhere(sorted(keys))
 
-    def warmup(self) -> None:
+    def warmup(self, *, wait_mapped: bool = True) -> None:
         """Does once, now, what the first load and save would otherwise pay for (planning the
         moves between the DRAM tier and the device pools, starting the copy engine, compiling
         the pools' donated identity step, mapping a re-attached pool's pages). Call it after
-        creating the store, e.g. with the engine's own warm-up; it moves no block."""
+        creating the store, e.g. with the engine's own warm-up; it moves no block.
+        ``wait_mapped=False``: a re-attached pool's pages are left to its background mapper
+        rather than waited for (the engine connectors' start-up)."""
         self._check_open()
-        self.dram.prepare(self.pools)
+        self.dram.prepare(self.pools, wait_mapped=wait_mapped)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every save started so far is durable in DRAM and written to every lower

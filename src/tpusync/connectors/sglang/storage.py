@@ -80,7 +80,13 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
             )
             pools = [TorchPool(region, name=f"{pages.layout}[{i}]")
                      for i, region in enumerate(pages.regions)]  # fmt: skip
-            self.store = KVCacheStore(config, pools)
+            store = KVCacheStore(config, pools)
+            try:
+                store.warmup(wait_mapped=False)  # the moves' plans now, not in the first hit
+            except BaseException:
+                store.close()
+                raise
+            self.store = store
             self.pages, self._pools = pages, pools
             self.mem_pool_host = mem_pool_host
         log.info(

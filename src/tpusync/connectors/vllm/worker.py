@@ -109,6 +109,8 @@ class WorkerSide:
                 time.monotonic() - started,
             )
         self.open_store(pools, list(kv_caches), (not on_cpu) if wanted == "auto" else bool(wanted))
+        if on_cpu and self.store is not None:  # the moves' plans now, not in the first hit's
+            self.store.warmup(wait_mapped=False)  # step (a 1k-token load: ~0.7 ms)
 
     def use_settings(self, settings: ConnectorSettings) -> None:
         """Replaces the settings before the store opens (e.g. once the engine's number of
