@@ -14,6 +14,7 @@ damaged page is a miss, and the pages after it are not served.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -84,7 +85,8 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
             try:
                 store.warmup(wait_mapped=False)  # the moves' plans now, not in the first hit
             except BaseException:
-                store.close()
+                with contextlib.suppress(Exception):  # the warm-up's error is the one to see
+                    store.close()
                 raise
             self.store = store
             self.pages, self._pools = pages, pools

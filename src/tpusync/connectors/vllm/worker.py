@@ -108,9 +108,8 @@ class WorkerSide:
                 touched,
                 time.monotonic() - started,
             )
-        self.open_store(pools, list(kv_caches), (not on_cpu) if wanted == "auto" else bool(wanted))
-        if on_cpu and self.store is not None:  # the moves' plans now, not in the first hit's
-            self.store.warmup(wait_mapped=False)  # step (a 1k-token load: ~0.7 ms)
+        by_layer = (not on_cpu) if wanted == "auto" else bool(wanted)
+        self.open_store(pools, list(kv_caches), by_layer, warm_up=on_cpu)
 
     def use_settings(self, settings: ConnectorSettings) -> None:
         """Replaces the settings before the store opens (e.g. once the engine's number of
@@ -120,14 +119,20 @@ class WorkerSide:
         self.settings = settings
         self.events = BlockEventLog(settings.store.block_size, _capacity_blocks(settings.store))
 
-    def open_store(self, pools: list[Any], names: list[str], by_layer: bool) -> None:
+    def open_store(
+        self, pools: list[Any], names: list[str], by_layer: bool, *, warm_up: bool = False
+    ) -> None:
         """Opens the store over ``pools`` (one per layer, named as the engine names its layers)
-        and starts answering lookups; ``by_layer``: DRAM hits load layer by layer."""
+        and starts answering lookups; ``by_layer``: DRAM hits load layer by layer;
+        ``warm_up``: plans the moves between DRAM and the pools now, not in the first hit's
+        step (:meth:`KVCacheStore.warmup`; a 1k-token load paid ~0.7 ms for it)."""
         self.by_layer = by_layer
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.store = KVCacheStore(self.settings.store, pools)
         self.store.add_block_listener(self.events.heard)
         try:
+            if warm_up:  # a re-attached pool's pages are mapped in the background meanwhile
+                self.store.warmup(wait_mapped=False)
             self._serve_peers()
             self._server = LookupServer(self.settings.socket_path, self.answer)
         except BaseException:

@@ -33,6 +33,7 @@ def run_jobs(
     Every worker has finished when this returns (no I/O touches a slot afterwards)."""
     if not jobs:
         return {}
+    assert executor is not None  # open pools have one; close() waits for I/O in flight
     queue = deque(enumerate(jobs))
     errors: dict[int, OSError] = {}
     stop = threading.Event()
@@ -57,7 +58,6 @@ def run_jobs(
     if n == 1:
         worker()
     else:
-        assert executor is not None  # a pool with more than one I/O thread has one
         futures = [executor.submit(worker) for _ in range(n)]
         for future in futures:
             future.exception()  # waits for every worker before anything is re-raised

@@ -385,7 +385,8 @@ class DiskPool(DiskFiles, BlockTier):
             raise self._io_error(exc, f"writing {len(jobs)} blocks") from exc
         if self.durability == "commit":
             fds = sorted({fd for fd, _, _ in jobs})
-            sync_errors = self._run(os.fdatasync, fds, stop_on_error=False)
+            with self._io_running():  # close() waits for it before it closes the slabs
+                sync_errors = self._run(os.fdatasync, fds, stop_on_error=False)
             if sync_errors:
                 exc = next(iter(sync_errors.values()))
                 raise self._io_error(exc, "syncing slab files") from exc
