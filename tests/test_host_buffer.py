@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
+import time
 
 import jax
 import ml_dtypes
@@ -14,6 +15,7 @@ import pytest
 import tpusync
 from tpusync import HostBuffer
 from tpusync.errors import InvalidArgumentError, TpuSyncError
+from tpusync.memory import deferred_refs
 
 SHAPES_DTYPES = [
     ((16, 4, 2, 8), ml_dtypes.bfloat16),
@@ -192,6 +194,28 @@ def test_close_right_after_a_pure_jax_transfer_into_a_pool(no_automatic_gc, rng)
     tpusync.transfer(host, pool, src_blocks=order, dst_blocks=order, path="jax").result()
     host.close()
     assert np.array_equal(np.asarray(pool.array), expected)
+
+
+def test_close_waits_briefly_for_a_view_the_runtime_drops_late() -> None:
+    """The runtime's thread may queue its decref after the transfer returns: close() keeps
+    collecting for a short while, then lets a view that stays alive refuse it."""
+    refusals = iter([BufferError("alive")] * 3)
+
+    def close_once_dropped() -> str:
+        refusal = next(refusals, None)
+        if refusal is not None:
+            raise refusal
+        return "closed"
+
+    assert deferred_refs.close_releasing_deferred_views(close_once_dropped) == "closed"
+
+    def never() -> None:
+        raise BufferError("alive")
+
+    started = time.monotonic()
+    with pytest.raises(BufferError):
+        deferred_refs.close_releasing_deferred_views(never)
+    assert deferred_refs.SETTLE_S <= time.monotonic() - started < deferred_refs.SETTLE_S + 1
 
 
 def test_close_still_refuses_a_view_that_is_alive_after_a_transfer(no_automatic_gc, rng):
