@@ -592,10 +592,10 @@ class HostPool(SlotRecords):
         slot's pages. Moves nothing; the first :meth:`put_from_device` and
         :meth:`get_to_device` after it run as fast as later ones (measured here: a restarted
         process's first KV load of 8 MiB took ~4-6 ms without it, ~1.5 ms with it; in vLLM a
-        first 1k-token load paid ~0.7 ms for its plan). ``wait_mapped=False`` maps no page:
-        a re-attached pool's pages are left to its background mapper (and a pool opened with
-        ``populate=False`` maps them on first use) rather than held up for (an engine's
-        start-up, which must not wait for a large pool)."""
+        first 1k-token load paid ~0.7 ms for its plan). ``wait_mapped=False`` maps no page and
+        waits for none: a re-attached pool's pages are left to its background mapper, and a
+        pool opened with ``populate=False`` maps them on first use (for an engine's start-up,
+        which must not wait for a large pool)."""
         self._check_device_side(pools, np.zeros(0, np.int64), unique=False)
         pools = list(pools)
         if not all(isinstance(pool, DevicePool | TorchPool) for pool in pools):
