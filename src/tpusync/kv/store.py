@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -352,9 +353,20 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             self._handles.remove(result)
         self._stack.unpin(list(result.keys))
 
-    def load(self, result: LookupResult, device_block_ids: Any, *, pools: Any = None) -> LoadResult:
+    def load(
+        self,
+        result: LookupResult,
+        device_block_ids: Any,
+        *,
+        pools: Any = None,
+        skip_blocks: int = 0,
+    ) -> LoadResult:
         """Loads the hit's blocks into ``device_block_ids`` (one per cached block, in order;
         fewer loads only the first ones) and consumes the handle.
+
+        ``skip_blocks``: the hit's first blocks that are not loaded (their positions need no
+        KV: a sliding-window layer's blocks that fell out of its window); ``device_block_ids``
+        then holds one id per block from there on, and the result counts only those.
 
         ``pools``: other pools of this store's block layout to load into (e.g. an engine's
         staging buffer; any number of blocks); default: the store's own.
@@ -367,7 +379,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         fails) is read from the next tier that has it. Returns how many tokens were loaded: all
         cached ones, unless blocks were lost or failed their checksum in every tier holding them
         (a miss, counted; the blocks after the first miss are not loaded)."""
-        return self._load(result, device_block_ids, None, pools)
+        return self._load(result, device_block_ids, None, pools, skip_blocks)
 
     def _load(
         self,
@@ -375,19 +387,25 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         device_block_ids: Any,
         after_pool: Callable[[int], None] | None,
         pools: Any = None,
+        skip_blocks: int = 0,
     ) -> LoadResult:
         self._check_open()
         self._check_handle(result)
+        if type(skip_blocks) is not int or not 0 <= skip_blocks <= result.num_blocks:
+            raise InvalidArgumentError(
+                f"skip_blocks: expected 0 to the hit's {result.num_blocks} blocks, got "
+                f"{skip_blocks!r}"
+            )
         count = None
         if pools is not None:
             pools, count = self._other_pools(pools)
         ids = self._check_block_ids(
-            device_block_ids, result.num_blocks, at_most=True, num_blocks=count
+            device_block_ids, result.num_blocks - skip_blocks, at_most=True, num_blocks=count
         )
         self._check_writable(ids, pools)
         self._claim(result)
         start = time.perf_counter()
-        keys = list(result.keys[: len(ids)])
+        keys = list(result.keys[skip_blocks : skip_blocks + len(ids)])
         try:
             loaded, promoted = self._load_keys(keys, ids, after_pool, pools)
         except BaseException:
@@ -407,10 +425,12 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         )
 
     def load_async(
-        self, result: LookupResult, device_block_ids: Any
+        self, result: LookupResult, device_block_ids: Any, *, skip_blocks: int = 0
     ) -> concurrent.futures.Future[LoadResult]:
         self._check_handle(result)
-        return self._submit(self.load, result, device_block_ids)
+        return self._submit(
+            functools.partial(self.load, skip_blocks=skip_blocks), result, device_block_ids
+        )
 
     def _load_keys(
         self,
@@ -421,17 +441,22 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
     ) -> tuple[int, int]:
         return load_keys(self, keys, ids, after_pool, pools)
 
-    def load_by_layer(self, result: LookupResult, device_block_ids: Any) -> LayerLoad:
+    def load_by_layer(
+        self, result: LookupResult, device_block_ids: Any, *, skip_blocks: int = 0
+    ) -> LayerLoad:
         """:meth:`load` in the background, filling the device pools one after another (in the
         order this store was given them: an engine's layers) so that a reader of pool ``i``
         may start before the later ones are written (:meth:`LayerLoad.wait_for`). Blocks are
         readable before their checksums are compared; :meth:`LayerLoad.result` says which are
-        valid, and a failed block is not read again from a lower tier (recompute it)."""
+        valid, and a failed block is not read again from a lower tier (recompute it).
+        ``skip_blocks`` as in :meth:`load`."""
         self._check_open()
         self._check_handle(result)
         load = LayerLoad(len(self.pools))
         self._layer_calls.submit(
-            run_layer_load, load, lambda after: self._load(result, device_block_ids, after)
+            run_layer_load,
+            load,
+            lambda after: self._load(result, device_block_ids, after, None, skip_blocks),
         )
         return load
 

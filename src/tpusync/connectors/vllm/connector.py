@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+from tpusync.connectors.vllm.layouts import check_attention_layout
 from tpusync.connectors.vllm.metadata import TpuSyncMetadata
 from tpusync.connectors.vllm.scheduler import SchedulerSide
 from tpusync.connectors.vllm.settings import (
@@ -94,12 +95,7 @@ class TpuSyncConnector(KVConnectorBase_V1):
             raise InvalidArgumentError(
                 "async_scheduling: TpuSyncConnector needs it off (async_scheduling=False)"
             )
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise InvalidArgumentError(
-                f"kv_cache_config: {len(groups)} KV cache groups (a hybrid model); "
-                "TpuSyncConnector serves models with one group of full-attention layers"
-            )
+        check_attention_layout(kv_cache_config, str(transfer.kv_load_failure_policy))
         self._block_size = int(cache.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -153,6 +149,10 @@ class TpuSyncConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         self._scheduler.worker_output(connector_output)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.null_block_id = int(gpu_block_pool.null_block.block_id)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

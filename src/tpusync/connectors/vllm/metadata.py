@@ -14,12 +14,14 @@ __all__ = ["LoadSpec", "SaveSpec", "TpuSyncMetadata"]
 class LoadSpec:
     """Load the blocks pinned by lookup ``sequence`` of ``req_id`` into ``block_ids`` (the
     request's blocks after vLLM's own prefix hit); ``is_async``: from a tier below DRAM, in the
-    background, reported in ``finished_recving``."""
+    background, reported in ``finished_recving``; ``skip_blocks``: the hit's first blocks that
+    get no block (vLLM's null block: out of a sliding window), not loaded."""
 
     req_id: str
     sequence: int
     block_ids: list[int]
     is_async: bool
+    skip_blocks: int = 0
 
 
 @dataclass

@@ -67,6 +67,9 @@ class SchedulerSide:
         self._sequence = itertools.count(1)
         self._lookups: dict[str, _Lookup] = {}
         self._tracked: dict[str, _Tracked] = {}
+        # vLLM's null block (bind_block_pool): what a sliding window's dropped blocks point to;
+        # never loaded into, never saved from
+        self.null_block_id: int | None = None
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, int]] = []
         self._events: list[Any] = []  # the worker's KV events, until vLLM takes them
@@ -254,8 +257,18 @@ class SchedulerSide:
         if n <= 0:
             self._release(req_id, lookup.sequence)
             return
-        ids = blocks.get_block_ids()[0][lookup.local_blocks : lookup.local_blocks + n]
-        self._loads.append(LoadSpec(req_id, lookup.sequence, list(ids), lookup.is_async))
+        hit = list(blocks.blocks[0][lookup.local_blocks : lookup.local_blocks + n])
+        # a sliding window's blocks before it are vLLM's null block: a leading run, not loaded
+        skip = next((i for i, block in enumerate(hit) if not block.is_null), len(hit))
+        if skip:
+            self.null_block_id = hit[0].block_id
+        ids = [block.block_id for block in hit[skip:]]
+        sequence = lookup.sequence
+        if any(block.is_null for block in hit[skip:]):  # never seen: fail the load, not guess
+            log.error("tpusync vllm: %s: a null block after a real one; the load fails", req_id)
+            self._release(req_id, sequence)
+            sequence = -1  # pins nothing: the worker reports every block as a load error
+        self._loads.append(LoadSpec(req_id, sequence, ids, lookup.is_async, skip))
         tracked = self._tracked[req_id]
         tracked.block_ids = list(blocks.get_block_ids()[0])  # invalid_blocks looks here
         tracked.loaded = range(lookup.local_blocks, lookup.local_blocks + n)
@@ -306,9 +319,7 @@ class SchedulerSide:
         first, bs = tracked.saved_blocks, self.block_size
         tokens = tracked.request.all_token_ids
         skip = tracked.loaded  # the store holds them: it just served them
-        for lo, hi in ((first, min(full, skip.start)), (max(first, skip.stop), full)):
-            if lo >= hi:
-                continue
+        for lo, hi in self._real_runs(tracked.block_ids, first, full, skip):
             meta.saves.append(
                 SaveSpec(
                     req_id,
@@ -319,6 +330,22 @@ class SchedulerSide:
                 )
             )
         tracked.saved_blocks = full
+
+    def _real_runs(
+        self, block_ids: list[int], first: int, full: int, loaded: range
+    ) -> list[tuple[int, int]]:
+        """The runs of blocks ``first`` to ``full`` to save: not ``loaded`` and not vLLM's null
+        block (a sliding window's dropped blocks hold no KV of theirs)."""
+        runs: list[tuple[int, int]] = []
+        start = None
+        for i in range(first, full + 1):
+            keep = i < full and i not in loaded and block_ids[i] != self.null_block_id
+            if keep and start is None:
+                start = i
+            elif not keep and start is not None:
+                runs.append((start, i))
+                start = None
+        return runs
 
     def worker_output(self, connector_output: Any) -> None:
         """vLLM's ``update_connector_output``: blocks that failed to load, the worker's

@@ -286,18 +286,21 @@ class WorkerSide:
                     self._loading[spec.req_id] = (_done(None), [], None)
                 continue
             assert store is not None
-            ids = spec.block_ids[: result.num_blocks]
+            skip = min(spec.skip_blocks, result.num_blocks)
+            ids = spec.block_ids[: result.num_blocks - skip]
             if len(ids) < len(spec.block_ids):
                 self._failed(spec, spec.block_ids[len(ids) :])
             if spec.is_async:
-                self._loading[spec.req_id] = (store.load_async(result, ids), ids, result)
+                loading = store.load_async(result, ids, skip_blocks=skip)
+                self._loading[spec.req_id] = (loading, ids, result)
                 continue
             if self.by_layer:
-                self._layer_loads.append((spec, ids, result, store.load_by_layer(result, ids)))
+                layer_load = store.load_by_layer(result, ids, skip_blocks=skip)
+                self._layer_loads.append((spec, ids, result, layer_load))
                 continue
             try:
                 with self._copy_threads() as on_team:
-                    done = store.load(result, ids)
+                    done = store.load(result, ids, skip_blocks=skip)
                 self.team_loads += on_team
             except TpuSyncError as error:
                 self._load_failed(spec, ids, result, error)
