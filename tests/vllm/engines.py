@@ -130,18 +130,52 @@ def generate_with(
 MIN_MARGIN = 1.0
 
 
+def _near_tie(output: Any) -> str | None:
+    """The first greedy step of ``output`` whose top two tokens are within
+    :data:`MIN_MARGIN` (logprob), described, or None."""
+    for step, candidates in enumerate(output.outputs[0].logprobs):
+        first, second = sorted((c.logprob for c in candidates.values()), reverse=True)[:2]
+        if first - second < MIN_MARGIN:
+            return f"greedy step {step} is a near-tie ({first:.3f} vs {second:.3f})"
+    return None
+
+
 def reference_tokens(llm: Any, prompt: list[int], max_tokens: int = 8) -> list[int]:
     """The greedy tokens of ``prompt``, for other engines' outputs to equal. Fails, naming
     the step, where the top two tokens of a step are within :data:`MIN_MARGIN` (logprob):
     a near-tie that numerics alone can flip, so the prompt is a bad reference."""
     (output,) = _greedy(llm, [prompt], max_tokens, logprobs=2)
-    for step, candidates in enumerate(output.outputs[0].logprobs):
-        first, second = sorted((c.logprob for c in candidates.values()), reverse=True)[:2]
-        assert first - second >= MIN_MARGIN, (
-            f"greedy step {step} of the reference prompt is a near-tie ({first:.3f} vs "
-            f"{second:.3f}): choose another prompt seed"
-        )
+    tie = _near_tie(output)
+    assert tie is None, f"the reference prompt's {tie}: choose another prompt seed"
     return list(output.outputs[0].token_ids)
+
+
+def choose_prompt(
+    llm: Any, length: int, seed: int, max_tokens: int = 8, tries: int = 20
+) -> tuple[list[int], list[int]]:
+    """A prompt of ``length`` random tokens (drawn from ``seed``) none of whose greedy steps
+    is a near-tie on this machine, and its greedy tokens: chosen here, at run time, because
+    which prompts tie depends on the CPU's arithmetic (a seed fixed on one machine may tie on
+    another)."""
+    rng = np.random.default_rng(seed)
+    ties = []
+    for _ in range(tries):
+        prompt = rng.integers(1, VOCAB - 24, length).tolist()
+        (output,) = _greedy(llm, [prompt], max_tokens, logprobs=2)
+        tie = _near_tie(output)
+        if tie is None:
+            return prompt, list(output.outputs[0].token_ids)
+        ties.append(tie)
+    raise AssertionError(f"no prompt of {tries} without a near-tie: {ties}")
+
+
+def first_logprobs(llm: Any, prompt: list[int], top: int = 5) -> tuple[list[int], int, dict]:
+    """``prompt``'s greedy tokens, ``num_cached_tokens`` and the first step's ``top``
+    logprobs ({token: logprob}): what the engine computed from the prompt's KV."""
+    (output,) = _greedy(llm, [prompt], 8, logprobs=top)
+    steps = output.outputs[0].logprobs or [{}]  # none: the request failed
+    first = {token: c.logprob for token, c in steps[0].items()}
+    return list(output.outputs[0].token_ids), int(output.num_cached_tokens or 0), first
 
 
 @contextlib.contextmanager

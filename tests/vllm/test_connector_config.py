@@ -148,3 +148,87 @@ def test_the_switch_interval_is_short_while_a_store_is_open_and_put_back_after(
         for worker in workers:
             worker.close()
     assert sys.getswitchinterval() == original
+
+
+def _group(spec, layers=("model.layers.0.self_attn.attn",)):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return KVCacheGroupSpec(list(layers), spec)
+
+
+def _config(*groups):
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
+
+
+def _attention(kind: str, **extra):
+    import torch
+    from vllm.v1 import kv_cache_interface as specs
+
+    return getattr(specs, kind)(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, **extra
+    )
+
+
+def test_the_served_attention_layouts_are_accepted() -> None:
+    from tpusync.connectors.vllm.layouts import check_attention_layout
+
+    full = _attention("FullAttentionSpec")
+    sliding = _attention("SlidingWindowSpec", sliding_window=256)
+    mla = _attention("MLAAttentionSpec")
+    assert check_attention_layout(_config(_group(full)), "fail") == "FullAttentionSpec"
+    assert check_attention_layout(_config(_group(sliding)), "fail") == "SlidingWindowSpec"
+    assert check_attention_layout(_config(_group(mla)), "recompute") == "MLAAttentionSpec"
+    assert check_attention_layout(_config(_group(full)), "recompute") == "FullAttentionSpec"
+    assert check_attention_layout(_config(), "fail") is None  # no KV layers to check
+
+
+@pytest.mark.parametrize(
+    ("groups", "policy", "prefix_caching", "message"),
+    [
+        (  # a hybrid model with vLLM's hybrid allocator on
+            [("SlidingWindowSpec", {"sliding_window": 512}), ("FullAttentionSpec", {})],
+            "fail", True, r"2 KV cache groups \(SlidingWindowSpec\(sliding_window=512\), "
+            r"FullAttentionSpec\): a hybrid model",
+        ),
+        (
+            [("ChunkedLocalAttentionSpec", {"attention_chunk_size": 64})],
+            "fail", True, "KV cache layout ChunkedLocalAttentionSpec is not served",
+        ),
+        (
+            [("SinkFullAttentionSpec", {"sink_len": 4})],
+            "fail", True, "KV cache layout SinkFullAttentionSpec is not served",
+        ),
+        (
+            [("SlidingWindowSpec", {"sliding_window": 256})],
+            "recompute", True, r"kv_load_failure_policy: 'recompute' with sliding-window "
+            r"attention \(window 256\).*use kv_load_failure_policy='fail'",
+        ),
+        (
+            [("MLAAttentionSpec", {})],
+            "fail", False, "MLA attention with prefix caching off",
+        ),
+    ],
+)  # fmt: skip
+def test_a_layout_the_connector_cannot_serve_is_refused_by_name(
+    groups, policy, prefix_caching, message
+) -> None:
+    from tpusync.connectors.vllm.layouts import check_attention_layout
+
+    config = _config(
+        *(_group(_attention(kind, **extra), [f"layer{i}"]) for i, (kind, extra) in enumerate(groups))
+    )
+    with pytest.raises(InvalidArgumentError, match=message):
+        check_attention_layout(config, policy, prefix_caching=prefix_caching)
+
+
+def test_mamba_is_refused_by_name() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from tpusync.connectors.vllm.layouts import check_attention_layout
+
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    with pytest.raises(InvalidArgumentError, match="KV cache layout MambaSpec is not served"):
+        check_attention_layout(_config(_group(mamba)), "fail")

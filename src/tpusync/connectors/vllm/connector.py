@@ -95,7 +95,11 @@ class TpuSyncConnector(KVConnectorBase_V1):
             raise InvalidArgumentError(
                 "async_scheduling: TpuSyncConnector needs it off (async_scheduling=False)"
             )
-        check_attention_layout(kv_cache_config, str(transfer.kv_load_failure_policy))
+        check_attention_layout(
+            kv_cache_config,
+            str(transfer.kv_load_failure_policy),
+            prefix_caching=bool(cache.enable_prefix_caching),
+        )
         self._block_size = int(cache.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

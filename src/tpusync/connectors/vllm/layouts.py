@@ -7,9 +7,11 @@ sliding-window layer keeps only the blocks its window reaches: vLLM gives the bl
 its null block, so a hit loads only the blocks from the window on and a save never reads the
 null block (:mod:`.scheduler`). Refused: several groups (hybrid models: local/global
 attention, attention + mamba), every other spec (chunked local attention, mamba, attention
-sinks, ...), and a sliding window with ``kv_load_failure_policy="recompute"``: vLLM 0.32
+sinks, ...), a sliding window with ``kv_load_failure_policy="recompute"`` (vLLM 0.32
 recomputes a failed load from its first failed block, whose window reaches back into blocks it
-already dropped (their KV is the null block's), so the recomputed tokens would be wrong."""
+already dropped: their KV is the null block's, so the recomputed tokens would be wrong), and
+MLA where vLLM turned prefix caching off (its MLA attention on a CPU without AMX cannot compute
+after a prefix already in the cache: a hit's tokens came out wrong from the third one)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ __all__ = ["SERVED_SPECS", "check_attention_layout"]
 # spec class names served (exact classes: a subclass changes what a block holds)
 SERVED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 SLIDING = "SlidingWindowSpec"
+MLA = "MLAAttentionSpec"
 
 
 def _layer_specs(spec: Any) -> list[Any]:
@@ -36,7 +39,9 @@ def _describe(spec: Any) -> str:
     return f"{name}(sliding_window={window})" if window else name
 
 
-def check_attention_layout(kv_cache_config: Any, failure_policy: str) -> str | None:
+def check_attention_layout(
+    kv_cache_config: Any, failure_policy: str, prefix_caching: bool = True
+) -> str | None:
     """Refuses a KV-cache layout the connector cannot serve correctly; returns the served
     spec's class name (``None`` where the engine's config names no KV-cache group).
 
@@ -71,5 +76,12 @@ def check_attention_layout(kv_cache_config: Any, failure_policy: str) -> str | N
             f"{', '.join(map(str, windows))}): vLLM recomputes a failed load from its first "
             "failed block, whose window reaches into blocks it already dropped, so the tokens "
             "would be wrong; use kv_load_failure_policy='fail' (the default)"
+        )
+    if name == MLA and not prefix_caching:
+        raise InvalidArgumentError(
+            "kv_cache_config: MLA attention with prefix caching off: vLLM turns it off where "
+            "its MLA attention cannot compute after a cached prefix (on a CPU without AMX), so "
+            "a loaded prefix would give wrong tokens; serve this model without the connector, "
+            "or where vLLM runs MLA with prefix caching"
         )
     return name
