@@ -272,6 +272,38 @@ def test_load_fewer_blocks_than_the_hit(arrays, rng, stores):
     assert hits(store, tokens) == (0, ())
 
 
+def test_load_skips_the_first_blocks_of_the_hit(arrays, rng, stores, tmp_path):
+    """A sliding window's engine needs only the blocks from its window on: ``skip_blocks``
+    loads the hit's later blocks (from DRAM, and from disk by the async form), leaves the
+    device blocks it was not given untouched and drops every pin."""
+    kv = Kv(arrays, rng)
+    store = stores(make_config(tmp_path, 8, disk=16), kv.pools)
+    tokens = prompt(rng, 5 * BS)
+    expected = kv.blocks([0, 1, 2, 3, 4])
+    store.save(tokens, [0, 1, 2, 3, 4])
+    before = kv.snapshot()
+    hit = store.lookup(tokens)
+    for bad in (-1, 6, 1.0, True):
+        with pytest.raises(InvalidArgumentError, match="skip_blocks: expected 0 to the hit's 5"):
+            store.load(hit, [40], skip_blocks=bad)
+    with pytest.raises(InvalidArgumentError, match="4 block ids for a hit of 3 blocks"):
+        store.load(hit, [40, 41, 42, 43], skip_blocks=2)  # 3 blocks after the 2 skipped
+    assert hit.open  # refused: nothing moved, nothing released
+    result = store.load(hit, [40, 41], skip_blocks=3)
+    assert (result.loaded_blocks, result.requested_blocks, result.loaded_tokens) == (2, 2, 32)
+    kv.check([40, 41], [e[3:5] for e in expected], before)
+    assert store.stats()["store"]["open_handles"] == 0
+    assert store.flush(TIMEOUT)  # written through to disk
+    store.save(prompt(rng, 8 * BS), list(range(8, 16)))  # evicts all five from DRAM
+    assert store.flush(TIMEOUT)
+    assert hits(store, tokens) == (5, ("disk",) * 5)
+    before = kv.snapshot()
+    hit = store.lookup(tokens)
+    done = store.load_async(hit, [50, 51, 52, 53], skip_blocks=1).result(TIMEOUT)
+    assert done.loaded_blocks == 4
+    kv.check([50, 51, 52, 53], [e[1:5] for e in expected], before)
+
+
 @pytest.mark.parametrize(("field", "value"), [("weight_version", "1"), ("salt", b"1")])
 def test_lookup_reports_the_tier_of_each_block(arrays, rng, stores, tmp_path, field, value):
     kv = Kv(arrays, rng)

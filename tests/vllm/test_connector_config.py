@@ -217,7 +217,7 @@ def test_a_layout_the_connector_cannot_serve_is_refused_by_name(
     from tpusync.connectors.vllm.layouts import check_attention_layout
 
     config = _config(
-        *(_group(_attention(kind, **extra), [f"layer{i}"]) for i, (kind, extra) in enumerate(groups))
+        *(_group(_attention(kind, **extra), [f"l{i}"]) for i, (kind, extra) in enumerate(groups))
     )
     with pytest.raises(InvalidArgumentError, match=message):
         check_attention_layout(config, policy, prefix_caching=prefix_caching)

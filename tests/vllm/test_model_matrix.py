@@ -153,9 +153,9 @@ def test_mla_is_refused_at_start_where_vllm_turns_prefix_caching_off(
         prompt, reference = choose_prompt(llm, 600, seed=20261207)
     kv = {"dram": {"capacity_blocks": 64}, "socket_dir": str(tmp_path / "s")}
     if not prefix_caching:
-        with pytest.raises(Exception, match=r"MLA attention with prefix caching off"):
-            with engine(model, transfer_config(kv), block_size=16):
-                pass
+        refused = pytest.raises(Exception, match=r"MLA attention with prefix caching off")
+        with refused, engine(model, transfer_config(kv), block_size=16):
+            pass
         return
     with engine(model, transfer_config(kv), block_size=16) as llm:  # pragma: no cover (AMX)
         assert first_logprobs(llm, prompt)[:2] == (reference, 0)
@@ -170,6 +170,6 @@ def test_a_sliding_window_with_the_recompute_policy_is_refused_at_start(
     """vLLM recomputes a failed load from its first failed block, whose window reaches into
     blocks it already dropped: wrong tokens. Refused, by name, before any request."""
     kv = {"dram": {"capacity_blocks": 64}, "socket_dir": str(tmp_path / "s")}
-    with pytest.raises(Exception, match=r"kv_load_failure_policy: 'recompute' with sliding"):
-        with engine(built["mistral-swa"], transfer_config(kv, policy="recompute")):
-            pass
+    refused = pytest.raises(Exception, match=r"kv_load_failure_policy: 'recompute' with sliding")
+    with refused, engine(built["mistral-swa"], transfer_config(kv, policy="recompute")):
+        pass

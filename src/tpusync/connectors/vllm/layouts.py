@@ -51,8 +51,7 @@ def check_attention_layout(
         return None
     if len(groups) > 1:
         kinds = ", ".join(
-            "+".join(sorted({_describe(s) for s in _layer_specs(g.kv_cache_spec)}))
-            for g in groups
+            "+".join(sorted({_describe(s) for s in _layer_specs(g.kv_cache_spec)})) for g in groups
         )
         raise InvalidArgumentError(
             f"kv_cache_config: {len(groups)} KV cache groups ({kinds}): a hybrid model, which "
