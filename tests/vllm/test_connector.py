@@ -352,6 +352,68 @@ def test_kv_events_name_vllms_hashes_with_a_medium_per_tier(models, tmp_path, so
     assert set(hashes) <= dropped  # evicted from DRAM by the second prompt (still on disk)
 
 
+def test_kv_events_on_vllms_socket_name_the_engines_blocks_as_vllm_does(
+    models, tmp_path, sockets
+) -> None:
+    """vLLM's own ZMQ publisher, read over its socket with vLLM's typed decoder: the blocks
+    the store keeps (CPU, DISK) carry the very names vLLM gives its own copies of them (the
+    64-bit integers of its default), so one index sees every copy of a block."""
+    import msgspec
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import KVEventBatch
+
+    endpoint = f"ipc://{tmp_path}/events"
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    kv = {
+        "dram": {"capacity_blocks": 64},
+        "disk": {"directory": str(tmp_path / "disk"), "capacity_blocks": 64, "create": True},
+        "socket_dir": sockets,
+    }
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    batches: list[KVEventBatch] = []
+    try:
+        with engine(models["main"], transfer_config(kv), kv_events_config=events) as llm:
+            subscriber.connect(endpoint)
+            # a subscription takes a moment to reach the publisher: step until one batch
+            # arrives (vLLM publishes every step that has events)
+            deadline = time.monotonic() + 30
+            while not subscriber.poll(0):
+                assert time.monotonic() < deadline, "no KV event reached the subscriber"
+                generate(llm, [rng.integers(1, 1000, 40).tolist()], max_tokens=1)
+            generate(llm, [PROMPT])
+            settle(worker_of(llm))  # written to disk too
+            generate(llm, [PROMPT[:40]], max_tokens=1)  # a step carries the last events
+            while subscriber.poll(2000):
+                _topic, _sequence, payload = subscriber.recv_multipart()
+                batches.append(decoder.decode(payload))
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    prompt_blocks = [PROMPT[i * BLOCK : (i + 1) * BLOCK] for i in range(FULL // BLOCK)]
+
+    def names(medium: str | None) -> list:
+        """The name each of the prompt's blocks has on ``medium`` (an event may store several
+        blocks, their token ids one after the other)."""
+        by_tokens = {
+            tuple(e.token_ids[i * BLOCK : (i + 1) * BLOCK]): h
+            for e in stored
+            if e.medium == medium
+            for i, h in enumerate(e.block_hashes)
+        }
+        return [by_tokens.get(tuple(tokens)) for tokens in prompt_blocks]
+
+    assert {e.medium for e in stored} == {"GPU", "CPU", "DISK"}  # vLLM's own on "GPU"
+    own = names("GPU")
+    assert all(type(h) is int for h in own), own  # vLLM's default form
+    assert names("CPU") == own
+    assert names("DISK") == own
+
+
 def test_a_request_aborted_while_its_blocks_load_leaks_nothing(
     models, reference, tmp_path, sockets, monkeypatch
 ) -> None:

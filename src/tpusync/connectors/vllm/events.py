@@ -1,5 +1,8 @@
 """KV events: the store's block events (a block stored in or removed from a tier) as vLLM's
-``BlockStored`` / ``BlockRemoved``, named by vLLM's own block hashes, with a medium per tier.
+``BlockStored`` / ``BlockRemoved``, named by vLLM's own block hashes in the form vLLM's own
+events use (64-bit integers where ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is on, its default;
+the hash bytes otherwise), with a medium per tier: one index sees the engine's own copy of a
+block and the store's copies under one name.
 
 The worker side hears the store (:meth:`~tpusync.kv.KVCacheStore.add_block_listener`) and
 knows, for the blocks it saved or looked up, which vLLM hash (and, for saves, which parent and
@@ -21,6 +24,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
     KVConnectorKVEvents,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 __all__ = ["BlockEventLog", "TpuSyncKVEvents", "as_list", "medium_of"]
 
@@ -117,15 +121,16 @@ class BlockEventLog:
             if not known:
                 return
             if kind == "removed":
-                self._events.append(
-                    BlockRemoved(block_hashes=[h for _, (h, _, _) in known], medium=medium)
-                )
+                named = [maybe_convert_block_hash(h) for _, (h, _, _) in known]
+                self._events.append(BlockRemoved(block_hashes=named, medium=medium))
                 return
             for _, (h, parent, tokens) in known:
                 self._events.append(
                     BlockStored(
-                        block_hashes=[h],
-                        parent_block_hash=parent,
+                        block_hashes=[maybe_convert_block_hash(h)],
+                        parent_block_hash=None
+                        if parent is None
+                        else maybe_convert_block_hash(parent),
                         token_ids=tokens.tolist(),
                         block_size=self.block_size,
                         lora_id=None,
