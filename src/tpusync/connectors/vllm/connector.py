@@ -27,6 +27,7 @@ from tpusync.connectors.vllm.settings import (
     check_stable_hashing,
     read_settings,
 )
+from tpusync.connectors.vllm.stats import TpuSyncConnectorStats, TpuSyncPromMetrics
 from tpusync.connectors.vllm.worker import WorkerSide
 from tpusync.errors import InvalidArgumentError
 
@@ -164,6 +165,12 @@ class TpuSyncConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return False, self._scheduler.finished(request)
 
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
     def take_events(self) -> Iterable[Any]:
         assert self._scheduler is not None
         return self._scheduler.take_events()
@@ -198,6 +205,28 @@ class TpuSyncConnector(KVConnectorBase_V1):
     def get_kv_connector_kv_cache_events(self) -> Any:
         assert self._worker is not None
         return self._worker.events.take()
+
+    def get_kv_connector_stats(self) -> TpuSyncConnectorStats | None:
+        if self._worker is None:
+            return None
+        data = self._worker.take_stats()
+        return TpuSyncConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> TpuSyncConnectorStats | None:
+        return TpuSyncConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TpuSyncPromMetrics:
+        return TpuSyncPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -15,6 +15,12 @@ from tpusync.connectors.vllm.events import as_list
 from tpusync.connectors.vllm.lookup_service import LookupClient
 from tpusync.connectors.vllm.metadata import LoadSpec, SaveSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
+from tpusync.connectors.vllm.stats import (
+    CacheHitSource,
+    hit_sources,
+    lower_tiers_source,
+    tier_sources,
+)
 from tpusync.connectors.vllm.worker import local_worker
 
 __all__ = ["SchedulerSide"]
@@ -70,6 +76,11 @@ class SchedulerSide:
         # vLLM's null block (bind_block_pool): what a sliding window's dropped blocks point to;
         # never loaded into, never saved from
         self.null_block_id: int | None = None
+        # req_id -> (vLLM's own hit in blocks, below DRAM) of its load, until vLLM asks where
+        # the hit came from (hit_sources)
+        self._hits: dict[str, tuple[int, bool]] = {}
+        self._sources = tier_sources(settings.store)
+        self._lower_source = lower_tiers_source(self._sources)
         self._loads: list[LoadSpec] = []
         self._releases: list[tuple[str, int]] = []
         self._events: list[Any] = []  # the worker's KV events, until vLLM takes them
@@ -269,9 +280,27 @@ class SchedulerSide:
             self._release(req_id, sequence)
             sequence = -1  # pins nothing: the worker reports every block as a load error
         self._loads.append(LoadSpec(req_id, sequence, ids, lookup.is_async, skip))
+        self._hits[req_id] = (lookup.local_blocks, lookup.is_async)
         tracked = self._tracked[req_id]
         tracked.block_ids = list(blocks.get_block_ids()[0])  # invalid_blocks looks here
         tracked.loaded = range(lookup.local_blocks, lookup.local_blocks + n)
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's ``get_external_cache_hit_sources``: the hit's tokens by the tier they come
+        from. Exact in one process (the worker's pins say each block's tier); across
+        processes a hit DRAM holds whole is ``host`` and one below DRAM is named by the store's
+        lower tiers (``disk``, ``p2p``, or ``external_unspecified`` where they are of several
+        kinds): the lookup's answer carries no per-block tiers."""
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens <= 0:
+            return {}
+        worker = local_worker(self.settings.engine_id)
+        tiers = worker.pinned_tiers(request.request_id) if worker is not None else None
+        if tiers is not None and hit is not None:
+            return hit_sources(tiers, self._sources, self.block_size, num_external_tokens)
+        if hit is not None and not hit[1]:
+            return {CacheHitSource.HOST: num_external_tokens}
+        return {self._lower_source: num_external_tokens}
 
     def build_meta(self, scheduler_output: Any) -> TpuSyncMetadata:
         """vLLM's ``build_connector_meta``: this step's loads, releases, and the saves of the
@@ -377,6 +406,7 @@ class SchedulerSide:
         self._waited_out.discard(req_id)
         self._lookups.pop(req_id, None)
         self._asking.pop(req_id, None)
+        self._hits.pop(req_id, None)
         last = self._issued.pop(req_id, None)
         if last is not None:  # every lookup of it, also one that answers late
             self._release(req_id, last)

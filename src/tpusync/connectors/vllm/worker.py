@@ -19,6 +19,7 @@ from tpusync.connectors.vllm.events import BlockEventLog
 from tpusync.connectors.vllm.lookup_service import LookupServer
 from tpusync.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
 from tpusync.connectors.vllm.settings import ConnectorSettings
+from tpusync.connectors.vllm.stats import StatsCounter
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 from tpusync.kv import KVCacheStore, KVStoreConfig, LayerLoad, LookupResult
 from tpusync.memory import TorchPool, prefault_cpu_tensors
@@ -60,6 +61,7 @@ class WorkerSide:
         self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
         # req_id -> (its background load, the block ids, the handle it consumes)
         self._loading: dict[str, tuple[concurrent.futures.Future[Any], list[int], Any]] = {}
+        self._loading_tiers: dict[str, tuple[str, ...]] = {}  # where their blocks were found
         # this step's DRAM hits loading layer by layer: (spec, block ids, handle, load)
         self._layer_loads: list[tuple[LoadSpec, list[int], LookupResult, LayerLoad]] = []
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> the store's pool index
@@ -77,6 +79,7 @@ class WorkerSide:
         self.events = BlockEventLog(settings.store.block_size, _capacity_blocks(settings.store))
         # the last loads (the store's LoadResults): for logs, stats and benchmarks
         self.recent_loads: collections.deque[Any] = collections.deque(maxlen=1024)
+        self.stats = StatsCounter()  # for vLLM's connector stats
 
     # --- setup -------------------------------------------------------------------------
 
@@ -240,6 +243,12 @@ class WorkerSide:
         self.events.learn(list(result.keys), block_hashes[: result.num_blocks])
         return result.num_blocks, any(tier != "dram" for tier in result.tiers)
 
+    def pinned_tiers(self, req_id: str) -> tuple[str, ...] | None:
+        """The tiers of the blocks ``req_id``'s lookup pinned (None: it pins nothing now)."""
+        with self._lock:
+            held = self._pins.get(req_id)
+        return None if held is None else held[1].tiers
+
     def release(self, req_id: str, sequence: int) -> None:
         """Drops the pins of ``req_id``'s lookups up to ``sequence``; a lookup up to it that
         answers later pins nothing."""
@@ -293,6 +302,7 @@ class WorkerSide:
             if spec.is_async:
                 loading = store.load_async(result, ids, skip_blocks=skip)
                 self._loading[spec.req_id] = (loading, ids, result)
+                self._loading_tiers[spec.req_id] = result.tiers[skip : skip + len(ids)]
                 continue
             if self.by_layer:
                 layer_load = store.load_by_layer(result, ids, skip_blocks=skip)
@@ -305,7 +315,7 @@ class WorkerSide:
             except TpuSyncError as error:
                 self._load_failed(spec, ids, result, error)
                 continue
-            self._loaded(spec, ids, done)
+            self._loaded(spec, ids, done, result.tiers[skip:])
 
     def _copy_threads(self) -> contextlib.AbstractContextManager[bool]:
         """Where a load on the forward's thread copies: on that thread's OpenMP team (PyTorch's
@@ -314,10 +324,20 @@ class WorkerSide:
             return openmp_team()
         return contextlib.nullcontext(False)
 
-    def _loaded(self, spec: LoadSpec, ids: list[int], done: Any) -> None:
-        self.recent_loads.append(done)
+    def _loaded(self, spec: LoadSpec, ids: list[int], done: Any, tiers: tuple[str, ...]) -> None:
+        self._count_load(done, tiers)
         if done.loaded_blocks < len(ids):
             self._failed(spec, ids[done.loaded_blocks :])
+
+    def _count_load(self, done: Any, tiers: tuple[str, ...]) -> None:
+        """Counts a load (a LoadResult; ``tiers``: where its blocks were found) for vLLM's
+        stats and the benchmarks."""
+        self.recent_loads.append(done)
+        per_tier: dict[str, int] = {}
+        for tier in tiers[: done.loaded_blocks]:
+            key = f"hit_tokens.{tier}"
+            per_tier[key] = per_tier.get(key, 0) + self.settings.store.block_size
+        self.stats.add(loads=1, loaded_bytes=done.bytes, load_seconds=done.seconds, **per_tier)
 
     def _load_failed(
         self, spec: LoadSpec, ids: list[int], result: LookupResult, error: BaseException
@@ -353,9 +373,10 @@ class WorkerSide:
             except TpuSyncError as error:
                 self._load_failed(spec, ids, result, error)
                 continue
-            self._loaded(spec, ids, done)
+            self._loaded(spec, ids, done, result.tiers[spec.skip_blocks :])
 
     def _failed(self, spec: LoadSpec, block_ids: list[int]) -> None:
+        self.stats.add(load_failed_blocks=len(block_ids))
         self._load_errors.update(block_ids)
         if not spec.is_async:
             self._sync_failure = True
@@ -380,22 +401,37 @@ class WorkerSide:
             )
             return
         started = []
+        began = time.perf_counter()
         for spec in meta.saves:
             try:
                 keys = store.scheme.engine_keys(store.namespace, spec.block_hashes)  # type: ignore[attr-defined]
                 # before the save: its "stored" event may come before it returns
                 self.events.learn(keys, spec.block_hashes, spec.parent_hash, spec.token_ids or None)
-                started.append(store.save_engine_blocks_async(spec.block_hashes, spec.block_ids))
+                future = store.save_engine_blocks_async(spec.block_hashes, spec.block_ids)
+                started.append((future, len(spec.block_ids)))
             except TpuSyncError as error:
                 log.warning("tpusync vllm: save of %s refused: %s", spec.req_id, error)
-        for future in started:
+        saved = 0
+        for future, blocks in started:
             try:
                 future.released.result()
+                saved += blocks
             except Exception as error:  # the save failed: those blocks are simply not stored
                 log.warning("tpusync vllm: a save failed: %s", error)
             if not future.done():
                 self._durable.add(future)
                 future.add_done_callback(self._durable.discard)
+        self.stats.add(
+            save_seconds=time.perf_counter() - began,
+            saved_blocks=saved,
+            saved_bytes=saved * store.layout.payload_bytes,
+        )
+
+    def take_stats(self) -> dict[str, Any]:
+        """vLLM's connector stats since the last call (see :mod:`.stats`)."""
+        store = self.store
+        tiers = store.stats()["tiers"] if store is not None else {}
+        return self.stats.take(tiers)
 
     def finished_loads(self) -> set[str]:
         """Requests whose background loads are done (good or not) since the last call; failed
@@ -415,6 +451,7 @@ class WorkerSide:
             if not future.done():
                 continue
             del self._loading[req_id]
+            self._loading_tiers.pop(req_id, None)
             done.add(req_id)
             error = future.exception()
             if error is not None:
@@ -423,8 +460,9 @@ class WorkerSide:
                     self._drop(result)  # a load that raises leaves its pins
             loaded = 0
             if error is None and result is not None:
-                self.recent_loads.append(future.result())
-                loaded = future.result().loaded_blocks
+                done_load = future.result()
+                self._count_load(done_load, self._loading_tiers.get(req_id, ()))
+                loaded = done_load.loaded_blocks
             if loaded < len(ids):
                 self._load_errors.update(ids[loaded:])
         return done
@@ -454,6 +492,7 @@ class WorkerSide:
             if result is not None and result.open:  # a load that raised left its pins
                 store.release(result)
         self._loading.clear()
+        self._loading_tiers.clear()
         with self._lock:
             pins, self._pins = list(self._pins.values()), {}
         for _, result in pins:
