@@ -234,7 +234,7 @@ class AuthenticatedTcpServer:
             self._sock.close()
         for callback in callbacks:
             try:
-                callback(loop, exc)
+                callback(where, exc)
             except Exception:  # one callback's fault must not keep the others from hearing
                 log.exception("%s: a failure callback failed", self._label)
 
