@@ -208,8 +208,8 @@ def main(argv: list[str]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failure is not None:
-        loop, exc = failure
-        trace = "".join(traceback.format_exception(exc)).rstrip()
+        loop, error = failure
+        trace = "".join(traceback.format_exception(error)).rstrip()
         print(
             f"tpusync serve: {loop} kept dying; exiting so that a supervisor restarts this "
             f"process. Its last traceback:\n{trace}",

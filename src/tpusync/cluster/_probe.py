@@ -167,7 +167,8 @@ class _Probe:
         report = answer.get("result") if isinstance(answer, dict) else None
         if not isinstance(report, dict) or answer.get("id") != 1:
             return self._done(False, f"not a health answer: {answer!r:.200}")
-        loops = report.get("loops") if isinstance(report.get("loops"), dict) else {}
+        found = report.get("loops")
+        loops: dict[str, Any] = found if isinstance(found, dict) else {}
         kind = report.get("server", "server")
         if report.get("ok") is True:
             restarts = sum(int(v.get("restarts", 0)) for v in loops.values() if isinstance(v, dict))
