@@ -83,7 +83,8 @@ def test_unknown_command_is_named_on_stderr_with_usage_exit_2() -> None:
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("usage: tpusync")
     assert result.stderr.rstrip().endswith(
-        "tpusync: error: unknown command 'nonsense' (choose from info, demo, shm, serve, bench)"
+        "tpusync: error: unknown command 'nonsense' "
+        "(choose from info, demo, shm, serve, health, bench)"
     )
 
 
@@ -94,7 +95,8 @@ def test_unknown_option_and_no_command_are_usage_errors(
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("usage: tpusync")
     assert err.rstrip().endswith(
-        "tpusync: error: unknown option '--bogus' (choose from info, demo, shm, serve, bench)"
+        "tpusync: error: unknown option '--bogus' "
+        "(choose from info, demo, shm, serve, health, bench)"
     )
     assert cli.main([]) == 2
     out, err = capsys.readouterr()
@@ -260,6 +262,7 @@ def test_errors_name_the_flag_with_the_exit_code_of_their_kind(tmp_path: Path, c
     [
         (["serve", "--help"], ["(default: 1GiB)", "(default: 127.0.0.1)", "(default: /dev/shm)"]),
         (["shm", "--help"], ["(default: /dev/shm)"]),
+        (["health", "--help"], ["(default: 5.0)"]),
         (["demo", "--help"], ["(default: 8192)", "(default: 8)"]),
         (["demo", "--transfer", "--help"], ["(default: 4)", "(default: 5)"]),
     ],

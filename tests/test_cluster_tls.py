@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,12 +127,34 @@ def test_store_node_push_and_pull_over_tls(
 def test_a_plaintext_client_of_a_tls_server_gets_nothing(
     pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
 ) -> None:
+    """It fails long before its timeout (both sides used to wait for the other to speak
+    first, until the client's timeout said "timed out"), saying the server speaks TLS and
+    what to give; the server logs it as a peer that sent nothing to a TLS server."""
     source, target = pools
     with BlockServer(source, secret=SECRET, tls=contexts[0]) as server:
-        with pytest.raises(PeerUnavailableError):
-            BlockClient(server.address, secret=SECRET, timeout_s=3)
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailableError) as refused:
+            BlockClient(server.address, secret=SECRET, timeout_s=120)
+        took = time.monotonic() - start
         assert len(server.leases) == 0
+        assert server.refusals() == {"sent nothing to this TLS server (a client without TLS?)": 1}
     assert_clean(target, 0)
+    message = str(refused.value)
+    assert message.startswith(f"tls: the block server at {server.address} serves TLS only")
+    assert "tls=ssl.create_default_context(cafile=CA)" in message and "--tls-ca" in message
+    assert took < 60  # about a second (TLS_HINT_S); half the timeout is a margin for load
+
+
+def test_a_tls_client_of_a_plaintext_server_is_told_so(
+    pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
+) -> None:
+    source, _ = pools
+    with (
+        BlockServer(source, secret=SECRET) as server,
+        pytest.raises(PeerUnavailableError, match="does not serve TLS") as refused,
+    ):
+        BlockClient(server.address, secret=SECRET, tls=contexts[1], timeout_s=120)
+    assert "connect without tls=" in str(refused.value)
 
 
 def test_a_client_that_does_not_trust_the_certificate_refuses(
@@ -156,8 +179,13 @@ def test_registry_over_tls(contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> N
             assert [[h.node_id for h in held] for held in remote.holders([b"k" * 24])] == [["n1"]]
         finally:
             remote.close()
-        with pytest.raises(RegistryUnavailableError):
-            RemoteRegistry(server.address, secret=SECRET, timeout_s=3)  # plaintext
+        with pytest.raises(RegistryUnavailableError, match="serves TLS only"):
+            RemoteRegistry(server.address, secret=SECRET, timeout_s=120)  # plaintext
+    with (
+        RegistryServer(registry, secret=SECRET) as plain,
+        pytest.raises(RegistryUnavailableError, match="does not serve TLS"),
+    ):
+        RemoteRegistry(plain.address, secret=SECRET, tls=contexts[1], timeout_s=120)
 
 
 def test_plaintext_off_loopback_is_refused_unless_asked_for(source: HostPool) -> None:

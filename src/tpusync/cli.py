@@ -1,10 +1,11 @@
-"""The `tpusync` command: info, demo, shm, serve.
+"""The `tpusync` command: info, demo, shm, serve, health, bench.
 
     tpusync --version
     tpusync info [--dir DIR] [--json]
     tpusync demo [...] | tpusync demo --transfer [...]
     tpusync shm [--dir DIR] {list [--json], remove [NAME] [--force]} (--dir before or after)
     tpusync serve --dram 64GiB --secret-file FILE [...]
+    tpusync health HOST:PORT --secret-file FILE [--tls-ca PEM] [...]
 
 Exit codes, the same for every command: 0 done; 2 a usage error (argparse's convention: an
 unknown command or flag, a malformed value, a value refused before anything runs, such as a
@@ -34,6 +35,7 @@ from tpusync.cli_common import (
 )
 from tpusync.demo import main as demo_main
 from tpusync.errors import TpuSyncError
+from tpusync.health import main as health_main
 from tpusync.info import info
 from tpusync.serve import main as serve_main
 from tpusync.tiers.shm_admin import list_pools, remove_pool, remove_stale, size_text
@@ -154,16 +156,18 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "demo": demo_main,
     "shm": _shm,
     "serve": serve_main,
+    "health": health_main,
     "bench": bench_main,
 }
 
-USAGE = """usage: tpusync [--version] {info,demo,shm,serve,bench} [options]
+USAGE = """usage: tpusync [--version] {info,demo,shm,serve,health,bench} [options]
 
-  info   which engine each device gets and why; host limits
-  demo   prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
-  shm    list or remove named host pools in /dev/shm
-  serve  run a store node: lend this host's DRAM to other nodes (and host a registry)
-  bench  benchmarks against their physical limits: transfer, tiers, prefix, network, all
+  info    which engine each device gets and why; host limits
+  demo    prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
+  shm     list or remove named host pools in /dev/shm
+  serve   run a store node: lend this host's DRAM to other nodes (and host a registry)
+  health  probe a tpusync server (a store node, registry, publisher): exit 0 when healthy
+  bench   benchmarks against their physical limits: transfer, tiers, prefix, network, all
 
 `tpusync COMMAND --help` shows a command's options. Exit codes: 0 done, 2 a usage error,
 1 a runtime failure."""

@@ -23,6 +23,7 @@ __all__ = [
     "ReadOnlyDestinationError",
     "RegistryUnavailableError",
     "RemoteOperationUnsupportedError",
+    "ServerFailedError",
     "SessionNotFoundError",
     "ShapeMismatchError",
     "StaleHandleError",
@@ -176,6 +177,12 @@ class PeerUnavailableError(TpuSyncError, ConnectionError):
 class RegistryUnavailableError(TpuSyncError, ConnectionError):
     """The registry cannot be reached or did not answer (connection refused or lost, timeout,
     a server-side failure); the cause is chained."""
+
+
+class ServerFailedError(TpuSyncError, RuntimeError):
+    """A tpusync server of this process stopped accepting connections because one of its loops
+    kept dying (a bug, logged with its traceback); the message names the loop and says to
+    restart the process (or make a new server)."""
 
 
 class RemoteOperationUnsupportedError(TpuSyncError, NotImplementedError):

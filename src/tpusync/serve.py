@@ -9,7 +9,13 @@ The secret file holds the cluster's shared secret: hex text (``secrets.token_hex
 bytes, at least 16 bytes either way. Off loopback the node serves TLS only (``--tls-cert`` and
 ``--tls-key``), unless ``--insecure``. It runs until SIGTERM or SIGINT, then unregisters and
 exits 0. ``--ready-json`` (or ``--json``) prints one JSON line (its addresses) once it listens,
-for scripts.
+for scripts. ``tpusync health HOST:PORT --secret-file F`` probes it (each port: data plane,
+embedded registry).
+
+No peer can stop it (every fault a peer causes costs that peer its connection). A loop of ours
+that dies of a bug is restarted; one that keeps dying (more than 5 times in a minute) makes the
+command exit 1 with the traceback, so that its supervisor (systemd, Kubernetes) restarts it: a
+process that stayed up without accepting would never be restarted.
 
 Before it listens it checks that this host can give what it is asked to lend: ``--dram`` against
 the memory available (and, with ``--name``, the room in ``--shm-dir``), ``--disk`` exists and is
@@ -28,6 +34,7 @@ import signal
 import ssl
 import sys
 import threading
+import traceback
 from typing import Any
 
 from tpusync.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter, port_number
@@ -196,17 +203,38 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
     try:
-        _serve(node, args, stop)
+        failure = _serve(node, args, stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if failure is not None:
+        loop, error = failure
+        trace = "".join(traceback.format_exception(error)).rstrip()
+        print(
+            f"tpusync serve: {loop} kept dying; exiting so that a supervisor restarts this "
+            f"process. Its last traceback:\n{trace}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return RUNTIME_ERROR
     return 0
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def _serve(node: StoreNode, args: argparse.Namespace, stop: threading.Event) -> None:
+def _serve(
+    node: StoreNode, args: argparse.Namespace, stop: threading.Event
+) -> tuple[str, BaseException] | None:
+    """Serves until ``stop`` is set (a signal) or a loop of the node is given up on; returns
+    that failure (the loop and its last exception), or None."""
+    failures: list[tuple[str, BaseException]] = []
+
+    def failed(loop: str, exc: BaseException) -> None:
+        failures.append((loop, exc))
+        stop.set()
+
+    node.on_failure(failed)
     with node:
         ready = {"address": node.address, "registry": node.registry_address}
         if args.ready_json:
@@ -221,3 +249,4 @@ def _serve(node: StoreNode, args: argparse.Namespace, stop: threading.Event) -> 
             pass
         used = sum(p.used for p in node.server.pools)
         print(f"tpusync serve: stopping ({used} blocks held)", file=sys.stderr, flush=True)
+    return failures[0] if failures else None

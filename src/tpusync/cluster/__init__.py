@@ -2,7 +2,8 @@
 and serving a KV store to peers.
 
 Layers of this package (each imports only those before it): the shared connection machinery
-(``_handshake``, ``_admission``, ``_tcp_server``, ``_rpc``); :mod:`tpusync.cluster.registry`
+(``_supervisor``, ``_admission``, ``_handshake``, ``_tcp_server``, ``_rpc``; :func:`probe_health`
+is what ``tpusync health`` runs); :mod:`tpusync.cluster.registry`
 (the :class:`Registry` protocol and its backends: :class:`MemoryRegistry`, served by
 :class:`RegistryServer` and reached through :class:`RemoteRegistry`; :class:`RedisRegistry`,
 needs ``tpusync[cluster]``; :class:`JaxRegistry`, the coordination service of a
@@ -16,6 +17,7 @@ DRAM as a writable lower tier of a store); :mod:`tpusync.cluster.serving` (a KV 
 peers and listed in a registry).
 """
 
+from tpusync.cluster._probe import ServerHealth, probe_health
 from tpusync.cluster._registry_link import RegistryLink
 from tpusync.cluster._tcp_server import BlockServerOptions
 from tpusync.cluster.dataplane import (
@@ -49,6 +51,7 @@ from tpusync.errors import (
     PeerUnavailableError,
     RegistryUnavailableError,
     RemoteOperationUnsupportedError,
+    ServerFailedError,
 )
 
 __all__ = [
@@ -78,10 +81,13 @@ __all__ = [
     "RemotePool",
     "RemoteRegistry",
     "Scatter",
+    "ServerFailedError",
+    "ServerHealth",
     "StoreNode",
     "StoreNodePool",
     "StoreNodeTier",
     "StoreServer",
     "longest_common_prefix",
     "longest_prefix",
+    "probe_health",
 ]

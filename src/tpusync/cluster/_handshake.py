@@ -42,6 +42,11 @@ class _ProtocolError(Exception):
     """The peer broke the wire format (the connection cannot continue)."""
 
 
+class _TransportMismatch(ConnectionError):
+    """One side speaks TLS and the other does not; the message says which, and what to give
+    (never retried: a second try fails the same way)."""
+
+
 class _Shed(ConnectionError):
     """The server dropped or refused the connection during the handshake: it sheds load (too
     many connections authenticating or open at once); worth one more try."""
@@ -105,6 +110,8 @@ def _parse_json(data: bytes) -> Any:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _ProtocolError(f"a frame is not JSON: {exc}") from None
+    except RecursionError:  # e.g. a thousand nested arrays: the peer's garbage, not our fault
+        raise _ProtocolError("a frame nests its JSON too deeply") from None
 
 
 def _recv_json(sock: socket.socket, limit: int = MAX_FRAME) -> Any:
@@ -167,6 +174,25 @@ def check_transport(host: str, tls: ssl.SSLContext | None, insecure: bool, argum
         )
 
 
+def tls_required_frame() -> bytes:
+    """What a TLS server sends, in the clear, to a peer that connected without TLS (it says
+    nothing, waiting for the server's hello): a hello without a nonce that says so."""
+    return _frame({"hello": PROTOCOL, "version": VERSION, "tls": "required"})
+
+
+def tls_mismatch(peer: str, exc: ssl.SSLError) -> _TransportMismatch | None:
+    """The clear error for a TLS client whose handshake failed because ``peer`` answered in
+    the clear (a server without TLS); None for any other TLS failure."""
+    if exc.reason not in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL",
+                          "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"):  # fmt: skip
+        return None
+    return _TransportMismatch(
+        f"tls: {peer} does not serve TLS (it answered in the clear): connect without tls= (no "
+        "--tls-ca), or start the server with a certificate (tpusync serve --tls-cert C "
+        "--tls-key K)"
+    )
+
+
 def server_greeting() -> tuple[bytes, bytes]:
     """The server's nonce and its first frame (the hello that carries it)."""
     nonce_s = secrets.token_bytes(NONCE_BYTES)
@@ -193,15 +219,30 @@ def server_reply(secret: bytes, nonce_s: bytes, answer: bytes) -> tuple[bytes, s
     return _frame({"mac": _mac(secret, b"server", nonce_s, nonce_c).hex()}), None
 
 
-def client_handshake(sock: socket.socket, secret: bytes, peer: str) -> None:
+def client_handshake(
+    sock: socket.socket,
+    secret: bytes,
+    peer: str,
+    on_hello: Callable[[], None] | None = None,
+) -> None:
     """The client's side: proves ``secret`` and checks that the server knows it too. ``peer``
-    names the server in errors ("the registry server at host:port"). Raises
+    names the server in errors ("the registry server at host:port"); ``on_hello`` is called
+    once the server's hello is in (a health probe tells the steps apart). Raises
     AuthenticationError, :class:`_Shed` (a ConnectionError: the server refused or dropped the
-    connection during the handshake, shedding load), or _ProtocolError / OSError / EOFError for
-    a peer that is not a tpusync server."""
+    connection during the handshake, shedding load), :class:`_TransportMismatch` (the server
+    speaks TLS and this socket does not), or _ProtocolError / OSError / EOFError for a peer
+    that is not a tpusync server."""
     hello = _recv_json(sock, HANDSHAKE_FRAME_BYTES)
     if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL:
         raise _ProtocolError(f"not a tpusync server: {hello!r:.200}")
+    if hello.get("tls") == "required" and not isinstance(sock, ssl.SSLSocket):
+        raise _TransportMismatch(
+            f"tls: {peer} serves TLS only, and this client connected without it: pass "
+            "tls=ssl.create_default_context(cafile=CA), CA being the PEM certificate (or its "
+            "CA's) that the server was started with (on the command line: --tls-ca CA)"
+        )
+    if on_hello is not None:
+        on_hello()
     if hello.get("version") != VERSION:
         raise _ProtocolError(f"wire version {hello.get('version')!r}, expected {VERSION}")
     nonce_s = _hex_nonce(hello.get("nonce"))

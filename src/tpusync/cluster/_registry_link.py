@@ -8,7 +8,9 @@ a registry that is down never fails a save or a load: the link logs and retries 
 heartbeat (not before, however many changes queue up meanwhile), and re-registers and
 re-publishes everything when the registry no longer lists the node -- a heartbeat answered False
 or a publish refused, as when its lease lapsed or the registry restarted empty (and as after this
-process restarts, when the store publishes what its /dev/shm tier still holds).
+process restarts, when the store publishes what its /dev/shm tier still holds). Anything else
+the registry's client raises on that thread is a bug: the loop is restarted
+(:mod:`tpusync.cluster._supervisor`), and given up on (``on_failure``) if it keeps dying.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster.registry.base import NodeInfo, Registry, longest_common_prefix
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
@@ -37,6 +40,8 @@ class RegistryLink:
       node: this node (its ``addresses`` are where its BlockServer listens).
       ttl_s: the node lease; the heartbeat renews it every third of it.
       current_keys: returns the keys DRAM holds now (published at start and after a lapse).
+      on_failure: called with its last exception if the link's thread keeps dying and is
+        given up on (the node then drops out of the registry when its lease lapses).
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class RegistryLink:
         node: NodeInfo,
         ttl_s: float,
         current_keys: Callable[[], list[bytes]],
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.registry = registry
         self.node = node
@@ -59,8 +65,8 @@ class RegistryLink:
         # eviction's path (a slow or absent registry must not slow the store).
         self._changes: collections.deque[tuple[str, list[bytes]]] = collections.deque()
         self._register_all()
-        self._thread = threading.Thread(target=self._run, name="tpusync-kv-registry", daemon=True)
-        self._thread.start()
+        self.loop = SupervisedLoop(self._run, name="tpusync-kv-registry", on_failure=on_failure)
+        self.loop.start()
 
     @property
     def node_id(self) -> str:
@@ -158,8 +164,9 @@ class RegistryLink:
     def close(self) -> None:
         """Stops the heartbeat and removes the node (and its entries) from the registry."""
         self._stop.set()
+        self.loop.stop()
         self._wake.set()
-        self._thread.join(timeout=5)
+        self.loop.join(timeout=5)
         try:
             self.registry.unregister(self.node_id)
         except (TpuSyncError, OSError) as error:

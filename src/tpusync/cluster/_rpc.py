@@ -20,8 +20,10 @@ from tpusync.cluster._handshake import (
     _ProtocolError,
     _recv_json,
     _send_frame,
+    _TransportMismatch,
     client_handshake,
     retry_if_shed,
+    tls_mismatch,
 )
 from tpusync.errors import AuthenticationError, InvalidArgumentError
 
@@ -122,7 +124,10 @@ class RpcConnection:
             self._publish(sock, connected=False)  # close() from another thread reaches it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
+                try:
+                    sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
+                except ssl.SSLError as exc:
+                    raise tls_mismatch(self.peer, exc) or exc from None
                 self._publish(sock, connected=False)
             self._tune(sock)
             client_handshake(sock, self._secret, self.peer)
@@ -138,6 +143,8 @@ class RpcConnection:
             self.drop(sock)
             if isinstance(exc, self._unavailable):
                 raise
+            if isinstance(exc, _TransportMismatch):  # the message says it all
+                raise self._unavailable(str(exc)) from exc
             raise self._unavailable(f"{self.peer} failed the handshake: {exc}") from exc
 
     def _publish(self, sock: socket.socket, *, connected: bool) -> None:

@@ -1,6 +1,13 @@
 """The TCP server every tpusync server is (registry server, block server, store node): a
 listener whose connections authenticate first (on one thread, without blocking:
-:mod:`tpusync.cluster._admission`) and are then served on a thread each."""
+:mod:`tpusync.cluster._admission`) and are then served on a thread each.
+
+Its loops (the handshake loop; a block server's lease expiry) are restarted when they die of a
+bug (:mod:`tpusync.cluster._supervisor`). One that keeps dying is given up on: the server then
+closes its listener (a client is refused at once instead of waiting in a queue nobody reads),
+records the failure (:attr:`AuthenticatedTcpServer.failure`, and its ``health`` answer), and
+calls the callbacks given to :meth:`AuthenticatedTcpServer.on_failure` (``tpusync serve`` exits
+non-zero there)."""
 
 from __future__ import annotations
 
@@ -25,7 +32,9 @@ from tpusync.cluster._handshake import (
     check_transport,
     server_greeting,
     server_reply,
+    tls_required_frame,
 )
+from tpusync.cluster._supervisor import SupervisedLoop, failure_line
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["AuthenticatedTcpServer", "BlockServerOptions", "ServerOptions", "options_of"]
@@ -160,6 +169,8 @@ class AuthenticatedTcpServer:
             logging.getLogger(type(self).__module__), lambda: f"{self._label} {self.address}"
         )
         self._handshakes: HandshakeLoop | None = None
+        self._failure: tuple[str, BaseException] | None = None  # (the loop, why it failed)
+        self._failure_callbacks: list[Callable[[str, BaseException], None]] = []
         host = options.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server(
@@ -178,9 +189,75 @@ class AuthenticatedTcpServer:
             timeout_s=self._handshake_timeout,
             max_pending=self._max_handshakes,
             tls=self._tls,
+            tls_hint=None if self._tls is None else tls_required_frame(),
+            on_failure=lambda exc: self._loop_failed("the handshake loop", exc),
             name=f"{self._thread_name}:{self._port}",
         )
         self._handshakes.start()
+
+    # --- its loops' health ---------------------------------------------------------------------
+
+    def _loops(self) -> dict[str, SupervisedLoop]:
+        """The server's loops by name (subclasses add theirs)."""
+        return {} if self._handshakes is None else {"handshakes": self._handshakes.loop}
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception of a loop that was given up on (it kept dying), or None."""
+        return None if self._failure is None else self._failure[1]
+
+    def on_failure(self, callback: Callable[[str, BaseException], None]) -> None:
+        """Calls ``callback(loop, exc)`` once if one of this server's loops is given up on
+        (at once if one has been): ``loop`` names it and the server ("the handshake loop of
+        the store node at host:port"), ``exc`` is its last exception. Runs on the failed
+        loop's thread: it should only signal (e.g. set an event)."""
+        with self._lock:
+            self._failure_callbacks.append(callback)
+            failure = self._failure
+        if failure is not None:
+            callback(*failure)
+
+    def _loop_failed(self, loop: str, exc: BaseException) -> None:
+        """A loop was given up on: stop listening (a client is refused at once rather than
+        queued for nobody) and tell whoever asked."""
+        where = f"{loop} of the {self._label} at {self.address}"
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = (where, exc)
+            callbacks = list(self._failure_callbacks)
+        log.critical(
+            "%s kept dying (%s); the server no longer accepts connections: restart the process",
+            where, failure_line(exc),
+        )  # fmt: skip
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        for callback in callbacks:
+            try:
+                callback(where, exc)
+            except Exception:  # one callback's fault must not keep the others from hearing
+                log.exception("%s: a failure callback failed", self._label)
+
+    def health(self) -> dict[str, Any]:
+        """What the ``health`` request answers: ``ok`` (every loop runs and none was given
+        up on), the server's kind and address, each loop's state and restarts, the failure
+        (one line, or None), the connections open and authenticating."""
+        loops = {
+            name: {"alive": loop.alive, "restarts": loop.restarts}
+            for name, loop in self._loops().items()
+        }
+        failure = self._failure
+        with self._lock:
+            connections = len(self._conns)
+        return {
+            "ok": failure is None and all(loop["alive"] for loop in loops.values()),
+            "server": self._label,
+            "address": self.address,
+            "loops": loops,
+            "failure": None if failure is None else f"{failure[0]}: {failure_line(failure[1])}",
+            "connections": connections,
+            "handshakes": 0 if self._handshakes is None else self._handshakes.pending,
+        }
 
     @property
     def address(self) -> str:
@@ -237,10 +314,11 @@ class AuthenticatedTcpServer:
             self._conns[conn] = thread
         try:
             thread.start()
-        except RuntimeError as exc:  # no thread to be had: refuse this one, keep the others
+        except Exception as exc:  # no thread to be had: refuse this one, keep the others
             with self._lock:
                 self._conns.pop(conn, None)
-            conn.close()
+            with contextlib.suppress(OSError):
+                conn.close()
             self._refusals.refuse(peer, "no thread to serve it", str(exc))
 
     def _serve(self, conn: socket.socket, reply: bytes) -> None:
@@ -271,7 +349,8 @@ class AuthenticatedTcpServer:
             self._closed = True
         if self._handshakes is not None:
             self._handshakes.close()  # no connection is handed over after this
-        self._sock.close()
+        with contextlib.suppress(OSError):
+            self._sock.close()
         with self._lock:
             conns = list(self._conns.items())
         for conn, _ in conns:

@@ -25,7 +25,7 @@ import numpy as np
 from tpusync import _core
 from tpusync.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
 from tpusync.engines import native
-from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
+from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
@@ -213,12 +213,21 @@ class Publisher:
         integer above every earlier one, e.g. the training step) and announces it; returns once
         the bytes are staged, so the arrays may be changed or donated at once.
 
-        Raises InvalidArgumentError (a version not above the last, a leaf that is no array) or
-        TierFullError (the pool cannot hold another version beside those kept and held).
+        Raises InvalidArgumentError (a version not above the last, a leaf that is no array),
+        TierFullError (the pool cannot hold another version beside those kept and held) or
+        ServerFailedError (its block server stopped accepting subscribers: a loop of it kept
+        dying).
         """
         check_version(version)
         if self._closed:
             raise InvalidArgumentError("this Publisher is closed")
+        failure = None if self.server is None else self.server.failure
+        if failure is not None:  # staging a version nobody can pull would hide it
+            raise ServerFailedError(
+                f"the weights block server at {self.address} no longer accepts subscribers (a "
+                f"loop of it kept dying: {failure!r:.200}; the log has its traceback): close "
+                "this Publisher and make a new one, or restart the process"
+            )
         if self._latest is not None and version <= self._latest:
             raise InvalidArgumentError(
                 f"version: {version} is not above the last one published ({self._latest}); "

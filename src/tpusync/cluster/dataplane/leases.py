@@ -4,7 +4,8 @@ A peer that pulls blocks first takes a lease on them (:meth:`LeaseTable.acquire`
 keys are pinned in the pool (:meth:`HostPool.pin`), so they are neither deleted nor their slots
 reused, and their recorded checksums are handed out. The lease lasts ``ttl_s`` seconds unless
 renewed; when it lapses, its pins are dropped (by an expiry thread, and lazily on every call), so a
-reader that died never holds blocks for longer than its TTL.
+reader that died never holds blocks for longer than its TTL. The expiry thread is restarted if it
+dies of a bug (:mod:`tpusync.cluster._supervisor`).
 
 The timing rule (what makes a pull safe without trusting the reader's liveness):
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.errors import InvalidArgumentError, TierFullError
 from tpusync.tiers.dram import HostPool, Pinned
 
@@ -77,6 +79,8 @@ class LeaseTable:
       clock: monotonic seconds (tests may pass their own; the expiry thread then still sleeps
         in real time, and every call expires what is due by ``clock``).
       max_leases: leases held at once beyond which :meth:`acquire` raises TierFullError.
+      on_failure: called with its last exception if the expiry thread keeps dying and is
+        given up on (leases still lapse on every call then).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class LeaseTable:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_leases: int = MAX_LEASES,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         if not isinstance(pool, HostPool):
             raise InvalidArgumentError(f"pool: expected a HostPool, got {type(pool).__name__}")
@@ -95,10 +100,10 @@ class LeaseTable:
         self._held: dict[int, _Held] = {}
         self._closed = False
         self.expired = 0  # leases that lapsed before their release (a counter)
-        self._thread = threading.Thread(
-            target=self._expiry_loop, name="tpusync-lease-expiry", daemon=True
+        self.loop = SupervisedLoop(
+            self._expiry_loop, name="tpusync-lease-expiry", on_failure=on_failure
         )
-        self._thread.start()
+        self.loop.start()
 
     def __len__(self) -> int:
         with self._cond:
@@ -200,10 +205,10 @@ class LeaseTable:
             held = list(self._held.values())
             self._held.clear()
             self._cond.notify_all()
+        self.loop.stop()
         for item in held:
             self._pool.unpin(item.pinned)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self.loop.join(timeout=5)
 
     def __enter__(self) -> LeaseTable:
         return self

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpusync.cluster._handshake import _error, _recv_json, _send_json
+from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster._tcp_server import AuthenticatedTcpServer, BlockServerOptions, options_of
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane.frames import FrameBatch, send_buffers, tune_for_peer
@@ -70,7 +71,7 @@ class BlockServer(AuthenticatedTcpServer):
         self._listen(options_of(BlockServerOptions, options, keywords))
         self.pool = pool
         try:
-            self.leases = LeaseTable(pool, clock=self.options.clock)
+            self.leases = LeaseTable(pool, clock=self.options.clock, on_failure=self._lease_failed)
         except BaseException:
             self._sock.close()  # listening already: give the port back
             raise
@@ -90,6 +91,12 @@ class BlockServer(AuthenticatedTcpServer):
     _thread_name = "tpusync-block-server"
     _label = "block server"
     _before_lease: Callable[[list[bytes]], None] | None = None
+
+    def _lease_failed(self, exc: BaseException) -> None:
+        self._loop_failed("the lease expiry loop", exc)
+
+    def _loops(self) -> dict[str, SupervisedLoop]:
+        return {**super()._loops(), "lease expiry": self.leases.loop}
 
     def _serve_connection(self, conn: socket.socket) -> None:
         conn.settimeout(self._io_timeout)
@@ -151,6 +158,8 @@ class BlockServer(AuthenticatedTcpServer):
             if method == "hello":
                 result, served = self._hello(params, served)
                 return {"id": rid, "result": result}, served
+            if method == "health":  # before a hello too: a probe names no layout
+                return {"id": rid, "result": self.health()}, served
             if served is None:
                 return _error(rid, "ProtocolError", f"{method!r:.50}: say hello first"), served
             handler = self._handlers(served).get(method if isinstance(method, str) else "")

@@ -107,6 +107,7 @@ class RegistryServer(AuthenticatedTcpServer):
         self._registry = registry
         self._methods: dict[str, Callable[[dict[str, Any]], Any]] = {
             "ping": lambda p: "pong",
+            "health": lambda p: self.health(),
             "register": self._register,
             "heartbeat": lambda p: registry.heartbeat(
                 check_node_id(p.get("node_id")), check_ttl(p.get("ttl_s"))

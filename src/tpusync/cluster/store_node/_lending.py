@@ -37,11 +37,15 @@ class Lent:
     orders (oldest first)."""
 
     def __init__(
-        self, pool: HostPool, clock: Callable[[], float], disk: DiskPool | None = None
+        self,
+        pool: HostPool,
+        clock: Callable[[], float],
+        disk: DiskPool | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.pool = pool
         self.disk = disk
-        self.served = Served(pool, LeaseTable(pool, clock=clock))
+        self.served = Served(pool, LeaseTable(pool, clock=clock, on_failure=on_failure))
         self.lock = threading.Lock()  # making room and reserving, one put at a time
         self.lru: collections.OrderedDict[bytes, None] = collections.OrderedDict.fromkeys(
             pool.keys()

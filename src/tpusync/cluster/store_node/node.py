@@ -6,6 +6,8 @@ import dataclasses
 import logging
 import os
 import ssl
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from tpusync.cluster._registry_link import RegistryLink
@@ -68,6 +70,9 @@ class StoreNode:
                 f"registry: expected a tpusync.cluster Registry, got {type(registry).__name__}"
             )
         ttl_s = check_ttl(ttl_s)
+        self._failures_lock = threading.Lock()
+        self._failure: tuple[str, BaseException] | None = None
+        self._failure_callbacks: list[Callable[[str, BaseException], None]] = []
         self.registry_server: RegistryServer | None = None
         self.registry: Registry | None = registry
         self._link: Any = None
@@ -81,18 +86,26 @@ class StoreNode:
             disk_bytes=disk_bytes,
             options=listen,
         )
+        self.server.on_failure(self._failed)
         try:
             if registry_port is not None:
                 embedded = MemoryRegistry()
                 self.registry_server = RegistryServer(
                     embedded, options=_registry_options(listen, registry_port)
                 )
+                self.registry_server.on_failure(self._failed)
                 self.registry = embedded
             if self.registry is not None:
                 self.node = NodeInfo(
                     node_id or f"store-{self.server.address}", (self.server.address,)
                 )
-                self._link = RegistryLink(self.registry, self.node, ttl_s, self.server.keys)
+                self._link = RegistryLink(
+                    self.registry,
+                    self.node,
+                    ttl_s,
+                    self.server.keys,
+                    on_failure=lambda exc: self._failed("the registry link's loop", exc),
+                )
                 self.server.on_added = self._link.added
                 self.server.on_removed = self._link.removed
                 self._link.added(self.server.keys())  # any put between the link's start and now
@@ -109,6 +122,34 @@ class StoreNode:
     def registry_address(self) -> str | None:
         """Where peers reach the embedded registry (None when not hosting one)."""
         return None if self.registry_server is None else self.registry_server.address
+
+    @property
+    def failure(self) -> tuple[str, BaseException] | None:
+        """(which loop, its last exception) when a loop of the node's servers or its registry
+        link kept dying and was given up on; None while all run."""
+        return self._failure
+
+    def on_failure(self, callback: Callable[[str, BaseException], None]) -> None:
+        """Calls ``callback(loop, exc)`` once when a loop of the node (data server, embedded
+        registry server, registry link) is given up on (at once if one has been); it runs on
+        that loop's thread: signal, do not block. ``tpusync serve`` exits non-zero there."""
+        with self._failures_lock:
+            self._failure_callbacks.append(callback)
+            failure = self._failure
+        if failure is not None:
+            callback(*failure)
+
+    def _failed(self, loop: str, exc: BaseException) -> None:
+        with self._failures_lock:
+            if self._failure is not None:
+                return
+            self._failure = (loop, exc)
+            callbacks = list(self._failure_callbacks)
+        for callback in callbacks:
+            try:
+                callback(loop, exc)
+            except Exception:  # one callback's fault must not keep the others from hearing
+                log.exception("store node: a failure callback failed")
 
     def flush(self) -> None:
         """Sends the registry every change queued so far."""

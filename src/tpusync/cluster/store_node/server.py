@@ -16,6 +16,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster._handshake import _error, _send_json
+from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster._tcp_server import (
     AuthenticatedTcpServer,
     BlockServerOptions,
@@ -151,7 +152,9 @@ class StoreServer(BlockServer):
             pool = HostPool(
                 layout, header.n_slots, name=self._pool_name(layout), shm_dir=self.shm_dir
             )
-            self._lent[layout.fingerprint] = Lent(pool, self._clock, self._open_disk(layout))
+            self._lent[layout.fingerprint] = Lent(
+                pool, self._clock, self._open_disk(layout), self._lease_failed
+            )
             log.info("store node: re-attached %s (%d of %d blocks)", path, pool.used, pool.capacity)
 
     def _lent_for(self, layout: PoolLayout) -> Lent:
@@ -178,7 +181,9 @@ class StoreServer(BlockServer):
             except BaseException:
                 pool.close()
                 raise
-            lent = self._lent[layout.fingerprint] = Lent(pool, self._clock, disk)
+            lent = self._lent[layout.fingerprint] = Lent(
+                pool, self._clock, disk, self._lease_failed
+            )
             if disk is not None and disk.used and self.on_added is not None:
                 self.on_added(disk.keys())  # a restarted node's disk blocks
             log.info(
@@ -204,6 +209,14 @@ class StoreServer(BlockServer):
         except OSError as exc:
             raise InvalidArgumentError(f"disk_dir: cannot create {directory}: {exc}") from None
         return DiskPool(layout, slots, directory)
+
+    def _loops(self) -> dict[str, SupervisedLoop]:
+        loops = AuthenticatedTcpServer._loops(self)  # no pool of its own: one per layout
+        with self._lent_lock:
+            for lent in self._lent.values():
+                loop = lent.served.leases.loop
+                loops[f"lease expiry {lent.pool.layout.fingerprint.hex()[:16]}"] = loop
+        return loops
 
     def _lent_of(self, served: Served) -> Lent:
         return self._lent[served.pool.layout.fingerprint]
