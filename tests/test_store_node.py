@@ -439,6 +439,57 @@ def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.G
     assert kv_child.logits_hex(warm.prefill_logits) == kv_child.logits_hex(cold.prefill_logits)
 
 
+def test_a_store_opens_without_its_unreachable_node_and_uses_it_once_it_answers(
+    rng: np.random.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store node that is down while an engine starts (restarting, say) no longer fails the
+    start: the store opens with the node's tier unreached (a miss, no wait), keeps trying in
+    the background, and writes through to the node and reads from it once it answers."""
+    from tpusync.cluster.reconnecting_tier import ReconnectingTier
+    from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+    from tpusync.memory import DevicePool
+
+    with StoreNode(4 * MiB, secret=SECRET) as probe:
+        address = probe.address  # a port just freed: nothing listens on it now
+    port = int(address.rpartition(":")[2])
+    import jax.numpy as jnp
+
+    from tpusync.cluster import StoreNodeTier
+
+    config = KVStoreConfig(
+        model_id="degraded-start",
+        block_size=8,
+        dram=DramTier(8, populate=False),
+        tiers=(StoreNodeTier(address, secret=SECRET, timeout_s=2.0, name="node"),),
+    )
+    pool = DevicePool(jnp.asarray(rng.standard_normal((16, 8, 4)), jnp.float32))
+    tokens = rng.integers(0, 1000, 32).tolist()
+    with caplog.at_level(logging.WARNING, "tpusync.cluster"):
+        store = KVCacheStore(config, [pool])
+    try:
+        assert "cannot be reached" in caplog.text and "keeps trying" in caplog.text
+        tier = store._stack.tiers[1]  # reaches into the stack: the node's tier, unreached
+        assert isinstance(tier, ReconnectingTier) and not tier.connected
+        with store.lookup(tokens) as hit:
+            assert hit.num_blocks == 0  # a miss, answered at once
+        store.save(tokens, [0, 1, 2, 3])  # into DRAM; the node's copy is skipped
+        with StoreNode(4 * MiB, secret=SECRET, port=port) as node:
+            assert tier.wait_connected(timeout=60)
+            # the store rested the tier after the failed write-through (1 s, doubling): saves
+            # reach the node once that rest is over
+            deadline = time.monotonic() + 60
+            while not sum(p.used for p in node.server.pools):
+                assert time.monotonic() < deadline, "no save reached the node"
+                later = rng.integers(0, 1000, 32).tolist()
+                store.save(later, [4, 5, 6, 7])
+                assert store.flush(timeout=30)
+                time.sleep(0.2)
+            with KVCacheStore(config, [pool]) as other, other.lookup(later) as hit:
+                assert hit.tiers == ("node",) * 4  # another engine's store reads them there
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [("64MiB", 64 * MiB), ("1g", 1 << 30), ("1.5GiB", 3 << 29), ("4096", 4096), ("2 kB", 2048)],

@@ -17,21 +17,25 @@ the section ``"store_node"``, a peer ``"peer"`` and a registry tier ``"registry"
 
 from __future__ import annotations
 
+import logging
 import numbers
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tpusync.cluster.dataplane import BlockClient, RemotePool
+from tpusync.cluster.reconnecting_tier import ReconnectingTier
 from tpusync.cluster.registry import RedisRegistry, Registry, RemoteRegistry
 from tpusync.cluster.registry_pool import RegistryPool
 from tpusync.cluster.store_node import StoreNodePool
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, PeerUnavailableError
 from tpusync.kv.config_dict import register_tier_section
 from tpusync.kv.tier_specs import check_tier_name
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.spec import OpenedTier, TierContext
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PeerTier", "RegistryTier", "StoreNodeTier"]
 
@@ -143,8 +147,13 @@ class StoreNodeTier(_PeerSpec):
     section = "store_node"
 
     def open(self, layout: PoolLayout, context: TierContext) -> OpenedTier:
-        pool = StoreNodePool(self.address, layout=layout, **self._client_options(context))
-        return OpenedTier(pool, read_only=False)
+        options = self._client_options(context)
+        return _open_or_reconnect(
+            lambda: StoreNodePool(self.address, layout=layout, **options),
+            layout,
+            f"{self.name} (store node {self.address or ','.join(self.addresses or ())})",
+            read_only=False,
+        )
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,12 @@ class RegistryTier:
         pass
 
     def open(self, layout: PoolLayout, context: TierContext) -> OpenedTier:
+        where = self.address or self.redis_url or "a registry"
+        return _open_or_reconnect(
+            lambda: self._open(layout, context), layout, f"{self.name} ({where})", read_only=True
+        )
+
+    def _open(self, layout: PoolLayout, context: TierContext) -> _RegistryPool:
         secret = self.secret or context.secret
         owned: Registry | None = None
         if self.address is not None:
@@ -246,7 +261,7 @@ class RegistryTier:
                 owned.close()
             raise
         pool.owned_registry = owned
-        return OpenedTier(pool, read_only=True)
+        return pool
 
 
 class _RegistryPool(RegistryPool):
@@ -279,12 +294,36 @@ class PeerTier(_PeerSpec):
     section = "peer"
 
     def open(self, layout: PoolLayout, context: TierContext) -> OpenedTier:
-        client = BlockClient(self.address, layout=layout, **self._client_options(context))
-        try:
-            return OpenedTier(RemotePool(client, layout), read_only=True)
-        except BaseException:
-            client.close()
-            raise
+        options = self._client_options(context)
+
+        def remote_pool() -> RemotePool:
+            client = BlockClient(self.address, layout=layout, **options)
+            try:
+                return RemotePool(client, layout)
+            except BaseException:
+                client.close()
+                raise
+
+        label = f"{self.name} (peer {self.address or ','.join(self.addresses or ())})"
+        return _open_or_reconnect(remote_pool, layout, label, read_only=True)
+
+
+def _open_or_reconnect(
+    open_tier: Callable[[], Any], layout: PoolLayout, label: str, *, read_only: bool
+) -> OpenedTier:
+    """The tier ``open_tier()`` opens, or, while its peer cannot be reached, a
+    :class:`ReconnectingTier` that keeps trying in the background (a miss until then): a store
+    starts degraded rather than not at all."""
+    try:
+        return OpenedTier(open_tier(), read_only=read_only)
+    except PeerUnavailableError as error:
+        log.warning(
+            "tpusync: %s cannot be reached (%s); the store opens without it and keeps trying",
+            label,
+            error,
+        )
+    tier = ReconnectingTier(open_tier, layout=layout, label=label, read_only=read_only)
+    return OpenedTier(tier, read_only=read_only)
 
 
 register_tier_section("store_node", StoreNodeTier)

@@ -78,6 +78,15 @@ POLICY_COUNTERS = (
 _WRITEBACK_WAIT_S = 30.0  # how long making room waits for write-back to free busy slots
 
 
+def _known_keys(tier: LowerTier) -> list[bytes]:
+    """The keys a writable tier holds as the stack opens; none for a peer that cannot be
+    reached now (a store node the store opened without: it makes room itself)."""
+    try:
+        return list(tier.keys())
+    except ConnectionError:
+        return []
+
+
 class TierStack:
     """DRAM plus lower tiers, with the store's policy state. Thread-safe."""
 
@@ -102,7 +111,7 @@ class TierStack:
         self._below: int | None = writable[0] if writable else None  # where DRAM demotes to
         self._writable_lower = writable
         self._lru = [
-            collections.OrderedDict.fromkeys([] if ro else t.keys())
+            collections.OrderedDict.fromkeys([] if ro else _known_keys(t))
             for t, ro in zip(self.tiers, self.read_only, strict=True)
         ]
         self._pins: collections.Counter[bytes] = collections.Counter()
