@@ -293,3 +293,77 @@ def test_sglangs_own_page_keys_find_a_shared_prefix_and_nothing_past_it(backends
     got = backend.batch_get_v1(second_keys, indices(list(range(10, 16)), 4))
     assert got == [True] * 3 + [False] * 3
     assert [page_bytes(pool, p) for p in range(10, 13)] == expected[:3]
+
+
+def test_kv_events_of_the_tiers_decode_with_sglangs_own_decoder(backends, tmp_path):
+    """``kv_events``: the backend's tiers publish SGLang's KV events on a ZMQ socket, each page
+    named as SGLang names it (``hash_str_to_int64`` of its key), parents chained from the
+    prefix SGLang passes; SGLang's typed decoder accepts every batch."""
+    import msgspec
+    import zmq
+    from sglang.srt.disaggregation.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+    endpoint = f"ipc://{tmp_path}/events"
+    pool = host_pool("mha", "page_first")
+    extra = {
+        "kv_events": {"endpoint": endpoint, "topic": "kv@pod@tiny"},
+        "dram": {"capacity_blocks": 4},  # the second call evicts the first's pages
+        "disk": {"directory": str(tmp_path / "disk"), "capacity_blocks": 64, "create": True},
+    }
+    backend = backends(pool, "mha", extra)
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    subscriber.connect(endpoint)
+    frames: list[list[bytes]] = []
+    try:
+        for _ in range(200):  # a subscription takes a moment to reach the publisher
+            backend.batch_set_v1(keys(1), indices([30], 4))
+            if subscriber.poll(50):
+                break
+        else:
+            raise AssertionError("no KV event reached the subscriber")
+        while subscriber.poll(200):
+            subscriber.recv_multipart()  # the warm-up's
+        prefix, first, second = keys(2), keys(4), keys(4)
+        info = HiCacheStorageExtraInfo(prefix_keys=prefix)
+        assert backend.batch_set_v1(first, indices([0, 1, 2, 3], 4), info) == [True] * 4
+        assert backend.batch_set_v1(second, indices([4, 5, 6, 7], 4)) == [True] * 4
+        assert backend.store.flush(timeout=30)
+        while subscriber.poll(1000):
+            frames.append(subscriber.recv_multipart())
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    batches = [decoder.decode(payload) for _topic, _seq, payload in frames]  # every one decodes
+    assert {topic for topic, _, _ in frames} == {b"kv@pod@tiny"}
+    sequences = [int.from_bytes(seq, "big") for _, seq, _ in frames]
+    assert sequences == sorted(sequences)
+    events = [e for b in batches for e in b.events]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    named = [hash_str_to_int64(k) for k in first]
+
+    def on(medium: str) -> list[tuple[int, int | None]]:
+        return [(e.block_hashes[0], e.parent_block_hash) for e in stored if e.medium == medium]
+
+    chain = list(zip(named, [hash_str_to_int64(prefix[-1]), *named[:-1]], strict=True))
+    assert [p for p in on("CPU_PINNED") if p[0] in named] == chain
+    assert [p for p in on("DISK") if p[0] in named] == chain
+    assert all(e.token_ids == [] and e.block_size == 4 for e in stored)
+    evicted = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes
+               if e.medium == "CPU_PINNED"}  # fmt: skip
+    assert set(named) <= evicted  # from DRAM; still on disk
+
+
+def test_kv_events_settings_are_checked(backends):
+    pool = host_pool("mha", "page_first")
+    for value, match in [
+        ({"endpoint": "udp://x"}, "kv_events.endpoint: expected a ZMQ endpoint"),
+        ({"endpoint": "ipc:///tmp/x", "port": 1}, "kv_events.port: unknown key"),
+        ("tcp://127.0.0.1:1", "kv_events: expected an object"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            backends(pool, "mha", {"kv_events": value})

@@ -3,7 +3,8 @@ against SGLang's ``HiCacheStorageConfig``, once, when SGLang creates the backend
 
 The extra config is the plain-data form of :class:`~tpusync.kv.KVStoreConfig`
 (:mod:`tpusync.kv.config_dict`, the parser the vLLM connector uses) beside the keys of SGLang's
-``dynamic`` factory (:data:`SGLANG_KEYS`, read by SGLang, ignored here). What SGLang decides —
+``dynamic`` factory (:data:`SGLANG_KEYS`, read by SGLang, ignored here) and the backend's own
+``kv_events`` (:mod:`.events`). What SGLang decides —
 the model, the page size, the ranks — comes from SGLang; given in the extra config too, it
 must agree. Every error names the key and the fix.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
+from tpusync.connectors.sglang.events import EventSettings, event_settings
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVStoreConfig
 
@@ -50,6 +52,7 @@ class BackendSettings:
         context parallel ranks; MLA pages are the same on every tensor-parallel rank).
       is_mla: whether the model's KV is MLA (one latent vector per token and layer).
       writes: whether this rank stores pages (MLA: only SGLang's writer rank does).
+      events: where the backend publishes its tiers' KV events (``kv_events``), or None.
     """
 
     store: dict[str, Any]
@@ -58,6 +61,7 @@ class BackendSettings:
     shard_count: int
     is_mla: bool
     writes: bool
+    events: EventSettings | None = None
 
     def store_config(self, *, page_size: int, capacity_pages: int, layout: str) -> KVStoreConfig:
         """The store's config for a host pool of ``page_size``-token pages in ``layout`` (its
@@ -155,6 +159,7 @@ def read_settings(storage_config: Any) -> BackendSettings:
             "pages span several ranks' slots); run without --dcp-size"
         )
     data = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
+    events = event_settings(data.pop("kv_events", None), f"{WHERE}.kv_events")
     for key, source in {**_FROM_THE_POOL, **_FROM_THE_RANKS}.items():
         if key in data:
             raise InvalidArgumentError(f"{WHERE}.{key}: set by {source}; leave it out")
@@ -186,7 +191,7 @@ def read_settings(storage_config: Any) -> BackendSettings:
     shared = any(key in data for key in SHARED_SECTIONS)
     writes = not is_mla or tp_rank == dcp_rank or not shared
     store = _own_tiers(dict(data), _process_tag(storage_config))
-    settings = BackendSettings(store, model, shard_rank, shard_count, is_mla, writes)
+    settings = BackendSettings(store, model, shard_rank, shard_count, is_mla, writes, events)
     # every key checked now, at engine start, with placeholders for the host pool's values
     settings.store_config(page_size=1, capacity_pages=1, layout="check")
     return settings

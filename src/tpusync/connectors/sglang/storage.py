@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from tpusync.connectors.sglang.events import PageEventPublisher
 from tpusync.connectors.sglang.host_pages import HostPages, host_pages, page_ids
 from tpusync.connectors.sglang.settings import BackendSettings, read_settings
 from tpusync.errors import InvalidArgumentError, TpuSyncError
@@ -64,6 +65,7 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         self._pools: list[TorchPool] = []
         self._lock = threading.Lock()
         self._staged = threading.local()  # the generic interface's staging, per thread
+        self.events: PageEventPublisher | None = None  # the tiers' KV events (kv_events)
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -88,6 +90,14 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
                 with contextlib.suppress(Exception):  # the warm-up's error is the one to see
                     store.close()
                 raise
+            if self.settings.events is not None:
+                try:
+                    self.events = PageEventPublisher(self.settings.events, pages.page_size)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        store.close()
+                    raise
+                store.add_block_listener(self.events.heard)
             self.store = store
             self.pages, self._pools = pages, pools
             self.mem_pool_host = mem_pool_host
@@ -155,7 +165,19 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         """Stores the host pool's pages at ``host_indices`` under ``keys`` (pages the store
         holds already are skipped); True for each page stored or already held."""
         store, hashes, ids = self._v1_pages(keys, host_indices)
-        return self._set(store, hashes, ids, None) if hashes else []
+        if not hashes:
+            return []
+        self._learn(store, hashes, keys, extra_info)
+        return self._set(store, hashes, ids, None)
+
+    def _learn(self, store: KVCacheStore, hashes: list[bytes], keys: list[str], extra: Any) -> None:
+        """Tells the event publisher which pages the store keys of ``hashes`` are (before the
+        save: its events may come before it returns)."""
+        if self.events is None:
+            return
+        prefix = getattr(extra, "prefix_keys", None)
+        parent = prefix[-1] if prefix else None
+        self.events.learn(store.scheme.engine_keys(store.namespace, hashes), keys, parent)  # type: ignore[attr-defined]
 
     def _v1_pages(
         self, keys: list[str], host_indices: Any
@@ -248,6 +270,7 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         rows = [self._flat(pages, v, i) for i, v in enumerate(values)]
         flat, pools = self._staging(pages, len(keys))
         torch.stack(rows, out=flat[: len(keys)])
+        self._learn(store, hashes, keys, None)
         return all(self._set(store, hashes, list(range(len(keys))), pools))
 
     def set(
@@ -328,5 +351,8 @@ class TpuSyncHiCacheStorage(HiCacheStorage):
         """Closes the store (a named DRAM tier stays in /dev/shm for the next engine)."""
         with self._lock:
             store, self.store = self.store, None
+            events, self.events = self.events, None
         if store is not None:
             store.close()
+        if events is not None:  # after the store: its last events are published
+            events.close()
