@@ -33,3 +33,7 @@ if [[ "$(cat "$vllm_venv/.nixl-installed" 2>/dev/null)" != "${NIXL[*]}" ]]; then
     echo "${NIXL[*]}" >"$vllm_venv/.nixl-installed"
 fi
 install_tpusync_wheel "$vllm_venv"
+# The newest vLLM release's connector interface, for tests/vllm/test_connector_api.py (that
+# release's engine cannot run here); a failure only makes that test fail or skip
+"$vllm_venv/bin/python" "$repo/scripts/fetch_vllm_connector_api.py" "$vllm_venv/vllm-newest-api" \
+    || echo "tpusync: the newest vLLM connector interface could not be fetched" >&2

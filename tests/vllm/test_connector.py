@@ -352,6 +352,22 @@ def test_kv_events_name_vllms_hashes_with_a_medium_per_tier(models, tmp_path, so
     assert set(hashes) <= dropped  # evicted from DRAM by the second prompt (still on disk)
 
 
+def test_a_connector_reset_drops_the_stores_blocks(models, reference, sockets) -> None:
+    """``reset_prefix_cache(reset_connector=True)`` (vLLM's connector reset) drops the store's
+    blocks of the engine's namespace: the prompt is then computed, not loaded."""
+    kv = {"dram": {"capacity_blocks": 64}, "socket_dir": sockets}
+    with engine(models["main"], transfer_config(kv)) as llm:
+        assert generate(llm, [PROMPT]) == [(reference, 0)]
+        settle(worker_of(llm))
+        assert llm.reset_prefix_cache()  # vLLM's own only: the store serves the prompt
+        assert generate(llm, [PROMPT]) == [(reference, FULL)]
+        settle(worker_of(llm))
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert worker_of(llm).store.stats()["tiers"]["dram"]["used"] == 0
+        assert generate(llm, [PROMPT]) == [(reference, 0)]
+        settle(worker_of(llm))
+
+
 def test_kv_events_on_vllms_socket_name_the_engines_blocks_as_vllm_does(
     models, tmp_path, sockets
 ) -> None:

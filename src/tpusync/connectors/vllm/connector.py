@@ -135,6 +135,24 @@ class TpuSyncConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save dropped at preemption is only a later miss
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # the store holds views of vLLM's KV tensors: a sleep that frees and remaps them would
+        # leave it reading and writing freed memory
+        return False
+
+    def may_load_async(self, request: Any) -> bool:
+        """Whether a hit of ``request`` may load in the background: only from tiers below
+        DRAM (a store without them loads every hit before the forward)."""
+        return bool(self._settings.store.tiers)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: drops the store's blocks of
+        this engine's namespace in every tier (in one process; across processes the scheduler
+        cannot reach the store: False)."""
+        assert self._scheduler is not None
+        return self._scheduler.reset_store()
+
     # --- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(

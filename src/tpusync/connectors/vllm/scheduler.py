@@ -302,6 +302,21 @@ class SchedulerSide:
             return {CacheHitSource.HOST: num_external_tokens}
         return {self._lower_source: num_external_tokens}
 
+    def reset_store(self) -> bool:
+        """Drops the store's blocks of this engine's namespace (vLLM's connector reset); False
+        where the worker side runs in another process."""
+        worker = local_worker(self.settings.engine_id)
+        store = worker.store if worker is not None else None
+        if store is None:
+            log.warning(
+                "tpusync vllm: a connector reset reaches the store only with the worker in "
+                "this process; nothing was dropped"
+            )
+            return False
+        dropped = store.purge()
+        log.info("tpusync vllm: connector reset: %d blocks dropped from the store", dropped)
+        return True
+
     def build_meta(self, scheduler_output: Any) -> TpuSyncMetadata:
         """vLLM's ``build_connector_meta``: this step's loads, releases, and the saves of the
         blocks its forward fills."""
@@ -342,7 +357,11 @@ class SchedulerSide:
         if self.settings.role == "kv_consumer":
             return  # a decode engine loads; it saves nothing
         hashes = tracked.request.block_hashes
-        full = min(computed // self.block_size, len(hashes), len(tracked.block_ids))
+        # newer vLLM hashes blocks it does not let anyone publish yet (lookahead): never saved
+        publishable = getattr(tracked.request, "num_publishable_block_hashes", None)
+        if not isinstance(publishable, int):  # vLLM 0.32-0.34: every hash is publishable
+            publishable = len(hashes)
+        full = min(computed // self.block_size, publishable, len(hashes), len(tracked.block_ids))
         if full <= tracked.saved_blocks:
             return
         first, bs = tracked.saved_blocks, self.block_size
