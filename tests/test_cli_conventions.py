@@ -75,6 +75,58 @@ def test_version_short_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr() == (f"tpusync {tpusync.__version__}\n", "")
 
 
+# What the `tpusync` console script runs (python -m tpusync runs the same through __main__).
+CONSOLE_SCRIPT = "import sys; from tpusync.cli import main; sys.exit(main())"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["version"], ["--help"], ["help"], ["-h"]])
+def test_version_and_help_import_no_jax(argv: list[str]) -> None:
+    """They answer in about 0.1 s (issue 54: every call imported JAX, ~2 s of CPU): nothing
+    of JAX or numpy is imported (-X importtime lists every module imported)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", CONSOLE_SCRIPT, *argv],
+        capture_output=True, text=True, timeout=60, env=ENV, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines()}
+    assert "tpusync.cli" in modules  # -X importtime listed the imports
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("jax", "jaxlib", "numpy"))
+    assert heavy == [], heavy
+    expected = f"tpusync {tpusync.__version__}" if "version" in argv[0] else "usage: tpusync"
+    assert done.stdout.startswith(expected)
+
+
+def test_help_command_shows_a_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["help", "shm"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: tpusync shm")
+    assert cli.main(["help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tpusync") and "help     this text" in out
+    assert cli.main(["help", "nonsense"]) == 2
+    assert "unknown command 'nonsense'" in capsys.readouterr().err
+
+
+def test_import_tpusync_is_lazy_and_keeps_its_names() -> None:
+    """`import tpusync` imports no JAX; the public names import it on first use, and
+    tpusync.transfer and tpusync.info stay the functions whatever imports their modules."""
+    script = (
+        "import sys, tpusync; assert 'jax' not in sys.modules, 'jax imported'; "
+        "import tpusync.transfer.api, tpusync.info, tpusync.kv; "
+        "from tpusync.memory.device_pool import DevicePool; "
+        "assert tpusync.transfer is sys.modules['tpusync.transfer'].transfer; "
+        "assert tpusync.info is sys.modules['tpusync.info'].info; "
+        "assert tpusync.DevicePool is DevicePool and 'transfer_batch' in dir(tpusync); "
+        "assert sorted(n for n in tpusync.__all__ if not hasattr(tpusync, n)) == []; "
+        "print('ok')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV
+    )
+    assert done.stdout == "ok\n", done.stderr[-2000:]
+
+
 # -- an unknown command ----------------------------------------------------------------------
 
 
