@@ -42,11 +42,11 @@ def secret_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def make_pool(shm_dir: Path, name: str, rng: np.random.Generator) -> None:
+def make_pool(shm_dir: Path, name: str, rng: np.random.Generator, model: str = "cli-test") -> None:
     """A named pool with 2 of its 3 slots used, whose owner (this process) has closed it."""
     data = rng.integers(1, 2**31, size=(4, 8, 128), dtype=np.int32).view(np.float32)
     pools = [tpusync.DevicePool(jax.device_put(data))]
-    pool = HostPool(PoolLayout.from_pools("cli-test", pools), 3, name=name, shm_dir=str(shm_dir))
+    pool = HostPool(PoolLayout.from_pools(model, pools), 3, name=name, shm_dir=str(shm_dir))
     try:
         pool.put_from_device([rng.bytes(16), rng.bytes(16)], pools, [0, 1])
     finally:
@@ -344,8 +344,49 @@ def test_shm_list_json(tmp_path: Path, rng: np.random.Generator) -> None:
     assert (listed["status"], listed["used"], listed["slots"]) == ("ok", 2, 3)
     assert listed["model_id"] == "cli-test" and listed["owner_alive"] is False
     assert pools["junk"]["status"] != "ok" and pools["junk"]["error"]
-    empty = run("shm", "list", "--json", "--dir", str(tmp_path / "absent"))
-    assert (empty.returncode, json.loads(empty.stdout)) == (0, [])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    listed = run("shm", "list", "--json", "--dir", str(empty))
+    assert (listed.returncode, json.loads(listed.stdout)) == (0, [])
+
+
+@pytest.mark.parametrize("action", [["list"], ["list", "--json"], ["remove"], ["remove", "x"]])
+def test_shm_dir_that_does_not_exist_is_a_usage_error(tmp_path: Path, action: list[str]) -> None:
+    """Not an empty listing with exit 0 (issue 54): a mistyped --dir says so."""
+    absent = tmp_path / "absent"
+    result = run("shm", *action, "--dir", str(absent))
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"tpusync shm: error: --dir: {absent} does not exist" in result.stderr
+
+
+def test_shm_list_columns_fit_their_content_and_sizes_have_units(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A model id longer than any fixed column, a pool far below 1 GiB, a damaged entry: each
+    column starts where its header does and is at least two spaces from the last; the size is
+    in the unit that suits it (issue 54: the columns ran together, a small pool was 0.00 GiB)."""
+    model = "meta-llama/Llama-3.1-70B-Instruct@rev-0123456789abcdef"
+    make_pool(tmp_path, "a-pool-with-a-rather-long-name-for-the-listing", rng, model=model)
+    make_pool(tmp_path, "b", rng)
+    (tmp_path / "tpusync-junk.pool").write_bytes(rng.bytes(64))
+    result = run("shm", "list", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    header, *lines = result.stdout.splitlines()
+    assert header.split() == ["name", "owner", "model", "fingerprint", "size", "used"]
+    assert len(lines) == 3
+
+    def starts_a_column(line: str, start: int) -> bool:
+        return line[start - 2 : start] == "  " and line[start] != " "
+
+    owner, model_at, fingerprint = (header.index(w) for w in ("owner", "model", "fingerprint"))
+    assert all(starts_a_column(line, owner) for line in lines), result.stdout
+    pools = [line for line in lines if "damaged" not in line]
+    assert len(pools) == 2
+    for line in pools:
+        assert starts_a_column(line, model_at) and starts_a_column(line, fingerprint), line
+        number, unit = line[fingerprint:].split()[1:3]  # after the fingerprint: the size
+        assert unit in ("KiB", "MiB") and float(number) >= 1, line
+    assert model in result.stdout
 
 
 def test_serve_json_prints_its_addresses(tmp_path: Path) -> None:

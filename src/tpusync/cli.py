@@ -86,7 +86,9 @@ def _shm_parser() -> argparse.ArgumentParser:
 def _shm(argv: list[str]) -> int:
     parser = _shm_parser()
     args = parser.parse_args(argv)
-    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+    if not os.path.exists(args.dir):  # a typo would otherwise list no pools and exit 0
+        parser.error(f"--dir: {args.dir} does not exist")
+    if not os.path.isdir(args.dir):
         parser.error(f"--dir: {args.dir} is not a directory")
     try:
         return _shm_remove(args) if args.action == "remove" else _shm_list(args.dir, args.json)
@@ -136,21 +138,32 @@ def _shm_list(shm_dir: str, as_json: bool = False) -> int:
     if not pools:
         print(f"no tpusync pools in {shm_dir}")
         return 0
-    print(f"{'name':<28}{'owner':<14}{'model':<16}{'fingerprint':<34}{'GiB':>8}{'used':>14}")
+    # one row of cells per pool; an entry that is not a pool has its name, owner and a note
+    header = ("name", "owner", "model", "fingerprint", "size", "used")
+    rows: list[tuple[str, ...]] = []
     for p in pools:
         owner = f"alive {p.owner_pid}" if p.owner_alive else "gone"
         if p.status in ("unsafe", "orphaned"):
             owner = "-"
         if p.status != "ok":
             size = f" ({size_text(p.size_bytes)})" if p.size_bytes else ""
-            print(f"{p.name:<28}{owner:<14}{p.status}{size}: {p.error}")
+            rows.append((p.name, owner, f"{p.status}{size}: {p.error}"))
             continue
-        used = f"{p.used}/{p.slots}"
         links = f"  ({p.links - 1} more hard link(s))" if p.links > 1 else ""
-        print(
-            f"{p.name:<28}{owner:<14}{p.model_id or '':<16}{p.fingerprint or '':<34}"
-            f"{p.size_bytes / 2**30:>8.2f}{used:>14}{links}"
-        )
+        used = f"{p.used}/{p.slots}"
+        cells = (p.name, owner, p.model_id or "-", p.fingerprint or "-", size_text(p.size_bytes))
+        rows.append((*cells, used + links))
+    # columns as wide as their content (a note or the last column runs on unpadded)
+    widths = [
+        max(len(r[i]) for r in [header, *rows] if i < len(r) - 1) for i in range(len(header) - 1)
+    ]
+    right = {4}  # sizes align on their units
+    for row in [header, *rows]:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row[:-1])
+        ]
+        print("  ".join([*cells, row[-1]]).rstrip())
     return 0
 
 
