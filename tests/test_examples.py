@@ -147,3 +147,20 @@ def test_load_secret_reads_the_files_tpusync_serve_reads(tmp_path: Path) -> None
     with pytest.raises(InvalidArgumentError, match=r"^--secret-file: cannot read .*absent"):
         read_secret(str(tmp_path / "absent"))
     assert "load_secret" in tpusync.kv.__all__
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces
+    as dashes."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def test_readme_contents_link_every_section_in_order() -> None:
+    text = (ROOT / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # a `# comment` is no heading
+    sections = re.findall(r"^## (.+)$", prose, re.MULTILINE)
+    contents = next(p for p in prose.split("\n\n") if p.startswith("Contents: "))
+    links = re.findall(r"\[([^\]]+)\]\(#([^)]+)\)", contents)
+    assert links == [(s, _github_anchor(s)) for s in sections]
+    assert "come next" not in text.partition("## ")[0]  # the status line says what exists
