@@ -22,7 +22,8 @@ logs="${TPUSYNC_TEST_LOGS:-$repo/.test-logs/$(date +%Y%m%d-%H%M%S)-$$}"
 caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
 mkdir -p "$caches/rpc"
 env_job=""
-trap '[[ -z "$env_job" ]] || kill "$env_job" 2>/dev/null; rm -rf "$caches"' EXIT
+# an interrupted run stops the environments' build too (its logs stay)
+trap '[[ -z "$env_job" ]] || kill "$env_job" 2>/dev/null || true; rm -rf "$caches"' EXIT
 
 # The engine environments are made (or updated) in the background while the main suite runs:
 # their install is mostly download and unpacking, and would otherwise add its minutes to the run.
