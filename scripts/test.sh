@@ -6,42 +6,44 @@
 # plugins (libtpu, CUDA) into ./.plugins for the tests that load them without hardware; set
 # TPUSYNC_SKIP_PLUGINS=1 to skip that download (those tests then skip, unless
 # TPUSYNC_REQUIRE_PLUGINS=1). Options (e.g. -q, -x) go to every run; test paths to the first.
+#
+# Every suite runs whatever the others did; the run ends with one line per suite (passed,
+# failed or skipped, and its seconds) and exits 1 if any failed. TPUSYNC_SUITES="main" (or any
+# of "main vllm sglang") runs only those: the others are reported skipped, and an engine
+# environment no selected suite needs is not made. The logs of making the engine environments
+# stay in $TPUSYNC_TEST_LOGS (default .test-logs/<date>-<pid>, printed at the start and end).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" "test"
 if [[ "${TPUSYNC_SKIP_PLUGINS:-0}" != 1 ]]; then
     PYTHON="$venv/bin/python" bash "$repo/scripts/install_pjrt_plugins.sh"
 fi
-# The vLLM environment is made (or updated) in the background while the main suite runs: its
-# install is mostly download and unpacking, and it would otherwise add its minutes to the run.
+logs="${TPUSYNC_TEST_LOGS:-$repo/.test-logs/$(date +%Y%m%d-%H%M%S)-$$}"
 # torch's and vLLM's caches and vLLM's IPC sockets (which it leaves behind) go to a directory of
-# this run (by default: /tmp and ~/.cache).
+# this run (by default: /tmp and ~/.cache), removed at the end.
 caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
 mkdir -p "$caches/rpc"
-stage=$(date +%s)
-# (sourced one after the other, not with &&: errexit holds inside each, set by its first line)
-(source "$repo/scripts/_vllm_venv.sh"; source "$repo/scripts/_sglang_venv.sh") \
-    >"$caches/vllm-env.log" 2>&1 &
-vllm_env_pid=$!
-trap 'kill "$vllm_env_pid" 2>/dev/null || true; rm -rf "$caches"' EXIT
-python -m pytest "$@"
-echo "tpusync: main suite in $(( $(date +%s) - stage )) s"
-options=()
-for arg in "$@"; do
-    [[ "$arg" == -* ]] && options+=("$arg")
-done
-if ! wait "$vllm_env_pid"; then
-    cat "$caches/vllm-env.log" >&2
-    echo "tpusync: making the vLLM or SGLang environment failed (log above)" >&2
-    exit 1
-fi
-cat "$caches/vllm-env.log"
-source "$repo/scripts/_vllm_venv.sh"
-echo "tpusync: vLLM environment ready $(( $(date +%s) - stage )) s after the main suite started"
-stage=$(date +%s)
-TORCHINDUCTOR_CACHE_DIR="$caches/inductor" VLLM_CACHE_ROOT="$caches/vllm" \
-    TRITON_CACHE_DIR="$caches/triton" VLLM_RPC_BASE_PATH="$caches/rpc" \
-    "$vllm_venv/bin/python" -m pytest "${options[@]}" tests/vllm
-echo "tpusync: vLLM suite in $(( $(date +%s) - stage )) s"
-source "$repo/scripts/_sglang_venv.sh"
-stage=$(date +%s)
-"$sglang_venv/bin/python" -m pytest "${options[@]}" tests/sglang
-echo "tpusync: SGLang suite in $(( $(date +%s) - stage )) s"
+env_job=""
+# an interrupted run stops the environments' build too (its logs stay)
+trap '[[ -z "$env_job" ]] || kill "$env_job" 2>/dev/null || true; rm -rf "$caches"' EXIT
+
+# The engine environments are made (or updated) in the background while the main suite runs:
+# their install is mostly download and unpacking, and would otherwise add its minutes to the run.
+make_env() {
+    source "$repo/scripts/_$1_venv.sh"
+}
+
+suite_main() {
+    python -m pytest "$@"
+}
+
+suite_vllm() {
+    TORCHINDUCTOR_CACHE_DIR="$caches/inductor" VLLM_CACHE_ROOT="$caches/vllm" \
+        TRITON_CACHE_DIR="$caches/triton" VLLM_RPC_BASE_PATH="$caches/rpc" \
+        "${TPUSYNC_VLLM_VENV:-$repo/.venv-vllm}/bin/python" -m pytest "$@" tests/vllm
+}
+
+suite_sglang() {
+    "${TPUSYNC_SGLANG_VENV:-$repo/.venv-sglang}/bin/python" -m pytest "$@" tests/sglang
+}
+
+source "$repo/scripts/_suites.sh"
+run_suites "$@"

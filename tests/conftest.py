@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import tempfile
-import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +29,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from run_names import RUN_TAG, run_name  # noqa: E402
 
 SEED = int(os.environ.get("TPUSYNC_TEST_SEED") or secrets.randbits(32))
 
@@ -114,7 +114,29 @@ def assert_same_bits(actual: Any, expected: Any, what: str = "") -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"tpusync: TPUSYNC_TEST_SEED={SEED}, jax {jax.__version__}, {len(jax.devices())} devices"
+    return (
+        f"tpusync: TPUSYNC_TEST_SEED={SEED}, jax {jax.__version__}, {len(jax.devices())} devices, "
+        f"run {RUN_TAG}, basetemp {config.option.basetemp}"
+    )
+
+
+_OWN_BASETEMP = pytest.StashKey[str]()  # the base temporary directory this conftest made
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path factory reads the option
+def pytest_configure(config: pytest.Config) -> None:
+    """A base temporary directory of this session's own unless --basetemp names one: pytest's
+    default, /tmp/pytest-of-<user>, is shared by every session of the user, and each removes
+    the older ones' directories while they may still be running."""
+    if config.option.basetemp is None:
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"{RUN_TAG}-pytest-")
+        config.stash[_OWN_BASETEMP] = config.option.basetemp
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_BASETEMP, None)
+    if own is not None:  # nothing a test made stays in /tmp (tmp_path_retention_policy)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _case_key(node: pytest.Item) -> str:
@@ -176,7 +198,7 @@ def shm_names() -> Iterator[Callable[[], str]]:
     made: list[str] = []
 
     def make() -> str:
-        name = f"test-kv-{uuid.uuid4().hex[:16]}"
+        name = run_name("kv")
         made.append(name)
         return name
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from run_names import run_name
 
 import tpusync
 from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
@@ -147,7 +148,7 @@ def remove_named_pool(name: str, shm_dir: str = SHM_DIR) -> None:
 
 
 def unique_name(label: str) -> str:
-    return f"kvtest-{label}-{uuid.uuid4().hex[:12]}"
+    return run_name(label)
 
 
 def logits_hex(logits: Any) -> str:

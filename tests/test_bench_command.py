@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -412,3 +413,51 @@ def test_listen_port_is_free_and_outside_the_ephemeral_range() -> None:
         assert 10000 <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_bench_without_a_name_lists_the_benchmarks_and_runs_none(tmp_path: Path) -> None:
+    """Issue 54: `tpusync bench` ran every benchmark (most of an hour); now it is the list."""
+    from tpusync.bench.command import ABOUT, BENCHES, NEEDS
+
+    assert set(BENCHES) <= set(ABOUT) and set(NEEDS) <= set(ABOUT)
+    done = _tpusync("bench", cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for name, (what, duration) in ABOUT.items():
+        line = next(line for line in done.stdout.splitlines() if line.split()[:1] == [name])
+        assert duration in line and what in line and "min" in duration
+        assert ("needs" in line) == (name not in BENCHES), line
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing was written
+
+
+def test_results_go_where_the_help_says(tmp_path: Path) -> None:
+    """The help's default for --results-dir is where a run writes (an installed tpusync: the
+    working directory's tpusync-bench-results, not a checkout's benchmarks/results)."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "tpusync", "bench", "--help"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=60, env={**ENV, "COLUMNS": "500"},  # argparse wraps at hyphens too
+    ).stdout  # fmt: skip
+    shown = " ".join(shown.split())
+    match = re.search(
+        r"--results-dir DIR where results and RESULTS\.md go \(default: (\S+)\)", shown
+    )
+    assert match is not None, shown
+    done = _tpusync(
+        "bench", "mac_cost", "--quick", "--total-mib", "4", "--repeats", "1", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.parent.name for p in Path(match[1]).glob("*/*.json")] == ["mac_cost"]
+    assert (Path(match[1]) / "RESULTS.md").is_file()
+
+
+def test_a_missing_peer_says_how_to_make_it_here_or_from_a_clone(tmp_path: Path) -> None:
+    """An installed tpusync has no benchmarks/peers/setup.sh: the hint says where it is; a
+    --peers-dir in a checkout gets its script's command."""
+    from tpusync.bench import external
+
+    installed = external.peer_state("tpu-sync", tmp_path)
+    assert "pip installs no scripts" in installed and "--peers-dir" in installed
+    peers_dir = tmp_path / "checkout" / "benchmarks" / "peers"
+    peers_dir.mkdir(parents=True)
+    (peers_dir / "setup.sh").write_text("")
+    state = external.peer_state("tpu-sync", peers_dir)
+    assert f"make it with `bash {peers_dir / 'setup.sh'}`" in state

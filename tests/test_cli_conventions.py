@@ -42,11 +42,11 @@ def secret_file(tmp_path: Path) -> str:
     return str(path)
 
 
-def make_pool(shm_dir: Path, name: str, rng: np.random.Generator) -> None:
+def make_pool(shm_dir: Path, name: str, rng: np.random.Generator, model: str = "cli-test") -> None:
     """A named pool with 2 of its 3 slots used, whose owner (this process) has closed it."""
     data = rng.integers(1, 2**31, size=(4, 8, 128), dtype=np.int32).view(np.float32)
     pools = [tpusync.DevicePool(jax.device_put(data))]
-    pool = HostPool(PoolLayout.from_pools("cli-test", pools), 3, name=name, shm_dir=str(shm_dir))
+    pool = HostPool(PoolLayout.from_pools(model, pools), 3, name=name, shm_dir=str(shm_dir))
     try:
         pool.put_from_device([rng.bytes(16), rng.bytes(16)], pools, [0, 1])
     finally:
@@ -73,6 +73,58 @@ def test_version() -> None:
 def test_version_short_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["-V"]) == 0
     assert capsys.readouterr() == (f"tpusync {tpusync.__version__}\n", "")
+
+
+# What the `tpusync` console script runs (python -m tpusync runs the same through __main__).
+CONSOLE_SCRIPT = "import sys; from tpusync.cli import main; sys.exit(main())"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["version"], ["--help"], ["help"], ["-h"]])
+def test_version_and_help_import_no_jax(argv: list[str]) -> None:
+    """They answer in about 0.1 s (issue 54: every call imported JAX, ~2 s of CPU): nothing
+    of JAX or numpy is imported (-X importtime lists every module imported)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", CONSOLE_SCRIPT, *argv],
+        capture_output=True, text=True, timeout=60, env=ENV, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines()}
+    assert "tpusync.cli" in modules  # -X importtime listed the imports
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("jax", "jaxlib", "numpy"))
+    assert heavy == [], heavy
+    expected = f"tpusync {tpusync.__version__}" if "version" in argv[0] else "usage: tpusync"
+    assert done.stdout.startswith(expected)
+
+
+def test_help_command_shows_a_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["help", "shm"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: tpusync shm")
+    assert cli.main(["help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tpusync") and "help     this text" in out
+    assert cli.main(["help", "nonsense"]) == 2
+    assert "unknown command 'nonsense'" in capsys.readouterr().err
+
+
+def test_import_tpusync_is_lazy_and_keeps_its_names() -> None:
+    """`import tpusync` imports no JAX; the public names import it on first use, and
+    tpusync.transfer and tpusync.info stay the functions whatever imports their modules."""
+    script = (
+        "import sys, tpusync; assert 'jax' not in sys.modules, 'jax imported'; "
+        "import tpusync.transfer.api, tpusync.info, tpusync.kv; "
+        "from tpusync.memory.device_pool import DevicePool; "
+        "assert tpusync.transfer is sys.modules['tpusync.transfer'].transfer; "
+        "assert tpusync.info is sys.modules['tpusync.info'].info; "
+        "assert tpusync.DevicePool is DevicePool and 'transfer_batch' in dir(tpusync); "
+        "assert sorted(n for n in tpusync.__all__ if not hasattr(tpusync, n)) == []; "
+        "print('ok')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV
+    )
+    assert done.stdout == "ok\n", done.stderr[-2000:]
 
 
 # -- an unknown command ----------------------------------------------------------------------
@@ -295,8 +347,49 @@ def test_shm_list_json(tmp_path: Path, rng: np.random.Generator) -> None:
     assert (listed["status"], listed["used"], listed["slots"]) == ("ok", 2, 3)
     assert listed["model_id"] == "cli-test" and listed["owner_alive"] is False
     assert pools["junk"]["status"] != "ok" and pools["junk"]["error"]
-    empty = run("shm", "list", "--json", "--dir", str(tmp_path / "absent"))
-    assert (empty.returncode, json.loads(empty.stdout)) == (0, [])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    listed = run("shm", "list", "--json", "--dir", str(empty))
+    assert (listed.returncode, json.loads(listed.stdout)) == (0, [])
+
+
+@pytest.mark.parametrize("action", [["list"], ["list", "--json"], ["remove"], ["remove", "x"]])
+def test_shm_dir_that_does_not_exist_is_a_usage_error(tmp_path: Path, action: list[str]) -> None:
+    """Not an empty listing with exit 0 (issue 54): a mistyped --dir says so."""
+    absent = tmp_path / "absent"
+    result = run("shm", *action, "--dir", str(absent))
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"tpusync shm: error: --dir: {absent} does not exist" in result.stderr
+
+
+def test_shm_list_columns_fit_their_content_and_sizes_have_units(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A model id longer than any fixed column, a pool far below 1 GiB, a damaged entry: each
+    column starts where its header does and is at least two spaces from the last; the size is
+    in the unit that suits it (issue 54: the columns ran together, a small pool was 0.00 GiB)."""
+    model = "meta-llama/Llama-3.1-70B-Instruct@rev-0123456789abcdef"
+    make_pool(tmp_path, "a-pool-with-a-rather-long-name-for-the-listing", rng, model=model)
+    make_pool(tmp_path, "b", rng)
+    (tmp_path / "tpusync-junk.pool").write_bytes(rng.bytes(64))
+    result = run("shm", "list", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    header, *lines = result.stdout.splitlines()
+    assert header.split() == ["name", "owner", "model", "fingerprint", "size", "used"]
+    assert len(lines) == 3
+
+    def starts_a_column(line: str, start: int) -> bool:
+        return line[start - 2 : start] == "  " and line[start] != " "
+
+    owner, model_at, fingerprint = (header.index(w) for w in ("owner", "model", "fingerprint"))
+    assert all(starts_a_column(line, owner) for line in lines), result.stdout
+    pools = [line for line in lines if "damaged" not in line]
+    assert len(pools) == 2
+    for line in pools:
+        assert starts_a_column(line, model_at) and starts_a_column(line, fingerprint), line
+        number, unit = line[fingerprint:].split()[1:3]  # after the fingerprint: the size
+        assert unit in ("KiB", "MiB") and float(number) >= 1, line
+    assert model in result.stdout
 
 
 def test_serve_json_prints_its_addresses(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from tpusync.cluster import (
 from tpusync.cluster.dataplane import Served, wire
 from tpusync.cluster.dataplane._connection import Connection
 from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
+from tpusync.cluster.dataplane.protocol import DEADLINE_FRACTION
 from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
 from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
@@ -107,12 +108,9 @@ def assert_stops_at_deadline(client: BlockClient, keys: list[bytes], target: Hos
     return done
 
 
-def slow_server(
-    delay_s: float, *, renews: bool = True, renewals: list[float] | None = None
-) -> type[BlockServer]:
+def slow_server(delay_s: float, *, renews: bool = True) -> type[BlockServer]:
     """A BlockServer that waits ``delay_s`` (real time) before each block; with ``renews=False``
-    it refuses every lease renewal; the times of the renewals it is asked for go to
-    ``renewals``."""
+    it refuses every lease renewal."""
 
     class Slow(BlockServer):
         def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
@@ -122,11 +120,45 @@ def slow_server(
             super()._send_block(conn, header, data)
 
         def _renew(self, served: Served, params: dict[str, Any]) -> bool:
-            if renewals is not None:
-                renewals.append(time.monotonic())
             return renews and super()._renew(served, params)
 
     return Slow
+
+
+class RenewalGate:
+    """A BlockServer class (``server``) that holds the ``last``-th block it sends until it has
+    granted ``renewals`` lease renewals, and records when it sent that block: a pull that
+    outlives its first deadline by events, not by sleeps, so its margins hold on a loaded
+    machine (issue 54). Renewals still come on the client's real clock (a third of the TTL)."""
+
+    def __init__(self, last: int, renewals: int) -> None:
+        self.granted: list[float] = []  # when each renewal was granted
+        self.last_sent_at: float | None = None
+        self._sent = 0
+        self._enough = threading.Event()
+        self._lock = threading.Lock()
+        gate = self
+
+        class Gated(BlockServer):
+            def _send_block(self, conn: socket.socket, header: bytes, data: memoryview) -> None:
+                with gate._lock:
+                    gate._sent += 1
+                    is_last = gate._sent == last
+                if is_last:
+                    gate._enough.wait(timeout=60)  # a failed pull fails the test, not a hang
+                    gate.last_sent_at = time.monotonic()
+                super()._send_block(conn, header, data)
+
+            def _renew(self, served: Served, params: dict[str, Any]) -> bool:
+                granted = super()._renew(served, params)
+                if granted:
+                    with gate._lock:
+                        gate.granted.append(time.monotonic())
+                        if len(gate.granted) >= renewals:
+                            gate._enough.set()
+                return granted
+
+        self.server = Gated
 
 
 @pytest.fixture
@@ -524,16 +556,22 @@ def test_pull_stops_at_its_deadline_before_the_lease_ends(
 
 
 def test_a_pull_longer_than_its_lease_renews_it(source: HostPool, target: HostPool) -> None:
-    """Real time: 8 blocks, one every 0.15 s, under a 0.5 s lease: the client renews the lease
-    every third of its TTL over its control connection, receives everything, and the lease was
-    held the whole time."""
-    renewals: list[float] = []
-    slow = slow_server(0.15, renewals=renewals)
+    """8 blocks under a 2 s lease (the pull's first deadline: 1.6 s), the last sent only once
+    the server has granted three renewals, so the pull outlives its first deadline: the client
+    renews the lease every third of its TTL over its control connection, receives everything,
+    and the lease was held the whole time. The margin for a renewal's round trip is about 0.9 s
+    (the last renewal's deadline minus the next renewal's time)."""
+    gate = RenewalGate(last=8, renewals=3)
     keys = [key_for(i) for i in range(8)]
-    with slow(source, secret=SECRET, lease_ttl_s=0.5) as server, client_for(server) as client:
+    with (
+        gate.server(source, secret=SECRET, lease_ttl_s=2.0) as server,
+        client_for(server) as client,
+    ):
+        start = time.monotonic()
         result = client.pull_result(keys, target)
         assert result.loaded == [True] * 8 and result.released and result.error is None
-        assert len(renewals) >= 3
+        assert len(gate.granted) >= 3 and gate.last_sent_at is not None
+        assert gate.last_sent_at - start > 2.0 * DEADLINE_FRACTION  # past the first deadline
         assert server.leases.expired == 0
         for key in keys:
             assert payload(target, key) == payload(source, key)

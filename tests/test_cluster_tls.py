@@ -18,6 +18,7 @@ from test_cluster_dataplane import (
     CAPACITY,
     LAYOUT,
     SECRET,
+    RenewalGate,
     assert_clean,
     assert_stops_at_deadline,
     fill,
@@ -38,6 +39,7 @@ from tpusync.cluster import (
     RemoteRegistry,
 )
 from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES
+from tpusync.cluster.dataplane.protocol import DEADLINE_FRACTION
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import HostPool
 
@@ -223,18 +225,24 @@ def test_a_pull_over_tls_stops_at_its_deadline(
 def test_a_pull_over_tls_follows_its_renewed_deadline(
     pools: tuple[HostPool, HostPool], contexts: tuple[ssl.SSLContext, ssl.SSLContext]
 ) -> None:
-    """Real time, TLS: 8 blocks, one every 0.15 s, under a 0.5 s lease; each renewal moves the
-    deadline on, and reads wait by the moved deadline (not by the one they started with)."""
+    """TLS: 8 blocks under a 2 s lease (the pull's first deadline: 1.6 s), the last sent only
+    once the server has granted three renewals (at least 2 s in): each renewal moves the deadline
+    on, and reads wait by the moved deadline, not by the one they started with. Events, not
+    sleeps: a renewal's round trip has about 0.9 s of margin, which holds on a loaded machine."""
     source, target = pools
     server_tls, client_tls = contexts
-    slow = slow_server(0.15)
+    gate = RenewalGate(last=8, renewals=3)
     keys = [key_for(i) for i in range(8)]
     with (
-        slow(source, secret=SECRET, lease_ttl_s=0.5, tls=server_tls) as server,
+        gate.server(source, secret=SECRET, lease_ttl_s=2.0, tls=server_tls) as server,
         BlockClient(server.address, secret=SECRET, tls=client_tls, timeout_s=5.0) as client,
     ):
+        start = time.monotonic()
         result = client.pull_result(keys, target)
         assert result.loaded == [True] * 8 and result.released and result.error is None
+        assert gate.last_sent_at is not None
+        assert gate.last_sent_at - start > 2.0 * DEADLINE_FRACTION  # past the first deadline
+        assert server.leases.expired == 0
         for key in keys:
             assert payload(target, key) == payload(source, key)
         assert_clean(target, 8)

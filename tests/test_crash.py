@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import crash_writer as writer
 import numpy as np
 import pytest
+from run_names import run_name
 
 from tpusync.errors import BlocksMissingError
 from tpusync.tiers import HostPool
@@ -22,7 +22,7 @@ KILLS_PER_TEST = 2  # each kill costs a child start (~3 s): several tests, not o
 
 @pytest.fixture
 def pool_name(tmp_path: Path) -> str:
-    return f"crash-{uuid.uuid4().hex[:12]}"
+    return run_name("crash")
 
 
 def _start_writer(name: str, shm_dir: str) -> subprocess.Popen[str]:

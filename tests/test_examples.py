@@ -2,7 +2,10 @@
 
 Each example runs as a child process (``sys.executable``, in a scratch working directory, with
 TMPDIR there), stopped by its process group's id if it runs past its timeout. It must exit 0,
-print the result it claims, and leave nothing behind in /dev/shm or its TMPDIR.
+print the result it claims, and leave nothing behind in its TMPDIR or in /dev/shm. The examples
+keep what they put in /dev/shm in temporary directories (``tempfile``), which here get a prefix of
+this test's, so the check looks at the test's own names only: other processes make and remove
+files in /dev/shm meanwhile (issue 54).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_names import run_entries, run_name
 
 import tpusync.kv
 from tpusync.errors import InvalidArgumentError
@@ -39,10 +43,6 @@ CLAIMS = {
 }
 
 
-def _shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
-
-
 def _child_env(work: Path) -> dict[str, str]:
     env = dict(os.environ, TMPDIR=str(work), JAX_PLATFORMS="cpu")
     if env.get("PYTHONPATH"):  # a relative entry (PYTHONPATH=src) as this process resolves it
@@ -51,11 +51,20 @@ def _child_env(work: Path) -> dict[str, str]:
     return env
 
 
-def _run_example(name: str, work: Path) -> tuple[int, str, float]:
+# Runs the example as `python examples/NAME` does (as __main__, its folder first on sys.path),
+# with tempfile's default prefix set to the first argument.
+_WITH_PREFIX = (
+    "import runpy, sys, tempfile; tempfile.template = sys.argv.pop(1); "
+    "sys.path[0] = sys.argv[1].rpartition('/')[0]; sys.argv.pop(0); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def _run_example(name: str, work: Path, prefix: str) -> tuple[int, str, float]:
     env = _child_env(work)
     start = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / name)],
+        [sys.executable, "-c", _WITH_PREFIX, prefix, str(EXAMPLES / name)],
         cwd=work,
         env=env,
         stdout=subprocess.PIPE,
@@ -80,15 +89,16 @@ def test_every_example_is_tested() -> None:
 def test_example_runs_and_checks_its_result(name: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    shm_before = _shm_entries()
-    code, out, seconds = _run_example(name, work)
+    prefix = run_name(f"example-{name.removesuffix('.py')}")
+    code, out, seconds = _run_example(name, work, prefix)
     assert code == 0, f"examples/{name} exited {code}:\n{out}"
     assert CLAIMS[name] in out.splitlines(), (
         f"examples/{name} did not print {CLAIMS[name]!r}:\n{out}"
     )
     assert "MISMATCH" not in out
     assert not list(work.iterdir()), f"examples/{name} left files: {list(work.iterdir())}"
-    assert not _shm_entries() - shm_before, f"examples/{name} left files in /dev/shm"
+    left = run_entries("/dev/shm", within=prefix)
+    assert not left, f"examples/{name} left {left} in /dev/shm"
     print(f"examples/{name}: {seconds:.1f} s")
 
 
@@ -137,3 +147,20 @@ def test_load_secret_reads_the_files_tpusync_serve_reads(tmp_path: Path) -> None
     with pytest.raises(InvalidArgumentError, match=r"^--secret-file: cannot read .*absent"):
         read_secret(str(tmp_path / "absent"))
     assert "load_secret" in tpusync.kv.__all__
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but - and _ dropped, spaces
+    as dashes."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def test_readme_contents_link_every_section_in_order() -> None:
+    text = (ROOT / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # a `# comment` is no heading
+    sections = re.findall(r"^## (.+)$", prose, re.MULTILINE)
+    contents = next(p for p in prose.split("\n\n") if p.startswith("Contents: "))
+    links = re.findall(r"\[([^\]]+)\]\(#([^)]+)\)", contents)
+    assert links == [(s, _github_anchor(s)) for s in sections]
+    assert "come next" not in text.partition("## ")[0]  # the status line says what exists

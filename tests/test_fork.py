@@ -408,3 +408,39 @@ def test_only_children_forked_after_jax_started_are_refused() -> None:
         timeout=90,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+_FIRST_USE_IN_CHILD = r"""
+import os, sys
+import numpy as np
+import tpusync  # imports no JAX, nor tpusync's transfer machinery, until first used
+assert "jax" not in sys.modules and "tpusync.transfer.api" not in sys.modules, "not lazy"
+import jax
+array = jax.device_put(np.arange(16, dtype=np.uint8))
+pid = os.fork()
+if pid == 0:
+    code = 3
+    try:
+        tpusync.transfer(array, np.zeros(16, np.uint8)).result(60)
+    except tpusync.errors.JaxForkError:
+        code = 0
+    finally:
+        os._exit(code)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child was not refused"
+print("ok")
+"""
+
+
+def test_a_child_is_refused_where_its_first_tpusync_call_comes_after_the_fork() -> None:
+    """`import tpusync` imports the rest on first use (issue 54), but its fork guard from the
+    start: a child forked after JAX started is refused even where the parent never called
+    tpusync before the fork."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore::RuntimeWarning"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_USE_IN_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

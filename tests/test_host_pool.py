@@ -2,8 +2,8 @@
 /dev/shm that survive close and the death of their owner, one owner at a time, and never a wrong
 byte: torn writes, foreign or damaged files and flipped bits are misses or clean errors.
 
-Named pools get a fresh name per test (``tpusync-test-<uuid>``); their files are removed when
-the test ends, whatever happened.
+Named pools get a fresh name per test, with this run's tag (``<tag>-kv-<hex>``, tests/run_names.py);
+their files are removed when the test ends, whatever happened.
 """
 
 from __future__ import annotations

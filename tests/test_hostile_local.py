@@ -15,12 +15,12 @@ import shutil
 import stat
 import subprocess
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from run_names import RUN_TAG, run_name
 
 from tpusync.errors import UnsafeFileError
 from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, SharedFsTier
@@ -46,7 +46,7 @@ def as_attacker(script: str) -> None:
 @pytest.fixture
 def scratch() -> Iterator[Path]:
     """A directory the attacker can read (0755), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="tpusync-attack-"))
+    path = Path(tempfile.mkdtemp(prefix=f"{RUN_TAG}-attack-"))
     path.chmod(0o755)
     try:
         yield path
@@ -57,7 +57,7 @@ def scratch() -> Iterator[Path]:
 @pytest.fixture
 def name() -> Iterator[str]:
     """A unique pool name; whatever the test or the attacker left under it in /dev/shm goes."""
-    pool_name = f"hostile-{uuid.uuid4().hex[:12]}"
+    pool_name = run_name("hostile")
     yield pool_name
     for entry in SHM.glob(f"*{pool_name}*"):
         if entry.is_dir() and not entry.is_symlink():

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+from run_names import run_name
 
 import tpusync
 from tpusync.info import check_o_direct
@@ -40,8 +42,12 @@ def test_o_direct_check_says_why_not_on_tmpfs(tmp_path: Path) -> None:
     assert not any(p.name.startswith(".tpusync-odirect") for p in tmp_path.iterdir())
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, timeout: float = 120, tmpdir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run(
         [sys.executable, "-m", "tpusync", *args],
         capture_output=True,
@@ -68,13 +74,25 @@ def test_cli_demo_small_run_reports_equal_bits() -> None:
     assert result.stdout.count("equal") >= 4  # four table rows, every one equal
 
 
-def test_cli_demo_prefix_caching_end_to_end() -> None:
+def test_cli_demo_prefix_caching_end_to_end(tmp_path: Path) -> None:
     """The README's first command: every warm scenario (DRAM, disk, shared FS, store node,
     disaggregated decode, agent session, restart) serves output equal to the cold one, and the
-    demo leaves nothing in /dev/shm. Run with --json (one demo run for both): the table and the
-    progress go to stderr, one JSON object to stdout."""
-    before = set(os.listdir("/dev/shm"))
-    result = _run("demo", "--tokens", "512", "--new-tokens", "4", "--json", timeout=180)
+    demo leaves nothing behind: its pool goes to a directory of this test's in /dev/shm
+    (--shm-dir), its scratch to the test's TMPDIR, and both must be empty at the end (what other
+    processes do in /dev/shm meanwhile is none of this test's business). Run with --json (one
+    demo run for both): the table and the progress go to stderr, one JSON object to stdout."""
+    shm = Path("/dev/shm") / run_name("demo")
+    shm.mkdir()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    try:
+        result = _run(
+            "demo", "--tokens", "512", "--new-tokens", "4", "--json", "--shm-dir", str(shm),
+            timeout=180, tmpdir=scratch,
+        )  # fmt: skip
+        left = sorted(p.name for p in shm.iterdir())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all outputs equal" in result.stderr
     lines = result.stderr.splitlines()
@@ -85,7 +103,8 @@ def test_cli_demo_prefix_caching_end_to_end() -> None:
     table = report["rows"]
     assert table[0]["scenario"] == "cold prefill" and table[0]["matches"] is None
     assert len(table) == 8 and all(r["matches"] is True for r in table[1:])
-    assert set(os.listdir("/dev/shm")) <= before
+    assert left == [], f"the demo left {left} in its --shm-dir"
+    assert list(scratch.iterdir()) == [], "the demo left files in its TMPDIR"
 
 
 def test_cli_usage_errors() -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from run_names import run_name
 
 from tpusync.cluster import MemoryRegistry, RegistryServer
 from tpusync.testing.weights_procs import Child, digest, leaf_bytes, tree_spec
@@ -34,7 +34,7 @@ def expected(version: int) -> dict[str, str]:
 
 class Cluster:
     def __init__(self) -> None:
-        self.name = f"test-w-{uuid.uuid4().hex[:12]}"
+        self.name = run_name("w")
         self.registry = RegistryServer(MemoryRegistry(), secret=SECRET)
         self.children: list[Child] = []
         self.trainer = self.start("trainer", self.name, self.registry.address, str(LEAVES))

@@ -1,6 +1,7 @@
 """The `tpusync` command: info, demo, shm, serve, health, bench.
 
-    tpusync --version
+    tpusync --version | version
+    tpusync --help | help [COMMAND]
     tpusync info [--dir DIR] [--json]
     tpusync demo [...] | tpusync demo --transfer [...]
     tpusync shm [--dir DIR] {list [--json], remove [NAME] [--force]} (--dir before or after)
@@ -13,6 +14,9 @@ port outside 0..65535); 1 a runtime failure (the command ran and failed: a pool 
 there, an I/O or network error). Errors go to stderr as ``tpusync CMD: message``, naming the
 flag (``--dram``, never the library's ``dram_bytes``). Output piped into a reader that stops
 early (``tpusync info | head``) ends quietly with exit 0.
+
+Each command's module is imported when that command runs: ``--version`` and ``--help`` answer
+without importing JAX (tests/test_cli_conventions.py checks that they import none).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import sys
 from collections.abc import Callable
 
 from tpusync._version import __version__
-from tpusync.bench.command import main as bench_main
 from tpusync.cli_common import (
     RUNTIME_ERROR,
     USAGE_ERROR,
@@ -33,12 +36,7 @@ from tpusync.cli_common import (
     exit_quietly_on_broken_pipe,
     flag_message,
 )
-from tpusync.demo import main as demo_main
 from tpusync.errors import TpuSyncError
-from tpusync.health import main as health_main
-from tpusync.info import info
-from tpusync.serve import main as serve_main
-from tpusync.tiers.shm_admin import list_pools, remove_pool, remove_stale, size_text
 
 # shm_admin's argument names as `tpusync shm`'s flags
 _SHM_FLAGS = {"name": "NAME", "shm_dir": "--dir", "force": "--force"}
@@ -53,6 +51,8 @@ def _info(argv: list[str]) -> int:
     parser.add_argument("--dir", help="directory to check O_DIRECT in (default: temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    from tpusync.info import info  # a command's module, when it runs (JAX)
+
     report = info(args.dir)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report)
     return 0
@@ -87,7 +87,9 @@ def _shm_parser() -> argparse.ArgumentParser:
 def _shm(argv: list[str]) -> int:
     parser = _shm_parser()
     args = parser.parse_args(argv)
-    if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+    if not os.path.exists(args.dir):  # a typo would otherwise list no pools and exit 0
+        parser.error(f"--dir: {args.dir} does not exist")
+    if not os.path.isdir(args.dir):
         parser.error(f"--dir: {args.dir} is not a directory")
     try:
         return _shm_remove(args) if args.action == "remove" else _shm_list(args.dir, args.json)
@@ -106,6 +108,8 @@ def _shm_error(exc: Exception, shm_dir: str) -> str:
 
 
 def _shm_remove(args: argparse.Namespace) -> int:
+    from tpusync.tiers.shm_admin import remove_pool, remove_stale, size_text  # when it runs
+
     if args.name is None:
         removed = remove_stale(args.dir)
         if not removed.paths:
@@ -126,6 +130,8 @@ def _shm_remove(args: argparse.Namespace) -> int:
 
 
 def _shm_list(shm_dir: str, as_json: bool = False) -> int:
+    from tpusync.tiers.shm_admin import list_pools, size_text  # a command's module, when it runs
+
     pools = list_pools(shm_dir)
     if as_json:
         print(json.dumps([dataclasses.asdict(p) for p in pools], indent=2))
@@ -133,41 +139,78 @@ def _shm_list(shm_dir: str, as_json: bool = False) -> int:
     if not pools:
         print(f"no tpusync pools in {shm_dir}")
         return 0
-    print(f"{'name':<28}{'owner':<14}{'model':<16}{'fingerprint':<34}{'GiB':>8}{'used':>14}")
+    # one row of cells per pool; an entry that is not a pool has its name, owner and a note
+    header = ("name", "owner", "model", "fingerprint", "size", "used")
+    rows: list[tuple[str, ...]] = []
     for p in pools:
         owner = f"alive {p.owner_pid}" if p.owner_alive else "gone"
         if p.status in ("unsafe", "orphaned"):
             owner = "-"
         if p.status != "ok":
             size = f" ({size_text(p.size_bytes)})" if p.size_bytes else ""
-            print(f"{p.name:<28}{owner:<14}{p.status}{size}: {p.error}")
+            rows.append((p.name, owner, f"{p.status}{size}: {p.error}"))
             continue
-        used = f"{p.used}/{p.slots}"
         links = f"  ({p.links - 1} more hard link(s))" if p.links > 1 else ""
-        print(
-            f"{p.name:<28}{owner:<14}{p.model_id or '':<16}{p.fingerprint or '':<34}"
-            f"{p.size_bytes / 2**30:>8.2f}{used:>14}{links}"
-        )
+        used = f"{p.used}/{p.slots}"
+        cells = (p.name, owner, p.model_id or "-", p.fingerprint or "-", size_text(p.size_bytes))
+        rows.append((*cells, used + links))
+    # columns as wide as their content (a note or the last column runs on unpadded)
+    widths = [
+        max(len(r[i]) for r in [header, *rows] if i < len(r) - 1) for i in range(len(header) - 1)
+    ]
+    right = {4}  # sizes align on their units
+    for row in [header, *rows]:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row[:-1])
+        ]
+        print("  ".join([*cells, row[-1]]).rstrip())
     return 0
+
+
+def _demo(argv: list[str]) -> int:
+    from tpusync.demo import main  # a command's module, when it runs (JAX)
+
+    return main(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from tpusync.serve import main  # a command's module, when it runs (JAX)
+
+    return main(argv)
+
+
+def _health(argv: list[str]) -> int:
+    from tpusync.health import main  # a command's module, when it runs
+
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from tpusync.bench.command import main  # a command's module, when it runs (JAX)
+
+    return main(argv)
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "info": _info,
-    "demo": demo_main,
+    "demo": _demo,
     "shm": _shm,
-    "serve": serve_main,
-    "health": health_main,
-    "bench": bench_main,
+    "serve": _serve,
+    "health": _health,
+    "bench": _bench,
 }
 
-USAGE = """usage: tpusync [--version] {info,demo,shm,serve,health,bench} [options]
+USAGE = """usage: tpusync [--version] [--help] {info,demo,shm,serve,health,bench,help,version} [options]
 
-  info    which engine each device gets and why; host limits
-  demo    prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
-  shm     list or remove named host pools in /dev/shm
-  serve   run a store node: lend this host's DRAM to other nodes (and host a registry)
-  health  probe a tpusync server (a store node, registry, publisher): exit 0 when healthy
-  bench   benchmarks against their physical limits: transfer, tiers, prefix, network, all
+  info     which engine each device gets and why; host limits
+  demo     prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)
+  shm      list or remove named host pools in /dev/shm
+  serve    run a store node: lend this host's DRAM to other nodes (and host a registry)
+  health   probe a tpusync server (a store node, registry, publisher): exit 0 when healthy
+  bench    benchmarks against their physical limits (without a name: the list, with durations)
+  help     this text; `tpusync help COMMAND`: that command's options
+  version  the version (as --version)
 
 `tpusync COMMAND --help` shows a command's options. Exit codes: 0 done, 2 a usage error,
 1 a runtime failure."""
@@ -179,10 +222,12 @@ def _dispatch(argv: list[str]) -> int:
         print("tpusync: error: a command is required", file=sys.stderr)
         return USAGE_ERROR
     first = argv[0]
-    if first in ("-h", "--help"):
+    if first in ("-h", "--help", "help"):
+        if first == "help" and argv[1:]:  # `tpusync help shm`: `tpusync shm --help`
+            return _dispatch([argv[1], "--help"])
         print(USAGE)
         return 0
-    if first in ("-V", "--version"):
+    if first in ("-V", "--version", "version"):
         print(f"tpusync {__version__}")
         return 0
     command = COMMANDS.get(first)

@@ -9,6 +9,7 @@ and failed). Errors go to stderr, as ``tpusync CMD: message`` naming the flag.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -20,6 +21,7 @@ __all__ = [
     "DefaultsHelpFormatter",
     "exit_quietly_on_broken_pipe",
     "flag_message",
+    "have_matplotlib",
     "int_at_least",
     "port_number",
 ]
@@ -67,6 +69,15 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib (for the commands' --plot) can be imported; a module set to None in
+    sys.modules cannot."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # sys.modules["matplotlib"] is None: imports of it are blocked
+        return False
 
 
 def flag_message(message: str, flags: Mapping[str, str]) -> str:

@@ -12,7 +12,8 @@ throwaway request of the same shapes runs first; JAX's persistent compilation ca
 runs start faster). Every warm output is compared with the cold one: greedy tokens equal, logits
 equal bit for bit.
 
-    tpusync demo [--tokens 8192] [--new-tokens 8] [--plot ttft.png] [--json] [--transfer]
+    tpusync demo [--tokens 8192] [--new-tokens 8] [--plot ttft.png] [--shm-dir DIR] [--json]
+                 [--transfer]
 
 ``--json`` prints the results as one JSON object on stdout (the progress lines go to stderr).
 """
@@ -38,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync.cli_common import DefaultsHelpFormatter, int_at_least
+from tpusync.cli_common import DefaultsHelpFormatter, have_matplotlib, int_at_least
 from tpusync.cluster import (
     BlockServer,
     NodeInfo,
@@ -55,9 +56,10 @@ from tpusync.testing.engine import ToyEngine
 from tpusync.testing.model import init_kv_pools
 from tpusync.testing.processes import run_json_child, start_store_node, stop_process
 from tpusync.tiers import PoolLayout
-from tpusync.tiers.dram import pool_path
+from tpusync.tiers.dram import pool_path, sessions_path
 
 MODEL_ID = "tpusync-demo-model"
+PLOT_HINT = "pip install 'tpusync[demo]'"  # the extra that brings matplotlib
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tpusync" / "jax"
 
 
@@ -94,6 +96,7 @@ def _model_config(tokens: int, new_tokens: int) -> Any:
 def _store_config(
     blocks: int,
     shm_name: str | None,
+    shm_dir: str,
     disk: Path | None,
     shared: Path | None,
     block_size: int,
@@ -107,7 +110,7 @@ def _store_config(
     return KVStoreConfig(
         model_id=MODEL_ID,
         block_size=block_size,
-        dram=DramTier(capacity_blocks=2 * blocks + 16, name=shm_name),
+        dram=DramTier(capacity_blocks=2 * blocks + 16, name=shm_name, shm_dir=shm_dir),
         tiers=(*tiers, *extra_tiers),
     )
 
@@ -143,9 +146,11 @@ def run(
     plot: str | None,
     seed: int = 0,
     results: dict[str, Any] | None = None,
+    shm_dir: str = "/dev/shm",
 ) -> bool:
     """Runs the demo, prints its table, returns whether every output matched; fills
-    ``results`` (when given) with the table's rows and the memory limit, for ``--json``."""
+    ``results`` (when given) with the table's rows and the memory limit, for ``--json``. The
+    named DRAM pool lives in ``shm_dir`` and is removed at the end."""
     _setup_jax(cache_dir)
     config = _model_config(tokens, new_tokens)
     blocks = -(-tokens // config.block_size)
@@ -165,6 +170,7 @@ def run(
         store_config = _store_config(
             blocks,
             shm_name,
+            shm_dir,
             work / "disk",
             work / "shared",
             config.block_size,
@@ -177,7 +183,7 @@ def run(
             f"block {config.block_size} tokens = {engine.block_bytes() // 1024} KiB of KV; "
             f"prompt {tokens} tokens = {kv_mib:.0f} MiB of KV"
         )
-        print("tiers: DRAM in /dev/shm (named), local disk, shared FS under", work)
+        print(f"tiers: DRAM in {shm_dir} (named), local disk, shared FS under", work)
         print(f"       and the store node's DRAM at {node['address']} (written through over TCP)")
         print("compiling (a throwaway request of the same shapes; excluded from TTFT) ...")
         start = time.perf_counter()
@@ -212,6 +218,7 @@ def run(
                 new_tokens,
                 cache_dir,
                 None,
+                shm_dir,
                 prompt_seed=seed,
                 model=config,
                 blocks=blocks,
@@ -240,9 +247,16 @@ def run(
         engine.close()  # the named pool stays in /dev/shm for the next process
         registry.close()
 
-        print("restart: a new process attaches to the /dev/shm pool ...")
+        print(f"restart: a new process attaches to the pool in {shm_dir} ...")
         child = _run_child(
-            tokens, new_tokens, cache_dir, shm_name, prompt_seed=seed, model=config, blocks=blocks
+            tokens,
+            new_tokens,
+            cache_dir,
+            shm_name,
+            shm_dir,
+            prompt_seed=seed,
+            model=config,
+            blocks=blocks,
         )
         rows.append(_child_row("new process, /dev/shm", child, cold))
         limit, method = memory_limit(int(kv_mib * 2**20), 5)
@@ -263,9 +277,8 @@ def run(
         if node_process is not None:
             stop_process(node_process)
         shutil.rmtree(work, ignore_errors=True)
-        path = pool_path(shm_name)
-        path.unlink(missing_ok=True)
-        shutil.rmtree(path.with_name(path.name.removesuffix(".pool") + ".sessions"), True)
+        pool_path(shm_name, shm_dir).unlink(missing_ok=True)
+        shutil.rmtree(sessions_path(shm_name, shm_dir), ignore_errors=True)
     return ok
 
 
@@ -286,6 +299,7 @@ def _run_child(
     new_tokens: int,
     cache_dir: str | None,
     shm_name: str | None,
+    shm_dir: str,
     *,
     prompt_seed: int,
     model: Any,
@@ -298,6 +312,7 @@ def _run_child(
         "new_tokens": new_tokens,
         "cache_dir": cache_dir,
         "shm_name": shm_name,
+        "shm_dir": shm_dir,
         "seed": prompt_seed,
         "registry": registry,
         "secret": None if secret is None else secret.hex(),
@@ -319,7 +334,9 @@ def _child(spec: dict[str, Any]) -> None:
         registry = RemoteRegistry(spec["registry"], secret=secret)
         extra = (RegistryTier(registry, secret=secret, exclude="demo-decode"),)
         closers = [registry]  # the store closes the tier it opened
-    store_config = _store_config(blocks, spec["shm_name"], None, None, config.block_size, extra)
+    store_config = _store_config(
+        blocks, spec["shm_name"], spec["shm_dir"], None, None, config.block_size, extra
+    )
     engine = ToyEngine(config, store_config)
     engine.warmup(tokens, new_tokens, cold=False)
     request = engine.generate(_prompt(tokens, config.vocab_size, spec["seed"]), new_tokens)
@@ -379,27 +396,31 @@ def _print_stats(stats: dict[str, Any]) -> None:
         )
 
 
-def _plot(rows: list[Row], path: str, tokens: int) -> None:
-    try:
-        import matplotlib  # optional heavy dependency (tpusync[demo]): only for --plot
+def ttft_figure(rows: list[Row], tokens: int) -> Any:
+    """The TTFT bars of ``rows`` as a matplotlib figure (Agg): one horizontal bar per scenario,
+    its label on a line of its own (labels under vertical bars ran into each other), the cold
+    reference first. Raises ImportError without matplotlib (``main`` checks before the run).
+    A Figure of its own, outside pyplot's global state: nothing to close, no GUI backend."""
+    from matplotlib.figure import Figure  # optional heavy dependency (tpusync[demo]): --plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # optional heavy dependency
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'tpusync[demo]' (or matplotlib)")
-        return
-    figure, axis = plt.subplots(figsize=(8, 4))
-    names = [f"{r.scenario}\n({r.tier})" if r.tier != "-" else r.scenario for r in rows]
-    bars = axis.bar(
+    figure = Figure(figsize=(8, 1.2 + 0.4 * len(rows)))
+    axis = figure.subplots()
+    names = [f"{r.scenario} ({r.tier})" if r.tier != "-" else r.scenario for r in rows]
+    bars = axis.barh(
         names, [r.ttft_s * 1e3 for r in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1)
     )
-    axis.set_yscale("log")
-    axis.set_ylabel("time to first token (ms, log)")
+    axis.invert_yaxis()  # in the table's order, top to bottom
+    axis.set_xscale("log")
+    axis.set_xlabel("time to first token (ms, log)")
     axis.set_title(f"tpusync prefix cache: {tokens}-token prompt, CPU")
-    axis.bar_label(bars, fmt="%.0f")
-    plt.setp(axis.get_xticklabels(), fontsize=7)
+    axis.bar_label(bars, fmt="%.0f", padding=3)
+    axis.margins(x=0.15)  # room for the value after the longest bar
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    return figure
+
+
+def _plot(rows: list[Row], path: str, tokens: int) -> None:
+    ttft_figure(rows, tokens).savefig(path, dpi=120)
     print(f"plot written to {path}")
 
 
@@ -414,6 +435,11 @@ def _parser() -> argparse.ArgumentParser:
         "--new-tokens", type=int_at_least(1), default=8, help="tokens generated per request"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the TTFT bars (matplotlib)")
+    parser.add_argument(
+        "--shm-dir",
+        default="/dev/shm",
+        help="where the named DRAM pool lives (a tmpfs; removed at the end)",
+    )
     parser.add_argument(
         "--compile-cache",
         default=str(DEFAULT_CACHE),
@@ -442,12 +468,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         parser.error(f"--plot: {Path(args.plot).parent} is not a directory")
+    if args.plot and not have_matplotlib():  # before minutes of demo, not after
+        parser.error(f"--plot: needs matplotlib, which is not installed: `{PLOT_HINT}`")
+    if not Path(args.shm_dir).is_dir():
+        parser.error(f"--shm-dir: {args.shm_dir} is not a directory")
     start = time.perf_counter()
     results: dict[str, Any] = {}
     # with --json, stdout carries only the JSON: the progress and the table go to stderr
     progress = sys.stderr if args.json else sys.stdout
     with contextlib.redirect_stdout(progress):
-        ok = run(args.tokens, args.new_tokens, args.compile_cache or None, args.plot, 0, results)
+        ok = run(
+            args.tokens,
+            args.new_tokens,
+            args.compile_cache or None,
+            args.plot,
+            0,
+            results,
+            args.shm_dir,
+        )
         print(f"demo finished in {time.perf_counter() - start:.0f} s")
         print("all outputs equal" if ok else "MISMATCH: some outputs differ")
     if args.json:

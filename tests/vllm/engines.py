@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fronts import mapped_shm_files
 
 from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, decode_header
 
@@ -77,9 +78,12 @@ def engine(model: Path, kv: Any = None, **options: Any) -> Iterator[Any]:
         llm.llm_engine.engine_core.shutdown()  # in process: the connector's store closes
         del llm
         gc.collect()
-        # vLLM 0.32's CPU communicator (tensor parallelism) leaves its /dev/shm files behind
+        # vLLM 0.32's CPU communicator (tensor parallelism) leaves its /dev/shm files behind;
+        # one another live process maps is another engine's (a test session beside this one)
+        others = mapped_shm_files(other_than=os.getpid())
         for leftover in set(shm.glob("vllm_dist_*")) - before:
-            leftover.unlink(missing_ok=True)
+            if str(leftover) not in others:
+                leftover.unlink(missing_ok=True)
 
 
 def generate(

@@ -55,12 +55,13 @@ def serve_once_front(
                 pipe.close()
 
 
-def _mapped_shm_files() -> set[str]:
-    """The /dev/shm files some live process has mapped."""
+def mapped_shm_files(other_than: int | None = None) -> set[str]:
+    """The /dev/shm files some live process (other than pid ``other_than``) has mapped."""
     found = set()
     for proc in Path("/proc").iterdir():
         try:
-            maps = (proc / "maps").read_text() if proc.name.isdigit() else ""
+            mine = proc.name == str(other_than)
+            maps = (proc / "maps").read_text() if proc.name.isdigit() and not mine else ""
         except OSError:
             continue  # gone meanwhile, or not ours to read
         for line in maps.splitlines():
@@ -73,7 +74,7 @@ def _mapped_shm_files() -> set[str]:
 def remove_orphaned_vllm_shm(before: set[str]) -> None:
     """Removes vLLM's shared-memory queues and semaphores (``psm_*``, ``sem.mp-*``) made since
     ``before`` that no live process maps: what an engine killed by SIGKILL leaves behind."""
-    mapped = _mapped_shm_files()
+    mapped = mapped_shm_files()
     for path in Path("/dev/shm").iterdir():
         if (
             path.name.startswith(("psm_", "sem.mp-"))

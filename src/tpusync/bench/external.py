@@ -14,10 +14,17 @@ from typing import Any
 from tpusync.bench.common import benchmarks_path
 from tpusync.bench.network_procs import Child, start_child
 
-__all__ = ["PEERS", "ExternalPeer", "default_peers_dir", "peer_python", "peer_state", "start_peer"]
+__all__ = [
+    "PEERS",
+    "ExternalPeer",
+    "default_peers_dir",
+    "peer_python",
+    "peer_state",
+    "setup_hint",
+    "start_peer",
+]
 
 WORKERS_DIR = Path(__file__).resolve().parent / "peer_workers"
-SETUP_HINT = "bash benchmarks/peers/setup.sh"
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,22 @@ def default_peers_dir() -> Path:
     return benchmarks_path("peers")
 
 
+def setup_hint(peers_dir: str | Path | None = None) -> str:
+    """How to make the peers' environments in ``peers_dir``: the script of the source checkout
+    it is in, or that this tpusync runs from; an installed tpusync (pip) has no script, so
+    where to get it."""
+    folders = [benchmarks_path("peers")]
+    if peers_dir is not None:
+        folders.insert(0, Path(peers_dir))
+    for folder in folders:
+        if (folder / "setup.sh").is_file():
+            return f"make it with `bash {folder / 'setup.sh'}`"
+    return (
+        "pip installs no scripts: make it with benchmarks/peers/setup.sh of a clone of tpusync's "
+        "source repository, then pass --peers-dir CLONE/benchmarks/peers"
+    )
+
+
 def peer_python(key: str, peers_dir: str | Path | None = None) -> Path | None:
     """The interpreter of peer ``key``'s environment, or None where it is not set up."""
     base = Path(peers_dir) if peers_dir is not None else default_peers_dir()
@@ -53,7 +76,7 @@ def peer_state(key: str, peers_dir: str | Path | None = None) -> str:
     if peer_python(key, peers_dir) is not None:
         return "runs"
     base = Path(peers_dir) if peers_dir is not None else default_peers_dir()
-    return f"skipped: no environment at {base / PEERS[key].venv} (make it with `{SETUP_HINT}`)"
+    return f"skipped: no environment at {base / PEERS[key].venv} ({setup_hint(peers_dir)})"
 
 
 def peer_environment() -> dict[str, str]:

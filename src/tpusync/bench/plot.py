@@ -3,25 +3,17 @@ limit as a horizontal line, TTFT bars. matplotlib is optional (``pip install tpu
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tpusync.cli_common import have_matplotlib
 from tpusync.errors import PlotUnavailableError
 
 __all__ = ["PLOTS", "PlotUnavailableError", "have_matplotlib", "plot_results"]
 
 INSTALL_HINT = "pip install tpusync[bench]"
-
-
-def have_matplotlib() -> bool:
-    """Whether matplotlib can be imported (a module set to None in sys.modules cannot)."""
-    try:
-        return importlib.util.find_spec("matplotlib") is not None
-    except ValueError:  # sys.modules["matplotlib"] is None: imports of it are blocked
-        return False
 
 
 def _pyplot() -> Any:

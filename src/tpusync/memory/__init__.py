@@ -6,8 +6,29 @@ API or the tiers.
 
 from __future__ import annotations
 
-from tpusync.memory.device_pool import DevicePool
-from tpusync.memory.host_buffer import HostBuffer
-from tpusync.memory.torch_tensors import TorchPool, prefault_cpu_tensors
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpusync.memory.device_pool import DevicePool
+    from tpusync.memory.host_buffer import HostBuffer
+    from tpusync.memory.torch_tensors import TorchPool, prefault_cpu_tensors
 
 __all__ = ["DevicePool", "HostBuffer", "TorchPool", "prefault_cpu_tensors"]
+
+# Imported on first use: the fork guard below this package is imported by `import tpusync`,
+# which imports no JAX (issue 54).
+_LAZY = {
+    "DevicePool": "tpusync.memory.device_pool",
+    "HostBuffer": "tpusync.memory.host_buffer",
+    "TorchPool": "tpusync.memory.torch_tensors",
+    "prefault_cpu_tensors": "tpusync.memory.torch_tensors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later reads find it without this call
+        return value
+    raise AttributeError(f"module 'tpusync.memory' has no attribute {name!r}")

@@ -1,0 +1,130 @@
+# Sourced by scripts/test.sh: runs the test suites one after the other, each whatever the others
+# did, while the engine environments are made in the background, then prints one line per suite
+# and returns non-zero if any failed. The caller defines what each step does:
+#   make_env NAME            makes engine environment NAME (vllm, sglang); runs in a subshell
+#                            with errexit, its output in $logs/NAME-env.log
+#   suite_main ARGS...       the main suite (options and test paths)
+#   suite_vllm OPTIONS...    the suites of the engines (options only)
+#   suite_sglang OPTIONS...
+# and sets $logs, the folder this run's logs stay in. While the environments are made, $env_job
+# is the pid of the job making them (for the caller's EXIT trap). tests/test_scripts.py runs
+# this with fake steps.
+#
+# TPUSYNC_SUITES (default "main vllm sglang") names the suites to run; the others are reported
+# as skipped, and an environment no selected suite needs is not made.
+
+SUITES=(main vllm sglang)
+
+# whether word $1 is among the rest
+_suites_has() {
+    local word="$1" item
+    shift
+    for item in "$@"; do [[ "$item" == "$word" ]] && return 0; done
+    return 1
+}
+
+# pytest's exit code 5 (no test collected) is a skip where the options chose the tests
+# (-k, -m, --deselect); without a selection an empty suite is a failure, e.g. a conftest that
+# ignored the suite because its engine is missing.
+_suites_status() {
+    local code="$1" option
+    shift
+    if [[ "$code" == 0 ]]; then
+        echo passed
+        return
+    fi
+    if [[ "$code" == 5 ]]; then
+        for option in "$@"; do
+            if [[ "$option" == -k* || "$option" == -m* || "$option" == --deselect* ]]; then
+                echo skipped
+                return
+            fi
+        done
+    fi
+    echo failed
+}
+
+run_suites() {
+    set +e  # from here on a failure is recorded, not fatal: every suite runs
+    local selected=(${TPUSYNC_SUITES:-${SUITES[*]}})
+    local name arg
+    for name in "${selected[@]}"; do
+        if ! _suites_has "$name" "${SUITES[@]}"; then
+            echo "tpusync: TPUSYNC_SUITES: unknown suite '$name' (choose from ${SUITES[*]})" >&2
+            return 2
+        fi
+    done
+    # Options go to every suite; test paths (an existing file or folder, with or without a
+    # ::node id) only to the main one.
+    local options=()
+    for arg in "$@"; do
+        [[ -e "${arg%%::*}" ]] || options+=("$arg")
+    done
+    mkdir -p "$logs"
+    declare -A status=() seconds=() note=()
+    local engines=()
+    env_job=""
+    for name in vllm sglang; do
+        _suites_has "$name" "${selected[@]}" && engines+=("$name")
+    done
+    if ((${#engines[@]})); then
+        echo "tpusync: making the environments of ${engines[*]} in the background (logs: $logs)"
+        # one after the other, each in its own subshell (errexit holds there: an asynchronous
+        # command is not one whose status is tested); each writes its exit code beside its log
+        (
+            for name in "${engines[@]}"; do
+                (set -euo pipefail; make_env "$name") >"$logs/$name-env.log" 2>&1 &
+                wait $! && echo 0 >"$logs/$name-env.status" || echo $? >"$logs/$name-env.status"
+            done
+        ) &
+        env_job=$!
+    fi
+    local start code
+    if _suites_has main "${selected[@]}"; then
+        start=$(date +%s)
+        suite_main "$@"
+        code=$?
+        seconds[main]=$(($(date +%s) - start))
+        status[main]=$(_suites_status "$code" "$@")
+        [[ "$code" == 0 ]] || note[main]="exit $code"
+    fi
+    if [[ -n "$env_job" ]]; then
+        start=$(date +%s)
+        wait "$env_job"
+        env_job=""
+        echo "tpusync: waited $(($(date +%s) - start)) s for the engine environments"
+    fi
+    for name in vllm sglang; do
+        _suites_has "$name" "${selected[@]}" || continue
+        if [[ "$(cat "$logs/$name-env.status" 2>/dev/null)" != 0 ]]; then
+            tail -n 40 "$logs/$name-env.log" >&2
+            echo "tpusync: making the $name environment failed: $logs/$name-env.log" >&2
+            status[$name]=failed seconds[$name]=0
+            note[$name]="its environment was not made: $logs/$name-env.log"
+            continue
+        fi
+        start=$(date +%s)
+        "suite_$name" "${options[@]}"
+        code=$?
+        seconds[$name]=$(($(date +%s) - start))
+        status[$name]=$(_suites_status "$code" "${options[@]}")
+        [[ "$code" == 0 ]] || note[$name]="exit $code"
+    done
+    local failed=0
+    echo
+    echo "tpusync: suites (logs: $logs)"
+    for name in "${SUITES[@]}"; do
+        if ! _suites_has "$name" "${selected[@]}"; then
+            status[$name]=skipped seconds[$name]=0 note[$name]="not in TPUSYNC_SUITES"
+        fi
+        [[ "${status[$name]}" == failed ]] && failed=$((failed + 1))
+        printf '  %-7s %-8s %6d s%s\n' "$name" "${status[$name]}" "${seconds[$name]}" \
+            "${note[$name]:+  (${note[$name]})}"
+    done
+    if ((failed)); then
+        echo "tpusync: $failed of ${#SUITES[@]} suites failed"
+        return 1
+    fi
+    echo "tpusync: no suite failed"
+    return 0
+}
