@@ -43,6 +43,7 @@ LAZY_COMMANDS = {
     "tpusync.cli": (
         "tpusync.bench.command",
         "tpusync.demo",
+        "tpusync.health",
         "tpusync.info",
         "tpusync.serve",
         "tpusync.tiers.shm_admin",

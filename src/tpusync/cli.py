@@ -201,7 +201,8 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "bench": _bench,
 }
 
-USAGE = """usage: tpusync [--version] [--help] {info,demo,shm,serve,health,bench,help,version} [options]
+USAGE = """usage: tpusync [--version] [--help]
+               {info,demo,shm,serve,health,bench,help,version} [options]
 
   info     which engine each device gets and why; host limits
   demo     prefix caching end to end: TTFT cold vs warm from each tier (--transfer: GB/s demo)

@@ -23,6 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tpusync.kv import DiskTier, SharedFsTier
+
 __all__ = [
     "CacheHitSource",
     "StatsCounter",
@@ -40,8 +42,6 @@ def tier_sources(config: Any) -> dict[str, CacheHitSource]:
     """vLLM's name for where each tier of a store (``KVStoreConfig``) gets its blocks, by the
     tier's name: DRAM is ``host``, a disk or a shared filesystem ``disk``, a store node or the
     cluster's peers ``p2p``."""
-    from tpusync.kv import DiskTier, SharedFsTier
-
     sources = {"dram": CacheHitSource.HOST}
     for spec in config.tiers:
         disk = isinstance(spec, DiskTier | SharedFsTier)
