@@ -38,6 +38,7 @@ from tpusync.memory import dma, fork_guard, huge_pages
 from tpusync.memory.deferred_refs import close_releasing_deferred_views
 from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_readers
 from tpusync.memory.torch_tensors import TorchPool
+from tpusync.tiers._files import check_shm_dir
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import RECORD_DTYPE, PoolGeometry
 from tpusync.tiers._pool_open import ON_MISMATCH, open_named_pool, write_header
@@ -53,6 +54,7 @@ from tpusync.tiers.dram._prefault import prefault
 from tpusync.tiers.dram._records import SlotRecords
 from tpusync.tiers.dram.slots import Pinned, Reservation
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.room import check_room
 from tpusync.tiers.slot_pages import SlotPages
 from tpusync.tiers.stats import TierStats
 from tpusync.transfer import Transfer, transfer_batch
@@ -60,9 +62,15 @@ from tpusync.transfer.api import pools_locked as _pools_locked
 from tpusync.transfer.plan import plan_move
 from tpusync.transfer.select import choose_engine
 
-__all__ = ["HostPool", "Pinned", "Reservation"]
+__all__ = ["HostPool", "Pinned", "Reservation", "pool_bytes"]
 
 log = logging.getLogger("tpusync.tiers")
+
+
+def pool_bytes(layout: PoolLayout, capacity: int) -> int:
+    """The bytes a :class:`HostPool` of ``capacity`` slots of ``layout`` maps: its header,
+    records and slots (a named pool's file size)."""
+    return PoolGeometry(layout, capacity).file_bytes
 
 
 class HostPool(SlotRecords):
@@ -73,7 +81,9 @@ class HostPool(SlotRecords):
       capacity: number of slots (blocks).
       name: None for anonymous memory (gone with the process); a name to live in
         ``shm_dir`` and survive restarts.
-      shm_dir: where named pools live (default /dev/shm).
+      shm_dir: where named pools live (default /dev/shm): a directory (not a symlink) of this
+        uid or root that others may write only if it is sticky, as /dev/shm is; anything else
+        is refused before a file is made (:func:`tpusync.tiers.files.check_shm_dir`).
       on_mismatch: what to do with an existing named pool of another model, block layout or
         size, or one that is damaged or of another format, whose owner is gone: ``"error"``
         (refuse with :class:`~tpusync.errors.PoolFormatError`, naming what differs, and leave
@@ -116,10 +126,21 @@ class HostPool(SlotRecords):
             raise InvalidArgumentError(
                 f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 101)"
             )
+        geometry = PoolGeometry(layout, capacity)
+        # refused before anything is mapped or made: another user's directory, or more than
+        # this host has (a named pool's room in shm_dir is checked where its file is made)
+        if name is not None:
+            check_shm_dir(shm_dir, "shm_dir")
+        else:
+            check_room(
+                "capacity",
+                geometry.file_bytes,
+                fix=f"lower the capacity ({capacity} slots of {layout.slot_bytes} B)",
+            )
         self.layout = layout
         self.capacity = capacity
         self.name = name
-        self.geometry = PoolGeometry(layout, capacity)
+        self.geometry = geometry
         self.stats = TierStats(f"dram:{name or 'anonymous'}")
         self._lock = threading.Lock()
         self._fd = -1
