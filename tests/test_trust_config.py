@@ -770,3 +770,78 @@ def test_a_symlinked_tier_directory_is_refused(
         model_pools(arrays, rng),
     ):
         pass  # the directory itself is taken
+
+
+# --- `tpusync serve` and `tpusync shm` --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case", ["--disk-size without --disk", "a 0777 --disk", "a symlinked --disk"]
+)
+def test_serve_refuses_disk_flags_it_cannot_honour_at_start(tmp_path: Path, case: str) -> None:
+    """`tpusync serve` took --disk-size without --disk (ignored) and a --disk directory any
+    user may write (its disk pools' parent: checked only when a client first came, if at
+    all). Both are refused at start, exit 2, naming the flag and the fix."""
+    disk = tmp_path / "disk"
+    if case == "--disk-size without --disk":
+        args = ["--dram", "64MiB", "--disk-size", "1GiB"]
+        expected = "--disk-size: 1GiB given without --disk; add --disk DIR"
+    elif case == "a 0777 --disk":
+        disk.mkdir()
+        disk.chmod(0o777)
+        args = ["--dram", "64MiB", "--disk", str(disk), "--disk-size", "2MiB"]
+        expected = f"--disk: {disk}: mode 0777 lets other users write it; run chmod go-w"
+    else:
+        (tmp_path / "real").mkdir(mode=0o700)
+        disk.symlink_to(tmp_path / "real")
+        args = ["--dram", "64MiB", "--disk", str(disk), "--disk-size", "2MiB"]
+        expected = f"--disk: {disk}: expected a directory, found a symlink to {tmp_path / 'real'}"
+    before = entries(tmp_path)
+    code, out, err = serve(tmp_path, *args)
+    assert code == 2 and out == "", (code, out, err[-2000:])
+    assert expected in err, err[-2000:]
+    assert "Traceback" not in err
+    assert {k: v for k, v in entries(tmp_path).items() if k != "secret"} == before
+    if disk.is_dir() and not disk.is_symlink():
+        assert list(disk.iterdir()) == []
+
+
+@pytest.mark.timeout(90)
+def test_shm_remove_takes_the_name_serve_was_given(tmp_path: Path, run_names: Any) -> None:
+    """`tpusync serve --name N` keeps its DRAM in pools named N-<layout>; `tpusync shm remove
+    N` found no pool N. It takes N (as NAME or --name, and --shm-dir as serve spells it) and
+    removes that node's pools; a pool named N exactly is still removed by its own name."""
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    name = run_names()
+    layouts = [
+        PoolLayout("trust", (ArrayLayout("k", "uint8", (size,), 0, 1),)) for size in (4096, 8192)
+    ]
+    with StoreNode(8 * MiB, secret=SECRET, name=name, shm_dir=str(shm), max_layouts=2) as node:
+        for layout in layouts:
+            with StoreNodePool(node.address, layout=layout, secret=SECRET, timeout_s=5.0):
+                pass
+    made = sorted(p.name for p in shm.iterdir())
+    assert len(made) == 2 and all(p.startswith(f"tpusync-{name}-") for p in made), made
+
+    def shm_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tpusync", "shm", *args],
+            capture_output=True, text=True, timeout=60,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )  # fmt: skip
+
+    refused = shm_cli("remove", "other-name", "--name", name, "--shm-dir", str(shm))
+    assert refused.returncode == 2 and "NAME, --name: two names" in refused.stderr
+    removed = shm_cli("remove", "--name", name, "--shm-dir", str(shm))
+    assert removed.returncode == 0, removed.stderr
+    lines = removed.stdout.splitlines()
+    gone = [Path(line.removeprefix("removed ")).name for line in lines if "removed " in line]
+    assert sorted(gone) == made
+    assert list(shm.iterdir()) == []
+    from tpusync.tiers import HostPool
+
+    with HostPool(layouts[0], 4, name=name, shm_dir=str(shm)):
+        pass
+    assert shm_cli("--shm-dir", str(shm), "remove", name).returncode == 0  # NAME: the pool itself
+    assert list(shm.iterdir()) == []
