@@ -27,6 +27,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mounts import tmpfs
 
 from tpusync import DevicePool
@@ -845,3 +847,78 @@ def test_shm_remove_takes_the_name_serve_was_given(tmp_path: Path, run_names: An
         pass
     assert shm_cli("--shm-dir", str(shm), "remove", name).returncode == 0  # NAME: the pool itself
     assert list(shm.iterdir()) == []
+
+
+# --- fuzzing the plain-data config: only tpusync errors, never a block ------------------------
+
+_ODD_FILES = ("fifo", "directory", "symlink", "group-readable", "4 raw bytes", "4 bytes of hex")
+
+
+@pytest.fixture(scope="module")
+def odd_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One of each odd secret file (and a good one, and a missing path), made once."""
+    where = tmp_path_factory.mktemp("odd")
+    paths = {}
+    for kind in _ODD_FILES:
+        path = where / kind.replace(" ", "-")
+        plant_secret(kind, path)
+        paths[kind] = str(path)
+    good = where / "good"
+    good.write_text(secrets.token_hex(32))
+    good.chmod(0o600)
+    paths["good"] = str(good)
+    paths["missing"] = str(where / "missing")
+    return paths
+
+
+def _values(paths: list[str]) -> st.SearchStrategy[Any]:
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**64), 2**64),
+        st.sampled_from([0, 1, 16, 2**31, 2**60, -1]),
+        st.floats(allow_nan=True),
+        st.text(max_size=12),
+        st.sampled_from(paths),
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+        max_leaves=6,
+    )
+
+
+_TOP_KEYS = [
+    "model_id", "block_size", "secret_file", "salt", "weight_version", "shard_rank",
+    "shard_count", "block_axis", "token_axis", "writeback_max_bytes", "writeback_policy", "path",
+]  # fmt: skip
+_SECTIONS = {
+    "dram": ["capacity_blocks", "name", "shm_dir", "populate", "on_mismatch"],
+    "disk": ["directory", "capacity_blocks", "durability", "direct_io", "create", "name"],
+    "store_node": ["address", "secret_file", "timeout_s", "name", "tls_ca"],
+}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_plain_configs_raise_only_tpusync_errors_and_never_block(
+    odd_files: dict[str, str], data: st.DataObject
+) -> None:
+    """Random plain-data configs, their values drawn from every JSON kind, odd numbers, and the
+    paths of odd secret files (a FIFO among them): from_dict returns a config or raises a
+    tpusync error, at once; a secret it takes is one the secret rules allow."""
+    values = _values(sorted(odd_files.values()))
+    config: dict[str, Any] = dict(BASE)
+    for key in data.draw(st.lists(st.sampled_from(_TOP_KEYS), max_size=4, unique=True)):
+        config[key] = data.draw(values)
+    for section, keys in _SECTIONS.items():
+        if section == "dram" or data.draw(st.booleans()):
+            fields = {k: data.draw(values) for k in data.draw(st.lists(st.sampled_from(keys)))}
+            base = {"capacity_blocks": 8} if section == "dram" else {}
+            config[section] = {**base, **fields}
+    fifos = (Path(odd_files["fifo"]),)
+    try:
+        made = bounded(lambda: KVStoreConfig.from_dict(config), fifos=fifos)
+    except TpuSyncError:
+        return
+    assert 16 <= len(made.secret) <= 64
