@@ -4,9 +4,10 @@ records index that survives the process), the handles of its slot interface
 (:class:`PoolLocks`), where named pools live (:func:`pool_path`; their sessions:
 :func:`sessions_path`) and how large a pool is (:func:`pool_bytes`)."""
 
+from tpusync.tiers._pool_open import pool_bytes
 from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, pool_path, sessions_path
 from tpusync.tiers.dram._device_moves import PoolLocks
-from tpusync.tiers.dram.pool import HostPool, pool_bytes
+from tpusync.tiers.dram.pool import HostPool
 from tpusync.tiers.dram.slots import Pinned, Reservation
 
 __all__ = [

@@ -38,10 +38,14 @@ from tpusync.memory import dma, fork_guard, huge_pages
 from tpusync.memory.deferred_refs import close_releasing_deferred_views
 from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_readers
 from tpusync.memory.torch_tensors import TorchPool
-from tpusync.tiers._files import check_shm_dir
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import RECORD_DTYPE, PoolGeometry
-from tpusync.tiers._pool_open import ON_MISMATCH, open_named_pool, write_header
+from tpusync.tiers._pool_open import (
+    ON_MISMATCH,
+    check_before_opening,
+    open_named_pool,
+    write_header,
+)
 from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.dram._device_moves import (
@@ -54,7 +58,6 @@ from tpusync.tiers.dram._prefault import prefault
 from tpusync.tiers.dram._records import SlotRecords
 from tpusync.tiers.dram.slots import Pinned, Reservation
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.room import check_room
 from tpusync.tiers.slot_pages import SlotPages
 from tpusync.tiers.stats import TierStats
 from tpusync.transfer import Transfer, transfer_batch
@@ -62,15 +65,9 @@ from tpusync.transfer.api import pools_locked as _pools_locked
 from tpusync.transfer.plan import plan_move
 from tpusync.transfer.select import choose_engine
 
-__all__ = ["HostPool", "Pinned", "Reservation", "pool_bytes"]
+__all__ = ["HostPool", "Pinned", "Reservation"]
 
 log = logging.getLogger("tpusync.tiers")
-
-
-def pool_bytes(layout: PoolLayout, capacity: int) -> int:
-    """The bytes a :class:`HostPool` of ``capacity`` slots of ``layout`` maps: its header,
-    records and slots (a named pool's file size)."""
-    return PoolGeometry(layout, capacity).file_bytes
 
 
 class HostPool(SlotRecords):
@@ -127,16 +124,7 @@ class HostPool(SlotRecords):
                 f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 101)"
             )
         geometry = PoolGeometry(layout, capacity)
-        # refused before anything is mapped or made: another user's directory, or more than
-        # this host has (a named pool's room in shm_dir is checked where its file is made)
-        if name is not None:
-            check_shm_dir(shm_dir, "shm_dir")
-        else:
-            check_room(
-                "capacity",
-                geometry.file_bytes,
-                fix=f"lower the capacity ({capacity} slots of {layout.slot_bytes} B)",
-            )
+        check_before_opening(geometry, name, shm_dir)  # before anything is mapped or made
         self.layout = layout
         self.capacity = capacity
         self.name = name
