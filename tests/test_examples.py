@@ -140,6 +140,8 @@ def test_load_secret_reads_the_files_tpusync_serve_reads(tmp_path: Path) -> None
     (tmp_path / "hex").write_text(secret.hex() + "\n")  # what the README says to generate
     (tmp_path / "raw").write_bytes(secret)
     (tmp_path / "short").write_text(secrets.token_hex(8))
+    for name in ("hex", "raw", "short"):
+        (tmp_path / name).chmod(0o600)  # as the README says
     for name in ("hex", "raw"):
         assert load_secret(tmp_path / name) == read_secret(str(tmp_path / name)) == secret
     with pytest.raises(InvalidArgumentError, match=r"^path: .*short holds a secret of 8 bytes"):

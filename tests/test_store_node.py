@@ -505,6 +505,8 @@ def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
 
     (tmp_path / "hex").write_text("ab" * 32 + "\n")
     (tmp_path / "raw").write_bytes(b"\x00\xffraw secret bytes!")
+    for name in ("hex", "raw"):
+        (tmp_path / name).chmod(0o600)
     assert read_secret(str(tmp_path / "hex")) == b"\xab" * 32
     assert read_secret(str(tmp_path / "raw")) == b"\x00\xffraw secret bytes!"
     with pytest.raises(InvalidArgumentError, match="--secret-file"):
@@ -528,6 +530,7 @@ def test_serve_refuses_bad_arguments_clearly(
 
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     root_handlers = list(logging.getLogger().handlers)
     assert main([*args, "--secret-file", str(secret)]) == 2  # argparse's code for bad usage

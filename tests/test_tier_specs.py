@@ -167,6 +167,7 @@ def test_cluster_specs_check_their_fields():
         (lambda: StoreNodeTier("a:1", tls="yes"), r"^node\.tls"),
         (lambda: StoreNodeTier("a:1", name="a b"), r"^store_node\.name"),
         (lambda: PeerTier("a:1", secret=b""), r"^remote\.secret"),
+        (lambda: PeerTier("a:1", secret=b"k" * 8), r"^remote\.secret .* 8 bytes; at least 16"),
         (lambda: RegistryTier(object()), r"^cluster\.registry"),
         (lambda: RegistryTier(), r"^cluster\.registry: give one of"),
         (lambda: RegistryTier(MemoryRegistry(), address="a:1"), r"^cluster\.registry: give one"),
@@ -240,6 +241,8 @@ def test_config_round_trips_through_plain_data(tmp_path):
     secret_file.write_text(SECRET.hex() + "\n")
     node_secret = tmp_path / "node-secret"
     node_secret.write_text(secrets.token_hex(32))
+    for path in (secret_file, node_secret):
+        path.chmod(0o600)  # a secret file only its user may read
     data = {
         "model_id": "m",
         "block_size": 16,
@@ -278,6 +281,8 @@ def test_plain_data_errors_name_the_key_and_section(tmp_path):
     bad_hex.write_text("not hex")
     raw = tmp_path / "raw"
     raw.write_bytes(bytes(range(256)))  # not text at all: refused, never a UnicodeDecodeError
+    for path in (bad_hex, raw):
+        path.chmod(0o600)
     for data, match in [
         ({**base, "colour": "red"}, r"^colour: unknown key of the store's config"),
         ({**base, "dram": {"capacity_blocks": 8, "size": 1}}, r"^dram\.size: unknown key"),
@@ -286,8 +291,9 @@ def test_plain_data_errors_name_the_key_and_section(tmp_path):
         ({**base, "disk": {"directory": "/d"}}, r"^disk: "),
         ({**base, "secret": "00"}, r"^secret: unknown key"),
         ({**base, "secret_file": str(tmp_path / "absent")}, r"^secret_file: cannot read"),
-        ({**base, "secret_file": str(bad_hex)}, r"^secret_file: .* does not hold a hex secret"),
-        ({**base, "secret_file": str(raw)}, r"^secret_file: .* does not hold a hex secret"),
+        # not hex: raw bytes, as --secret-file reads them (7 too few, 256 too many for BLAKE2b)
+        ({**base, "secret_file": str(bad_hex)}, r"^secret_file: .* 7 bytes, read as raw bytes"),
+        ({**base, "secret_file": str(raw)}, r"^secret_file \(.*raw\): a secret of 256 bytes"),
         ({**base, "salt": "zz"}, r"^salt: expected a hex string"),
         ({"model_id": "m", "block_size": 16}, r"^dram: missing"),
         ({**base, "disk": {"directory": "/d", "capacity_blocks": 0}}, r"^disk\.capacity_blocks"),
@@ -300,6 +306,7 @@ def test_plain_data_errors_name_the_key_and_section(tmp_path):
 def test_to_dict_refuses_what_has_no_plain_form(tmp_path):
     secret_file = tmp_path / "secret"
     secret_file.write_text(secrets.token_hex(32))
+    secret_file.chmod(0o600)
     config = KVStoreConfig("m", 16, DramTier(8), secret=SECRET)
     with pytest.raises(InvalidArgumentError, match=r"^secret: a secret is not written"):
         config.to_dict()

@@ -423,18 +423,26 @@ def test_unsafe_tier_directories_are_refused(tmp_path, problem):
     assert os.listdir(tmp_path / "disk") == [] and os.listdir(tmp_path / "shared") == []
 
 
-def test_tier_directories_reached_through_a_symlink_are_checked_where_they_are(tmp_path):
+def test_tier_directories_reached_through_a_symlink_are_refused(tmp_path):
+    """A symlink's holder could repoint it between the check and the opens of the pool's files
+    (they go by path): the link is refused, naming its target to give instead; the target
+    itself is taken (readable by others is fine, writable is not)."""
     real = tmp_path / "real"
-    real.mkdir(mode=0o755)  # readable by others is fine, writable is not
+    real.mkdir(mode=0o755)
     link = tmp_path / "link"
     link.symlink_to(real)
-    with DiskPool(layout("trust"), 4, link):
+    with pytest.raises(UnsafeFileError, match=f"found a symlink to {real}"):
+        DiskPool(layout("trust"), 4, link)
+    with pytest.raises(UnsafeFileError, match=f"found a symlink to {real}"):
+        SharedFsPool(layout("trust"), link)
+    assert os.listdir(real) == []
+    with DiskPool(layout("trust"), 4, real):
         pass
-    with SharedFsPool(layout("trust"), link):
+    with SharedFsPool(layout("trust"), real):
         pass
     os.chmod(real, 0o777)
     with pytest.raises(UnsafeFileError, match=str(real)):
-        DiskPool(layout("trust"), 4, link)
+        DiskPool(layout("trust"), 4, real)
 
 
 def test_shared_fs_layout_and_fanout_directories_are_checked(shared_tier):

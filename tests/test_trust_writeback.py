@@ -5,8 +5,9 @@ small tmpfs mounted for the test (a real full filesystem: its slab files do not 
 filesystem directory (or one on a tiny tmpfs), and DevicePools of random bits on the fake CPU
 devices. Blocks are read back bit for bit.
 
-* a disk tier whose slab does not fit on its filesystem: every save still succeeds, the shared
-  filesystem gets every block, DRAM keeps evicting, and one log line names the tier and its path;
+* a disk tier whose slab no longer fits on its filesystem (filled after the store started; one
+  that cannot fit is refused at start): every save still succeeds, the shared filesystem gets
+  every block, DRAM keeps evicting, and one log line names the tier and its path;
 * a DRAM tier smaller than a save streams the save into the disk tier, and loads it back;
 * a full disk tier (its capacity, or its filesystem) evicts its least recently used unpinned
   blocks instead of failing;
@@ -99,6 +100,17 @@ def config(
     )
 
 
+def take_the_room(mount: Path) -> None:
+    """Leaves 512 KiB free on ``mount``, as another process filling the disk after the store
+    started would (a store refuses at start a disk tier its filesystem cannot hold)."""
+    free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+    fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free - (512 << 10))
+    finally:
+        os.close(fd)
+
+
 def prompt(rng: np.random.Generator, blocks: int) -> list[int]:
     return rng.integers(0, VOCAB, size=blocks * BS).tolist()
 
@@ -159,15 +171,18 @@ def load_back(
 def test_a_disk_tier_that_cannot_grow_does_not_stop_the_shared_fs_tier(
     arrays, rng, stores, tmp_path, caplog
 ):
-    """The disk tier's one 16 MiB slab does not fit on its 2 MiB tmpfs. Before: 114 of 120
+    """The disk tier's one 16 MiB slab no longer fits on its tmpfs (filled after the store
+    started). Before: 114 of 120
     saves failed with TierFullError (DRAM could not demote) and the shared filesystem got
     nothing. Now every save succeeds, the shared filesystem gets every block, and the disk
     tier's failure is logged once, with its path."""
     caplog.set_level(logging.WARNING, logger="tpusync.kv")
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
-    with tmpfs(tmp_path / "disk", "size=2m") as disk_dir:
+    with tmpfs(tmp_path / "mnt", "size=20m") as mnt:
+        disk_dir = mnt / "disk"
         store = stores(config(8, disk=(disk_dir, capacity), shared=tmp_path / "shared"), kv.pools)
+        take_the_room(mnt)
         saved = save_prompts(store, kv, rng, 120, 1)
         assert store.flush(TIMEOUT)
 
@@ -187,18 +202,20 @@ def test_a_disk_tier_that_cannot_grow_does_not_stop_the_shared_fs_tier(
 
 
 def test_dram_still_evicts_when_no_lower_tier_has_room(arrays, rng, stores, tmp_path, caplog):
-    """Neither lower tier has room (the disk's slab does not fit; the shared filesystem is a
-    64 KiB tmpfs). Saves still succeed: DRAM drops victims no tier could take (a loss of
-    cache, counted), keeps the newest blocks, and each tier's failure is logged with its
-    path."""
+    """Neither lower tier has room (the disk's slab no longer fits: its filesystem was filled
+    after the store started; the shared filesystem is a 64 KiB tmpfs). Saves still succeed:
+    DRAM drops victims no tier could take (a loss of cache, counted), keeps the newest blocks,
+    and each tier's failure is logged with its path."""
     caplog.set_level(logging.WARNING, logger="tpusync.kv")
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
     with (
-        tmpfs(tmp_path / "disk", "size=2m") as disk_dir,
+        tmpfs(tmp_path / "mnt", "size=20m") as mnt,
         tmpfs(tmp_path / "shared", "size=64k") as shared_dir,
     ):
+        disk_dir = mnt / "disk"
         store = stores(config(8, disk=(disk_dir, capacity), shared=shared_dir), kv.pools)
+        take_the_room(mnt)
         saved = save_prompts(store, kv, rng, 40, 1)
         assert store.flush(TIMEOUT)
         stats = counters(store)
@@ -216,8 +233,9 @@ def test_session_blocks_stay_in_dram_when_no_lower_tier_takes_them(arrays, rng, 
     that would need them fails fast; the session restores whole."""
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
-    with tmpfs(tmp_path / "disk", "size=2m") as disk_dir:
-        store = stores(config(8, disk=(disk_dir, capacity)), kv.pools)
+    with tmpfs(tmp_path / "mnt", "size=20m") as mnt:
+        store = stores(config(8, disk=(mnt / "disk", capacity)), kv.pools)
+        take_the_room(mnt)
         session = prompt(rng, 4)
         expected = kv.blocks([0, 1, 2, 3])
         store.offload_session("s", session, [0, 1, 2, 3])
@@ -295,8 +313,9 @@ def test_a_streamed_save_stops_where_no_lower_tier_takes_a_chunk(arrays, rng, st
     that would follow an uncached one would only lose cache."""
     kv = Kv(arrays, rng)
     capacity = (16 << 20) // kv.layout().slot_bytes
-    with tmpfs(tmp_path / "disk", "size=2m") as disk_dir:
-        store = stores(config(4, disk=(disk_dir, capacity)), kv.pools)
+    with tmpfs(tmp_path / "mnt", "size=20m") as mnt:
+        store = stores(config(4, disk=(mnt / "disk", capacity)), kv.pools)
+        take_the_room(mnt)
         tokens = prompt(rng, 10)
         expected = kv.blocks(range(4))
         result = store.save(tokens, list(range(10)))

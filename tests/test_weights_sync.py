@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import secrets
 import socket
 import threading
@@ -32,6 +33,7 @@ from tpusync.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
     ShapeMismatchError,
+    TierFullError,
     VersionUnavailableError,
     WeightSyncError,
 )
@@ -469,3 +471,104 @@ def test_over_tls_a_version_lands_and_a_plain_client_is_refused(shm_names, tmp_p
             with pytest.raises(WeightSyncError, match="cannot be reached"):
                 plain.pull(1)
             assert plain.version is None
+
+
+# --- issue 53: a failed publish leaves the publisher as it was --------------------------------
+
+
+def _pull_exact(pub: Publisher, version: int, params: dict[str, Any], leaves: int) -> None:
+    """A subscriber of another mesh pulls ``version`` and gets ``params`` bit for bit."""
+    with Subscriber(pub.name, _target((2, 4), leaves), secret=SECRET, address=pub.address) as sub:
+        _same_bits(sub.update(version), params)
+
+
+def _pool_state(pub: Publisher) -> tuple[int, list[bytes], list[int]]:
+    assert pub.pool is not None
+    return pub.pool.free, sorted(pub.pool.keys()), pub.versions
+
+
+def test_a_publish_that_does_not_fit_is_refused_before_a_byte_moves(shm_names):
+    """The failure of issue 53: the version's chunks fit, its manifest did not. The chunks were
+    committed, then stayed (unannounced, never dropped), and every later publish failed, "cannot
+    hold 1 more chunks" where 6 were needed. Now the chunks and the manifest are reserved
+    together: the publish is refused before anything is staged, saying what it needs and what
+    is free, and the publisher goes on with versions of every size that fits."""
+    small, large = (lambda v: _params(v, leaves=2)), (lambda v: _params(v, leaves=24))
+    n_small, n_large = 1, 5  # chunks of CHUNK bytes (plus one manifest chunk each)
+    capacity = (n_small + 1) + n_large  # a kept small version and the large one's chunks only
+    with Publisher(
+        shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=1, capacity_bytes=capacity * CHUNK
+    ) as pub:
+        versions = {1: small(1)}
+        assert pub.publish(versions[1], 1).chunks == n_small
+        before = _pool_state(pub)
+        with pytest.raises(TierFullError) as info:
+            pub.publish(large(2), 2)
+        message = str(info.value)
+        assert message.startswith(
+            f"version 2 needs {n_large + 1} chunks of {CHUNK} bytes ({n_large} for its "
+        )
+        assert f"1 for its manifest), the pool has {n_large} of its {capacity} chunks free (" in (
+            message
+        )
+        assert f"{n_small + 1} hold the 1 versions kept, [1])" in message
+        assert "sized from capacity_bytes and does not grow" in message
+        assert f"capacity_bytes={3 * (n_large + 1) * CHUNK}" in message
+        assert _pool_state(pub) == before, "the refused publish left something in the pool"
+        with pytest.raises(TierFullError, match=r"^version 2 needs"):  # again: the same answer
+            pub.publish(large(2), 2)
+        assert _pool_state(pub) == before
+        for v in (2, 3, 4):  # the same size and the versions go on
+            versions[v] = small(v)
+            pub.publish(versions[v], v)
+            _pull_exact(pub, v, versions[v], 2)
+        with pytest.raises(TierFullError, match=r"more than the whole pool holds \(7 chunks\)"):
+            pub.publish(_params(5, leaves=40), 5)
+        assert pub.versions == [4] and pub.pool is not None and pub.pool.free == capacity - 2
+
+
+@pytest.mark.parametrize("where", ["_stage", "_write_manifest"])
+def test_a_publish_that_fails_midway_leaves_nothing(shm_names, monkeypatch, where):
+    """A failure while staging the chunks or writing the manifest frees the whole version's
+    slots: the same version is then published as if it had not been tried."""
+    with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
+        pub.publish(_params(1), 1)
+        before = _pool_state(pub)
+        with monkeypatch.context() as patch:
+            patch.setattr(pub, where, lambda *a: (_ for _ in ()).throw(OSError("injected")))
+            with pytest.raises(OSError, match="injected"):
+                pub.publish(_params(2), 2)
+        assert _pool_state(pub) == before
+        params = _params(2)
+        pub.publish(params, 2)
+        _pull_exact(pub, 2, params, 24)
+
+
+def test_a_growing_tree_is_published_or_refused_cleanly(shm_names):
+    """A small warm-up version first sizes the pool (keep + 2 of it); the tree then grows. Each
+    version fits and is pulled bit for bit, or is refused before a byte moves, saying the
+    capacity_bytes that takes versions of its size; a publisher started with it takes them."""
+    name = shm_names()
+    published: list[int] = []
+    refused: dict[int, str] = {}
+    with Publisher(name, secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
+        for version, leaves in enumerate((2, 12, 24, 40, 40, 2, 12), start=1):
+            params = _params(version, leaves=leaves)
+            before = _pool_state(pub) if pub.pool is not None else None
+            try:
+                pub.publish(params, version)
+            except TierFullError as error:
+                refused[version] = str(error)
+                assert "does not grow" in str(error) and "first version published" in str(error)
+                assert _pool_state(pub) == before
+                continue
+            published.append(version)
+            _pull_exact(pub, version, params, leaves)
+        assert published == [1, 2, 3, 6, 7] and sorted(refused) == [4, 5]
+        assert pub.versions == [6, 7]
+    capacity = int(re.search(r"capacity_bytes=(\d+)", refused[4]).group(1))
+    with Publisher(name, secret=SECRET, chunk_bytes=CHUNK, keep=2, capacity_bytes=capacity) as pub:
+        for version in (1, 2, 3, 4):
+            params = _params(version, leaves=40)
+            pub.publish(params, version)
+            _pull_exact(pub, version, params, 40)

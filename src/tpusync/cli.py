@@ -4,7 +4,8 @@
     tpusync --help | help [COMMAND]
     tpusync info [--dir DIR] [--json]
     tpusync demo [...] | tpusync demo --transfer [...]
-    tpusync shm [--dir DIR] {list [--json], remove [NAME] [--force]} (--dir before or after)
+    tpusync shm [--dir DIR] {list [--json], remove [NAME | --name NAME] [--force]}
+        (--dir before or after; --shm-dir and --name as `tpusync serve` takes them)
     tpusync serve --dram 64GiB --secret-file FILE [...]
     tpusync health HOST:PORT --secret-file FILE [--tls-ca PEM] [...]
 
@@ -40,6 +41,7 @@ from tpusync.errors import TpuSyncError
 
 # shm_admin's argument names as `tpusync shm`'s flags
 _SHM_FLAGS = {"name": "NAME", "shm_dir": "--dir", "force": "--force"}
+_DIR_HELP = "where the pools live (--shm-dir: the same, as `tpusync serve` spells it)"
 
 
 def _info(argv: list[str]) -> int:
@@ -62,7 +64,8 @@ def _shm_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpusync shm", description="Named host pools.", formatter_class=DefaultsHelpFormatter
     )
-    parser.add_argument("--dir", default="/dev/shm", help="where the pools live")
+    # --shm-dir and --name as `tpusync serve` spells them, so its flags can be copied here
+    parser.add_argument("--dir", "--shm-dir", dest="dir", default="/dev/shm", help=_DIR_HELP)
     sub = parser.add_subparsers(dest="action", required=True)
     listing = sub.add_parser(
         "list",
@@ -76,17 +79,35 @@ def _shm_parser() -> argparse.ArgumentParser:
         "its owner lives); without NAME, free every stale temporary file",
         formatter_class=DefaultsHelpFormatter,
     )
-    remove.add_argument("name", nargs="?", metavar="NAME", help="the pool's name")
+    remove.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="the pool's name; where no pool has it, the pools of the store node `tpusync "
+        "serve --name NAME` ran (one per block layout)",
+    )
+    remove.add_argument(
+        "--name",
+        dest="name_flag",
+        metavar="NAME",
+        help="the same as NAME, spelled as `tpusync serve` takes it",
+    )
     remove.add_argument("--force", action="store_true", help="remove even if its owner lives")
     for action in (listing, remove):
         # as users type it, after the action too; SUPPRESS keeps a --dir given before
-        action.add_argument("--dir", default=argparse.SUPPRESS, help="where the pools live")
+        action.add_argument(
+            "--dir", "--shm-dir", dest="dir", default=argparse.SUPPRESS, help=_DIR_HELP
+        )
     return parser
 
 
 def _shm(argv: list[str]) -> int:
     parser = _shm_parser()
     args = parser.parse_args(argv)
+    if args.action == "remove" and args.name_flag is not None:
+        if args.name is not None and args.name != args.name_flag:
+            parser.error(f"NAME, --name: two names ({args.name}, {args.name_flag}); give one")
+        args.name = args.name_flag
     if not os.path.exists(args.dir):  # a typo would otherwise list no pools and exit 0
         parser.error(f"--dir: {args.dir} does not exist")
     if not os.path.isdir(args.dir):
@@ -108,14 +129,14 @@ def _shm_error(exc: Exception, shm_dir: str) -> str:
 
 
 def _shm_remove(args: argparse.Namespace) -> int:
-    from tpusync.tiers.shm_admin import remove_pool, remove_stale, size_text  # when it runs
+    from tpusync.tiers.shm_admin import remove_pools, remove_stale, size_text  # when it runs
 
     if args.name is None:
         removed = remove_stale(args.dir)
         if not removed.paths:
             print(f"no stale tpusync files in {args.dir}")
     else:
-        removed = remove_pool(args.name, force=args.force, shm_dir=args.dir)
+        removed = remove_pools(args.name, force=args.force, shm_dir=args.dir)
     for path in removed.paths:
         print(f"removed {path}")
     if removed.freed_bytes:

@@ -18,8 +18,11 @@ command exit 1 with the traceback, so that its supervisor (systemd, Kubernetes) 
 process that stayed up without accepting would never be restarted.
 
 Before it listens it checks that this host can give what it is asked to lend: ``--dram`` against
-the memory available (and, with ``--name``, the room in ``--shm-dir``), ``--disk`` exists and is
-writable, ``--disk-size`` against its free room. A refused argument (a bad size, path or flag)
+the memory available (and, with ``--name``, the room in ``--shm-dir``, a directory of this user
+or root that others may write only if it is sticky, as /dev/shm), ``--disk`` exists, is
+writable, and is this user's alone (not a symlink, not writable by group or others),
+``--disk-size`` (which needs ``--disk``) against its free room. The secret file must be this
+user's, mode 0600 (:func:`tpusync.kv.load_secret`). A refused argument (a bad size, path or flag)
 exits 2 with a message naming the flag, and prints no ready line; other failures exit 1
 (the convention of every `tpusync` command, see :mod:`tpusync.cli`).
 """
@@ -41,7 +44,7 @@ from tpusync.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter
 from tpusync.cli_common import flag_message as _flag_message
 from tpusync.cluster import RedisRegistry, RemoteRegistry, StoreNode
 from tpusync.cluster.registry.server import is_loopback
-from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError
+from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError, UnsafeFileError
 from tpusync.kv import load_secret
 from tpusync.kv.config_dict import client_tls
 
@@ -139,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--shm-dir", default="/dev/shm", help="where named pools live")
     parser.add_argument("--disk", help="also lend local disk: a directory for its block files")
-    parser.add_argument("--disk-size", default="0", help="disk to lend with --disk (e.g. 500GiB)")
+    parser.add_argument("--disk-size", help="disk to lend with --disk (e.g. 500GiB)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--registry", help="publish to tcp://host:port or redis://host:port/db")
     where.add_argument(
@@ -173,6 +176,11 @@ def main(argv: list[str]) -> int:
                 f"--host: {args.host} is not a loopback address: serve TLS with --tls-cert and "
                 "--tls-key, or pass --insecure to send blocks in the clear (trusted networks)"
             )
+        if args.disk_size is not None and args.disk is None:
+            raise InvalidArgumentError(
+                f"--disk-size: {args.disk_size} given without --disk; add --disk DIR (a "
+                "directory of this user's for the block files) or leave --disk-size out"
+            )
         secret = read_secret(args.secret_file)
         node = StoreNode(
             parse_size(args.dram),
@@ -185,13 +193,13 @@ def main(argv: list[str]) -> int:
             registry=_registry(args, secret),
             registry_port=args.registry_port,
             disk_dir=args.disk,
-            disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk else 0,
+            disk_bytes=parse_size(args.disk_size or "0", "--disk-size") if args.disk else 0,
             node_id=args.node_id,
             ttl_s=args.ttl,
             tls=_server_tls(args),
             insecure=args.insecure,
         )
-    except (InvalidArgumentError, TierFullError) as exc:  # a flag this host cannot honour
+    except (InvalidArgumentError, TierFullError, UnsafeFileError) as exc:  # a flag refused
         print(f"tpusync serve: {flag_message(str(exc))}", file=sys.stderr)
         return USAGE_ERROR
     except (TpuSyncError, OSError, ssl.SSLError) as exc:

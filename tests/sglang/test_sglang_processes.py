@@ -51,6 +51,7 @@ def test_two_sglang_processes_share_pages_through_a_store_node(backends, tmp_pat
         assert answer["loaded"] == expected
         # another secret: the engine does not start, saying why (and is served no byte)
         (tmp_path / "other").write_text(os.urandom(32).hex())
+        (tmp_path / "other").chmod(0o600)  # a secret file only its user may read
         wrong = {**extra, "secret_file": str(tmp_path / "other")}
         child = subprocess.run(
             [sys.executable, "-m", "tests.sglang.page_child", json.dumps(wrong), json.dumps(names)],

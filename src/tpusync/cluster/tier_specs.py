@@ -31,6 +31,7 @@ from tpusync.cluster.registry_pool import RegistryPool
 from tpusync.cluster.store_node import StoreNodePool
 from tpusync.errors import InvalidArgumentError, PeerUnavailableError
 from tpusync.kv.config_dict import register_tier_section
+from tpusync.kv.secret import check_secret
 from tpusync.kv.tier_specs import check_tier_name
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.spec import OpenedTier, TierContext
@@ -61,10 +62,8 @@ def _check_client_fields(
         )
     if insecure is not True and insecure is not False:
         raise InvalidArgumentError(f"{name}.insecure: expected True or False, got {insecure!r}")
-    if secret is not None and (not isinstance(secret, bytes) or not secret):
-        raise InvalidArgumentError(
-            f"{name}.secret: expected None (the store's secret) or non-empty bytes"
-        )
+    if secret is not None:  # the handshake's floor, checked where the config is made
+        check_secret(secret, f"{name}.secret (None: the store's secret)")
 
 
 def _check_addresses(name: str, address: Any, addresses: Any) -> tuple[str, ...] | None:

@@ -1,7 +1,8 @@
 """Checks a KVCacheStore makes before it opens anything: that its configuration agrees with the
 device pools it is given, that every tier the caller opened holds blocks of the store's own
 layout, that every tier spec passes its own check (directories that exist or may be created, a
-MAC key that is not public), and that an anonymous DRAM tier fits in memory.
+MAC key that is not public, sizes the disk can hold), and that the DRAM tier fits in memory (and
+a named one in an ``shm_dir`` nobody else can tamper with).
 
 Each of these mistakes was accepted once and gave wrong output or filled the wrong filesystem
 later: a ``block_size`` other than the pools' keys blocks wrongly (a later load gives wrong
@@ -27,8 +28,11 @@ from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.tier_specs import ExistingTier
 from tpusync.memory.device_pool import DevicePool
 from tpusync.memory.torch_tensors import TorchPool
+from tpusync.tiers.dram import pool_bytes, pool_path
+from tpusync.tiers.files import check_shm_dir
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.room import check_room
+from tpusync.tiers.room import check_room, held_bytes
+from tpusync.tiers.spec import TierContext
 
 __all__ = [
     "check_block_ids",
@@ -146,23 +150,33 @@ def check_extra_tier_layouts(tiers: Sequence[Any], own: PoolLayout) -> None:
 
 
 def check_dram_room(config: KVStoreConfig, layout: PoolLayout) -> None:
-    """Raises :class:`~tpusync.errors.TierFullError` when an anonymous DRAM tier is larger than
-    the memory this host has available (prefaulting it would wake the OOM killer). A named
-    pool's room is checked where it is made (its shm directory's filesystem)."""
-    if config.dram.name is not None:
+    """Refuses a DRAM tier this host cannot hold, before anything is made: more than the memory
+    available (prefaulting it would wake the OOM killer), and for a named pool an ``shm_dir``
+    that another user could tamper with (:func:`~tpusync.tiers.files.check_shm_dir`) or that
+    lacks the room. A named pool already there counts as room (a restart re-attaches it)."""
+    dram = config.dram
+    capacity = dram.capacity_blocks
+    fix = f"lower dram.capacity_blocks ({capacity} blocks of {layout.slot_bytes} B)"
+    if dram.name is None:
+        check_room("dram.capacity_blocks", capacity * layout.slot_bytes, fix=fix)
         return
-    capacity = config.dram.capacity_blocks
+    check_shm_dir(dram.shm_dir, "dram.shm_dir")
+    need = pool_bytes(layout, capacity)
+    held = held_bytes([pool_path(dram.name, dram.shm_dir)])
+    check_room("dram.capacity_blocks", need, held=held, fix=fix)
     check_room(
         "dram.capacity_blocks",
-        capacity * layout.slot_bytes,
-        fix=f"lower dram.capacity_blocks ({capacity} blocks of {layout.slot_bytes} B)",
+        need,
+        directory=dram.shm_dir,
+        held=held,
+        fix=f"{fix}, or enlarge dram.shm_dir (e.g. docker run --shm-size)",
     )
 
 
-def check_tiers(config: KVStoreConfig) -> None:
+def check_tiers(config: KVStoreConfig, context: TierContext) -> None:
     """Has every lower tier spec check itself (a missing directory not to be created, a MAC
-    with the public default secret, ...) before any tier is opened."""
-    context = config.tier_context
+    with the public default secret, a size its disk cannot hold, ...) before any tier is
+    opened."""
     for spec in config.tiers:
         spec.check(context)
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv.config_dict import fields_from_dict, fields_to_dict
-from tpusync.kv.keys import DEFAULT_SECRET, KeyScheme
+from tpusync.kv.keys import DEFAULT_SECRET, MAX_SECRET_BYTES, KeyScheme
+from tpusync.kv.secret import check_secret
 from tpusync.kv.tier_specs import DiskTier, DramTier, ExistingTier, SharedFsTier, positive
 from tpusync.tiers.spec import TierContext, TierSpec
 
@@ -39,7 +40,8 @@ class KVStoreConfig:
         ``tpusync.cluster.StoreNodeTier`` (a store node's DRAM, written through),
         ``tpusync.cluster.RegistryTier`` (other nodes' blocks, read only), or your own. Each
         has its own ``name``. The store closes every tier it opened.
-      secret: the deployment secret that keys every block hash. The default is a fixed
+      secret: the deployment secret that keys every block hash (16 to 64 bytes:
+        :func:`tpusync.kv.load_secret` reads it from a file). The default is a fixed
         development secret: fine for one trusted deployment, but give your own wherever tenants
         or hosts should not be able to compute each other's keys.
       key_scheme: how tokens become keys (default :class:`~tpusync.kv.Blake2bChainKeys`).
@@ -112,6 +114,10 @@ class KVStoreConfig:
                 "key_scheme: expected an object with name, namespace_tag(), block_keys() and "
                 f"tail_key(), got {type(self.key_scheme).__name__}"
             )
+        # a weak key would key every block hash and the data plane's handshake; the default
+        # scheme's BLAKE2b takes keys of at most 64 bytes
+        at_most = MAX_SECRET_BYTES if self.key_scheme is None else None
+        check_secret(self.secret, "secret", at_most=at_most)
 
     def _take_old_tier_fields(self) -> None:
         """Folds the deprecated ``disk``, ``shared_fs`` and ``extra_tiers`` into ``tiers``."""
@@ -194,7 +200,7 @@ class KVStoreConfig:
     ) -> dict[str, Any]:
         """This config as JSON-safe plain data (:meth:`from_dict` reads it back); fields at
         their default are left out. A non-default secret needs ``secret_file``, the file that
-        holds it in hex (checked), and a tier spec's own secret ``secret_files[tier name]``."""
+        holds it (checked), and a tier spec's own secret ``secret_files[tier name]``."""
         return fields_to_dict(self, secret_file=secret_file, secret_files=secret_files)
 
     def tier(self, name: str) -> TierSpec | None:

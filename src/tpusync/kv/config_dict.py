@@ -11,8 +11,10 @@ tier is a section named after its kind whose keys are its spec's field names::
 
 * Lower tiers come in the order of their sections; a section may be a list of objects for
   several tiers of one kind (each with its own ``name``).
-* A secret is never written inline: ``"secret_file"`` names a file holding it in hex (as
-  ``tpusync serve --secret-file`` reads it), for the store's ``secret`` and for a tier spec's.
+* A secret is never written inline: ``"secret_file"`` names the file that holds it, for the
+  store's ``secret`` and for a tier spec's, read by :func:`tpusync.kv.load_secret` under the
+  rules of ``tpusync serve --secret-file`` (mode 0600, this uid's, hex text or raw bytes, at
+  least 16 bytes; a FIFO or a symlink is refused, never waited on).
 * ``salt`` is hex. Bytes, ``ssl`` contexts and other objects have no plain form: ``to_dict``
   refuses a config that holds one (naming the key). A section whose spec takes ``tls`` (a
   client's ``ssl.SSLContext``) may name a CA bundle instead: ``"tls_ca": "/etc/tpusync/ca.pem"``
@@ -30,18 +32,17 @@ import dataclasses
 import os
 import ssl
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from tpusync.errors import InvalidArgumentError
-from tpusync.kv.keys import DEFAULT_SECRET
+from tpusync.kv.keys import DEFAULT_SECRET, MAX_SECRET_BYTES
+from tpusync.kv.secret import check_secret, load_secret
 from tpusync.kv.tier_specs import DiskTier, DramTier, SharedFsTier
 
 __all__ = [
     "client_tls",
     "fields_from_dict",
     "fields_to_dict",
-    "read_secret_file",
     "register_tier_section",
     "server_tls",
 ]
@@ -59,29 +60,6 @@ def register_tier_section(section: str, spec_class: type) -> None:
             f"section: {section!r} is already the section of {known.__name__}; choose another"
         )
     _SECTIONS[section] = spec_class
-
-
-def read_secret_file(path: str | os.PathLike[str], key: str) -> bytes:
-    """The secret in ``path``: hex, surrounding whitespace ignored (``key`` names it in
-    errors)."""
-    if not isinstance(path, str | os.PathLike):
-        raise InvalidArgumentError(f"{key}: expected a file path, got {path!r}")
-    try:
-        text = Path(path).read_bytes().decode("ascii", errors="replace").strip()
-    except OSError as exc:
-        raise InvalidArgumentError(
-            f"{key}: cannot read {os.fspath(path)}: {exc.strerror or exc}"
-        ) from None
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"{key}: {os.fspath(path)} does not hold a hex secret (e.g. from "
-            "python -c 'import secrets; print(secrets.token_hex(32))')"
-        ) from None
-    if not secret:
-        raise InvalidArgumentError(f"{key}: {os.fspath(path)} is empty")
-    return secret
 
 
 _PLAIN_NAMES = {"secret": "secret_file", "tls": "tls_ca"}  # fields given by a file's name
@@ -132,7 +110,7 @@ def _spec_from_section(spec_class: type, values: Any, where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key == "secret_file" and "secret" in fields:
-            kwargs["secret"] = read_secret_file(value, f"{where}.secret_file")
+            kwargs["secret"] = load_secret(value, argument=f"{where}.secret_file")
         elif key == "tls_ca" and "tls" in fields:
             kwargs["tls"] = client_tls(value, f"{where}.tls_ca")
         elif key not in fields or key in ("secret", "tls"):
@@ -166,7 +144,11 @@ def fields_from_dict(data: Mapping[str, Any], config_class: type) -> dict[str, A
                 where = key if not isinstance(value, list) else f"{key}[{i}]"
                 tiers.append(_spec_from_section(_SECTIONS[key], entry, where))
         elif key == "secret_file":
-            kwargs["secret"] = read_secret_file(value, "secret_file")
+            secret = load_secret(value, argument="secret_file")
+            # the store's key scheme (BLAKE2b) takes at most 64: refused here, naming the file
+            kwargs["secret"] = check_secret(
+                secret, f"secret_file ({os.fspath(value)})", at_most=MAX_SECRET_BYTES
+            )
         elif key == "salt":
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"salt: expected a hex string, got {value!r}")
@@ -224,7 +206,7 @@ def _spec_to_section(spec: Any, where: str, secret_files: Mapping[str, str]) -> 
             if spec.name not in secret_files:
                 raise InvalidArgumentError(
                     f"{where}.secret: a secret is not written into a dict; pass "
-                    f"secret_files={{{spec.name!r}: path}} (a file holding it in hex)"
+                    f"secret_files={{{spec.name!r}: path}} (the file that holds it)"
                 )
             out["secret_file"] = secret_files[spec.name]
             continue
@@ -262,9 +244,9 @@ def fields_to_dict(
         if secret_file is None:
             raise InvalidArgumentError(
                 "secret: a secret is not written into a dict; pass secret_file= the file that "
-                "holds it in hex"
+                "holds it"
             )
-        if read_secret_file(secret_file, "secret_file") != config.secret:
+        if load_secret(secret_file, argument="secret_file") != config.secret:
             raise InvalidArgumentError(
                 f"secret_file: {secret_file} holds another secret than this config's"
             )

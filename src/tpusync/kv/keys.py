@@ -44,6 +44,7 @@ TAG_BYTES = 8
 _DIGEST_BYTES = 16
 _KV_PERSON = b"tpusync-kv-v1"
 _ENGINE_PERSON = b"tpusync-eng-v1"
+MAX_SECRET_BYTES = 64  # BLAKE2b's key limit
 DEFAULT_SECRET = b"tpusync-development-secret"  # for one trusted deployment only; see KVStoreConfig
 
 
@@ -136,7 +137,7 @@ class Blake2bChainKeys:
     name = "blake2b-chain-v1"
 
     def __init__(self, secret: bytes = DEFAULT_SECRET) -> None:
-        if not isinstance(secret, bytes) or not 1 <= len(secret) <= 64:
+        if not isinstance(secret, bytes) or not 1 <= len(secret) <= MAX_SECRET_BYTES:
             raise InvalidArgumentError(
                 "secret: expected 1 to 64 bytes (BLAKE2b's key limit), got "
                 + (f"{len(secret)} bytes" if isinstance(secret, bytes) else type(secret).__name__)

@@ -117,7 +117,8 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         check_token_axis(config, self.pools)
         self.layout = PoolLayout.from_pools(config.model_id, self.pools, block_axis=axis)
         check_extra_tier_layouts(config.tiers, self.layout)
-        check_tiers(config)  # e.g. a missing directory, a MAC with the public default secret
+        context = dataclasses.replace(config.tier_context, layout=self.layout)
+        check_tiers(config, context)  # e.g. a missing directory, a MAC with the default secret
         check_dram_room(config, self.layout)
         self.namespace = Namespace(
             config.model_id,
@@ -158,7 +159,6 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             )
             opened.append(dram)
             lower: list[tuple[str, OpenedTier]] = []
-            context = config.tier_context
             for spec in config.tiers:  # each spec opens its own tier: no branch per kind here
                 tier = spec.open(self.layout, context)
                 if tier.owned:

@@ -13,8 +13,8 @@ from typing import Any
 
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
 from tpusync.tiers.base import LowerTier, tier_read_only
-from tpusync.tiers.disk import DiskPool
-from tpusync.tiers.files import make_directory
+from tpusync.tiers.disk import DiskPool, check_disk_capacity
+from tpusync.tiers.files import check_directory, make_directory
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.mac import MacKey, mac_key_from_secret
 from tpusync.tiers.shared_fs import SharedFsPool
@@ -64,7 +64,9 @@ class DramTier:
     Args:
       capacity_blocks: slots in the pool.
       name: None for anonymous memory; a name to live in ``shm_dir``/tpusync-<name>.pool.
-      shm_dir: where named pools live.
+      shm_dir: where named pools live: a directory (not a symlink) of this uid or root, that
+        others may write only if it is sticky (as /dev/shm, mode 1777); checked before the
+        store makes anything.
       populate: touch every page at creation (copies never pay page faults).
       on_mismatch: a named pool in ``shm_dir`` that holds another model, block layout or
         capacity, or is damaged: ``"error"`` refuses it (the store does not open, the file
@@ -80,6 +82,7 @@ class DramTier:
 
     def __post_init__(self) -> None:
         positive(self.capacity_blocks, "dram.capacity_blocks")
+        _directory(self.shm_dir, "dram.shm_dir")
         if self.name is not None and not _NAME.match(str(self.name)):
             raise InvalidArgumentError(
                 f"dram.name: {self.name!r} must be letters, digits, '.', '_' or '-' "
@@ -99,14 +102,29 @@ class _DirectoryTier:
     create: bool
 
     def _check_directory(self) -> None:
+        """Refuses, before anything is made: a missing directory without ``create``, and one
+        that is no directory, a symlink, another uid's or writable by others."""
         path = os.fspath(self.directory)
-        if not self.create and not os.path.lexists(path):
-            kind = type(self).__name__
-            raise InvalidArgumentError(
-                f"{self.name}.directory: {path} does not exist; create it (or mount its "
-                f"filesystem) first, or pass {kind}(..., create=True) to have the store create "
-                "it"
-            )
+        argument = f"{self.name}.directory"
+        if not os.path.lexists(path):
+            if not self.create:
+                kind = type(self).__name__
+                raise InvalidArgumentError(
+                    f"{argument}: {path} does not exist; create it (or mount its filesystem) "
+                    f"first, or pass {kind}(..., create=True) to have the store create it"
+                )
+            return
+        if not os.path.islink(path) and not os.path.isdir(path):
+            raise InvalidArgumentError(f"{argument}: {path} is not a directory; give a directory")
+        check_directory(path, argument=argument)  # a symlink, another uid's, open to others
+
+    def _room_directory(self) -> str:
+        """The existing directory whose filesystem will hold the tier: its own, or the nearest
+        parent that exists when the store is to create it."""
+        path = os.path.abspath(os.fspath(self.directory))
+        while not os.path.isdir(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        return path
 
     def _make_directory(self) -> None:
         """Creates the directory (0700) if it is missing and ``create`` asks for it."""
@@ -129,7 +147,10 @@ class DiskTier(_DirectoryTier):
 
     Args:
       directory: where the pool's files live. It must exist (the store refuses a missing one:
-        an unmounted disk or a typo would otherwise fill another filesystem), unless ``create``.
+        an unmounted disk or a typo would otherwise fill another filesystem), unless ``create``;
+        be this uid's, writable by it alone; and not be a symlink (give its target).
+      capacity_blocks: slots of the store's block size; refused at start when its files would
+        not fit in the directory's filesystem, or its index (about 128 B a block) in memory.
       durability: ``"commit"`` (a block counts as stored once its data and record are synced)
         or ``"none"`` (faster; after power loss recent blocks may be missing, never wrong).
       create: create ``directory`` (mode 0700, with its missing parents) when it is missing.
@@ -156,6 +177,13 @@ class DiskTier(_DirectoryTier):
 
     def check(self, context: TierContext) -> None:
         self._check_directory()
+        if context.layout is not None:  # sizes against this host, before anything is made
+            check_disk_capacity(
+                f"{self.name}.capacity_blocks",
+                self.capacity_blocks,
+                context.layout.slot_bytes,
+                self._room_directory(),
+            )
 
     def open(self, layout: PoolLayout, context: TierContext) -> OpenedTier:
         self._make_directory()

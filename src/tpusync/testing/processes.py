@@ -12,7 +12,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_json_child", "start_store_node", "stop_process"]
+__all__ = ["run_json_child", "start_store_node", "stop_process", "write_secret_file"]
+
+
+def write_secret_file(path: Path, secret: bytes) -> Path:
+    """Writes ``secret`` in hex to a new file ``path`` of mode 0600 (as
+    :func:`tpusync.kv.load_secret` requires) and returns the path."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        os.write(fd, secret.hex().encode())
+    finally:
+        os.close(fd)
+    return path
 
 
 def start_store_node(
@@ -29,7 +41,7 @@ def start_store_node(
     ``flags`` (e.g. ``--host``, ``--tls-cert``); returns the process and its ready line
     (``{"address", "registry"}``). Stop it with :func:`stop_process`."""
     secret_file = work / "secret"
-    secret_file.write_text(secret.hex())
+    write_secret_file(secret_file, secret)
     process = subprocess.Popen(
         [
             sys.executable,

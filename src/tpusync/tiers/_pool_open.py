@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tpusync import _core
 from tpusync.errors import InvalidArgumentError, PoolBusyError, PoolFormatError, TierFullError
-from tpusync.tiers._files import check_descriptor, open_file
+from tpusync.tiers._files import check_descriptor, check_shm_dir, open_file
 from tpusync.tiers._pool_file import (
     HEADER_BYTES,
     PoolGeometry,
@@ -48,8 +48,17 @@ from tpusync.tiers._shm_files import (
     temp_path,
 )
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.room import check_room
 
-__all__ = ["OpenedPool", "map_file", "open_named_pool", "size_text", "write_header"]
+__all__ = [
+    "OpenedPool",
+    "check_before_opening",
+    "map_file",
+    "open_named_pool",
+    "pool_bytes",
+    "size_text",
+    "write_header",
+]
 
 log = logging.getLogger("tpusync.tiers")
 
@@ -68,6 +77,26 @@ class OpenedPool:
     fd: int
     mapping: _core.Mapping
     attached: bool  # an existing pool (False: created cold)
+
+
+def pool_bytes(layout: PoolLayout, capacity: int) -> int:
+    """The bytes a host pool of ``capacity`` slots of ``layout`` maps: its header, records and
+    slots (a named pool's file size)."""
+    return PoolGeometry(layout, capacity).file_bytes
+
+
+def check_before_opening(geometry: PoolGeometry, name: str | None, shm_dir: str) -> None:
+    """Refuses a pool before anything is mapped or made: a named one in a directory another
+    user could tamper with (:func:`~tpusync.tiers._files.check_shm_dir`; its room there is
+    checked where its file is made), an anonymous one larger than the memory available."""
+    if name is not None:
+        check_shm_dir(shm_dir, "shm_dir")
+    else:
+        check_room(
+            "capacity",
+            geometry.file_bytes,
+            fix=f"lower the capacity ({geometry.n_slots} slots of {geometry.layout.slot_bytes} B)",
+        )
 
 
 def open_named_pool(

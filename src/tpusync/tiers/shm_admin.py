@@ -36,6 +36,7 @@ from tpusync.tiers._shm_files import (
     read_pool_header,
     remove_sessions_dir,
     remove_stale_temp_files,
+    sessions_path,
 )
 
 __all__ = [
@@ -43,8 +44,11 @@ __all__ = [
     "ShmPoolInfo",
     "header_of_descriptor",
     "list_pools",
+    "node_pool_name",
+    "node_pool_names",
     "read_pool_header",
     "remove_pool",
+    "remove_pools",
     "remove_stale",
     "size_text",
 ]
@@ -262,3 +266,55 @@ def _add_temps(removed: Removed, temps: list[TempFile]) -> None:
             removed.paths.append(temp.path)
             if not temp.linked:  # a link of the pool frees nothing by itself
                 removed.freed_bytes += temp.size_bytes
+
+
+def node_pool_name(name: str, fingerprint: bytes) -> str:
+    """The pool name a store node called ``name`` (``tpusync serve --name``) gives its pool of
+    the block layout with ``fingerprint``: one pool per layout it lends."""
+    return f"{name}-{fingerprint.hex()[:16]}"
+
+
+def node_pool_names(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
+    """The names of the pools in ``shm_dir`` that a store node called ``name`` made."""
+    _check_name(name)
+    node = re.compile(re.escape(f"tpusync-{name}-") + r"[0-9a-f]{16}\.pool")
+    try:
+        entries = sorted(os.listdir(shm_dir))
+    except FileNotFoundError:
+        return []
+    return [e.removeprefix("tpusync-").removesuffix(".pool") for e in entries if node.fullmatch(e)]
+
+
+def remove_pools(name: str, *, force: bool = False, shm_dir: str = DEFAULT_SHM_DIR) -> Removed:
+    """What `tpusync shm remove NAME` (or ``--name NAME``) removes: the pool named ``name``
+    (:func:`remove_pool`), or, where nothing has that exact name, the pools of the store node
+    that ``tpusync serve --name NAME`` ran (one per block layout, :func:`node_pool_name`). Of
+    a node's pools, none is removed while the owner of any lives, unless ``force``."""
+    _check_name(name)
+    exact = pool_path(name, shm_dir)
+    own_files = os.path.lexists(exact) or os.path.lexists(sessions_path(name, shm_dir))
+    names = [] if own_files else node_pool_names(name, shm_dir)
+    if not names:
+        return remove_pool(name, force=force, shm_dir=shm_dir)
+    if not force:
+        for each in names:  # refused before anything is removed
+            try:
+                fd = open_file(pool_path(each, shm_dir), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                if _owner_alive(fd):
+                    pid = read_owner_pid(os.pread(fd, HEADER_BYTES, 0))
+                    raise PoolBusyError(
+                        f"name: pool {each!r} of store node {name!r} is in use by a live process "
+                        f"(pid {pid}); stop it first, or pass --force"
+                    )
+            finally:
+                os.close(fd)
+    removed = Removed()
+    for each in names:
+        done = remove_pool(each, force=force, shm_dir=shm_dir)
+        removed.paths += done.paths
+        removed.freed_bytes += done.freed_bytes
+        removed.links_left += done.links_left
+    return removed

@@ -29,11 +29,14 @@ class TierContext:
       default_secret: whether ``secret`` is the public development default (a spec that
         authenticates with it must refuse it).
       model_id: the store's model id.
+      layout: the store's block layout, once the store knows it (a spec's ``check`` may size
+        what it will make from it: a disk tier's room).
     """
 
     secret: bytes = field(repr=False)
     default_secret: bool
     model_id: str
+    layout: PoolLayout | None = None
 
 
 @dataclass(frozen=True)

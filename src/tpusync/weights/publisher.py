@@ -3,14 +3,18 @@
 plane, and announces it through a registry.
 
 ``publish()`` returns once every byte is staged, checksummed and committed, so the trainer may
-overwrite or donate its arrays at once. The manifest is written after the chunks and announced
-last: a version is visible only whole. The last ``keep`` versions stay; an older one is dropped
-when no subscriber holds it (a held one is dropped at a later ``publish``).
+overwrite or donate its arrays at once. A version's chunks and manifest are reserved together
+before any byte is copied (a version that does not fit is refused then, saying what it needs),
+the manifest is written after the chunks, all are committed at once, and the version is
+announced last: a version is visible only whole, and a failed publish leaves nothing behind.
+The last ``keep`` versions stay; an older one is dropped when no subscriber holds it (a held one
+is dropped at a later ``publish``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import ssl
 import threading
@@ -29,7 +33,7 @@ from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullErro
 from tpusync.tiers import HostPool
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
-from tpusync.tiers.shm_admin import remove_pool
+from tpusync.tiers.shm_admin import remove_pool, size_text
 from tpusync.weights._stream import Rows, split_at_chunks
 from tpusync.weights.manifest import (
     LeafEntry,
@@ -91,6 +95,10 @@ class Publisher:
         let subscribers connect to :attr:`address` directly.
       keep: versions kept (at least 1); a late joiner may pull any of them.
       capacity_bytes: the pool's size; default ``keep + 2`` versions of the first one published.
+        The pool does not grow: a version that does not fit beside the versions kept (and
+        those subscribers hold) is refused by :meth:`publish` before any byte is copied,
+        saying what it needs; give ``capacity_bytes`` for a tree that grows (a small warm-up
+        version first, an adapter added later).
       chunk_bytes: the verified unit (a multiple of 4096).
       host, port, tls, insecure, lease_ttl_s: the block server's (see
         :class:`~tpusync.cluster.BlockServer`); TLS is required off loopback.
@@ -155,6 +163,7 @@ class Publisher:
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, native.copy_threads() - 1), thread_name_prefix="tpusync-publish"
         )
+        self._sized_by_caller = capacity_bytes is not None
         if capacity_bytes is not None:
             self._open(-(-capacity_bytes // chunk_bytes))
 
@@ -214,9 +223,12 @@ class Publisher:
         the bytes are staged, so the arrays may be changed or donated at once.
 
         Raises InvalidArgumentError (a version not above the last, a leaf that is no array),
-        TierFullError (the pool cannot hold another version beside those kept and held) or
+        TierFullError (the pool cannot hold this version beside those kept and held: the
+        message says how many chunks it needs, how many are free and what holds the rest) or
         ServerFailedError (its block server stopped accepting subscribers: a loop of it kept
-        dying).
+        dying). The first two are raised before any byte is staged, and a failed publish
+        leaves the pool and the publisher as they were: the next publish (of this version
+        too) runs as if it had not been tried.
         """
         check_version(version)
         if self._closed:
@@ -238,28 +250,39 @@ class Publisher:
         entries, sources = self._describe(paths, leaves)
         total = sum(e.box_bytes(b) for e in entries for b in range(len(e.boxes)))
         n_chunks = -(-total // self.chunk_bytes)
-        if self.pool is None:
-            self._open((self.keep + 2) * (n_chunks + 2))
-        assert self.pool is not None
-        self._retry_drops()
-        keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
-        reservation = self._reserve(keys)
-        try:
-            checksums = self._stage(reservation.slots, sources, total)
-        except BaseException:
-            self.pool.abort(reservation)
-            raise
-        self.pool.commit(reservation, checksums)
-        manifest = Manifest(
+        parent = self._latest if parent is None else parent
+        # The manifest's size is known before any byte moves (its checksums are fixed-width
+        # hex), so the version's chunks and manifest are reserved together: a publish that does
+        # not fit is refused before it copies anything, and one that fails leaves nothing.
+        draft = Manifest(
             self.name,
             version,
-            self._latest if parent is None else parent,
+            parent,
             self.chunk_bytes,
             total,
             tuple(entries),
-            checksums,
+            np.zeros(n_chunks, dtype=np.uint64),
         )
-        manifest_keys = self._write_manifest(version, manifest.to_bytes())
+        n_parts = -(-len(draft.to_bytes()) // self.chunk_bytes)
+        if self.pool is None:
+            self._open((self.keep + 2) * (n_chunks + n_parts + 1))
+        assert self.pool is not None
+        self._retry_drops()
+        keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
+        manifest_keys = [manifest_key(self.name, version, p) for p in range(n_parts)]
+        reservation = self._reserve(version, keys + manifest_keys, n_chunks, total)
+        try:
+            checksums = self._stage(reservation.slots[:n_chunks], sources, total)
+            manifest = dataclasses.replace(draft, checksums=checksums)
+            self._write_manifest(reservation.slots[n_chunks:], manifest.to_bytes())
+            all_checksums = np.concatenate(
+                [checksums, self.pool.hash_slots(reservation.slots[n_chunks:])]
+            )
+        except BaseException:
+            self.pool.abort(reservation)  # nothing of this version stays in the pool
+            raise
+        # one commit: the chunks and the manifest become visible together, under the pool's lock
+        self.pool.commit(reservation, all_checksums)
         with self._lock:
             self._versions[version] = manifest_keys
             self._chunks[version] = n_chunks
@@ -314,17 +337,56 @@ class Publisher:
             sources.extend(hosts)
         return entries, sources
 
-    def _reserve(self, keys: list[bytes]) -> Any:
+    def _reserve(self, version: int, keys: list[bytes], n_chunks: int, total: int) -> Any:
+        """Slots for every chunk and manifest part of ``version`` (``keys``, chunks first), or
+        :class:`~tpusync.errors.TierFullError` saying what the version needs, what is free and
+        what holds the rest; nothing is taken then."""
         assert self.pool is not None
+        pool = self.pool
+        if any(pool.contains(keys)):  # never expected: left by an earlier life of this name
+            pool.delete(keys)
+            if any(pool.contains(keys)):
+                raise InvalidArgumentError(
+                    f"version: {version}'s chunks from an earlier attempt are still held by a "
+                    "subscriber; publish it under a later version number"
+                )
         try:
-            return self.pool.reserve(keys)
+            reservation = pool.reserve(keys)
         except TierFullError:
-            raise TierFullError(
-                f"the weights pool ({self.pool.capacity} chunks of {self.chunk_bytes} bytes) "
-                f"cannot hold {len(keys)} more chunks beside the versions kept "
-                f"({self.versions}) and those subscribers still hold; give a larger "
-                "capacity_bytes or a smaller keep"
-            ) from None
+            raise TierFullError(self._no_room(version, len(keys), n_chunks, total)) from None
+        assert len(reservation.slots) == len(keys)
+        return reservation
+
+    def _no_room(self, version: int, need: int, n_chunks: int, total: int) -> str:
+        assert self.pool is not None
+        C, capacity = self.chunk_bytes, self.pool.capacity
+        with self._lock:
+            kept = {v: self._chunks[v] + len(k) for v, k in self._versions.items()}
+        held = {v: len(k) for v, k in self._dropping.items() if self.pool.contains(k[:1])[0]}
+        if need > capacity:
+            where = f"more than the whole pool holds ({capacity} chunks)"
+        else:
+            where = (
+                f"the pool has {self.pool.free} of its {capacity} chunks free ("
+                f"{sum(kept.values())} hold the {len(kept)} versions kept, {sorted(kept)}"
+                + (
+                    f"; {sum(held.values())} the versions beyond keep that subscribers still "
+                    f"hold, {sorted(held)}, dropped once released"
+                    if held
+                    else ""
+                )
+                + ")"
+            )
+        sized = "capacity_bytes" if self._sized_by_caller else "the first version published"
+        enough = (self.keep + 2) * need * C
+        return (
+            f"version {version} needs {need} chunks of {C} bytes ({n_chunks} for its "
+            f"{size_text(total)}, {need - n_chunks} for its manifest), {where}. The pool was "
+            f"sized from {sized} and does not grow while the publisher runs; nothing of version "
+            f"{version} was staged, and the publisher takes later versions as before. For "
+            f"versions of this size start a Publisher with capacity_bytes={enough} (keep + 2 "
+            "versions of it), or a smaller keep"
+        )
 
     def _stage(self, slots: np.ndarray, sources: list[np.ndarray], total: int) -> np.ndarray:
         """Copies every shard into the reserved chunks and checksums each chunk as it is
@@ -378,23 +440,16 @@ class Publisher:
         last = run(parts[-1])
         return np.concatenate([*(j.result() for j in jobs), last])
 
-    def _write_manifest(self, version: int, data: bytes) -> list[bytes]:
+    def _write_manifest(self, slots: np.ndarray, data: bytes) -> None:
+        """Writes the manifest ``data`` into the reserved ``slots``, zero-padded to whole
+        chunks."""
         assert self.pool is not None
-        parts = -(-len(data) // self.chunk_bytes)
-        keys = [manifest_key(self.name, version, p) for p in range(parts)]
-        reservation = self._reserve(keys)
-        try:
-            for p, slot in enumerate(reservation.slots.tolist()):
-                piece = data[p * self.chunk_bytes : (p + 1) * self.chunk_bytes]
-                with self.pool.slot_memory(slot) as memory:
-                    memory[: len(piece)] = piece
-                    memory[len(piece) : self.chunk_bytes] = bytes(self.chunk_bytes - len(piece))
-            checksums = self.pool.hash_slots(reservation.slots)
-        except BaseException:
-            self.pool.abort(reservation)
-            raise
-        self.pool.commit(reservation, checksums)
-        return keys
+        assert len(slots) * self.chunk_bytes >= len(data), "the manifest outgrew its draft"
+        for p, slot in enumerate(slots.tolist()):
+            piece = data[p * self.chunk_bytes : (p + 1) * self.chunk_bytes]
+            with self.pool.slot_memory(slot) as memory:
+                memory[: len(piece)] = piece
+                memory[len(piece) : self.chunk_bytes] = bytes(self.chunk_bytes - len(piece))
 
     # --- dropping old versions ---------------------------------------------------------------
 

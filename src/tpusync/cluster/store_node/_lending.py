@@ -21,6 +21,7 @@ from tpusync.cluster.dataplane.server import Served
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.dram import HostPool
+from tpusync.tiers.files import check_directory, check_shm_dir
 from tpusync.tiers.room import check_room, check_writable_directory, held_bytes
 
 __all__ = ["Lent", "check_room_to_lend", "checksums_param", "recv_exactly", "recv_header"]
@@ -82,11 +83,13 @@ def check_room_to_lend(
     disk_bytes: int,
 ) -> None:
     """Refuses what this host cannot lend (the pools are made later, at a client's first
-    hello): memory (and, for named pools, ``shm_dir``'s room), and a disk directory that is
-    missing, not writable or too small. A restarted node's own files count as room."""
+    hello): memory (and, for named pools, an ``shm_dir`` another user could tamper with, or
+    its room), and a disk directory that is missing, not writable, a symlink, another uid's,
+    writable by others, or too small. A restarted node's own files count as room."""
     if name is None:
         check_room("dram_bytes", dram_bytes, fix="lend less DRAM")
     else:
+        check_shm_dir(shm_dir, "shm_dir")  # another user's, or a symlink: refused
         check_writable_directory("shm_dir", shm_dir)
         held = held_bytes(sorted(Path(shm_dir).glob(f"tpusync-{name}-*.pool")))
         check_room("dram_bytes", dram_bytes, held=held, fix="lend less DRAM")
@@ -99,6 +102,8 @@ def check_room_to_lend(
         )
     if disk_dir is not None:
         check_writable_directory("disk_dir", disk_dir)
+        # the parent of the per-layout disk pools: this uid's alone, as a disk pool's own
+        check_directory(disk_dir, argument="disk_dir")
         held = held_bytes(sorted(Path(disk_dir).glob(f"{name or 'node'}-*")))
         check_room("disk_bytes", disk_bytes, directory=disk_dir, held=held, fix="lend less disk")
 

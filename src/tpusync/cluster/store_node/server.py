@@ -39,7 +39,7 @@ from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatE
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.dram import DEFAULT_SHM_DIR, HostPool
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.shm_admin import read_pool_header
+from tpusync.tiers.shm_admin import node_pool_name, read_pool_header
 
 __all__ = ["StoreServer"]
 
@@ -133,7 +133,8 @@ class StoreServer(BlockServer):
     # --- pools, one per layout -----------------------------------------------------------------
 
     def _pool_name(self, layout: PoolLayout) -> str:
-        return f"{self.name}-{layout.fingerprint.hex()[:16]}"
+        assert self.name is not None
+        return node_pool_name(self.name, layout.fingerprint)  # what `tpusync shm remove` finds
 
     def _attach_named(self) -> None:
         """Re-attaches the pools a previous run of this node left in ``shm_dir``."""

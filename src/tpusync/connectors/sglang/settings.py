@@ -18,7 +18,7 @@ from typing import Any
 
 import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync.connectors.sglang.events import EventSettings, event_settings
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, UnsafeFileError
 from tpusync.kv import KVStoreConfig
 
 __all__ = ["SGLANG_KEYS", "BackendSettings", "read_settings"]
@@ -76,8 +76,8 @@ class BackendSettings:
         data.setdefault("dram", {"capacity_blocks": int(capacity_pages)})
         try:
             return KVStoreConfig.from_dict(data)
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(f"{WHERE}: {error}") from None
+        except (InvalidArgumentError, UnsafeFileError) as error:  # e.g. an unsafe secret_file
+            raise type(error)(f"{WHERE}: {error}") from None
 
 
 SHARED_SECTIONS = ("store_node", "peer", "shared_fs")  # tiers several processes use at once

@@ -21,7 +21,7 @@ from typing import Any
 
 import tpusync.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync.cluster.registry.server import is_loopback
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, UnsafeFileError
 from tpusync.kv import DiskTier, KVStoreConfig
 from tpusync.kv.config_dict import client_tls, server_tls
 from tpusync.tiers.files import check_directory
@@ -289,8 +289,8 @@ def read_settings(
             data["dram"] = {"capacity_blocks": int(num_blocks)}
     try:
         store = KVStoreConfig.from_dict(data)
-    except InvalidArgumentError as error:
-        raise InvalidArgumentError(f"{WHERE}: {error}") from None
+    except (InvalidArgumentError, UnsafeFileError) as error:  # e.g. an unsafe secret_file
+        raise type(error)(f"{WHERE}: {error}") from None
     if tp_size > 1:
         _check_per_rank(store, tp_size)
     sockets = tuple(

@@ -36,6 +36,9 @@ DEFAULT_SLAB_BYTES = 1 << 30
 MAX_DEFAULT_SLABS = 64
 MAX_SLABS = 4096  # each existing slab keeps a file descriptor open
 MAX_SEQUENCE = 1 << 62  # commit sequence numbers (u8 on disk) never get near this
+# what the pool keeps in memory per slot: its record (64 B), its pin count (8 B), and a free-list
+# entry (a Python int and its pointer, about 36 B)
+MEMORY_PER_SLOT = 128
 
 # magic, version, header bytes, slot bytes, capacity, slab slots, pool id, fingerprint,
 # description length; then the description, then (at HEADER_BYTES - 4) a CRC32 of the rest

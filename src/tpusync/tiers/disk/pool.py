@@ -53,7 +53,8 @@ Files are opened through :mod:`tpusync.tiers._files` (no symlink followed, no bl
 index's or a slab's path is damage like a bad header (a cold start, or the slab's blocks
 dropped); with ``on_mismatch="error"``, and for a directory there, it is an
 :class:`~tpusync.errors.UnsafeFileError` naming the path. The directory itself must be this
-uid's and not writable by group or others. Files are created 0600; a failure to create or
+uid's, not writable by group or others, and not a symlink (its files are opened by path: a link
+could be repointed after the check). Files are created 0600; a failure to create or
 rewrite one while opening is a :class:`~tpusync.errors.TierFullError` or
 :class:`~tpusync.errors.TierIOError` naming it, with no temporary file left.
 
@@ -87,10 +88,13 @@ from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
 from tpusync.tiers.base import BlockTier, Load, LoadStatus
 from tpusync.tiers.disk._format import (
+    _SLAB_NAME,
     DEFAULT_IO_THREADS,
     HEADER_BYTES,
     INDEX_NAME,
     MAX_SLABS,
+    MEMORY_PER_SLOT,
+    RECORD_BYTES,
     _default_slab_slots,
     _is_int,
     _mib,
@@ -100,13 +104,45 @@ from tpusync.tiers.disk._landing import StagingBuffers, lander, segments_of
 from tpusync.tiers.disk._opening import DiskFiles
 from tpusync.tiers.dram import HostPool, Reservation
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.room import check_writable_directory
+from tpusync.tiers.room import check_room, check_writable_directory, held_bytes
 from tpusync.tiers.scatter import Scatter
 from tpusync.tiers.stats import TierStats
 
-__all__ = ["HEADER_BYTES", "DiskPool"]
+__all__ = ["HEADER_BYTES", "DiskPool", "check_disk_capacity"]
 
 log = logging.getLogger("tpusync.tiers")
+
+
+def check_disk_capacity(
+    argument: str,
+    capacity: int,
+    slot_bytes: int,
+    directory: str | os.PathLike[str] | None = None,
+) -> None:
+    """Refuses a disk pool of ``capacity`` slots of ``slot_bytes`` that this host cannot hold,
+    before anything is allocated, naming ``argument``: its index in memory (about
+    ``MEMORY_PER_SLOT`` bytes a slot) against the memory available and, with ``directory``
+    (an existing directory: the pool's own, or where it will be made), its files against the
+    free room of that filesystem, the pool's own files already there counted as room.
+    Raises :class:`~tpusync.errors.TierFullError`."""
+    fix = f"lower {argument} ({capacity} blocks of {slot_bytes} B)"
+    if capacity * MEMORY_PER_SLOT > sys.maxsize:  # beyond any host, even where memory is unknown
+        raise TierFullError(
+            f"{argument}: {capacity} blocks are more than a process can index; {fix}"
+        )
+    check_room(argument, capacity * MEMORY_PER_SLOT, fix=f"{fix}: its index is kept in memory")
+    if directory is None:
+        return
+    own = [Path(directory) / INDEX_NAME]
+    with contextlib.suppress(OSError):
+        own += [p for p in Path(directory).iterdir() if _SLAB_NAME.match(p.name)]
+    check_room(
+        argument,
+        HEADER_BYTES + capacity * (RECORD_BYTES + slot_bytes),
+        directory=directory,
+        held=held_bytes(own),
+        fix=f"{fix}, or give a directory on a larger filesystem",
+    )
 
 
 class DiskPool(DiskFiles, BlockTier):
@@ -192,7 +228,10 @@ class DiskPool(DiskFiles, BlockTier):
         # missing, not a directory, or no file can be made there (a read-only mount, /proc):
         # refused here, naming it, not at the lock file's open
         check_writable_directory("directory", directory)
-        check_directory(os.path.realpath(directory))  # this uid's, not writable by others
+        # this uid's, not writable by others, and no symlink: its holder could repoint it
+        # between this check and the opens of the pool's files, which go by the path
+        check_directory(directory, argument="directory")
+        check_disk_capacity("capacity", int(capacity), layout.slot_bytes)  # before any array
 
         self.layout = layout
         self.capacity = int(capacity)

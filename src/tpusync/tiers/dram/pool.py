@@ -40,7 +40,12 @@ from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_read
 from tpusync.memory.torch_tensors import TorchPool
 from tpusync.tiers._keys import check_keys
 from tpusync.tiers._pool_file import RECORD_DTYPE, PoolGeometry
-from tpusync.tiers._pool_open import ON_MISMATCH, open_named_pool, write_header
+from tpusync.tiers._pool_open import (
+    ON_MISMATCH,
+    check_before_opening,
+    open_named_pool,
+    write_header,
+)
 from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.dram._device_moves import (
@@ -73,7 +78,9 @@ class HostPool(SlotRecords):
       capacity: number of slots (blocks).
       name: None for anonymous memory (gone with the process); a name to live in
         ``shm_dir`` and survive restarts.
-      shm_dir: where named pools live (default /dev/shm).
+      shm_dir: where named pools live (default /dev/shm): a directory (not a symlink) of this
+        uid or root that others may write only if it is sticky, as /dev/shm is; anything else
+        is refused before a file is made (:func:`tpusync.tiers.files.check_shm_dir`).
       on_mismatch: what to do with an existing named pool of another model, block layout or
         size, or one that is damaged or of another format, whose owner is gone: ``"error"``
         (refuse with :class:`~tpusync.errors.PoolFormatError`, naming what differs, and leave
@@ -116,10 +123,12 @@ class HostPool(SlotRecords):
             raise InvalidArgumentError(
                 f"name: {name!r} must be letters, digits, '.', '_' or '-' (at most 101)"
             )
+        geometry = PoolGeometry(layout, capacity)
+        check_before_opening(geometry, name, shm_dir)  # before anything is mapped or made
         self.layout = layout
         self.capacity = capacity
         self.name = name
-        self.geometry = PoolGeometry(layout, capacity)
+        self.geometry = geometry
         self.stats = TierStats(f"dram:{name or 'anonymous'}")
         self._lock = threading.Lock()
         self._fd = -1

@@ -55,8 +55,9 @@ is a miss left in place (a newer host may be using it). I/O errors while reading
 Trust: files are opened through :mod:`tpusync.tiers._files` (no symlink followed, no blocking
 open of a FIFO, an ``fstat`` check): anything but a regular file of this uid that others cannot
 write at a block's path is a corrupt miss like the above (removed, unless it is a directory).
-The directory given, the layout's directory and its fan-out directories must belong to this uid
-and not be writable by group or others (hosts that share the tier run as one uid): anything
+The directory given, the layout's directory and its fan-out directories must belong to this uid,
+not be writable by group or others (hosts that share the tier run as one uid), and not be
+symlinks (give the directory a link points to): anything
 else is an :class:`~tpusync.errors.UnsafeFileError` saying how to fix it. Directories are
 created 0700.
 
@@ -195,7 +196,9 @@ class SharedFsPool(BlockTier):
             raise InvalidArgumentError(
                 f"directory: {path} {what}; create it (or mount the shared filesystem) first"
             )
-        _check_shared_directory(os.path.realpath(path), "directory")
+        # checked where it is, never through a symlink: blocks are opened by path, so a link's
+        # holder could repoint it after this check
+        _check_shared_directory(path, "directory")
         self.layout = layout
         self.directory = path
         self.durability = durability
