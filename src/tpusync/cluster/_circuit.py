@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpusync.errors import InvalidArgumentError, PeerUnavailableError
@@ -64,6 +65,7 @@ class PeerCircuits:
       threshold: consecutive failures that open a circuit (a missed deadline opens it at once).
       first_backoff_s: how long a circuit stays open the first time; it doubles with each
         opening in a row, up to ``longest_backoff_s``.
+      clock: monotonic seconds (tests pass their own, to end a back-off without waiting).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class PeerCircuits:
         threshold: int = DEFAULT_THRESHOLD,
         first_backoff_s: float = DEFAULT_FIRST_BACKOFF_S,
         longest_backoff_s: float = DEFAULT_LONGEST_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(threshold) is not int or threshold < 1:
             raise InvalidArgumentError(f"threshold: expected an int >= 1, got {threshold!r}")
@@ -86,6 +89,7 @@ class PeerCircuits:
                 f"longest_backoff_s: expected at least first_backoff_s ({first_backoff_s}), "
                 f"got {longest_backoff_s}"
             )
+        self._clock = clock
         self.threshold = threshold
         self.first_backoff_s = float(first_backoff_s)
         self.longest_backoff_s = float(longest_backoff_s)
@@ -100,7 +104,7 @@ class PeerCircuits:
             circuit = self._peers.get(address)
             if circuit is None or not circuit.backoff_s:
                 return True
-            return not circuit.probing and time.monotonic() >= circuit.open_until
+            return not circuit.probing and self._clock() >= circuit.open_until
 
     def state(self, address: str) -> str:
         """``"closed"``, ``"open"`` or ``"half-open"`` (its back-off is over)."""
@@ -108,7 +112,7 @@ class PeerCircuits:
             circuit = self._peers.get(address)
             if circuit is None or not circuit.backoff_s:
                 return "closed"
-            return "open" if time.monotonic() < circuit.open_until else "half-open"
+            return "open" if self._clock() < circuit.open_until else "half-open"
 
     def admit(self, address: str) -> None:
         """Lets a request to ``address`` through, or raises :class:`CircuitOpenError` (naming
@@ -118,7 +122,7 @@ class PeerCircuits:
             circuit = self._peers.get(address)
             if circuit is None or not circuit.backoff_s:
                 return
-            now = time.monotonic()
+            now = self._clock()
             if now >= circuit.open_until and not circuit.probing:
                 circuit.probing = True  # this request is the probe
                 return
@@ -151,7 +155,7 @@ class PeerCircuits:
                 if was_open
                 else self.first_backoff_s
             )
-            circuit.open_until = time.monotonic() + circuit.backoff_s
+            circuit.open_until = self._clock() + circuit.backoff_s
 
     def release(self, address: str) -> None:
         """Ends a probe that neither succeeded nor failed (e.g. the request was refused before
