@@ -92,7 +92,9 @@ def _time_left(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
-def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None) -> bytes:
+def _recv_frame(
+    sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None
+) -> bytes:
     (length,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if length > limit:
         raise _ProtocolError(f"a frame of {length} bytes exceeds the limit of {limit}")
