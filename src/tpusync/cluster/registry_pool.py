@@ -50,7 +50,7 @@ class RegistryPool:
       secret: the data plane's shared secret.
       exclude: this node's id (its own blocks are found in its local tiers).
       connections: connections per peer (striping).
-      timeout_s: every socket operation's timeout.
+      timeout_s: each request's deadline (connecting included) and a pull's longest silence.
       tls, insecure: as for :class:`~tpusync.cluster.BlockClient` (TLS off loopback).
       same_host: as for :class:`~tpusync.cluster.BlockClient`: a peer on this host whose pool
         is a named /dev/shm pool is read from its file (False: always over TCP).

@@ -84,7 +84,8 @@ class BlockClient:
     (default: one per address) sockets are opened, path ``i % len(addresses)`` each, and a pull's
     keys are striped over them, one thread per connection.
 
-    Connects and authenticates at once. ``timeout_s`` bounds every socket operation;
+    Connects and authenticates at once. ``timeout_s`` is each control request's deadline
+    (connecting included), a pull's longest silence and a push's timeout per send;
     ``lease_ttl_s`` is asked of the server (which may grant less); a pull stops receiving after
     DEADLINE_FRACTION of the granted TTL (the timing rule of
     :mod:`tpusync.cluster.dataplane.leases`).
