@@ -24,6 +24,7 @@ from tpusync.cluster import (
     BlockClient,
     BlockServer,
     LeaseTable,
+    PeerCircuits,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
     RemotePool,
@@ -693,7 +694,8 @@ def test_client_parser_survives_random_frames(source: HostPool) -> None:
     with (
         HostPool(LAYOUT, 8) as target,
         Scripted(source, secret=SECRET) as server,
-        client_for(server, timeout_s=2) as client,
+        # the parser is under test, not the back-off: a circuit that never opens on damage
+        client_for(server, timeout_s=2, circuits=PeerCircuits(threshold=1 << 30)) as client,
     ):
 
         @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

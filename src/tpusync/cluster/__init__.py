@@ -2,7 +2,8 @@
 and serving a KV store to peers.
 
 Layers of this package (each imports only those before it): the shared connection machinery
-(``_supervisor``, ``_admission``, ``_handshake``, ``_tcp_server``, ``_rpc``; :func:`probe_health`
+(``_supervisor``, ``_circuit``: a :class:`PeerCircuits` per client, ``_admission``,
+``_handshake``, ``_tcp_server``, ``_rpc``; :func:`probe_health`
 is what ``tpusync health`` runs); :mod:`tpusync.cluster.registry`
 (the :class:`Registry` protocol and its backends: :class:`MemoryRegistry`, served by
 :class:`RegistryServer` and reached through :class:`RemoteRegistry`; :class:`RedisRegistry`,
@@ -17,6 +18,7 @@ DRAM as a writable lower tier of a store); :mod:`tpusync.cluster.serving` (a KV 
 peers and listed in a registry).
 """
 
+from tpusync.cluster._circuit import CircuitOpenError, PeerCircuits
 from tpusync.cluster._probe import ServerHealth, probe_health
 from tpusync.cluster._registry_link import RegistryLink
 from tpusync.cluster._tcp_server import BlockServerOptions
@@ -59,6 +61,7 @@ __all__ = [
     "BlockClient",
     "BlockServer",
     "BlockServerOptions",
+    "CircuitOpenError",
     "FrameError",
     "HeldBlocks",
     "Holder",
@@ -67,6 +70,7 @@ __all__ = [
     "LeaseTable",
     "MemoryRegistry",
     "NodeInfo",
+    "PeerCircuits",
     "PeerTier",
     "PeerUnavailableError",
     "PullResult",

@@ -64,12 +64,16 @@ def retry_if_shed(connect: Callable[[], None]) -> None:
         connect()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """``n`` bytes from ``sock``. The buffer grows with what arrives (doubling), not with what
-    was announced: a peer that announces a large frame and sends little holds little."""
+    was announced: a peer that announces a large frame and sends little holds little.
+    ``deadline`` (monotonic seconds) bounds the whole read, so a peer that trickles a byte now
+    and then cannot stretch it (TimeoutError); None: the socket's timeout per read."""
     buf = bytearray(min(n, RECV_STEP))
     got = 0
     while got < n:
+        if deadline is not None:
+            _time_left(sock, deadline)
         if got == len(buf):
             buf.extend(bytes(min(len(buf), n - len(buf))))
         with memoryview(buf) as view:
@@ -80,11 +84,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> bytes:
-    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
+def _time_left(sock: socket.socket, deadline: float) -> None:
+    """Sets ``sock``'s timeout to what is left before ``deadline``; TimeoutError when none."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the request's deadline passed")
+    sock.settimeout(left)
+
+
+def _recv_frame(
+    sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None
+) -> bytes:
+    (length,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if length > limit:
         raise _ProtocolError(f"a frame of {length} bytes exceeds the limit of {limit}")
-    return _recv_exact(sock, length)
+    return _recv_exact(sock, length, deadline)
 
 
 def _frame(obj: Any) -> bytes:
@@ -114,8 +128,8 @@ def _parse_json(data: bytes) -> Any:
         raise _ProtocolError("a frame nests its JSON too deeply") from None
 
 
-def _recv_json(sock: socket.socket, limit: int = MAX_FRAME) -> Any:
-    return _parse_json(_recv_frame(sock, limit))
+def _recv_json(sock: socket.socket, limit: int = MAX_FRAME, deadline: float | None = None) -> Any:
+    return _parse_json(_recv_frame(sock, limit, deadline))
 
 
 def _mac(secret: bytes, role: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
@@ -224,6 +238,7 @@ def client_handshake(
     secret: bytes,
     peer: str,
     on_hello: Callable[[], None] | None = None,
+    deadline: float | None = None,
 ) -> None:
     """The client's side: proves ``secret`` and checks that the server knows it too. ``peer``
     names the server in errors ("the registry server at host:port"); ``on_hello`` is called
@@ -231,8 +246,9 @@ def client_handshake(
     AuthenticationError, :class:`_Shed` (a ConnectionError: the server refused or dropped the
     connection during the handshake, shedding load), :class:`_TransportMismatch` (the server
     speaks TLS and this socket does not), or _ProtocolError / OSError / EOFError for a peer
-    that is not a tpusync server."""
-    hello = _recv_json(sock, HANDSHAKE_FRAME_BYTES)
+    that is not a tpusync server. ``deadline`` (monotonic) bounds the whole handshake
+    (TimeoutError)."""
+    hello = _recv_json(sock, HANDSHAKE_FRAME_BYTES, deadline)
     if not isinstance(hello, dict) or hello.get("hello") != PROTOCOL:
         raise _ProtocolError(f"not a tpusync server: {hello!r:.200}")
     if hello.get("tls") == "required" and not isinstance(sock, ssl.SSLSocket):
@@ -249,11 +265,13 @@ def client_handshake(
     if nonce_s is None:
         raise _ProtocolError("the server's nonce is malformed")
     nonce_c = secrets.token_bytes(NONCE_BYTES)
+    if deadline is not None:
+        _time_left(sock, deadline)
     _send_json(
         sock, {"nonce": nonce_c.hex(), "mac": _mac(secret, b"client", nonce_s, nonce_c).hex()}
     )
     try:
-        answer = _recv_json(sock, HANDSHAKE_FRAME_BYTES)
+        answer = _recv_json(sock, HANDSHAKE_FRAME_BYTES, deadline)
     except (EOFError, ConnectionError) as exc:
         # A server that refuses a secret says so first; one that just closes is shedding load
         # (too many connections authenticating at once, or its deadline passed).

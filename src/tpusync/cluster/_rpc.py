@@ -5,6 +5,11 @@ One loop for both clients: :meth:`RpcConnection.call` reconnects once when the s
 closed the connection (e.g. an idle one it timed out) and maps every failure to the client's
 own error (``unavailable``); an answer the server refused with ``InvalidArgumentError`` is
 raised as that.
+
+``timeout`` is an absolute deadline per request, not per system call: connecting, TLS, the
+handshake, the request, its answer and the one reconnection all fit in it. (A deadline per
+system call let a peer that trickles a byte now and then, or a reconnect after a timeout,
+stretch one request many times over: TPU Sync's issue #888 added such timeouts up to 48 min.)
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import json
 import socket
 import ssl
 import threading
+import time
 from typing import Any
 
 from tpusync.cluster._handshake import (
     _ProtocolError,
     _recv_json,
     _send_frame,
+    _time_left,
     _TransportMismatch,
     client_handshake,
     retry_if_shed,
@@ -36,8 +43,8 @@ class RpcConnection:
     Args:
       remote: the server's (host, port); ``local``: the (host, port) to bind first, or None.
       peer: the server in error messages (``"the registry server at host:port"``).
-      secret, timeout, tls: the handshake's secret, every socket operation's timeout, and
-        the client-side TLS context (or None).
+      secret, timeout, tls: the handshake's secret, each request's deadline (connecting
+        included; seconds from its start) and the client-side TLS context (or None).
       unavailable: the error raised when the server cannot be reached or failed a request;
         ``lost``: its subclass for a connection the server closed (one reconnect is worth it);
         ``unknown_method``: its subclass for a method the server does not know (None:
@@ -75,6 +82,8 @@ class RpcConnection:
         # behind it and wait out a whole timeout on a peer nobody listens to any more)
         self._state = threading.Lock()
         self._next_id = 0
+        # the deadline of the request in progress (monotonic), read by every step of it
+        self._deadline: float | None = None
 
     # --- the connection ---------------------------------------------------------------------
 
@@ -110,19 +119,43 @@ class RpcConnection:
         return False
 
     def connect(self) -> None:
-        """Connects and authenticates (once more when the server shed the first try)."""
-        retry_if_shed(self._connect_once)
+        """Connects and authenticates (once more when the server shed the first try), all
+        within the deadline of the request in progress, else within ``timeout``."""
+        with self._deadline_set():
+            retry_if_shed(self._connect_once)
+
+    @contextlib.contextmanager
+    def _deadline_set(self) -> Any:
+        """Starts a request's deadline unless one is running (the outermost call sets it)."""
+        if self._deadline is not None:
+            yield
+            return
+        self._deadline = time.monotonic() + self._timeout
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+    def _left(self) -> float:
+        """Seconds left before the request's deadline (``unavailable`` when none)."""
+        left = (self._deadline or 0.0) - time.monotonic()
+        if left <= 0:
+            raise self._unavailable(
+                f"{self.peer} did not answer within {self._timeout:g} s (the request's deadline)"
+            ) from TimeoutError("the request's deadline passed")
+        return left
 
     def _connect_once(self) -> None:
+        left = self._left()
         try:
-            sock = socket.create_connection(
-                self.remote, timeout=self._timeout, source_address=self.local
-            )
+            sock = socket.create_connection(self.remote, timeout=left, source_address=self.local)
         except OSError as exc:
             raise self._unavailable(f"cannot connect to {self.peer}: {exc}") from exc
         try:
             self._publish(sock, connected=False)  # close() from another thread reaches it
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            assert self._deadline is not None
+            _time_left(sock, self._deadline)  # TLS's handshake waits on the socket's timeout
             if self._tls is not None:
                 try:
                     sock = self._tls.wrap_socket(sock, server_hostname=self.remote[0])
@@ -130,7 +163,8 @@ class RpcConnection:
                     raise tls_mismatch(self.peer, exc) or exc from None
                 self._publish(sock, connected=False)
             self._tune(sock)
-            client_handshake(sock, self._secret, self.peer)
+            client_handshake(sock, self._secret, self.peer, deadline=self._deadline)
+            sock.settimeout(self._timeout)  # the deadline's rest is for this request only
             self._publish(sock, connected=True)
             self._greet()
         except (AuthenticationError, InvalidArgumentError, self._unavailable):
@@ -189,12 +223,13 @@ class RpcConnection:
     def call(self, method: str, params: dict[str, Any]) -> Any:
         """One request and its result, on a fresh connection once more when the server had
         closed this one (a retried request must be safe to repeat: every control request is)."""
-        self.ensure()
-        try:
-            return self.call_once(method, params)
-        except self._lost:
+        with self._deadline_set():
             self.ensure()
-            return self.call_once(method, params)
+            try:
+                return self.call_once(method, params)
+            except self._lost:
+                self.ensure()
+                return self.call_once(method, params)
 
     def call_once(self, method: str, params: dict[str, Any]) -> Any:
         """One JSON request and its result on the open connection. Raises ``lost`` (the
@@ -205,25 +240,31 @@ class RpcConnection:
         if sock is None:
             raise self._unavailable(f"not connected to {self.peer}")
         rid = self.next_id()
-        try:
-            if sock.gettimeout() != self._timeout:  # another user of the socket changed it
-                sock.settimeout(self._timeout)
-            self.send_request(rid, method, params)
-            response = _recv_json(sock)
-        except TimeoutError as exc:
-            self.drop()
-            raise self._unavailable(
-                f"{self.peer} did not answer {method} within {self._timeout:g} s"
-            ) from exc
-        except (OSError, EOFError) as exc:
-            self.drop()
-            lost = isinstance(exc, EOFError | ConnectionError)
-            raise (self._lost if lost else self._unavailable)(
-                f"lost the connection to {self.peer} during {method}: {exc!r}"
-            ) from exc
-        except _ProtocolError as exc:
-            self.drop()
-            raise self._unavailable(f"{self.peer} broke the protocol: {exc}") from exc
+        with self._deadline_set():
+            deadline = self._deadline
+            assert deadline is not None
+            try:
+                _time_left(sock, deadline)  # the send's timeout: what the request has left
+                self.send_request(rid, method, params)
+                response = _recv_json(sock, deadline=deadline)
+            except TimeoutError as exc:
+                self.drop()
+                raise self._unavailable(
+                    f"{self.peer} did not answer {method} within {self._timeout:g} s"
+                ) from exc
+            except (OSError, EOFError) as exc:
+                self.drop()
+                lost = isinstance(exc, EOFError | ConnectionError)
+                raise (self._lost if lost else self._unavailable)(
+                    f"lost the connection to {self.peer} during {method}: {exc!r}"
+                ) from exc
+            except _ProtocolError as exc:
+                self.drop()
+                raise self._unavailable(f"{self.peer} broke the protocol: {exc}") from exc
+            finally:
+                if self.sock is sock:  # the data plane reads this socket with its own waits
+                    with contextlib.suppress(OSError):
+                        sock.settimeout(self._timeout)
         if not isinstance(response, dict) or response.get("id") != rid:
             self.drop()
         return self.result(response, rid, method)

@@ -5,6 +5,13 @@ holder (the first live one by node id, other than this node) over the data plane
 the target DRAM slots, verified like every pull (:class:`~tpusync.cluster.BlockClient`). Clients
 are opened per node on first use, at the node's registered addresses, and kept.
 
+One slow or dead holder never holds up the others: each holder is asked on a thread of its own
+(the last on the caller's), so the other holders' blocks land in their normal time while a
+stalled one waits out its deadline; and each holder's address has a circuit
+(:mod:`tpusync.cluster._circuit`): after a missed deadline or consecutive failures it is not
+asked (its blocks are misses at once, or come from another live holder) until a probe after
+its back-off finds it answering again. No lock is held while a client connects.
+
 Give it to a store as ``KVStoreConfig(extra_tiers=(("cluster", RegistryPool(...)),))``: a
 decode process that knows only the registry's address then finds and pulls a prefix that a
 prefill process saved and published (:meth:`tpusync.kv.KVCacheStore.publish_to`).
@@ -17,6 +24,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+from tpusync.cluster._circuit import CircuitOpenError, PeerCircuits
 from tpusync.cluster.dataplane import BlockClient, RemotePool
 from tpusync.cluster.registry.base import Registry, check_keys
 from tpusync.errors import (
@@ -42,10 +50,12 @@ class RegistryPool:
       secret: the data plane's shared secret.
       exclude: this node's id (its own blocks are found in its local tiers).
       connections: connections per peer (striping).
-      timeout_s: every socket operation's timeout.
+      timeout_s: each request's deadline (connecting included) and a pull's longest silence.
       tls, insecure: as for :class:`~tpusync.cluster.BlockClient` (TLS off loopback).
       same_host: as for :class:`~tpusync.cluster.BlockClient`: a peer on this host whose pool
         is a named /dev/shm pool is read from its file (False: always over TCP).
+      circuits: the circuits of the peers' addresses (default: the pool's own, with the
+        default rules of :class:`~tpusync.cluster.PeerCircuits`).
     """
 
     read_only = True
@@ -62,6 +72,7 @@ class RegistryPool:
         tls: ssl.SSLContext | None = None,
         insecure: bool = False,
         same_host: bool = True,
+        circuits: PeerCircuits | None = None,
     ) -> None:
         if not isinstance(registry, Registry):
             raise InvalidArgumentError(
@@ -73,6 +84,11 @@ class RegistryPool:
             )
         if not isinstance(same_host, bool):
             raise InvalidArgumentError(f"same_host: expected True or False, got {same_host!r}")
+        if circuits is not None and not isinstance(circuits, PeerCircuits):
+            raise InvalidArgumentError(
+                f"circuits: expected a PeerCircuits or None, got {type(circuits).__name__}"
+            )
+        self.circuits = circuits if circuits is not None else PeerCircuits()
         self.registry = registry
         self.layout = layout
         self.same_host = same_host
@@ -83,6 +99,7 @@ class RegistryPool:
         self._timeout = timeout_s
         self._tls, self._insecure = tls, insecure
         self._peers: dict[str, RemotePool] = {}
+        self._addresses: dict[str, str] = {}  # node id -> its circuit's address
         self._lock = threading.Lock()
         self._local_blocks_before = 0  # read from files by the clients of forgotten peers
 
@@ -104,35 +121,55 @@ class RegistryPool:
         return 0  # not counted: the blocks are other nodes'
 
     def _holder_per_key(self, keys: list[bytes]) -> list[str | None]:
-        return [
-            next((h.node_id for h in held if h.node_id != self._exclude), None)
-            for held in self.registry.holders(keys)
-        ]
+        """Each key's holder to ask: the first live one by node id (not this node) whose
+        circuit lets requests through, else the first one (whose request then fails at once
+        as a miss, or is the probe its circuit lets out)."""
+        out: list[str | None] = []
+        for held in self.registry.holders(keys):
+            nodes = [h.node_id for h in held if h.node_id != self._exclude]
+            usable = (n for n in nodes if self._address_usable(n))
+            out.append(next(usable, nodes[0] if nodes else None))
+        return out
+
+    def _address_usable(self, node_id: str) -> bool:
+        address = self._addresses.get(node_id)
+        return address is None or self.circuits.available(address)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys)
         return [node is not None for node in self._holder_per_key(keys)]
 
     def _peer(self, node_id: str) -> RemotePool | None:
+        """The client of ``node_id``, connected on first use (outside the lock: a peer that
+        does not answer holds up no request to the others); None when the node is gone.
+        Raises CircuitOpenError without connecting while the node's circuit is open."""
         with self._lock:
             peer = self._peers.get(node_id)
-            if peer is not None:
-                return peer
-            node = next((n for n in self.registry.nodes() if n.node_id == node_id), None)
-            if node is None or not node.addresses:
-                return None
-            client = BlockClient(
-                addresses=list(node.addresses),
-                connections=self._connections,
-                secret=self._secret,
-                timeout_s=self._timeout,
-                tls=self._tls,
-                insecure=self._insecure,
-                layout=self.layout,  # a store node serves the layout its client names
-                same_host=self.same_host,
-            )
-            peer = self._peers[node_id] = RemotePool(client, self.layout)
+        if peer is not None:
             return peer
+        node = next((n for n in self.registry.nodes() if n.node_id == node_id), None)
+        if node is None or not node.addresses:
+            return None
+        address = node.addresses[0]
+        with self._lock:
+            self._addresses[node_id] = address
+        client = BlockClient(  # goes through the address's circuit (and connects at once)
+            addresses=list(node.addresses),
+            connections=self._connections,
+            secret=self._secret,
+            timeout_s=self._timeout,
+            tls=self._tls,
+            insecure=self._insecure,
+            layout=self.layout,  # a store node serves the layout its client names
+            same_host=self.same_host,
+            circuits=self.circuits,
+        )
+        fresh = RemotePool(client, self.layout)
+        with self._lock:
+            peer = self._peers.setdefault(node_id, fresh)
+        if peer is not fresh:  # another thread connected first
+            fresh.close()
+        return peer
 
     def _forget(self, node_id: str) -> None:
         """Closes the client of a peer that failed (the next pull from it connects anew)."""
@@ -156,15 +193,50 @@ class RegistryPool:
         for i, node in enumerate(self._holder_per_key(keys)):
             if node is not None:
                 by_node.setdefault(node, []).append(i)
-        for node, indices in sorted(by_node.items()):
+
+        def from_node(node: str, indices: list[int]) -> tuple[list[bool], int]:
             try:
                 peer = self._peer(node)
                 if peer is None:
-                    continue
-                ok, failed = fetch(peer, indices)
+                    return [False] * len(indices), 0
+                return fetch(peer, indices)
+            except CircuitOpenError:  # not asked: a miss at once (its client may stay)
+                return [False] * len(indices), 0
             except TpuSyncError:  # that peer is gone or refused: its blocks are misses
                 self._forget(node)
-                continue
+                return [False] * len(indices), 0
+
+        # a thread per holder but the last (which runs here): no shared pool that one stalled
+        # holder could fill, and no holder waits for another's deadline
+        work = sorted(by_node.items())
+        answers: dict[str, tuple[list[bool], int]] = {}
+        errors: list[BaseException] = []
+
+        def answer(node: str, indices: list[int]) -> None:
+            try:
+                answers[node] = from_node(node, indices)
+            except BaseException as exc:  # raised on the caller's thread below
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(
+                target=answer, args=(node, indices), name="tpusync-cluster-pull", daemon=True
+            )
+            for node, indices in work[:-1]
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            if work:
+                node, indices = work[-1]
+                answers[node] = from_node(node, indices)
+        finally:
+            for thread in threads:
+                thread.join()
+        if errors:
+            raise errors[0]
+        for node, indices in work:
+            ok, failed = answers.get(node, ([False] * len(indices), 0))
             corrupt += failed
             for i, good in zip(indices, ok, strict=True):
                 loaded[i] = bool(good)

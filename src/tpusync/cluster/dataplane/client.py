@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tpusync.cluster._circuit import PeerCircuits, is_deadline_miss
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._connection import Connection, Deadline
@@ -32,6 +33,7 @@ from tpusync.cluster.dataplane.protocol import (
 from tpusync.cluster.dataplane.stripes import PoolStripe, ScatterStripe, _Stripe
 from tpusync.cluster.registry.base import check_keys
 from tpusync.errors import (
+    AuthenticationError,
     InvalidArgumentError,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
@@ -82,7 +84,8 @@ class BlockClient:
     (default: one per address) sockets are opened, path ``i % len(addresses)`` each, and a pull's
     keys are striped over them, one thread per connection.
 
-    Connects and authenticates at once. ``timeout_s`` bounds every socket operation;
+    Connects and authenticates at once. ``timeout_s`` is each control request's deadline
+    (connecting included), a pull's longest silence and a push's timeout per send;
     ``lease_ttl_s`` is asked of the server (which may grant less); a pull stops receiving after
     DEADLINE_FRACTION of the granted TTL (the timing rule of
     :mod:`tpusync.cluster.dataplane.leases`).
@@ -96,6 +99,13 @@ class BlockClient:
     is a named /dev/shm pool, pulls copy the blocks from its pool file instead of receiving
     them over TCP, verified the same way (:mod:`tpusync.cluster.dataplane.local_reads`);
     :attr:`local_blocks` counts them. False: always TCP.
+
+    ``circuits`` (default: the client's own): the circuit of the server's address
+    (:mod:`tpusync.cluster._circuit`). Every request and pull goes through it: after
+    consecutive failures or a missed deadline, requests fail at once with
+    :class:`~tpusync.cluster.CircuitOpenError` (a PeerUnavailableError) until the back-off is
+    over and one probe succeeds. Pass one :class:`PeerCircuits` to several clients (e.g. one
+    per node of a cluster) to keep each peer's circuit across reconnections.
 
     Raises:
       AuthenticationError: the server and this client do not share ``secret``.
@@ -116,6 +126,7 @@ class BlockClient:
         insecure: bool = False,
         layout: PoolLayout | None = None,
         same_host: bool = True,
+        circuits: PeerCircuits | None = None,
     ) -> None:
         if (address is None) == (addresses is None):
             raise InvalidArgumentError("address, addresses: give exactly one of them")
@@ -141,6 +152,11 @@ class BlockClient:
             )
         if not isinstance(same_host, bool):
             raise InvalidArgumentError(f"same_host: expected True or False, got {same_host!r}")
+        if circuits is not None and not isinstance(circuits, PeerCircuits):
+            raise InvalidArgumentError(
+                f"circuits: expected a PeerCircuits or None, got {type(circuits).__name__}"
+            )
+        self.circuits = circuits if circuits is not None else PeerCircuits()
         self.same_host = same_host
         self._pool_file: PoolFileReader | None = None
         self.local_blocks = 0  # blocks pulled from the server's pool file on this host
@@ -176,8 +192,13 @@ class BlockClient:
         )  # fmt: skip
         self.server_id: str | None = None
         try:
-            for conn in self._conns:
-                conn.connect()
+            with self._circuit() as outcome:
+                for conn in self._conns:
+                    try:
+                        conn.connect()
+                    except BaseException as exc:
+                        outcome.error = exc
+                        raise
         except BaseException:
             self.close()
             raise
@@ -187,6 +208,27 @@ class BlockClient:
         self.server_capacity = int(hello.get("capacity", 0))
         self.writable = hello.get("writable") is True
         self._local_reader()  # maps the server's pool file now, if it may be read
+
+    @contextlib.contextmanager
+    def _circuit(self) -> Iterator[_Outcome]:
+        """Runs one operation through the server's circuit: raises CircuitOpenError at once
+        while it is open; afterwards notes the operation's failure (set ``outcome.error``, or
+        raise) or its success."""
+        self.circuits.admit(self.label)
+        outcome = _Outcome()
+        try:
+            yield outcome
+        except BaseException as exc:
+            outcome.error = outcome.error or exc
+            raise
+        finally:
+            error = outcome.error
+            if error is None:
+                self.circuits.succeeded(self.label)
+            elif _peer_failed(error):
+                self.circuits.failed(self.label, error)
+            else:  # e.g. a refused argument, a full target: no verdict on the peer's health
+                self.circuits.release(self.label)
 
     def _check_same_server(self, conn: Connection) -> None:
         server_id = conn.hello.get("server_id")
@@ -216,7 +258,8 @@ class BlockClient:
     def _call(self, method: str, params: dict[str, Any]) -> Any:
         with self._lock:
             self._check_open()
-            return self._request(self._conns[0], method, params)
+            with self._circuit():
+                return self._request(self._conns[0], method, params)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys)
@@ -259,14 +302,15 @@ class BlockClient:
         stop = threading.Event()
         renewer: threading.Thread | None = None
         try:
-            conn.connect()
             params: dict[str, Any] = {"keys": [k.hex() for k in keys]}
             ttl = self._ttl if ttl_s is None else ttl_s
             if ttl is not None:
                 params["ttl_s"] = ttl
-            lease_id, present, checksums, granted = _check_lease(
-                conn.call("acquire", params), len(keys)
-            )
+            with self._circuit():
+                conn.connect()
+                lease_id, present, checksums, granted = _check_lease(
+                    conn.call("acquire", params), len(keys)
+                )
             held = HeldBlocks(keys, present.tolist(), checksums.tolist())
 
             def renew() -> None:
@@ -314,7 +358,7 @@ class BlockClient:
         self._check_pool(target, "target")
         total = PullResult(loaded=[])
         loaded: dict[bytes, bool] = {}
-        with self._lock:
+        with self._lock, self._circuit() as outcome:
             self._check_open()
             unique = list(dict.fromkeys(keys))
             for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
@@ -324,6 +368,9 @@ class BlockClient:
                 total.local_blocks += part.local_blocks
                 total.released = total.released and part.released
                 total.error = total.error or part.error
+                if _peer_failed(part.error):
+                    outcome.error = part.error
+                    break  # the peer stalled or went: the other batches would wait it out too
         total.loaded = [loaded.get(k, False) for k in keys]
         return total
 
@@ -419,9 +466,12 @@ class BlockClient:
             required = required.astype(np.uint64)
         loaded: list[bool] = []
         corrupt = 0
-        with self._lock:
+        with self._lock, self._circuit() as outcome:
             self._check_open()
             for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
+                if outcome.error is not None:  # the peer stalled or went: the rest are misses
+                    loaded.extend([False] * min(MAX_KEYS_PER_REQUEST, len(keys) - i))
+                    continue
                 batch = keys[i : i + MAX_KEYS_PER_REQUEST]
                 base = np.arange(i, i + len(batch))
 
@@ -441,6 +491,8 @@ class BlockClient:
                 good, _, result = self._receive_leased(batch, stripe, part, land_locally)
                 loaded.extend(good.tolist())
                 corrupt += result.corrupt
+                if _peer_failed(result.error):
+                    outcome.error = result.error
         return loaded, corrupt
 
     def _receive_leased(
@@ -618,7 +670,7 @@ class BlockClient:
         stored: dict[bytes, bool] = {}
         errors: list[BaseException] = []
         carried = False  # some connection had its put accepted
-        with self._lock:
+        with self._lock, self._circuit() as outcome:
             self._check_open()
             unique = list(dict.fromkeys(keys))
             for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
@@ -647,6 +699,9 @@ class BlockClient:
                             errors.append(error)
                 finally:
                     source.unpin(pinned)
+            stalled = [e for e in errors if is_deadline_miss(e)]
+            if stalled or (errors and not carried and not any(stored.values())):
+                outcome.error = (stalled or errors)[0]
         if errors and not carried and not any(stored.values()):
             raise PeerUnavailableError(f"push to {self.label} failed: {errors[0]}") from errors[0]
         for error in errors:
@@ -724,6 +779,21 @@ class BlockClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class _Outcome:
+    """What an operation under a circuit ended with (None: it worked)."""
+
+    error: BaseException | None = None
+
+
+def _peer_failed(error: BaseException | None) -> bool:
+    """Whether ``error`` says the peer failed (cannot be reached, stalled, broke the stream),
+    as opposed to refusing an argument or a secret."""
+    if error is None or isinstance(error, AuthenticationError | InvalidArgumentError):
+        return False
+    return isinstance(error, OSError | EOFError | StreamError | _ProtocolError | wire.FrameError)
 
 
 def _bool_list(answer: Any, field_name: str, n: int) -> list[bool]:

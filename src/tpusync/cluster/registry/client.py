@@ -46,7 +46,8 @@ class RemoteRegistry:
     """A :class:`Registry` served by a :class:`RegistryServer` at ``address`` (``"host:port"``).
 
     Connects (and authenticates both ways) at once; one connection, used under a lock. A broken
-    connection is re-made once per call; every socket operation times out after ``timeout_s``.
+    connection is re-made once per call; each call has one deadline, ``timeout_s`` from its
+    start (connecting and the reconnection included).
 
     Raises:
       AuthenticationError: the server and this client do not share ``secret``.

@@ -28,9 +28,11 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
 from tpusync.tiers.files import make_directory
 
@@ -41,6 +43,7 @@ log = logging.getLogger("tpusync.connectors.vllm")
 MAX_BODY_BYTES = 16 << 20
 MAX_HASHES = 1 << 16  # blocks of one request (1M tokens of 16-token blocks)
 MAX_CONNECTIONS = 8
+ACCEPT_PAUSE_S = 0.05  # after a failed accept (e.g. EMFILE): no busy loop while it lasts
 _HEAD = struct.Struct("<BQH")
 _ANSWER = struct.Struct("<IB")
 _LOOKUP = b"L"[0]
@@ -144,30 +147,71 @@ class LookupServer:
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._accept, name="tpusync-vllm-lookups", daemon=True
+        self._accept_errors = 0  # failed accepts (e.g. EMFILE), for tests and logs
+        self._logged_at = -1e9
+        # the accept loop survives what a peer or the host causes (below); a bug of ours that
+        # ends it anyway restarts it, and one that keeps ending it closes the socket, so the
+        # scheduler's lookups fail at once (misses) instead of waiting on a deaf listener
+        self._loop = SupervisedLoop(
+            self._accept, name="tpusync-vllm-lookups", on_failure=lambda _: self._deafen()
         )
-        self._thread.start()
+        self._loop.start()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The accept loop's last error when it was given up on (None: it serves)."""
+        return self._loop.failure
+
+    def _deafen(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _, uid, _ = struct.unpack("3i", creds)
-            with self._lock:
-                full = len(self._connections) >= MAX_CONNECTIONS
-                if uid != os.getuid() or full or self._closed.is_set():
-                    conn.close()
-                    if uid != os.getuid():
-                        log.warning("tpusync vllm: refused a lookup connection of uid %d", uid)
-                    continue
-                self._connections.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="tpusync-vllm-lookup", daemon=True
-            ).start()
+            except OSError as error:
+                if self._closed.is_set():
+                    return
+                # out of descriptors or memory, or a peer gone before its accept: this peer's
+                # problem or a passing one, not a reason to stop serving the others
+                self._accept_failed(error)
+                self._closed.wait(ACCEPT_PAUSE_S)
+                continue
+            try:
+                self._admit(conn)
+            except Exception as error:  # e.g. no thread could start: this connection only
+                self._accept_failed(error)
+                with self._lock:
+                    self._connections.discard(conn)
+                conn.close()
+
+    def _accept_failed(self, error: BaseException) -> None:
+        self._accept_errors += 1
+        now = time.monotonic()
+        if now - self._logged_at >= 5.0:  # a line per 5 s: EMFILE repeats at every accept
+            self._logged_at = now
+            log.warning(
+                "tpusync vllm: accepting a lookup connection failed (%d so far): %s",
+                self._accept_errors,
+                error,
+            )
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Checks a new connection's uid and room, and serves it on a thread of its own."""
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        with self._lock:
+            full = len(self._connections) >= MAX_CONNECTIONS
+            if uid != os.getuid() or full or self._closed.is_set():
+                conn.close()
+                if uid != os.getuid():
+                    log.warning("tpusync vllm: refused a lookup connection of uid %d", uid)
+                return
+            self._connections.add(conn)
+        threading.Thread(
+            target=self._serve, args=(conn,), name="tpusync-vllm-lookup", daemon=True
+        ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -201,6 +245,7 @@ class LookupServer:
     def close(self) -> None:
         """Stops serving, closes every connection and removes the socket."""
         self._closed.set()
+        self._loop.stop()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -208,7 +253,7 @@ class LookupServer:
             for conn in self._connections:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        self._loop.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
