@@ -10,14 +10,13 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 from engines import (
     BLOCK,
     build_model,
+    choose_prompt,
     engine,
     generate_with,
-    reference_tokens,
     settle,
     transfer_config,
     worker_of,
@@ -28,9 +27,8 @@ from tools import require_tool
 
 from tpusync.testing.processes import start_store_node, stop_process
 
-# every greedy step has a margin (reference_tokens)
-PROMPT = np.random.default_rng(20261248).integers(1, 1000, 300).tolist()
-FULL = (len(PROMPT) - 1) // BLOCK * BLOCK
+PROMPT_TOKENS = 300
+FULL = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +69,9 @@ def test_a_consumer_pulls_from_a_producer_at_another_address_over_tls(
 ) -> None:
     child = remote_front
     with engine(model) as llm:  # one engine alone: the reference
-        reference = reference_tokens(llm, PROMPT)
+        # a prompt chosen here, on this machine's arithmetic: a fixed seed tied at step 7 on
+        # some CPUs of our kind, which no comparison of greedy tokens can survive
+        prompt, reference = choose_prompt(llm, PROMPT_TOKENS, seed=20261248)
     cert, key = _certificate(tmp_path, space.here, space.there)
     flags = ["--host", space.here, "--tls-cert", str(cert), "--tls-key", str(key)]
     node, ready = start_store_node(tmp_path, bytes(range(17, 49)), 16 << 20, flags=flags)
@@ -80,12 +80,12 @@ def test_a_consumer_pulls_from_a_producer_at_another_address_over_tls(
         common = kv_common(tmp_path)
         serve = {"registry": ready["registry"], "host": space.there, "tls_cert": str(cert),
                  "tls_key": str(key), "tls_ca": str(cert)}  # fmt: skip
-        answer = produce_serving(child, model, {**common, "serve": serve}, PROMPT)
+        answer = produce_serving(child, model, {**common, "serve": serve}, prompt)
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
         consume = {**common, "registry": {"address": ready["registry"], "tls_ca": str(cert)}}
         with engine(model, transfer_config(consume, role="kv_consumer")) as consumer:
             ((tokens, cached, _),) = generate_with(
-                consumer, [PROMPT], kv_transfer_params=answer["params"]
+                consumer, [prompt], kv_transfer_params=answer["params"]
             )
             assert (tokens, cached) == (reference, FULL)
             stats = settle(worker_of(consumer))
