@@ -345,9 +345,9 @@ def test_health_says_why_not_in_one_line(
     cases = []
     cases.append(health(capsys, free, "--secret-file", secret))
     with RegistryServer(MemoryRegistry(), secret=SECRET) as plain:
-        wrong = tmp_path / "wrong"
-        wrong.write_text(os.urandom(32).hex())
-        cases.append(health(capsys, plain.address, "--secret-file", str(wrong)))
+        (tmp_path / "other").mkdir()
+        wrong = _secret_file(tmp_path / "other", os.urandom(32))
+        cases.append(health(capsys, plain.address, "--secret-file", wrong))
         cases.append(
             health(capsys, plain.address, "--secret-file", secret, "--tls-ca", str(tls.ca))
         )

@@ -21,6 +21,7 @@ peers and listed in a registry).
 from tpusync.cluster._circuit import CircuitOpenError, PeerCircuits
 from tpusync.cluster._probe import ServerHealth, probe_health
 from tpusync.cluster._registry_link import RegistryLink
+from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster._tcp_server import BlockServerOptions
 from tpusync.cluster.dataplane import (
     BlockClient,
@@ -91,6 +92,7 @@ __all__ = [
     "StoreNodePool",
     "StoreNodeTier",
     "StoreServer",
+    "SupervisedLoop",
     "longest_common_prefix",
     "longest_prefix",
     "probe_health",

@@ -39,6 +39,7 @@ __all__ = [
     "check_dram_room",
     "check_extra_tier_layouts",
     "check_other_pools",
+    "check_skip_blocks",
     "check_tiers",
     "check_token_axis",
 ]
@@ -238,3 +239,11 @@ def check_other_pools(
             f"{[(a.dtype, a.shard_block_shape) for a in layout.arrays]}"
         )
     return list(pools), count
+
+
+def check_skip_blocks(skip_blocks: Any, hit_blocks: int) -> None:
+    """Refuses a ``skip_blocks`` that is not 0 to the hit's number of blocks."""
+    if type(skip_blocks) is not int or not 0 <= skip_blocks <= hit_blocks:
+        raise InvalidArgumentError(
+            f"skip_blocks: expected 0 to the hit's {hit_blocks} blocks, got {skip_blocks!r}"
+        )

@@ -45,7 +45,7 @@ from tpusync.errors import (
 from tpusync.kv._engine_calls import EngineBlockCalls
 from tpusync.kv._handles import OpenHandles, warn_still_open
 from tpusync.kv._loads import load_keys, run_layer_load
-from tpusync.kv._peer_link import PeerLink
+from tpusync.kv._peer_link import PeerLink, watch_removals
 from tpusync.kv._session_calls import SessionCalls
 from tpusync.kv._sessions import SessionManifests
 from tpusync.kv._store_checks import (
@@ -54,6 +54,7 @@ from tpusync.kv._store_checks import (
     check_dram_room,
     check_extra_tier_layouts,
     check_other_pools,
+    check_skip_blocks,
     check_tiers,
     check_token_axis,
 )
@@ -391,11 +392,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
     ) -> LoadResult:
         self._check_open()
         self._check_handle(result)
-        if type(skip_blocks) is not int or not 0 <= skip_blocks <= result.num_blocks:
-            raise InvalidArgumentError(
-                f"skip_blocks: expected 0 to the hit's {result.num_blocks} blocks, got "
-                f"{skip_blocks!r}"
-            )
+        check_skip_blocks(skip_blocks, result.num_blocks)
         count = None
         if pools is not None:
             pools, count = self._other_pools(pools)
@@ -640,22 +637,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         self._registry_link, self._server = link, server
         stack = self._stack
         stack.on_dram_added = link.added
-        disk = stack.names.index("disk") if include_disk and "disk" in stack.names else None
-        if disk is None:
-            stack.on_dram_removed = link.removed
-            return
-
-        def dram_removed(keys: list[bytes]) -> None:  # still served from disk: still listed
-            held = stack.tiers[disk].contains(keys)
-            link.removed([k for k, h in zip(keys, held, strict=True) if not h])
-
-        def lower_removed(tier: int, keys: list[bytes]) -> None:
-            if tier == disk:
-                held = self.dram.contains(keys)
-                link.removed([k for k, h in zip(keys, held, strict=True) if not h])
-
-        stack.on_dram_removed = dram_removed
-        stack.on_lower_removed = lower_removed
+        watch_removals(stack, link, include_disk)
 
     def peer_keys(self, *, include_disk: bool = False) -> list[bytes]:
         """Every key DRAM holds (with ``include_disk``: or the disk tier): what a peer link
@@ -666,11 +648,6 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         return list(keys)
 
     def promote_for_peers(self, keys: list[bytes]) -> None:
-        """Moves the keys a peer is about to lease up into DRAM from local lower tiers (never
-        from other nodes': a peer asking this node must not make it ask the cluster)."""
-        self._promote_for_peers(keys)
-
-    def _promote_for_peers(self, keys: list[bytes]) -> None:
         """Moves the keys a peer is about to lease up into DRAM from local lower tiers (never
         from other nodes': a peer asking this node must not make it ask the cluster)."""
         if self._closed:
@@ -700,8 +677,6 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         _, keys = self._keys(tokens, namespace)
         self.flush()  # saves and queued write-back of these blocks land first
         return self._stack.evict(names.index(tier), keys)
-
-    # --- purge, stats, close ---------------------------------------------------------------
 
     def purge(self, namespace: Namespace | None = None) -> int:
         """Drops every block of ``namespace`` (default: the store's) from every tier, and its

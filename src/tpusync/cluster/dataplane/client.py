@@ -19,6 +19,7 @@ import numpy as np
 from tpusync.cluster._circuit import PeerCircuits, is_deadline_miss
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
 from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane._answers import bool_list, check_lease
 from tpusync.cluster.dataplane._connection import Connection, Deadline
 from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper
 from tpusync.cluster.dataplane._receiving import Link, receive_stripe
@@ -308,7 +309,7 @@ class BlockClient:
                 params["ttl_s"] = ttl
             with self._circuit():
                 conn.connect()
-                lease_id, present, checksums, granted = _check_lease(
+                lease_id, present, checksums, granted = check_lease(
                     conn.call("acquire", params), len(keys)
                 )
             held = HeldBlocks(keys, present.tolist(), checksums.tolist())
@@ -523,7 +524,7 @@ class BlockClient:
             if reader is not None:
                 params["slots"] = True
             lease = self._request(lease_conn, "acquire", params)
-            lease_id, present, expected, ttl = _check_lease(lease, n)
+            lease_id, present, expected, ttl = check_lease(lease, n)
             deadline = Deadline(start + ttl * DEADLINE_FRACTION)
             if required is not None:
                 present = present & (expected == required)
@@ -729,8 +730,8 @@ class BlockClient:
                 conn.drop()  # an idle connection the server had just closed: ask once more
                 self._ensure(conn)
                 rid, answer = conn.send_put(keys, checksums.tolist())
-            accept = _bool_list(answer, "accept", len(keys))
-            present = _bool_list(answer, "present", len(keys))
+            accept = bool_list(answer, "accept", len(keys))
+            present = bool_list(answer, "present", len(keys))
             accepted = True
             assert conn.sock is not None
             source._ensure_populated(slots)  # pages the batch's views will read
@@ -747,7 +748,7 @@ class BlockClient:
                 batch.flush()
             finally:
                 batch.release()
-            done = _bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
+            done = bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
         except (OSError, EOFError, StreamError, _ProtocolError, PeerUnavailableError) as exc:
             conn.drop()  # the stream's position is unknown
             return {}, exc, accepted
@@ -794,40 +795,3 @@ def _peer_failed(error: BaseException | None) -> bool:
     if error is None or isinstance(error, AuthenticationError | InvalidArgumentError):
         return False
     return isinstance(error, OSError | EOFError | StreamError | _ProtocolError | wire.FrameError)
-
-
-def _bool_list(answer: Any, field_name: str, n: int) -> list[bool]:
-    """``answer[field_name]``: a list of ``n`` booleans (a StreamError when malformed)."""
-    value = answer.get(field_name) if isinstance(answer, dict) else None
-    if not isinstance(value, list) or len(value) != n or not all(type(v) is bool for v in value):
-        raise StreamError(f"malformed put answer: {answer!r:.200}")
-    return value
-
-
-def _check_lease(lease: Any, n: int) -> tuple[int, np.ndarray, np.ndarray, float]:
-    """The fields of an acquire answer, checked (PeerUnavailableError when malformed)."""
-    try:
-        lease_id = lease["lease"]
-        present = lease["present"]
-        checksums = lease["checksums"]
-        ttl = lease["ttl_s"]
-        if (
-            type(lease_id) is not int
-            or not isinstance(present, list)
-            or not isinstance(checksums, list)
-            or len(present) != n
-            or len(checksums) != n
-            or not all(type(p) is bool for p in present)
-            or not all(type(c) is int and 0 <= c < 2**64 for c in checksums)
-            or not isinstance(ttl, int | float)
-            or not ttl > 0
-        ):
-            raise TypeError
-    except (KeyError, TypeError):
-        raise PeerUnavailableError(f"malformed acquire answer: {lease!r:.200}") from None
-    return (
-        lease_id,
-        np.array(present, dtype=bool),
-        np.array(checksums, dtype=np.uint64),
-        float(ttl),
-    )

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tpusync.cluster._supervisor import SupervisedLoop
+from tpusync.cluster import SupervisedLoop
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
 from tpusync.tiers.files import make_directory
 
