@@ -1,4 +1,4 @@
-"""The programs in examples/ run as they are and check their own results; the README quotes them.
+"""The programs in examples/ run as they are and check their own results; the docs quote them.
 
 Each example runs as a child process (``sys.executable``, in a scratch working directory, with
 TMPDIR there), stopped by its process group's id if it runs past its timeout. It must exit 0,
@@ -16,7 +16,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -100,32 +99,6 @@ def test_example_runs_and_checks_its_result(name: str, tmp_path: Path) -> None:
     left = run_entries("/dev/shm", within=prefix)
     assert not left, f"examples/{name} left {left} in /dev/shm"
     print(f"examples/{name}: {seconds:.1f} s")
-
-
-def _readme_python_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL)]
-
-
-def _is_excerpt(block: str, source: str) -> bool:
-    """Whether ``block`` is a run of whole lines of ``source`` (indentation removed)."""
-    wanted = block.rstrip("\n").splitlines()
-    lines = source.splitlines()
-    for i in range(len(lines) - len(wanted) + 1):
-        window = textwrap.dedent("\n".join(lines[i : i + len(wanted)]))
-        if window.splitlines() == wanted:
-            return True
-    return False
-
-
-def test_readme_python_blocks_are_quoted_from_examples() -> None:
-    blocks = _readme_python_blocks()
-    assert blocks
-    sources = {p.name: p.read_text() for p in EXAMPLES.glob("*.py")}
-    for block in blocks:
-        assert any(_is_excerpt(block, s) for s in sources.values()), (
-            f"this README block is not an excerpt of any examples/*.py:\n{block}"
-        )
 
 
 def test_readme_points_at_every_example() -> None:
