@@ -9,11 +9,16 @@ cd "$repo"
 venv="${TPUSYNC_VENV:-$repo/.venv}"
 loops="${TPUSYNC_STRESS_LOOPS:-$(nproc)}"
 main_tests=(
-    tests/test_cluster_dataplane.py tests/test_cluster_faults.py tests/test_cluster_tls.py
-    tests/test_preauth.py tests/test_fork.py tests/test_crash.py tests/test_weights_processes.py
-    tests/test_trust_loops.py tests/test_peer_isolation.py tests/test_kv_reliability.py
+    tests/test_cluster_faults.py tests/test_cluster_tls.py tests/test_preauth.py
+    tests/test_fork.py tests/test_crash.py tests/test_weights_processes.py
+    tests/test_trust_loops.py tests/test_peer_isolation.py
 )
-vllm_tests=(tests/vllm/test_connector.py)
+# the vLLM tests that follow deadlines and background loads (an engine each: minutes)
+vllm_tests=(
+    tests/vllm/test_lookup_service.py tests/vllm/test_worker_steps.py
+    "tests/vllm/test_connector.py::test_a_request_aborted_while_its_blocks_load_leaks_nothing"
+    "tests/vllm/test_connector.py::test_a_store_node_serves_a_new_engine_and_a_node_gone_is_a_miss"
+)
 pids=()
 stop_loops() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
