@@ -1,7 +1,7 @@
-"""The cluster layer's shape (issue 19): kv imports no cluster; serving a store lives in
-``tpusync.cluster.serving`` (the store's own ``serve`` / ``publish_to`` are deprecated and still
-work); cluster errors live in ``tpusync.errors``; the old module paths warn and give the same
-objects; one options dataclass per server kind; one node-lease rule; no module over 800 lines.
+"""The cluster layer's shape (issue 19): kv imports no cluster, not even inside a function;
+serving a store lives in ``tpusync.cluster.serving`` (the store has no ``serve`` / ``publish_to``
+of its own); cluster errors live in ``tpusync.errors``; the moved modules are gone from their old
+paths; one options dataclass per server kind; one node-lease rule; no module over 800 lines.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def _store(rng: np.random.Generator, model_id: str = "toy-layers") -> object:
 
 
 def test_kv_imports_no_cluster() -> None:
-    """No module of tpusync.kv imports tpusync.cluster at module level, and importing the
-    whole of tpusync.kv loads no cluster module (the deprecated methods import it lazily)."""
+    """No module of tpusync.kv imports tpusync.cluster, at module level or inside a function,
+    and importing the whole of tpusync.kv loads no cluster module."""
     for path in sorted((SRC / "kv").glob("*.py")):
         tree = ast.parse(path.read_text())
-        for node in tree.body:  # module level only: the deprecated methods' lazy import aside
+        for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
@@ -63,7 +63,7 @@ def test_kv_imports_no_cluster() -> None:
     assert json.loads(out.stdout) == []
 
 
-def test_serving_publish_to_and_the_deprecated_method(rng: np.random.Generator) -> None:
+def test_serving_publish_to(rng: np.random.Generator) -> None:
     registry = MemoryRegistry()
     store = _store(rng)
     try:
@@ -75,16 +75,10 @@ def test_serving_publish_to_and_the_deprecated_method(rng: np.random.Generator) 
     finally:
         store.close()
     assert registry.nodes() == []
-    old = _store(rng)
-    try:
-        with pytest.warns(DeprecationWarning, match="tpusync.cluster.serving.publish_to"):
-            old.publish_to(registry, NodeInfo("n3"), ttl_s=30)
-        assert [n.node_id for n in registry.nodes()] == ["n3"]
-    finally:
-        old.close()
+    assert not hasattr(store, "publish_to")  # the store's own spelling is gone (issue 55)
 
 
-def test_serving_serve_and_the_deprecated_method(rng: np.random.Generator) -> None:
+def test_serving_serve(rng: np.random.Generator) -> None:
     registry = MemoryRegistry()
     store = _store(rng)
     try:
@@ -94,13 +88,7 @@ def test_serving_serve_and_the_deprecated_method(rng: np.random.Generator) -> No
     finally:
         store.close()
     assert registry.nodes() == []
-    old = _store(rng)
-    try:
-        with pytest.warns(DeprecationWarning, match="tpusync.cluster.serving.serve"):
-            server = old.serve(registry, "old", secret=SECRET, ttl_s=30)
-        assert [n.addresses for n in registry.nodes()] == [(server.address,)]
-    finally:
-        old.close()
+    assert not hasattr(store, "serve")  # the store's own spelling is gone (issue 55)
 
 
 def test_serving_refuses_a_closed_store_before_listening(rng: np.random.Generator) -> None:
@@ -128,47 +116,6 @@ def test_cluster_errors_live_in_errors(name: str) -> None:
     assert getattr(cluster, name) is cls
     assert issubclass(cls, errors.TpuSyncError)
     assert cls.__module__ == "tpusync.errors"
-
-
-OLD_PATHS = {
-    "tpusync.cluster.wire": ("FrameError", "decode_header", "HEADER_SIZE"),
-    "tpusync.cluster.frames": ("send_buffers", "tune_for_peer"),
-    "tpusync.cluster.leases": ("Lease", "LeaseTable"),
-    "tpusync.cluster.registry_server": (
-        "AuthenticationError",
-        "RegistryServer",
-        "RegistryUnavailableError",
-        "RemoteRegistry",
-        "is_loopback",
-        "check_node",
-    ),
-    "tpusync.cluster.registry_redis": ("RedisRegistry", "RegistryUnavailableError"),
-    "tpusync.cluster.registry_jax": ("JaxRegistry",),
-}
-
-
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_old_module_paths_warn_and_give_the_same_objects(old: str) -> None:
-    code = f"""
-import json, warnings, tpusync.cluster as c, tpusync.errors as e
-import tpusync.cluster.dataplane, tpusync.cluster.registry.server
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import {old} as old
-names = {list(OLD_PATHS[old])!r}
-same = []
-for n in names:
-    new = [getattr(m, n) for m in (c, e, c.dataplane, c.dataplane.wire, c.dataplane.frames,
-           c.dataplane.leases, c.registry, c.registry.server) if hasattr(m, n)]
-    same.append(bool(new) and all(x is getattr(old, n) for x in new))
-print(json.dumps([[str(w.category.__name__) for w in caught], same]))
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    categories, same = json.loads(out.stdout)
-    assert "DeprecationWarning" in categories
-    assert all(same), dict(zip(OLD_PATHS[old], same, strict=True))
 
 
 def test_cluster_all_is_kept() -> None:

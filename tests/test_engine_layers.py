@@ -1,5 +1,5 @@
 """Issue 19, the transfer engine: typed options read once, one Engine interface, one chooser,
-imports that run down the layers (memory < engines < transfer), old spellings that warn."""
+imports that run down the layers (memory < engines < transfer)."""
 
 from __future__ import annotations
 
@@ -132,11 +132,3 @@ def test_info_reads_the_choice_that_transfers_make(arrays, rng) -> None:
     sub_byte = tpusync.DevicePool(jax.numpy.zeros((4, 8), jax.numpy.int4))
     with pytest.raises(NativePathUnavailableError, match="path='native' cannot run here"):
         tpusync.transfer(sub_byte, np.zeros((4, 8), jax.numpy.int4), path="native")
-
-
-def test_old_public_module_spellings_warn() -> None:
-    with pytest.warns(DeprecationWarning, match=r"tpusync\.memory\.device_pool"):
-        from tpusync.device_pool import DevicePool
-    assert DevicePool is tpusync.DevicePool
-    with pytest.warns(DeprecationWarning, match=r"tpusync\.memory\.host_buffer"):
-        assert tpusync.host_buffer.HostBuffer is tpusync.HostBuffer

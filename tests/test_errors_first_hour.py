@@ -242,9 +242,7 @@ def test_tier_docstrings_promise_nothing_that_exists_already():
     stale = ("to come", "will come", "not yet implemented", "coming soon")
     for package in (tpusync.tiers, tpusync.kv):
         names = [package.__name__] + [
-            m.name
-            for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
-            if not m.name.rsplit(".", 1)[-1].endswith("_pool")  # the deprecated shims warn
+            m.name for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
         ]
         for name in names:
             doc = (importlib.import_module(name).__doc__ or "").lower()

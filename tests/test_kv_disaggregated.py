@@ -99,18 +99,11 @@ def test_a_decode_process_with_the_wrong_secret_gets_nothing(
         prefill.close()
 
 
-def test_extra_tiers_are_checked() -> None:
+def test_tier_specs_are_checked() -> None:
     from tpusync.errors import InvalidArgumentError
     from tpusync.kv import DramTier, ExistingTier, KVStoreConfig
 
-    for bad, match in [
-        ((("remote", object()),), r"extra_tiers\[0\]: expected a \(name, LowerTier\)"),
-        (("remote",), r"extra_tiers\[0\]"),
-        ((("disk", None),), r"extra_tiers\[0\]"),
-    ]:
-        with pytest.raises(InvalidArgumentError, match=match):
-            KVStoreConfig("m", 16, DramTier(4), extra_tiers=bad)
-    # the spelling that replaces extra_tiers: tier specs (or ExistingTier for a tier one opened)
+    # tier specs (or ExistingTier for a tier one opened), never a bare tier
     with pytest.raises(InvalidArgumentError, match=r"tiers\[0\]: expected a tier spec"):
         KVStoreConfig("m", 16, DramTier(4), tiers=(object(),))
     with pytest.raises(InvalidArgumentError, match=r"ExistingTier: expected a name and a Lower"):

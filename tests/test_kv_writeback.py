@@ -143,7 +143,7 @@ def assert_shared_serves(
     and loads it bit for bit."""
     kv = Kv(arrays, rng)  # other random bits: a load must overwrite them
     reader = stores(config(tmp_path, 2 * NB), kv.pools)
-    assert reader.config.disk is None
+    assert reader.config.tier("disk") is None
     for n, (tokens, expected) in enumerate(saved):
         hit = reader.lookup(tokens)
         blocks = len(tokens) // BS

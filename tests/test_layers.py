@@ -1,8 +1,9 @@
 """The layer contract (issue 19), read from the source with ``ast``: no module imports another
 package's ``_private`` module or name; no function-local import except an optional heavy
-dependency marked as one (or a documented exemption); no import cycle among tpusync modules at
-module level. The layer order itself is checked by import-linter (``lint-imports``, configured in
-``pyproject.toml``); the last test runs it where it is installed.
+dependency marked as one (or a command the ``tpusync`` command runs); no import cycle among
+tpusync modules, function-local imports included; no deprecation shim. The layer order itself
+is checked by import-linter (``lint-imports``, configured in ``pyproject.toml``, without
+exemptions); the last test runs it where it is installed.
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ LAZY_ALLOWED = {
     # jax's private modules, looked up where used, so a jax that moves them breaks one call
     "jax._src": "private jax internals",
 }
-# The documented exemption: KVCacheStore.serve / .publish_to, deprecated for one release,
-# reach tpusync.cluster.serving lazily because kv imports no cluster.
-LAZY_EXEMPT = {"tpusync.kv": {"tpusync.cluster", "tpusync.cluster.serving"}}
 # The `tpusync` command imports each command's module (and its names) when that command runs,
 # so that --version and --help import no JAX (issue 54).
 LAZY_COMMANDS = {
@@ -49,10 +47,17 @@ LAZY_COMMANDS = {
         "tpusync.tiers.shm_admin",
     )
 }
-# Modules allowed to import private names of other packages: the deprecation shims (their
-# docstring starts with "Deprecated": they re-export what the old path had, for one release),
-# and the fuzzer of the private file formats (it damages their bytes as tests do).
+# Modules allowed to import private names of other packages: the fuzzer of the private file
+# formats (it damages their bytes as tests do).
 PRIVATE_EXEMPT = {"tpusync.testing.file_fuzz"}
+
+
+# Modules with a module ``__getattr__``: only these, to import JAX-heavy names on first use (so
+# that `import tpusync` and the `tpusync` command's --help import no JAX, issue 54), never to
+# forward an old spelling to a new home.
+MODULE_GETATTR = {"tpusync", "tpusync.memory"}
+# What a deprecation path warns with: the package is a pre-release, it keeps none (issue 55).
+DEPRECATION_WARNINGS = {"DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"}
 
 
 @dataclass(frozen=True)
@@ -85,10 +90,6 @@ def _sources() -> dict[str, Path]:
 def _modules() -> dict[str, Path]:
     """Every tpusync module: the Python sources and the native extensions (``.pyx``)."""
     return {**{_module_name(p): p for p in sorted(PACKAGE.rglob("*.pyx"))}, **_sources()}
-
-
-def _is_shim(path: Path) -> bool:
-    return (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Deprecated")
 
 
 def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
@@ -154,11 +155,10 @@ def _owner(dotted: list[str], i: int, modules: dict[str, Path]) -> str:
 def private_violations() -> list[str]:
     """Imports of a ``_private`` module or name from outside the package that owns it."""
     modules = _modules()
-    exempt = PRIVATE_EXEMPT | {name for name, path in _sources().items() if _is_shim(path)}
     bad = []
     for imp in _all_imports():
         dotted = imp.target.split(".")
-        if dotted[0] != "tpusync" or imp.importer in exempt:
+        if dotted[0] != "tpusync" or imp.importer in PRIVATE_EXEMPT:
             continue
         for i, part in enumerate(dotted[1:], start=1):
             if part.startswith("_") and not part.startswith("__"):
@@ -180,8 +180,6 @@ def lazy_violations() -> list[str]:
         )
         if marker is not None and marker in imp.comments:
             continue
-        if imp.target in LAZY_EXEMPT.get(imp.importer.rpartition(".")[0], ()):
-            continue
         commands = LAZY_COMMANDS.get(imp.importer, ())
         if any(imp.target == m or imp.target.startswith(f"{m}.") for m in commands):
             continue
@@ -189,14 +187,37 @@ def lazy_violations() -> list[str]:
     return sorted(set(bad))
 
 
+def scaffolding(name: str, path: Path) -> list[str]:
+    """What of a deprecation path ``path`` holds: a deprecation warning class named, a module
+    ``__getattr__`` outside :data:`MODULE_GETATTR`, a docstring that starts "Deprecated"."""
+    tree = ast.parse(path.read_text())
+    found = []
+    if (ast.get_docstring(tree) or "").startswith("Deprecated"):
+        found.append(f"{name}: a deprecated module")
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            if name not in MODULE_GETATTR:
+                found.append(f"{name}:{node.lineno} defines a module __getattr__")
+    for node in ast.walk(tree):
+        named = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if named in DEPRECATION_WARNINGS:
+            found.append(f"{name}:{node.lineno} names {named}")
+    return found
+
+
+def scaffolding_violations() -> list[str]:
+    return sorted(v for name, path in _sources().items() for v in scaffolding(name, path))
+
+
 def _graph() -> dict[str, set[str]]:
-    """Module-level import edges between tpusync modules, as import-linter counts them:
-    ``from a import b`` imports the module ``a.b`` where there is one, else ``a``."""
+    """Import edges between tpusync modules, function-local imports included, as import-linter
+    counts them: ``from a import b`` imports the module ``a.b`` where there is one, else ``a``.
+    Imports under ``if TYPE_CHECKING:`` are left out (they never run)."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     by_line: dict[tuple[str, int], list[str]] = {}
     for imp in _all_imports():
-        if not imp.local and imp.runs and imp.target.startswith("tpusync"):
+        if imp.runs and imp.target.startswith("tpusync"):
             by_line.setdefault((imp.importer, imp.line), []).append(imp.target)
     for (importer, _), (module, *names) in by_line.items():
         found = {n if n in modules else module for n in names} if names else {module}
@@ -264,6 +285,28 @@ def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
     assert "tpusync._core" in modules and "tpusync._native.copy" in modules
 
 
+def test_the_scaffolding_check_sees_a_shim(tmp_path: Path) -> None:
+    path = tmp_path / "old.py"
+    path.write_text(
+        '"""Deprecated: moved to tpusync.new."""\n'
+        "import warnings\n"
+        "def __getattr__(name):\n"
+        "    warnings.warn(name, DeprecationWarning)\n"
+    )
+    assert scaffolding("tpusync.old", path) == [
+        "tpusync.old: a deprecated module",
+        "tpusync.old:3 defines a module __getattr__",
+        "tpusync.old:4 names DeprecationWarning",
+    ]
+    assert set(_sources()) >= MODULE_GETATTR
+
+
+def test_no_deprecation_shim_warning_or_forwarding_getattr() -> None:
+    """A pre-release keeps no old spellings: no module warns of deprecation, and a module
+    ``__getattr__`` only imports a heavy name on first use (issue 55)."""
+    assert scaffolding_violations() == []
+
+
 def test_no_module_imports_another_packages_private_names() -> None:
     assert private_violations() == []
 
@@ -272,7 +315,7 @@ def test_function_local_imports_are_marked_optional_heavy_dependencies() -> None
     assert lazy_violations() == []
 
 
-def test_no_import_cycle_at_module_level() -> None:
+def test_no_import_cycle_not_even_through_a_function_local_import() -> None:
     assert cycles() == []
 
 
@@ -296,5 +339,5 @@ def test_lint_imports_keeps_the_layer_contract() -> None:
 
 
 if __name__ == "__main__":  # a report of everything the checks find
-    print("\n".join(private_violations() + lazy_violations()))
+    print("\n".join(private_violations() + lazy_violations() + scaffolding_violations()))
     print("\n".join(" -> ".join(c) for c in cycles()))

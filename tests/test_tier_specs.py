@@ -1,6 +1,6 @@
 """Issue 19, the tiers and the store's configuration: lower tiers listed as specs that open
-themselves (store nodes and registries included), the old spelling deprecated, the plain-data
-form of KVStoreConfig, and the tier modules' new homes."""
+themselves (store nodes and registries included), the plain-data form of KVStoreConfig, and
+the tier modules' homes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import secrets
 import ssl
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -176,55 +175,17 @@ def test_cluster_specs_check_their_fields():
             make()
 
 
-def test_the_old_spelling_warns_and_still_works(arrays, rng, tmp_path):
-    disk, shared = directory(tmp_path / "disk"), directory(tmp_path / "shared")
-    new = KVStoreConfig(
-        "toy", CFG.block_size, DramTier(8), tiers=(DiskTier(disk, 16), SharedFsTier(shared))
-    )
-    with pytest.deprecated_call(match=r"tiers=\(DiskTier"):
-        old = KVStoreConfig(
-            "toy",
-            CFG.block_size,
-            DramTier(8),
-            disk=DiskTier(disk, 16),
-            shared_fs=SharedFsTier(shared),
-        )
-    assert old == new and old.disk is None and old.extra_tiers == ()
+def test_an_existing_tier_is_used_as_it_is_and_left_open(arrays, rng):
     below = HostPool(new_layout := PoolLayout.from_pools("toy", model_pools(arrays, rng)), 8)
     try:
-        with pytest.deprecated_call(match="extra_tiers"):
-            config = KVStoreConfig(
-                "toy", CFG.block_size, DramTier(8), extra_tiers=(("ram", below),)
-            )
-        assert config.tiers == (ExistingTier("ram", below),)
+        config = KVStoreConfig(
+            "toy", CFG.block_size, DramTier(8), tiers=(ExistingTier("ram", below),)
+        )
         with KVCacheStore(config, model_pools(arrays, rng)) as store:
             assert store.layout == new_layout and store._stack.names == ["dram", "ram"]
         assert not below.closed  # the caller's to close
     finally:
         below.close()
-    with pytest.raises(InvalidArgumentError, match=r"^disk: give the lower tiers in tiers= only"):
-        KVStoreConfig("toy", 16, DramTier(8), disk=DiskTier(disk, 4), tiers=(SharedFsTier(shared),))
-
-
-def test_the_old_module_paths_warn():
-    for module, name in [("disk_pool", "DiskPool"), ("shared_fs_pool", "SharedFsPool")]:
-        code = (
-            f"import tpusync.tiers as t, tpusync.tiers.{module} as m; assert m.{name} is t.{name}"
-        )
-        result = subprocess.run(
-            [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode != 0 and f"tpusync.tiers.{module} is deprecated" in result.stderr
-        result = subprocess.run(
-            [sys.executable, "-W", "ignore::DeprecationWarning", "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 0, result.stderr
 
 
 def test_the_tiers_share_one_block_transaction():

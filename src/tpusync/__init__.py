@@ -61,20 +61,12 @@ _LAZY = {
     "transfer_batch": "tpusync.transfer",
 }
 
-# Old spellings kept for one release (issue 19, 0.1.0.dev0): reading a name from them warns.
-_MOVED_MODULES = {
-    "device_pool": "tpusync.memory.device_pool",
-    "host_buffer": "tpusync.memory.host_buffer",
-}
-
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # later reads find it without this call
         return value
-    if name in _MOVED_MODULES:  # the shim module warns when a name is read from it
-        return importlib.import_module(f"tpusync.{name}")
     raise AttributeError(f"module 'tpusync' has no attribute {name!r}")
 
 

@@ -12,9 +12,10 @@ stalled one waits out its deadline; and each holder's address has a circuit
 asked (its blocks are misses at once, or come from another live holder) until a probe after
 its back-off finds it answering again. No lock is held while a client connects.
 
-Give it to a store as ``KVStoreConfig(extra_tiers=(("cluster", RegistryPool(...)),))``: a
-decode process that knows only the registry's address then finds and pulls a prefix that a
-prefill process saved and published (:meth:`tpusync.kv.KVCacheStore.publish_to`).
+A store opens one for its spec ``KVStoreConfig(tiers=(RegistryTier(...),))``
+(:class:`~tpusync.cluster.RegistryTier`): a decode process that knows only the registry's
+address then finds and pulls a prefix that a prefill process saved and published
+(:func:`tpusync.cluster.serving.publish_to`).
 """
 
 from __future__ import annotations

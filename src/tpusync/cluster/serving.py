@@ -1,6 +1,5 @@
 """Serving a KV store to peers: list its blocks in a registry (:func:`publish_to`) and serve them
-over the data plane (:func:`serve`). What ``KVCacheStore.publish_to`` / ``.serve`` did (those
-spellings are deprecated); the store takes the registry link as a
+over the data plane (:func:`serve`). The store takes the registry link as a
 :class:`~tpusync.kv._peer_link.PeerLink` (kv imports no cluster)."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from tpusync.tiers.spec import TierContext
 __all__ = [
     "check_block_ids",
     "check_dram_room",
-    "check_extra_tier_layouts",
+    "check_existing_tier_layouts",
     "check_other_pools",
     "check_skip_blocks",
     "check_tiers",
@@ -125,10 +125,10 @@ def _layout_difference(tier: PoolLayout, own: PoolLayout) -> tuple[type[Exceptio
     )
 
 
-def check_extra_tier_layouts(tiers: Sequence[Any], own: PoolLayout) -> None:
-    """Raises (an :class:`InvalidArgumentError`) unless every tier the caller opened (the
-    deprecated ``extra_tiers``) holds blocks of the store's own layout ``own`` (same model id,
-    arrays, dtypes and shapes)."""
+def check_existing_tier_layouts(tiers: Sequence[Any], own: PoolLayout) -> None:
+    """Raises (an :class:`InvalidArgumentError`) unless every tier the caller opened (an
+    :class:`~tpusync.kv.ExistingTier`) holds blocks of the store's own layout ``own`` (same
+    model id, arrays, dtypes and shapes)."""
     for i, spec in enumerate(tiers):
         if not isinstance(spec, ExistingTier):
             continue

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,10 +11,10 @@ from tpusync.errors import InvalidArgumentError
 from tpusync.kv.config_dict import fields_from_dict, fields_to_dict
 from tpusync.kv.keys import DEFAULT_SECRET, MAX_SECRET_BYTES, KeyScheme
 from tpusync.kv.secret import check_secret
-from tpusync.kv.tier_specs import DiskTier, DramTier, ExistingTier, SharedFsTier, positive
+from tpusync.kv.tier_specs import DramTier, positive
 from tpusync.tiers.spec import TierContext, TierSpec
 
-__all__ = ["DiskTier", "DramTier", "KVStoreConfig", "SharedFsTier"]
+__all__ = ["KVStoreConfig"]
 
 WRITEBACK_POLICIES = ("wait", "skip")
 
@@ -45,9 +44,6 @@ class KVStoreConfig:
         development secret: fine for one trusted deployment, but give your own wherever tenants
         or hosts should not be able to compute each other's keys.
       key_scheme: how tokens become keys (default :class:`~tpusync.kv.Blake2bChainKeys`).
-      disk, shared_fs, extra_tiers: deprecated (removed in the next release): give
-        ``tiers=(DiskTier(...), SharedFsTier(...), ...)``. ``extra_tiers`` were ``(name,
-        tier)`` pairs of tiers the caller opened (and closes), after disk and shared FS.
       block_axis: the block axis of every device pool (vLLM's ``(2, num_blocks, ...)``: 1).
       token_axis: the axis of every device pool (counted in the pool's own shape) that holds a
         block's tokens. None: the one after ``block_axis``, as in ``(num_blocks, block_size,
@@ -64,15 +60,12 @@ class KVStoreConfig:
     model_id: str
     block_size: int
     dram: DramTier
-    disk: DiskTier | None = None  # deprecated: tiers=(DiskTier(...), ...)
-    shared_fs: SharedFsTier | None = None  # deprecated: tiers=(..., SharedFsTier(...))
     weight_version: str = "0"
     salt: bytes = b""
     shard_rank: int = 0
     shard_count: int = 1
     secret: bytes = field(default=DEFAULT_SECRET, repr=False)
     key_scheme: KeyScheme | None = None
-    extra_tiers: tuple[tuple[str, Any], ...] = ()  # deprecated: tiers=(StoreNodeTier(...),)
     block_axis: int = 0
     token_axis: int | None = None
     writeback_max_bytes: int = 256 << 20
@@ -90,7 +83,6 @@ class KVStoreConfig:
             raise InvalidArgumentError(
                 f"dram: expected a DramTier(capacity_blocks=...), got {type(self.dram).__name__}"
             )
-        self._take_old_tier_fields()
         self._check_tiers()
         _axis(self.block_axis, "block_axis")
         if self.token_axis is not None:
@@ -118,48 +110,6 @@ class KVStoreConfig:
         # scheme's BLAKE2b takes keys of at most 64 bytes
         at_most = MAX_SECRET_BYTES if self.key_scheme is None else None
         check_secret(self.secret, "secret", at_most=at_most)
-
-    def _take_old_tier_fields(self) -> None:
-        """Folds the deprecated ``disk``, ``shared_fs`` and ``extra_tiers`` into ``tiers``."""
-        old = [n for n in ("disk", "shared_fs", "extra_tiers") if getattr(self, n)]
-        if not old:
-            return
-        if self.tiers:
-            raise InvalidArgumentError(
-                f"{old[0]}: give the lower tiers in tiers= only (not also {', '.join(old)})"
-            )
-        if self.disk is not None and not isinstance(self.disk, DiskTier):
-            raise InvalidArgumentError(
-                f"disk: expected a DiskTier or None, got {type(self.disk).__name__}"
-            )
-        if self.shared_fs is not None and not isinstance(self.shared_fs, SharedFsTier):
-            raise InvalidArgumentError(
-                f"shared_fs: expected a SharedFsTier or None, got {type(self.shared_fs).__name__}"
-            )
-        specs: list[Any] = [t for t in (self.disk, self.shared_fs) if t is not None]
-        for i, entry in enumerate(self.extra_tiers):
-            if not isinstance(entry, tuple) or len(entry) != 2:
-                raise InvalidArgumentError(
-                    f"extra_tiers[{i}]: expected a (name, LowerTier) pair, got {entry!r:.100}"
-                )
-            try:
-                specs.append(ExistingTier(*entry))
-            except InvalidArgumentError:
-                raise InvalidArgumentError(
-                    f"extra_tiers[{i}]: expected a (name, LowerTier) pair, got {entry!r:.100}"
-                ) from None
-        warnings.warn(
-            f"KVStoreConfig({'=..., '.join(old)}=...) is deprecated (removed in the next "
-            "release): give tiers=(DiskTier(...), SharedFsTier(...), ...); other hosts' tiers "
-            "have specs in tpusync.cluster (StoreNodeTier, RegistryTier, PeerTier), and a tier "
-            "you opened yourself is ExistingTier(name, tier)",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        object.__setattr__(self, "tiers", tuple(specs))
-        for name in ("disk", "shared_fs"):
-            object.__setattr__(self, name, None)
-        object.__setattr__(self, "extra_tiers", ())
 
     def _check_tiers(self) -> None:
         if isinstance(self.tiers, list):

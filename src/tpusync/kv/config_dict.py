@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 _SECTIONS: dict[str, type] = {"disk": DiskTier, "shared_fs": SharedFsTier}
-_NOT_PLAIN = ("key_scheme", "tiers", "disk", "shared_fs", "extra_tiers", "dram", "secret")
+_NOT_PLAIN = ("key_scheme", "tiers", "dram", "secret")
 
 
 def register_tier_section(section: str, spec_class: type) -> None:

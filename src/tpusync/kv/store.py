@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -52,7 +51,7 @@ from tpusync.kv._store_checks import (
     check_block_ids,
     check_device_pools,
     check_dram_room,
-    check_extra_tier_layouts,
+    check_existing_tier_layouts,
     check_other_pools,
     check_skip_blocks,
     check_tiers,
@@ -117,7 +116,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         axis = config.block_axis
         check_token_axis(config, self.pools)
         self.layout = PoolLayout.from_pools(config.model_id, self.pools, block_axis=axis)
-        check_extra_tier_layouts(config.tiers, self.layout)
+        check_existing_tier_layouts(config.tiers, self.layout)
         context = dataclasses.replace(config.tier_context, layout=self.layout)
         check_tiers(config, context)  # e.g. a missing directory, a MAC with the default secret
         check_dram_room(config, self.layout)
@@ -136,7 +135,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         self._handles = OpenHandles()  # watched: one dropped unconsumed releases its pins
         self._session_saves: dict[str, SaveFuture] = {}
         self._registry_link: PeerLink | None = None  # see attach_peer_link
-        self._server: Any = None  # the BlockServer of serve()
+        self._server: Any = None  # the BlockServer of tpusync.cluster.serving.serve()
         self._saving: set[SaveFuture] = set()  # saves not yet durable (flush waits for them)
         self._handles_lock = threading.Lock()
         self._counters_lock = threading.Lock()
@@ -585,36 +584,6 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         n = next((i for i, ok in enumerate(in_dram) if not ok), len(hit))
         self._count(prefetched_blocks=n)
         return n
-
-    # --- the cluster ------------------------------------------------------------------------
-
-    def publish_to(self, registry: Any, node: Any, *, ttl_s: float = 10.0) -> None:
-        """Deprecated: use ``tpusync.cluster.serving.publish_to(store, registry, node)``."""
-        warnings.warn(
-            "KVCacheStore.publish_to() is deprecated; use "
-            "tpusync.cluster.serving.publish_to(store, registry, node, ttl_s=...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # The one import of the cluster layer from kv, kept lazy so that kv imports no cluster:
-        # the deprecated spelling of tpusync.cluster.serving.publish_to (removed next release).
-        from tpusync.cluster import serving
-
-        serving.publish_to(self, registry, node, ttl_s=ttl_s)
-
-    def serve(self, registry: Any, node_id: str, **options: Any) -> Any:
-        """Deprecated: use ``tpusync.cluster.serving.serve(store, registry, node_id, ...)``."""
-        warnings.warn(
-            "KVCacheStore.serve() is deprecated; use "
-            "tpusync.cluster.serving.serve(store, registry, node_id, secret=..., ...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # The one import of the cluster layer from kv, kept lazy so that kv imports no cluster:
-        # the deprecated spelling of tpusync.cluster.serving.serve (removed next release).
-        from tpusync.cluster import serving
-
-        return serving.serve(self, registry, node_id, **options)
 
     # --- peers: what tpusync.cluster.serving attaches -----------------------------------------
 

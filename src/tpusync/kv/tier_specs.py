@@ -261,11 +261,11 @@ class SharedFsTier(_DirectoryTier):
 
 @dataclass(frozen=True)
 class ExistingTier:
-    """A lower tier the caller opened and keeps (what the deprecated ``extra_tiers`` pairs
-    were): the store uses it as it is (its layout must be the store's: ``store.layout``) and
-    does not close it. A tier with ``read_only = True`` is only read. Prefer a spec that opens
-    the tier for the store (``StoreNodeTier``, ``RegistryTier`` of :mod:`tpusync.cluster`, or
-    your own :class:`~tpusync.tiers.spec.TierSpec`): no layout to build."""
+    """A lower tier the caller opened and keeps: the store uses it as it is (its layout must be
+    the store's: ``store.layout``) and does not close it. A tier with ``read_only = True`` is
+    only read. Prefer a spec that opens the tier for the store (``StoreNodeTier``,
+    ``RegistryTier`` of :mod:`tpusync.cluster`, or your own
+    :class:`~tpusync.tiers.spec.TierSpec`): no layout to build."""
 
     name: str
     tier: Any

@@ -2,9 +2,10 @@
 
 :class:`StoreServer` is a :class:`~tpusync.cluster.BlockServer` that holds one HostPool per
 block layout, made when the first client names that layout in its hello, and that also accepts
-blocks (``put``). Peers reach it through :class:`StoreNodePool`, a writable lower tier: give it
-to a store as ``KVStoreConfig(extra_tiers=(("node", StoreNodePool(...)),))`` and the store's
-DRAM writes through to the node and demotes its victims there, and loads promote from it.
+blocks (``put``). Peers reach it through :class:`StoreNodePool`, a writable lower tier: a store
+opens one for its spec ``KVStoreConfig(tiers=(StoreNodeTier(...),))``
+(:class:`~tpusync.cluster.StoreNodeTier`), and the store's DRAM writes through to the node and
+demotes its victims there, and loads promote from it.
 
 The extra requests (after the data plane's, see :mod:`tpusync.cluster.dataplane`)::
 
