@@ -25,6 +25,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster.dataplane import wire
+from tpusync.errors import FrameError
 
 FINGERPRINT = bytes(range(16))
 RID = 5
@@ -103,7 +104,7 @@ def one(rng: random.Random) -> str:
                 continue
             ended = f"{kind}: {header.type_name}"
             break
-    except wire.FrameError as exc:
+    except FrameError as exc:
         ended = f"{kind}: refused ({exc.reason})"
     except EOFError:
         ended = f"{kind}: cut off"

@@ -22,6 +22,7 @@ import time
 
 from tpusync import _core
 from tpusync.cluster.dataplane import wire
+from tpusync.errors import FrameError
 
 MAX_PAYLOAD = 1 << 24
 
@@ -79,7 +80,7 @@ def fuzz(iterations: int, seed: int) -> collections.Counter[str]:
         kind, data, origin = one_input(rng)
         try:
             header = wire.decode_header(data, max_payload=MAX_PAYLOAD)
-        except wire.FrameError as exc:
+        except FrameError as exc:
             counts[f"{kind}: refused ({exc.reason})"] += 1
             continue
         except Exception as exc:  # the one thing this script looks for

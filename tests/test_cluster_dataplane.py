@@ -20,20 +20,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpusync.cluster import (
-    AuthenticationError,
     BlockClient,
     BlockServer,
     LeaseTable,
     PeerCircuits,
-    PeerUnavailableError,
-    RemoteOperationUnsupportedError,
     RemotePool,
 )
 from tpusync.cluster.dataplane import Served, wire
 from tpusync.cluster.dataplane._connection import Connection
 from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
 from tpusync.cluster.dataplane.protocol import DEADLINE_FRACTION
-from tpusync.errors import BlocksMissingError, InvalidArgumentError, TierFullError
+from tpusync.errors import (
+    AuthenticationError,
+    BlocksMissingError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    RemoteOperationUnsupportedError,
+    TierFullError,
+)
 from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 

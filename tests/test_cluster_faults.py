@@ -44,13 +44,13 @@ from tpusync.cluster import (
     BlockServer,
     MemoryRegistry,
     NodeInfo,
-    PeerUnavailableError,
     RedisRegistry,
     RegistryPool,
     RegistryServer,
     RemotePool,
     serving,
 )
+from tpusync.errors import PeerUnavailableError
 from tpusync.kv import DramTier, ExistingTier, KVCacheStore, KVStoreConfig
 from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout

@@ -33,14 +33,12 @@ from tpusync.cluster import (
     BlockServer,
     MemoryRegistry,
     NodeInfo,
-    PeerUnavailableError,
     RegistryServer,
-    RegistryUnavailableError,
     RemoteRegistry,
 )
 from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES
 from tpusync.cluster.dataplane.protocol import DEADLINE_FRACTION
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import InvalidArgumentError, PeerUnavailableError, RegistryUnavailableError
 from tpusync.tiers import HostPool
 
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from tpusync import _core
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane.wire import FrameError, decode_header, encode_header
-from tpusync.errors import InvalidArgumentError, TpuSyncError
+from tpusync.cluster.dataplane.wire import decode_header, encode_header
+from tpusync.errors import FrameError, InvalidArgumentError, TpuSyncError
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX = 1 << 30

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tpusync import _core
 from tpusync.cluster.dataplane import wire
+from tpusync.errors import FrameError
 
 FINGERPRINT = bytes(range(16))
 RID = 77
@@ -251,7 +252,7 @@ def test_a_damaged_byte_never_yields_a_verified_wrong_block(
             receiver = case.receiver(b.fileno())
             try:
                 ended = case.drive(receiver).frame_type == wire.END
-            except (wire.FrameError, EOFError):  # what the client refuses
+            except (FrameError, EOFError):  # what the client refuses
                 ended = False
             results = receiver.results.tolist()
             assert not (ended and results == [1] * n)  # the damage was seen

@@ -195,9 +195,9 @@ def scaffolding(name: str, path: Path) -> list[str]:
     if (ast.get_docstring(tree) or "").startswith("Deprecated"):
         found.append(f"{name}: a deprecated module")
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            if name not in MODULE_GETATTR:
-                found.append(f"{name}:{node.lineno} defines a module __getattr__")
+        is_getattr = isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+        if is_getattr and name not in MODULE_GETATTR:
+            found.append(f"{name}:{node.lineno} defines a module __getattr__")
     for node in ast.walk(tree):
         named = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
         if named in DEPRECATION_WARNINGS:

@@ -41,19 +41,17 @@ from preauth_child import BLOCKS, LAYOUT, key_for, payload_for
 from tools import self_signed_tls
 
 from tpusync.cluster import (
-    AuthenticationError,
     BlockClient,
     BlockServer,
     MemoryRegistry,
     NodeInfo,
     RegistryServer,
-    RegistryUnavailableError,
     RemoteRegistry,
     StoreNodePool,
     StoreServer,
 )
 from tpusync.cluster.dataplane import wire
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import AuthenticationError, InvalidArgumentError, RegistryUnavailableError
 from tpusync.tiers import HostPool
 
 CHILD = Path(__file__).with_name("preauth_child.py")

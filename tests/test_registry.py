@@ -27,7 +27,6 @@ from jax.errors import JaxRuntimeError
 from tools import require_tool
 
 from tpusync.cluster import (
-    AuthenticationError,
     Holder,
     JaxRegistry,
     MemoryRegistry,
@@ -35,14 +34,18 @@ from tpusync.cluster import (
     RedisRegistry,
     Registry,
     RegistryServer,
-    RegistryUnavailableError,
     RemoteRegistry,
     longest_common_prefix,
     longest_prefix,
 )
 from tpusync.cluster.registry import PrefixRegistry, prefix_of
 from tpusync.cluster.registry._wire import _holders_from_wire, _holders_to_wire
-from tpusync.errors import InvalidArgumentError, TpuSyncError
+from tpusync.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    RegistryUnavailableError,
+    TpuSyncError,
+)
 
 SECRET = b"s" * 32
 HERE = Path(__file__).parent

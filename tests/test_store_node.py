@@ -24,16 +24,19 @@ from tpusync.cluster import (
     BlockClient,
     BlockServer,
     MemoryRegistry,
-    PeerUnavailableError,
     RegistryPool,
-    RemoteOperationUnsupportedError,
     RemoteRegistry,
     StoreNode,
     StoreNodePool,
 )
 from tpusync.cluster._handshake import _send_frame
 from tpusync.cluster.dataplane import wire
-from tpusync.errors import BlocksMissingError, InvalidArgumentError
+from tpusync.errors import (
+    BlocksMissingError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    RemoteOperationUnsupportedError,
+)
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 
 MiB = 1 << 20

@@ -15,7 +15,8 @@ HostPool's blocks, :class:`BlockClient` pulls them into another HostPool under a
 and the data plane); :mod:`tpusync.cluster.store_node` (`tpusync serve`: :class:`StoreNode`
 lends a process's DRAM to peers through a :class:`StoreServer`; :class:`StoreNodePool` is that
 DRAM as a writable lower tier of a store); :mod:`tpusync.cluster.serving` (a KV store served to
-peers and listed in a registry).
+peers and listed in a registry). Its errors (``AuthenticationError``, ``PeerUnavailableError``,
+``RegistryUnavailableError``, ...) are exported once, from :mod:`tpusync.errors`.
 """
 
 from tpusync.cluster._circuit import CircuitOpenError, PeerCircuits
@@ -48,22 +49,12 @@ from tpusync.cluster.registry import (
 from tpusync.cluster.registry_pool import RegistryPool
 from tpusync.cluster.store_node import StoreNode, StoreNodePool, StoreServer
 from tpusync.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier
-from tpusync.errors import (
-    AuthenticationError,
-    FrameError,
-    PeerUnavailableError,
-    RegistryUnavailableError,
-    RemoteOperationUnsupportedError,
-    ServerFailedError,
-)
 
 __all__ = [
-    "AuthenticationError",
     "BlockClient",
     "BlockServer",
     "BlockServerOptions",
     "CircuitOpenError",
-    "FrameError",
     "HeldBlocks",
     "Holder",
     "JaxRegistry",
@@ -73,7 +64,6 @@ __all__ = [
     "NodeInfo",
     "PeerCircuits",
     "PeerTier",
-    "PeerUnavailableError",
     "PullResult",
     "RedisRegistry",
     "Registry",
@@ -81,12 +71,9 @@ __all__ = [
     "RegistryPool",
     "RegistryServer",
     "RegistryTier",
-    "RegistryUnavailableError",
-    "RemoteOperationUnsupportedError",
     "RemotePool",
     "RemoteRegistry",
     "Scatter",
-    "ServerFailedError",
     "ServerHealth",
     "StoreNode",
     "StoreNodePool",

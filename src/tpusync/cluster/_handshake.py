@@ -26,7 +26,7 @@ from typing import Any
 from tpusync.cluster._admission import HANDSHAKE_FRAME_BYTES
 from tpusync.errors import AuthenticationError, InvalidArgumentError
 
-__all__ = ["AuthenticationError", "check_transport", "client_handshake", "parse_address"]
+__all__ = ["check_transport", "client_handshake", "parse_address"]
 
 PROTOCOL = "tpusync-registry"
 VERSION = 1

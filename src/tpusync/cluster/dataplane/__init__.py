@@ -59,24 +59,16 @@ from tpusync.cluster.dataplane.leases import Lease, LeaseTable
 from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
 from tpusync.cluster.dataplane.remote_pool import RemotePool
 from tpusync.cluster.dataplane.server import BlockServer, Served
-from tpusync.errors import (
-    FrameError,
-    PeerUnavailableError,
-    RemoteOperationUnsupportedError,
-)
 from tpusync.tiers.scatter import Scatter
 
 __all__ = [
     "MAX_KEYS_PER_REQUEST",
     "BlockClient",
     "BlockServer",
-    "FrameError",
     "HeldBlocks",
     "Lease",
     "LeaseTable",
-    "PeerUnavailableError",
     "PullResult",
-    "RemoteOperationUnsupportedError",
     "RemotePool",
     "Scatter",
     "Served",

@@ -19,7 +19,7 @@ from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._connection import Connection, Deadline
 from tpusync.cluster.dataplane.protocol import MAX_ERROR_BYTES, StreamError
 from tpusync.cluster.dataplane.stripes import _Stripe
-from tpusync.errors import PeerUnavailableError
+from tpusync.errors import FrameError, PeerUnavailableError
 
 __all__ = ["Link", "receive_stripe"]
 
@@ -48,7 +48,7 @@ def receive_stripe(
             _receive_frames_in_python(conn, lease_id, stripe, deadline, link)
         else:
             _receive_frames_natively(conn, lease_id, stripe, deadline, link)
-    except (OSError, EOFError, wire.FrameError, StreamError, _ProtocolError) as exc:
+    except (OSError, EOFError, FrameError, StreamError, _ProtocolError) as exc:
         error = exc
         conn.drop()  # the stream's position is unknown
     except PeerUnavailableError as exc:

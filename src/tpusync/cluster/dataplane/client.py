@@ -35,6 +35,7 @@ from tpusync.cluster.dataplane.stripes import PoolStripe, ScatterStripe, _Stripe
 from tpusync.cluster.registry.base import check_keys
 from tpusync.errors import (
     AuthenticationError,
+    FrameError,
     InvalidArgumentError,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
@@ -794,4 +795,4 @@ def _peer_failed(error: BaseException | None) -> bool:
     as opposed to refusing an argument or a secret."""
     if error is None or isinstance(error, AuthenticationError | InvalidArgumentError):
         return False
-    return isinstance(error, OSError | EOFError | StreamError | _ProtocolError | wire.FrameError)
+    return isinstance(error, OSError | EOFError | StreamError | _ProtocolError | FrameError)

@@ -43,7 +43,6 @@ __all__ = [
     "MAGIC",
     "MISSING",
     "VERSION",
-    "FrameError",
     "FrameHeader",
     "decode_header",
     "encode_header",

@@ -45,7 +45,7 @@ from tpusync.cluster.registry.base import (
 )
 from tpusync.errors import InvalidArgumentError, RegistryUnavailableError
 
-__all__ = ["RedisRegistry", "RegistryUnavailableError"]
+__all__ = ["RedisRegistry"]
 
 BATCH_KEYS = 1000  # keys per script call (Lua's unpack() and reply sizes stay small)
 

@@ -35,7 +35,13 @@ from tpusync.cluster.store_node._lending import (
     recv_exactly,
     recv_header,
 )
-from tpusync.errors import BlocksMissingError, InvalidArgumentError, PoolFormatError, TpuSyncError
+from tpusync.errors import (
+    BlocksMissingError,
+    FrameError,
+    InvalidArgumentError,
+    PoolFormatError,
+    TpuSyncError,
+)
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.dram import DEFAULT_SHM_DIR, HostPool
 from tpusync.tiers.layout import PoolLayout
@@ -360,7 +366,7 @@ class StoreServer(BlockServer):
         try:
             _send_json(conn, {"id": rid, "result": {"accept": accept, "present": present}})
             verified = self._receive_put(conn, pool, rid, reservation, expected, ok)
-        except wire.FrameError as exc:  # the peer's misbehaviour, not ours: one line, a count
+        except FrameError as exc:  # the peer's misbehaviour, not ours: one line, a count
             pool.abort(reservation)
             self._misbehaved(conn, f"damaged put frame ({exc.reason})", str(exc))
             return False  # the stream's position is lost: close; nothing in flight committed
@@ -406,11 +412,11 @@ class StoreServer(BlockServer):
             """Block ``i`` a frame at a time (its header read here unless given)."""
             header = wire.decode_header(header_bytes or recv_header(conn), max_payload=size)
             if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != keys[i]:
-                raise wire.FrameError(
+                raise FrameError(
                     f"expected the BLOCK frame of {keys[i].hex()} for request {rid}", "stream"
                 )
             if header.payload_length != size:
-                raise wire.FrameError(f"a block of {header.payload_length} B, expected {size}")
+                raise FrameError(f"a block of {header.payload_length} B, expected {size}")
             with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
                 recv_exactly(conn, payload)
             ok[i] = header.fingerprint == pool.layout.fingerprint and header.checksum == int(
@@ -443,7 +449,7 @@ class StoreServer(BlockServer):
     def _check_put_end(rid: int, header_bytes: bytes) -> None:
         header = wire.decode_header(header_bytes, max_payload=0)
         if header.frame_type != wire.END or header.request_id != rid:
-            raise wire.FrameError(f"expected the END frame of request {rid}", "stream")
+            raise FrameError(f"expected the END frame of request {rid}", "stream")
 
     def _reserve(self, lent: Lent, keys: list[bytes]) -> Any:
         """Reserves slots for as many of ``keys`` as fit, first ones first, making room (see
