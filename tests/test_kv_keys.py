@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tpusync.errors import InvalidArgumentError, TpuSyncError
-from tpusync.kv import Blake2bChainKeys, KeyScheme, KVStoreConfig, Namespace
-from tpusync.kv.config import DramTier
+from tpusync.kv import Blake2bChainKeys, DramTier, KeyScheme, KVStoreConfig, Namespace
 from tpusync.kv.keys import DEFAULT_SECRET, KEY_BYTES, TAG_BYTES, check_tokens
 
 SECRET = b"golden-secret"

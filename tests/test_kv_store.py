@@ -1435,9 +1435,7 @@ def test_bad_config(tmp_path):
         (lambda: KVStoreConfig(None, 16, dram), "model_id"),
         (lambda: KVStoreConfig("m", 16, 4), "dram"),
         (lambda: KVStoreConfig("m", 16, DiskTier(tmp_path, 4)), "dram"),
-        (lambda: KVStoreConfig("m", 16, dram, disk=dram), "disk"),
-        (lambda: KVStoreConfig("m", 16, dram, disk=str(tmp_path)), "disk"),
-        (lambda: KVStoreConfig("m", 16, dram, shared_fs=DiskTier(tmp_path, 4)), "shared_fs"),
+        (lambda: KVStoreConfig("m", 16, dram, tiers=(str(tmp_path),)), r"tiers\[0\]"),
         (lambda: KVStoreConfig("m", 16, dram, tiers=(dram,)), r"tiers\[0\]"),
         (lambda: KVStoreConfig("m", 16, dram, tiers=DiskTier(tmp_path, 4)), "tiers"),
         (

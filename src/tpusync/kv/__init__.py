@@ -6,7 +6,7 @@ namespace digest (``Namespace``, ``Blake2bChainKeys``), keeps blocks in DRAM (an
 cached prefix straight into the engine's ``DevicePool``.
 """
 
-from tpusync.kv.config import DiskTier, DramTier, KVStoreConfig, SharedFsTier
+from tpusync.kv.config import KVStoreConfig
 from tpusync.kv.keys import Blake2bChainKeys, KeyScheme, Namespace
 from tpusync.kv.results import (
     LayerLoad,
@@ -18,7 +18,7 @@ from tpusync.kv.results import (
 )
 from tpusync.kv.secret import load_secret
 from tpusync.kv.store import KVCacheStore
-from tpusync.kv.tier_specs import ExistingTier
+from tpusync.kv.tier_specs import DiskTier, DramTier, ExistingTier, SharedFsTier
 
 __all__ = [
     "Blake2bChainKeys",
