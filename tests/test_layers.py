@@ -188,16 +188,28 @@ def lazy_violations() -> list[str]:
 
 
 def scaffolding(name: str, path: Path) -> list[str]:
-    """What of a deprecation path ``path`` holds: a deprecation warning class named, a module
-    ``__getattr__`` outside :data:`MODULE_GETATTR`, a docstring that starts "Deprecated"."""
+    """The signs of a deprecation path in module ``name`` (at ``path``): a docstring that starts
+    "Deprecated", a module ``__getattr__`` outside :data:`MODULE_GETATTR` (and there, a lazy
+    name that ``__all__`` does not list), a deprecation warning class named."""
     tree = ast.parse(path.read_text())
     found = []
     if (ast.get_docstring(tree) or "").startswith("Deprecated"):
         found.append(f"{name}: a deprecated module")
+    assigned = {
+        target.id: node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     for node in tree.body:
         is_getattr = isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
         if is_getattr and name not in MODULE_GETATTR:
             found.append(f"{name}:{node.lineno} defines a module __getattr__")
+        elif is_getattr:  # it may serve only the public names it imports on first use
+            public = set(ast.literal_eval(assigned["__all__"]))
+            lazy = set(ast.literal_eval(assigned["_LAZY"]))
+            found += [f"{name}: __getattr__ serves {n}, not in __all__" for n in lazy - public]
     for node in ast.walk(tree):
         named = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
         if named in DEPRECATION_WARNINGS:
