@@ -12,6 +12,12 @@
 #
 # TPUSYNC_SUITES (default "main vllm sglang") names the suites to run; the others are reported
 # as skipped, and an environment no selected suite needs is not made.
+#
+# The engine suites run beside the main one, each as soon as its environment is made, their
+# output in $logs/NAME-suite.log (printed whole when the main suite is done): each suite keeps
+# about one core busy, so on 2 cores the three take little more than the longest alone.
+# TPUSYNC_SIDE_BY_SIDE=0 runs them one after the other, after the main suite, their output
+# straight to the terminal.
 
 SUITES=(main vllm sglang)
 
@@ -44,6 +50,17 @@ _suites_status() {
     echo failed
 }
 
+# runs suite NAME with OPTIONS..., its output in $logs/NAME-suite.log; writes "EXIT SECONDS" to
+# $logs/NAME-suite.status
+_suites_run_logged() {
+    local name="$1" start code
+    shift
+    start=$(date +%s)
+    "suite_$name" "$@" >"$logs/$name-suite.log" 2>&1 </dev/null
+    code=$?
+    echo "$code $(($(date +%s) - start))" >"$logs/$name-suite.status"
+}
+
 run_suites() {
     set +e  # from here on a failure is recorded, not fatal: every suite runs
     local selected=(${TPUSYNC_SUITES:-${SUITES[*]}})
@@ -67,15 +84,40 @@ run_suites() {
     for name in vllm sglang; do
         _suites_has "$name" "${selected[@]}" && engines+=("$name")
     done
+    local side_by_side=0
+    if _suites_has main "${selected[@]}" && ((${#engines[@]})) \
+        && [[ "${TPUSYNC_SIDE_BY_SIDE:-1}" != 0 ]]; then
+        side_by_side=1
+    fi
     if ((${#engines[@]})); then
-        echo "tpusync: making the environments of ${engines[*]} in the background (logs: $logs)"
-        # one after the other, each in its own subshell (errexit holds there: an asynchronous
-        # command is not one whose status is tested); each writes its exit code beside its log
+        if ((side_by_side)); then
+            echo "tpusync: making the environments of ${engines[*]} in the background, then" \
+                "running their suites there beside the main one (logs: $logs)"
+        else
+            echo "tpusync: making the environments of ${engines[*]} in the background (logs: $logs)"
+        fi
+        # the environments one after the other, each in its own subshell (errexit holds there:
+        # an asynchronous command is not one whose status is tested), each writing its exit
+        # code beside its log; side by side, a suite starts once its environment is made and
+        # the one before it ended (the next environment is made meanwhile)
         (
+            suite_job=""
             for name in "${engines[@]}"; do
                 (set -euo pipefail; make_env "$name") >"$logs/$name-env.log" 2>&1 &
                 wait $! && echo 0 >"$logs/$name-env.status" || echo $? >"$logs/$name-env.status"
+                if ((side_by_side)) && [[ "$(cat "$logs/$name-env.status")" == 0 ]]; then
+                    [[ -z "$suite_job" ]] || wait "$suite_job"
+                    (
+                        echo "tpusync: the $name suite started beside the main one" \
+                            "($logs/$name-suite.log)"
+                        _suites_run_logged "$name" "${options[@]}"
+                        read -r code took <"$logs/$name-suite.status"
+                        echo "tpusync: the $name suite ended (exit $code) after $took s"
+                    ) &
+                    suite_job=$!
+                fi
             done
+            [[ -z "$suite_job" ]] || wait "$suite_job"
         ) &
         env_job=$!
     fi
@@ -92,7 +134,11 @@ run_suites() {
         start=$(date +%s)
         wait "$env_job"
         env_job=""
-        echo "tpusync: waited $(($(date +%s) - start)) s for the engine environments"
+        if ((side_by_side)); then
+            echo "tpusync: waited $(($(date +%s) - start)) s for the engine suites"
+        else
+            echo "tpusync: waited $(($(date +%s) - start)) s for the engine environments"
+        fi
     fi
     for name in vllm sglang; do
         _suites_has "$name" "${selected[@]}" || continue
@@ -103,10 +149,17 @@ run_suites() {
             note[$name]="its environment was not made: $logs/$name-env.log"
             continue
         fi
-        start=$(date +%s)
-        "suite_$name" "${options[@]}"
-        code=$?
-        seconds[$name]=$(($(date +%s) - start))
+        if ((side_by_side)); then
+            echo
+            echo "tpusync: the $name suite's output ($logs/$name-suite.log):"
+            cat "$logs/$name-suite.log"
+            read -r code seconds[$name] <"$logs/$name-suite.status"
+        else
+            start=$(date +%s)
+            "suite_$name" "${options[@]}"
+            code=$?
+            seconds[$name]=$(($(date +%s) - start))
+        fi
         status[$name]=$(_suites_status "$code" "${options[@]}")
         [[ "$code" == 0 ]] || note[$name]="exit $code"
     done

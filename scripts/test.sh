@@ -7,8 +7,10 @@
 # TPUSYNC_SKIP_PLUGINS=1 to skip that download (those tests then skip, unless
 # TPUSYNC_REQUIRE_PLUGINS=1). Options (e.g. -q, -x) go to every run; test paths to the first.
 #
-# Every suite runs whatever the others did; the run ends with one line per suite (passed,
-# failed or skipped, and its seconds) and exits 1 if any failed. TPUSYNC_SUITES="main" (or any
+# Every suite runs whatever the others did; the engine suites run in the background beside
+# the main one, each once its environment is made (their output is printed when the main suite
+# is done; TPUSYNC_SIDE_BY_SIDE=0 runs them after it instead); the run ends with one line per
+# suite (passed, failed or skipped, and its seconds) and exits 1 if any failed. TPUSYNC_SUITES="main" (or any
 # of "main vllm sglang") runs only those: the others are reported skipped, and an engine
 # environment no selected suite needs is not made. The logs of making the engine environments
 # stay in $TPUSYNC_TEST_LOGS (default .test-logs/<date>-<pid>, printed at the start and end).
@@ -22,8 +24,14 @@ logs="${TPUSYNC_TEST_LOGS:-$repo/.test-logs/$(date +%Y%m%d-%H%M%S)-$$}"
 caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
 mkdir -p "$caches/rpc"
 env_job=""
-# an interrupted run stops the environments' build too (its logs stay)
-trap '[[ -z "$env_job" ]] || kill "$env_job" 2>/dev/null || true; rm -rf "$caches"' EXIT
+stop_tree() {  # pid: stops a process and its descendants, children first
+    local child
+    for child in $(pgrep -P "$1" 2>/dev/null); do stop_tree "$child"; done
+    kill "$1" 2>/dev/null || true
+}
+# an interrupted run stops the environments' build and the engine suites beside the main one
+# too (their logs stay)
+trap '[[ -z "$env_job" ]] || stop_tree "$env_job"; rm -rf "$caches"' EXIT
 
 # The engine environments are made (or updated) in the background while the main suite runs:
 # their install is mostly download and unpacking, and would otherwise add its minutes to the run.

@@ -25,16 +25,20 @@ def run_fake(
     exits: dict[str, int] | None = None,
     env_fails: str = "",
     suites: str | None = None,
+    before: dict[str, str] | None = None,
+    side_by_side: bool = True,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Runs ``run_suites ARGS`` with fake steps in ``tmp_path``: each suite exits as ``exits``
-    says (default 0) and writes its arguments to ``calls/<suite>``; ``make_env NAME`` prints a
-    line and fails (halfway, under errexit) for the name ``env_fails``. Returns the run and
-    the calls folder."""
+    """Runs ``run_suites ARGS`` with fake steps in ``tmp_path``: each suite runs the shell
+    commands ``before`` gives it (none by default; exit 9 if they fail), then writes its arguments to
+    ``calls/<suite>``, prints a line and exits as ``exits`` says (default 0); ``make_env
+    NAME`` prints a line and fails (halfway, under errexit) for the name ``env_fails``.
+    Returns the run and the calls folder."""
     exits = {"main": 0, "vllm": 0, "sglang": 0, **(exits or {})}
     calls = tmp_path / "calls"
     calls.mkdir(exist_ok=True)
     steps = "\n".join(
-        f'suite_{name}() {{ echo "$@" >"{calls}/{name}"; return {code}; }}'
+        f"suite_{name}() {{ {{ {(before or {}).get(name, ':')}; }} || return 9; "
+        f'echo "$@" >"{calls}/{name}"; echo "output of {name}"; return {code}; }}'
         for name, code in exits.items()
     )
     driver = f"""set -euo pipefail
@@ -49,7 +53,11 @@ make_env() {{
 source "{SUITES_SH}"
 run_suites "$@"
 """
-    env = {k: v for k, v in os.environ.items() if k != "TPUSYNC_SUITES"}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TPUSYNC_SUITES", "TPUSYNC_SIDE_BY_SIDE")
+    }
+    if not side_by_side:
+        env["TPUSYNC_SIDE_BY_SIDE"] = "0"
     if suites is not None:
         env["TPUSYNC_SUITES"] = suites
     bash = shutil.which("bash")
@@ -144,6 +152,42 @@ def test_a_suite_that_collects_nothing_fails_unless_tests_were_selected(
     done, _ = run_fake(tmp_path, args, exits={"sglang": 5})
     assert summary(done.stdout)["sglang"][0] == status
     assert done.returncode == (1 if status == "failed" else 0)
+
+
+# a fake suite's wait for another's mark: at most 20 s (a run's timeout is 30), then it fails
+WAIT_FOR = 'for _ in $(seq 200); do [[ -e "{mark}" ]] && break; sleep 0.1; done; [[ -e "{mark}" ]]'
+
+
+def test_the_engine_suites_run_beside_the_main_one_and_their_output_is_shown(
+    tmp_path: Path,
+) -> None:
+    """The main suite waits for the vLLM suite's mark: it can only pass if the vLLM suite ran
+    while it was running."""
+    mark = tmp_path / "vllm-ran"
+    before = {"main": WAIT_FOR.format(mark=mark), "vllm": f'touch "{mark}"'}
+    done, calls = run_fake(tmp_path, ["-q"], before=before)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary(done.stdout) == {name: ("passed", "") for name in ("main", "vllm", "sglang")}
+    for name in ("vllm", "sglang"):
+        log = tmp_path / "logs" / f"{name}-suite.log"
+        assert log.read_text() == f"output of {name}\n"  # kept, and printed after the main one
+        assert f"the {name} suite's output ({log}):\noutput of {name}\n" in done.stdout
+    assert done.stdout.index("output of main") < done.stdout.index("output of vllm")
+
+
+def test_a_failed_engine_suite_beside_the_main_one_fails_the_run(tmp_path: Path) -> None:
+    done, _ = run_fake(tmp_path, [], exits={"sglang": 1})
+    assert done.returncode == 1
+    assert summary(done.stdout)["sglang"] == ("failed", "(exit 1)")
+    assert "the sglang suite ended (exit 1)" in done.stdout
+
+
+def test_side_by_side_0_runs_the_engine_suites_after_the_main_one(tmp_path: Path) -> None:
+    mark = tmp_path / "main-done"
+    before = {"main": f'touch "{mark}"', "vllm": f'[[ -e "{mark}" ]]'}  # vLLM fails before it
+    done, _ = run_fake(tmp_path, [], before=before, side_by_side=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (tmp_path / "logs" / "vllm-suite.log").exists()  # its output went straight out
 
 
 def test_test_sh_runs_its_suites_through_suites_sh() -> None:
