@@ -50,6 +50,7 @@ from tpusync.cluster.store_node import StoreNode, StoreNodePool, StoreServer
 from tpusync.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier
 from tpusync.errors import (
     AuthenticationError,
+    DeadlineExceededError,
     FrameError,
     PeerUnavailableError,
     RegistryUnavailableError,
@@ -63,6 +64,7 @@ __all__ = [
     "BlockServer",
     "BlockServerOptions",
     "CircuitOpenError",
+    "DeadlineExceededError",
     "FrameError",
     "HeldBlocks",
     "Holder",

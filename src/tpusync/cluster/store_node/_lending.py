@@ -43,10 +43,13 @@ class Lent:
         clock: Callable[[], float],
         disk: DiskPool | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        *,
+        lease_max_s: float,
     ) -> None:
         self.pool = pool
         self.disk = disk
-        self.served = Served(pool, LeaseTable(pool, clock=clock, on_failure=on_failure))
+        leases = LeaseTable(pool, clock=clock, max_lifetime_s=lease_max_s, on_failure=on_failure)
+        self.served = Served(pool, leases)
         self.lock = threading.Lock()  # making room and reserving, one put at a time
         self.lru: collections.OrderedDict[bytes, None] = collections.OrderedDict.fromkeys(
             pool.keys()

@@ -154,7 +154,11 @@ class StoreServer(BlockServer):
                 layout, header.n_slots, name=self._pool_name(layout), shm_dir=self.shm_dir
             )
             self._lent[layout.fingerprint] = Lent(
-                pool, self._clock, self._open_disk(layout), self._lease_failed
+                pool,
+                self._clock,
+                self._open_disk(layout),
+                self._lease_failed,
+                lease_max_s=self.options.lease_lifetime_s,
             )
             log.info("store node: re-attached %s (%d of %d blocks)", path, pool.used, pool.capacity)
 
@@ -183,7 +187,11 @@ class StoreServer(BlockServer):
                 pool.close()
                 raise
             lent = self._lent[layout.fingerprint] = Lent(
-                pool, self._clock, disk, self._lease_failed
+                pool,
+                self._clock,
+                disk,
+                self._lease_failed,
+                lease_max_s=self.options.lease_lifetime_s,
             )
             if disk is not None and disk.used and self.on_added is not None:
                 self.on_added(disk.keys())  # a restarted node's disk blocks
