@@ -48,7 +48,7 @@ from tpusync.tiers import HostPool
 SECRET = bytes(range(140, 172))
 NODES = 3
 BLOCKS = 512  # per node: 8 MiB, more than the sockets buffer, so the stop lands mid-stream
-IO_TIMEOUT_S = 4.0  # the client's longest silence: the stopped node's deadline
+IO_TIMEOUT_S = 3.0  # the client's longest silence: the stopped node's deadline
 BACKOFF_S = 30.0  # a circuit's first back-off (the clock is the test's: never waited)
 WAIT_S = 30.0  # the longest wait for anything (a margin, not a measurement)
 

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from preauth_child import LAYOUT, key_for, payload_for
 from test_peer_isolation import Clock, fill
+from tools import self_signed_tls
 
 from tpusync import _core
 from tpusync.cluster import (
@@ -158,6 +161,43 @@ def test_a_client_that_keeps_renewing_pins_nothing_past_lease_max_s() -> None:
             assert pool.delete([key_for(1)]) == 1
 
 
+def test_a_slow_reader_of_a_get_holds_its_pins_no_longer_than_lease_max_s() -> None:
+    """A client leases 1 MiB of blocks, asks for them, and reads the stream 1 KiB every 50 ms
+    (never silent for the server's io_timeout_s): the server's get pins every block it sends
+    until the send ends, and a per-send timeout never ended it. Now the get's frames must leave
+    within lease_max_s: the server closes the connection, counts the peer, and the blocks can
+    be deleted while the reader still reads."""
+    keys = [key_for(i) for i in range(64)]
+    with HostPool(LAYOUT, len(keys)) as pool:
+        fill(pool, keys, 0)
+        with (
+            BlockServer(pool, secret=SECRET, lease_ttl_s=0.5, lease_max_s=1.0) as server,
+            BlockClient(server.address, secret=SECRET, same_host=False) as client,
+        ):
+            conn = client._conns[0]  # the protocol by hand: a get nobody reads in time
+            lease = conn.call("acquire", {"keys": [k.hex() for k in keys]})
+            assert conn.sock is not None
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            conn.send_get(lease["lease"], keys)
+            conn.sock.settimeout(TIMEOUT_S)
+            read = deleted = 0
+            deadline = time.monotonic() + WAIT_S
+            while deleted < len(keys):  # pinned by the get (its lease lapses in 0.5 s)
+                assert time.monotonic() < deadline, "the slow reader kept the blocks pinned"
+                time.sleep(TRICKLE_S)
+                chunk = conn.sock.recv(1024)
+                read += len(chunk)
+                deleted += pool.delete(keys)
+                if not chunk:  # the server closed the connection (after it unpinned them)
+                    break
+            assert deleted + pool.delete(keys) == len(keys)
+            assert read < len(keys) * LAYOUT.payload_bytes  # it was cut off mid-stream
+            while "missed a deadline" not in server.refusals():
+                assert time.monotonic() < deadline, server.refusals()
+                time.sleep(TRICKLE_S)
+            conn.drop()
+
+
 @pytest.mark.parametrize(
     "options, match",
     [
@@ -208,10 +248,10 @@ class TricklingStore(BlockServer):
     """A "store node" that accepts every put and then takes its frames a byte every TRICKLE_S
     (a small receive buffer, so the pusher's sends block on it)."""
 
-    def __init__(self, pool: HostPool) -> None:
+    def __init__(self, pool: HostPool, tls: ssl.SSLContext | None) -> None:
         self.stop = threading.Event()
         self.taken = 0
-        super().__init__(pool, secret=SECRET)
+        super().__init__(pool, secret=SECRET, tls=tls)
 
     def _streams(self) -> dict[str, Any]:
         return {**super()._streams(), "put": self._trickle_put}
@@ -229,23 +269,26 @@ class TricklingStore(BlockServer):
         return False
 
 
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "tls"])
 def test_a_trickling_store_cannot_hold_a_push_past_max_push_s(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, encrypted: bool
 ) -> None:
     """Before, each send waited at most timeout_s for room, and a store taking a byte every
     50 ms (never silent that long) held a push of 4 MiB for days. Now the whole push ends at
     max_push_s: its keys are not stored, the miss is logged naming the option, and the store's
-    circuit opens."""
+    circuit opens. Under TLS the frames go out a record at a time, the deadline checked
+    between them."""
+    server_tls, client_tls = self_signed_tls(tmp_path) if encrypted else (None, None)
     limit = 2.0
     keys = [key_for(i) for i in range(256)]  # 4 MiB: far more than the sockets buffer
     circuits = PeerCircuits()
     with HostPool(LAYOUT, len(keys)) as source:
         fill(source, keys, 0)
-        store = TricklingStore(source)
+        store = TricklingStore(source, server_tls)
         try:
             with BlockClient(
                 store.address, secret=SECRET, timeout_s=TIMEOUT_S, max_push_s=limit,
-                same_host=False, circuits=circuits,
+                same_host=False, circuits=circuits, tls=client_tls,
             ) as client:  # fmt: skip
                 assert client.writable
                 started = time.monotonic()

@@ -35,7 +35,7 @@ from tpusync.cluster._handshake import (
     tls_required_frame,
 )
 from tpusync.cluster._supervisor import SupervisedLoop, failure_line
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import DeadlineExceededError, InvalidArgumentError
 
 __all__ = [
     "AuthenticatedTcpServer",
@@ -367,6 +367,8 @@ class AuthenticatedTcpServer:
             conn.settimeout(self._handshake_timeout)
             conn.sendall(reply)
             self._serve_connection(conn)
+        except DeadlineExceededError as exc:  # e.g. it took a get's frames too slowly
+            self._misbehaved(conn, "missed a deadline", str(exc))
         except (OSError, EOFError):
             pass  # the peer went away
         except _ProtocolError as exc:

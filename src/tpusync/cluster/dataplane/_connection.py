@@ -4,6 +4,7 @@ the receive loops that fill slots before a deadline."""
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 import time
@@ -80,12 +81,13 @@ class Connection(RpcConnection):
         return rid
 
     def send_put(
-        self, keys: Sequence[bytes], checksums: Sequence[int], deadline: Deadline
+        self, keys: Sequence[bytes], checksums: Sequence[int], deadline: Deadline | None = None
     ) -> tuple[int, Any]:
         """Sends a ``put`` request and returns its id and the server's answer (which keys it
-        wants), before ``deadline`` (the push's); the blocks follow (``frames.FrameBatch``),
-        then :meth:`finish_put`."""
+        wants), before ``deadline`` (the push's; None: the I/O timeout alone); the blocks
+        follow (``frames.FrameBatch``), then :meth:`finish_put`."""
         assert self.sock is not None
+        deadline = deadline or Deadline(math.inf)
         rid = self.next_id()
         self.sock.settimeout(self._send_wait(deadline))
         params = {"keys": [k.hex() for k in keys], "checksums": [int(c) for c in checksums]}
@@ -100,10 +102,11 @@ class Connection(RpcConnection):
             raise deadline.missed()
         return min(self._timeout, left)
 
-    def _answer(self, rid: int, method: str, deadline: Deadline) -> Any:
+    def _answer(self, rid: int, method: str, deadline: Deadline | None = None) -> Any:
         """Reads the JSON answer to ``rid`` in the middle of a put's stream, within the I/O
         timeout and ``deadline`` (however the server trickles it)."""
         assert self.sock is not None
+        deadline = deadline or Deadline(math.inf)
         wait = self._send_wait(deadline)
         try:
             response = _recv_json(self.sock, deadline=time.monotonic() + wait)
@@ -116,10 +119,11 @@ class Connection(RpcConnection):
                 self.sock.settimeout(self._timeout)
         return self.result(response, rid, method, StreamError)
 
-    def finish_put(self, rid: int, fingerprint: bytes, deadline: Deadline) -> Any:
+    def finish_put(self, rid: int, fingerprint: bytes, deadline: Deadline | None = None) -> Any:
         """Ends a put's blocks and returns the server's answer (which keys it stored), before
         ``deadline``."""
         assert self.sock is not None
+        deadline = deadline or Deadline(math.inf)
         self.sock.settimeout(self._send_wait(deadline))
         self.sock.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
         return self._answer(rid, "put", deadline)
