@@ -34,9 +34,11 @@ from tpusync.cluster import (
     CircuitOpenError,
     LeaseTable,
     PeerCircuits,
+    StoreServer,
 )
 from tpusync.cluster._handshake import _send_json
-from tpusync.cluster.dataplane._deadlines import (
+from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.deadlines import (
     DEFAULT_FLOOR_BYTES_PER_S,
     DEFAULT_FLOOR_S,
     Deadline,
@@ -148,7 +150,7 @@ def test_a_client_that_keeps_renewing_pins_nothing_past_lease_max_s() -> None:
     with HostPool(LAYOUT, 4) as pool:
         fill(pool, [key_for(1)], 1)
         with (
-            BlockServer(pool, secret=SECRET, lease_ttl_s=0.6, lease_max_s=1.5) as server,
+            BlockServer(pool, secret=SECRET, lease_ttl_s=1.5, lease_max_s=3.0) as server,
             BlockClient(server.address, secret=SECRET, same_host=False) as client,
             client.hold([key_for(1)]) as held,
         ):
@@ -305,6 +307,56 @@ def test_a_trickling_store_cannot_hold_a_push_past_max_push_s(
         finally:
             store.stop.set()
             store.close()
+
+
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "tls"])
+def test_a_pusher_that_trickles_holds_a_store_nodes_slots_no_longer_than_lease_max_s(
+    tmp_path: Path, encrypted: bool
+) -> None:
+    """The other side: a client starts a put of 4 blocks (the node reserves their slots) and
+    sends its frames a byte every 50 ms (never silent for the node's io_timeout_s). The node's
+    receive ends at lease_max_s: the reservation is aborted (every slot free again), the peer
+    is counted as one that missed a deadline, and its connection is closed."""
+    server_tls, client_tls = self_signed_tls(tmp_path) if encrypted else (None, None)
+    keys = [key_for(i) for i in range(4)]
+    with (
+        HostPool(LAYOUT, len(keys)) as source,
+        StoreServer(
+            4 << 20, secret=SECRET, lease_ttl_s=1.0, lease_max_s=1.0, tls=server_tls
+        ) as server,
+        BlockClient(
+            server.address, secret=SECRET, layout=LAYOUT, same_host=False, tls=client_tls
+        ) as client,
+    ):
+        fill(source, keys, 0)
+        conn = client._conns[0]  # the protocol by hand: a put whose frames crawl
+        pinned = source.pin(keys)
+        try:
+            rid, answer = conn.send_put(keys, pinned.checksums.tolist())
+            assert answer["accept"] == [True] * len(keys)
+            (pool,) = server.pools
+            assert pool.free == pool.capacity - len(keys)  # reserved for the put
+            size = LAYOUT.payload_bytes
+            header = wire.encode_header(
+                wire.BLOCK, rid, keys[0], LAYOUT.fingerprint, size, int(pinned.checksums[0])
+            )
+        finally:
+            source.unpin(pinned)
+        assert conn.sock is not None
+        deadline = time.monotonic() + WAIT_S
+        for byte in header + payload_for(0):
+            assert time.monotonic() < deadline, "the node waited for the crawling put"
+            try:
+                conn.sock.sendall(bytes([byte]))
+            except OSError:
+                break  # the node closed the connection
+            if "missed a deadline" in server.refusals():
+                break
+            time.sleep(TRICKLE_S)
+        while "missed a deadline" not in server.refusals() or pool.free != pool.capacity:
+            assert time.monotonic() < deadline, (server.refusals(), pool.free)
+            time.sleep(TRICKLE_S)
+        conn.drop()
 
 
 def test_the_native_send_ends_at_its_budget_however_the_peer_trickles() -> None:

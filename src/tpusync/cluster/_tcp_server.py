@@ -125,8 +125,8 @@ class BlockServerOptions(ServerOptions):
       lease_ttl_s: the longest lease granted (a client may ask for less).
       lease_max_s: the longest a lease lives, renewals included: a peer that keeps renewing
         pins blocks no longer (its renewals past it are refused); and the longest a get's frames
-        may take to leave (a peer that reads a byte now and then is closed then). None: 600 s,
-        or ``lease_ttl_s`` if longer.
+        may take to leave, and a store node's put to arrive (a peer that reads or sends a byte
+        now and then is closed then). None: 600 s, or ``lease_ttl_s`` if longer.
       io_timeout_s: a connection idle (or stuck sending) this long is closed.
       clock: the lease table's clock (tests).
     """

@@ -15,7 +15,7 @@ from tpusync import _core
 from tpusync.cluster._handshake import _ProtocolError, _recv_json
 from tpusync.cluster._rpc import RpcConnection
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane._deadlines import Deadline
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import tune_for_peer
 from tpusync.cluster.dataplane.protocol import (
     PROTOCOL,

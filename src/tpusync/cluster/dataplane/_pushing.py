@@ -1,6 +1,6 @@
 """One stripe of a push over one connection: the ``put`` request, the BLOCK frames straight
 from the source's pinned slots, END, and the server's answer, all before the push's one
-deadline (:mod:`tpusync.cluster.dataplane._deadlines`)."""
+deadline (:mod:`tpusync.cluster.dataplane.deadlines`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tpusync.cluster._handshake import _ProtocolError
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._answers import bool_list
 from tpusync.cluster.dataplane._connection import Connection
-from tpusync.cluster.dataplane._deadlines import Deadline
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import FrameBatch
 from tpusync.cluster.dataplane.protocol import StreamError
 from tpusync.errors import PeerUnavailableError

@@ -21,10 +21,10 @@ from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_tran
 from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._answers import check_lease
 from tpusync.cluster.dataplane._connection import Connection
-from tpusync.cluster.dataplane._deadlines import Deadline, check_limit, limit_for
 from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper
 from tpusync.cluster.dataplane._pushing import push_stripe
 from tpusync.cluster.dataplane._receiving import Link, receive_stripe
+from tpusync.cluster.dataplane.deadlines import Deadline, check_limit, limit_for
 from tpusync.cluster.dataplane.frames import slot_addresses
 from tpusync.cluster.dataplane.local_reads import PoolFileReader, lease_slots, whole_slots
 from tpusync.cluster.dataplane.protocol import (
@@ -95,7 +95,7 @@ class BlockClient:
     :mod:`tpusync.cluster.dataplane.leases`), but never past ``max_pull_s`` after the pull
     started; a push ends within ``max_push_s`` (its request, frames and answers together), however
     slowly the server takes them. Either limit defaults (None) to 30 s plus the bytes at
-    32 MiB/s (:mod:`tpusync.cluster.dataplane._deadlines`); a missed one is a
+    32 MiB/s (:mod:`tpusync.cluster.dataplane.deadlines`); a missed one is a
     :class:`~tpusync.errors.DeadlineExceededError` (the pull's keys are False, with
     :attr:`PullResult.error`; a push's keys are False, logged, or PeerUnavailableError from it
     when nothing got through) and opens the server's circuit.
@@ -302,7 +302,9 @@ class BlockClient:
     def hold(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> Iterator[HeldBlocks]:
         """Leases ``keys`` on the server for as long as the ``with`` lasts, renewed every third
         of the TTL on a connection and thread of its own, so that the server keeps them (a
-        weights publisher drops no version a puller holds). Pulls may run meanwhile."""
+        weights publisher drops no version a puller holds), for at most the server's
+        ``lease_max_s``: once it refuses a renewal, :attr:`HeldBlocks.lapsed` turns True. Pulls
+        may run meanwhile."""
         keys = check_keys(keys)
         if len(keys) > MAX_KEYS_PER_REQUEST:
             raise InvalidArgumentError(

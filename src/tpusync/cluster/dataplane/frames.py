@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tpusync import _core
-from tpusync.cluster.dataplane._deadlines import Deadline
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.tiers.blocks import CHECKSUM_SCHEME
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout

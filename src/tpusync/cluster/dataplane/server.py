@@ -14,7 +14,7 @@ from tpusync.cluster._handshake import _error, _recv_json, _send_json
 from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster._tcp_server import AuthenticatedTcpServer, BlockServerOptions, options_of
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane._deadlines import Deadline
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import FrameBatch, send_buffers, tune_for_peer
 from tpusync.cluster.dataplane.leases import LeaseTable
 from tpusync.cluster.dataplane.local_reads import advertised_file

@@ -6,8 +6,8 @@ each renewal the server grants moves on (the timing rule of
 renewals could move it forever. So every pull also has a **cap**: ``max_pull_s`` after it
 started, past which no renewal moves its deadline. A push has one deadline for all its frames
 and answers, ``max_push_s`` after it started (a timeout per send would let a peer that takes a
-byte now and then hold the pusher forever). A server's get has one for its frames too: its
-``lease_max_s``.
+byte now and then hold the pusher forever). A server's get has one for its frames too, and a
+store node's put for its frames to arrive: the server's ``lease_max_s``.
 
 Either limit defaults to :func:`limit_for` the operation's bytes: ``DEFAULT_FLOOR_S`` plus the
 bytes at ``DEFAULT_FLOOR_BYTES_PER_S`` (generous for any link a cluster runs on; a peer slower
