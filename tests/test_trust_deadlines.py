@@ -34,6 +34,7 @@ from tpusync.cluster import (
     CircuitOpenError,
     LeaseTable,
     PeerCircuits,
+    StoreNode,
     StoreServer,
 )
 from tpusync.cluster._handshake import _send_json
@@ -219,6 +220,12 @@ def test_lease_lifetime_defaults() -> None:
     assert BlockServerOptions(secret=SECRET).lease_lifetime_s == 600.0
     assert BlockServerOptions(secret=SECRET, lease_ttl_s=900).lease_lifetime_s == 900.0
     assert BlockServerOptions(secret=SECRET, lease_max_s=30).lease_lifetime_s == 30.0
+    with StoreNode(4 << 20, secret=SECRET, lease_max_s=30.0) as node:  # `serve --lease-max`
+        assert node.server.options.lease_lifetime_s == 30.0
+        with BlockClient(node.address, secret=SECRET, layout=LAYOUT) as client:
+            assert client.writable  # its pool for LAYOUT is made: its leases live 30 s at most
+        (lent,) = node.server._lent.values()
+        assert lent.served.leases.max_lifetime_s == 30.0
 
 
 @pytest.mark.parametrize("option", ["max_pull_s", "max_push_s"])
