@@ -27,6 +27,7 @@ from tpusync.errors import DeadlineExceededError, InvalidArgumentError
 __all__ = [
     "DEFAULT_FLOOR_BYTES_PER_S",
     "DEFAULT_FLOOR_S",
+    "MAX_LIMIT_S",
     "Deadline",
     "check_limit",
     "limit_for",
