@@ -153,6 +153,7 @@ def test_a_stopped_node_holds_up_no_other_and_is_skipped_until_it_answers(
         stopped = nodes[1]
         stop_now = threading.Event()
         was_stopped = threading.Event()
+        stream: list[Any] = []  # node-1's receiver, whose byte count says where it stopped
         receive_frames = Connection.receive_frames
 
         def first_bytes_then_stop(self: Connection, receiver: Any, deadline: Any) -> int:
@@ -161,8 +162,9 @@ def test_a_stopped_node_holds_up_no_other_and_is_skipped_until_it_answers(
                 status = _core.FRAMES_TIMEOUT
                 while not receiver.bytes_read and status == _core.FRAMES_TIMEOUT:
                     assert time.monotonic() < until, "node-1 sent nothing"
-                    status = receiver.run(0.01, IO_TIMEOUT_S)
+                    status = receiver.run(0.0, IO_TIMEOUT_S)  # one read at most
                 os.kill(stopped.pid, signal.SIGSTOP)
+                stream.append(receiver)
                 was_stopped.set()
                 if status != _core.FRAMES_TIMEOUT:
                     return int(status)
@@ -195,6 +197,9 @@ def test_a_stopped_node_holds_up_no_other_and_is_skipped_until_it_answers(
         assert others_landed < 5 * normal + 1.0, (others_landed, normal)
         puller.join(WAIT_S)
         assert not puller.is_alive()
+        whole = BLOCKS * (LAYOUT.payload_bytes + 96)  # its response: a frame per block
+        assert 0 < stream[0].bytes_read < whole  # it stopped mid-stream, and sent no more
+        del stream[:]  # before the memory it landed in may go
         assert len(failed) == 1 and isinstance(failed[0], BlocksMissingError), failed
         loaded = failed[0].loaded
         assert all(loaded[:BLOCKS]) and all(loaded[2 * BLOCKS :])
