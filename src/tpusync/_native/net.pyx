@@ -341,8 +341,6 @@ cdef enum:
     _FRAMES_SILENT = 3
 
 
-
-
 cdef void _block_header(unsigned char *out, uint64_t request_id, const unsigned char *key,
                         size_t key_len, const unsigned char *fingerprint, uint64_t length,
                         uint16_t scheme, uint64_t checksum) noexcept nogil:
