@@ -104,6 +104,7 @@ def test_serving_refuses_a_closed_store_before_listening(rng: np.random.Generato
     "name",
     [
         "AuthenticationError",
+        "DeadlineExceededError",
         "FrameError",
         "PeerUnavailableError",
         "RegistryUnavailableError",

@@ -524,6 +524,8 @@ def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
         (["--dram", "64MiB", "--registry", "http://x"], "--registry: expected"),
         (["--dram", "64MiB", "--tls-cert", "c.pem"], "--tls-cert, --tls-key"),
         (["--dram", "64MiB", "--disk", "/tmp", "--disk-size", "0"], "--disk-size: expected"),
+        (["--dram", "64MiB", "--lease-max", "0"], "--lease-max: expected seconds"),
+        (["--dram", "64MiB", "--lease-max", "5"], "--lease-max: expected at least"),
     ],
 )
 def test_serve_refuses_bad_arguments_clearly(

@@ -8,6 +8,7 @@ __all__ = [
     "BlockIndexError",
     "BlocksHeldError",
     "BlocksMissingError",
+    "DeadlineExceededError",
     "DtypeMismatchError",
     "FrameError",
     "InvalidArgumentError",
@@ -172,6 +173,14 @@ class FrameError(TpuSyncError, ValueError):
 class PeerUnavailableError(TpuSyncError, ConnectionError):
     """A block server cannot be reached, failed the handshake or did not answer; the cause is
     chained."""
+
+
+class DeadlineExceededError(TpuSyncError, TimeoutError):
+    """A pull or push across hosts did not finish before its absolute deadline: the lease's
+    (which only a granted renewal moves on) or the operation's own limit, which nothing moves
+    (``BlockClient(max_pull_s=...)``, ``max_push_s``); the message names the option that set
+    it. A peer that stalls or trickles cannot hold an operation past it; the peer's circuit
+    opens (a missed deadline)."""
 
 
 class RegistryUnavailableError(TpuSyncError, ConnectionError):

@@ -60,6 +60,7 @@ _FLAGS = {
     "registry_port": "--registry-port",
     "node_id": "--node-id",
     "ttl_s": "--ttl",
+    "lease_max_s": "--lease-max",
     "name": "--name",
     "port": "--port",
     "host": "--host",
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--node-id", help="this node's id in the registry")
     parser.add_argument("--ttl", type=float, default=10.0, help="registry lease seconds")
+    parser.add_argument(
+        "--lease-max",
+        type=float,
+        help="the longest a peer may hold a lease on blocks, renewals included, and take to "
+        "read a get or send a put (seconds; default 600)",
+    )
     parser.add_argument("--tls-cert", help="certificate chain (PEM) for TLS")
     parser.add_argument("--tls-key", help="private key (PEM) for TLS")
     parser.add_argument("--tls-ca", help="CA bundle to verify a tcp:// registry")
@@ -196,6 +203,7 @@ def main(argv: list[str]) -> int:
             disk_bytes=parse_size(args.disk_size or "0", "--disk-size") if args.disk else 0,
             node_id=args.node_id,
             ttl_s=args.ttl,
+            lease_max_s=args.lease_max,
             tls=_server_tls(args),
             insecure=args.insecure,
         )

@@ -64,6 +64,20 @@ cdef extern from "poll.h" nogil:
     short POLLOUT
 
 
+cdef extern from "time.h" nogil:
+    struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_MONOTONIC
+
+
+cdef double _monotonic() noexcept nogil:
+    cdef timespec t
+    clock_gettime(CLOCK_MONOTONIC, &t)
+    return t.tv_sec + t.tv_nsec * 1e-9
+
+
 cdef int _retry_after(pollfd *pfd, int timeout_ms) noexcept nogil:
     """After a socket call failed with ``errno``: 1 to try it again (interrupted, or the socket
     is ready now), 0 when ``timeout_ms`` passed with the socket still not ready, -1 for a real
@@ -147,11 +161,13 @@ cdef class PieceHasher:
         self._position = end
 
 
-def send_all(int fd, buffers, double timeout_s):
+def send_all(int fd, buffers, double timeout_s, double budget_s=1e300):
     """Sends every buffer in order with ``sendmsg`` on the socket ``fd`` (no joining copy), the
-    GIL released for the whole loop, waiting at most ``timeout_s`` each time the socket is full.
-    Works on blocking and non-blocking sockets. Returns the bytes sent; raises TimeoutError when
-    the peer took nothing for ``timeout_s``, OSError for a socket error."""
+    GIL released for the whole loop, waiting at most ``timeout_s`` each time the socket is full
+    and ``budget_s`` for the whole call (a peer that takes a byte now and then cannot stretch
+    it). Works on blocking and non-blocking sockets. Returns the bytes sent; raises
+    TimeoutError when the peer took nothing for ``timeout_s`` or the budget ran out (the caller
+    tells them apart by its own clock), OSError for a socket error."""
     views = [memoryview(b).cast("B") for b in buffers]
     views = [v for v in views if v.nbytes]
     cdef Py_ssize_t count = len(views), i, first = 0
@@ -163,8 +179,9 @@ def send_all(int fd, buffers, double timeout_s):
     cdef const unsigned char[::1] v
     cdef size_t total = 0, sent = 0
     cdef ssize_t k = 0
-    cdef int r = 0, status = 0, err = 0
+    cdef int r = 0, status = 0, err = 0, wait_ms = 0
     cdef int timeout_ms = <int>(timeout_s * 1000.0) if timeout_s < 2e6 else 2000000000
+    cdef double end = _monotonic() + budget_s, left = 0.0
     cdef msghdr msg
     cdef pollfd pfd
     try:
@@ -182,9 +199,16 @@ def send_all(int fd, buffers, double timeout_s):
                 msg.msg_iovlen = count - first
                 k = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
                 if k < 0:
-                    r = _retry_after(&pfd, timeout_ms)
+                    left = end - _monotonic()
+                    if left <= 0:
+                        status = -3  # the whole call's budget ran out
+                        break
+                    wait_ms = timeout_ms
+                    if left * 1000.0 < wait_ms:
+                        wait_ms = <int>(left * 1000.0) + 1
+                    r = _retry_after(&pfd, wait_ms)
                     if r == 0:
-                        status = -2  # timed out
+                        status = -2 if wait_ms == timeout_ms else -3
                         break
                     if r < 0:
                         status, err = -1, errno
@@ -201,6 +225,8 @@ def send_all(int fd, buffers, double timeout_s):
         PyMem_Free(iov)
     if status == -2:
         raise TimeoutError(f"the peer took nothing for {timeout_s:g} s")
+    if status == -3:
+        raise TimeoutError(f"the send did not end within its budget of {budget_s:g} s")
     if status == -1:
         raise OSError(err, strerror(err).decode())
     return sent
@@ -313,20 +339,6 @@ cdef enum:
     _FRAMES_HEADER = 1
     _FRAMES_TIMEOUT = 2
     _FRAMES_SILENT = 3
-
-
-cdef extern from "time.h" nogil:
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    int clock_gettime(int clk_id, timespec *tp)
-    int CLOCK_MONOTONIC
-
-
-cdef double _monotonic() noexcept nogil:
-    cdef timespec t
-    clock_gettime(CLOCK_MONOTONIC, &t)
-    return t.tv_sec + t.tv_nsec * 1e-9
 
 
 cdef void _block_header(unsigned char *out, uint64_t request_id, const unsigned char *key,

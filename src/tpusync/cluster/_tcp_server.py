@@ -35,15 +35,37 @@ from tpusync.cluster._handshake import (
     tls_required_frame,
 )
 from tpusync.cluster._supervisor import SupervisedLoop, failure_line
-from tpusync.errors import InvalidArgumentError
+from tpusync.errors import DeadlineExceededError, InvalidArgumentError
 
-__all__ = ["AuthenticatedTcpServer", "BlockServerOptions", "ServerOptions", "options_of"]
+__all__ = [
+    "AuthenticatedTcpServer",
+    "BlockServerOptions",
+    "ServerOptions",
+    "check_lease_lifetime",
+    "options_of",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_HANDSHAKES = 128  # connections authenticating at once, by default (see _admission)
 LISTEN_BACKLOG = 1024  # the kernel's queue of connections not accepted yet (somaxconn caps it)
 REFUSED_FULL = "too many authenticated connections"
+DEFAULT_LEASE_MAX_S = 600.0  # a lease's whole life, renewals included (see dataplane.leases)
+MAX_LEASE_MAX_S = 7 * 86400.0
+
+
+def check_lease_lifetime(value: Any, argument: str) -> float:
+    """A lease's longest life in seconds (``argument`` names it in the error)."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not 0 < value <= MAX_LEASE_MAX_S
+    ):
+        raise InvalidArgumentError(
+            f"{argument}: expected seconds in (0, {MAX_LEASE_MAX_S:g}] (how long a peer that "
+            f"keeps renewing may hold a lease), got {value!r}"
+        )
+    return float(value)
 
 
 def _check_count(value: Any, argument: str) -> int:
@@ -101,11 +123,16 @@ class BlockServerOptions(ServerOptions):
 
     Args:
       lease_ttl_s: the longest lease granted (a client may ask for less).
+      lease_max_s: the longest a lease lives, renewals included: a peer that keeps renewing
+        pins blocks no longer (its renewals past it are refused); and the longest a get's frames
+        may take to leave, and a store node's put to arrive (a peer that reads or sends a byte
+        now and then is closed then). None: 600 s, or ``lease_ttl_s`` if longer.
       io_timeout_s: a connection idle (or stuck sending) this long is closed.
       clock: the lease table's clock (tests).
     """
 
     lease_ttl_s: float = 10.0
+    lease_max_s: float | None = None
     io_timeout_s: float = 300.0
     clock: Callable[[], float] = field(default=time.monotonic)
 
@@ -114,6 +141,20 @@ class BlockServerOptions(ServerOptions):
         ttl = self.lease_ttl_s
         if not isinstance(ttl, int | float) or not 0 < ttl <= 3600:
             raise InvalidArgumentError(f"lease_ttl_s: expected (0, 3600] s, got {ttl!r}")
+        if self.lease_max_s is not None:
+            check_lease_lifetime(self.lease_max_s, "lease_max_s")
+            if self.lease_max_s < ttl:
+                raise InvalidArgumentError(
+                    f"lease_max_s: expected at least lease_ttl_s ({ttl:g} s), got "
+                    f"{self.lease_max_s!r}; raise it or lower lease_ttl_s"
+                )
+
+    @property
+    def lease_lifetime_s(self) -> float:
+        """``lease_max_s``, or its default (600 s, or ``lease_ttl_s`` if longer)."""
+        if self.lease_max_s is not None:
+            return float(self.lease_max_s)
+        return max(DEFAULT_LEASE_MAX_S, float(self.lease_ttl_s))
 
 
 OptionsT = TypeVar("OptionsT", bound=ServerOptions)
@@ -326,6 +367,8 @@ class AuthenticatedTcpServer:
             conn.settimeout(self._handshake_timeout)
             conn.sendall(reply)
             self._serve_connection(conn)
+        except DeadlineExceededError as exc:  # e.g. it took a get's frames too slowly
+            self._misbehaved(conn, "missed a deadline", str(exc))
         except (OSError, EOFError):
             pass  # the peer went away
         except _ProtocolError as exc:

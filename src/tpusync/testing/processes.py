@@ -33,13 +33,14 @@ def start_store_node(
     dram_bytes: int,
     *,
     quiet: bool = True,
-    registry_port: int = 0,
+    registry_port: int | None = 0,
     flags: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """Runs `tpusync serve` in a child process, hosting the registry too (on
-    ``registry_port``; 0: any free port), with ``secret`` in ``work/secret`` and any other
-    ``flags`` (e.g. ``--host``, ``--tls-cert``); returns the process and its ready line
-    (``{"address", "registry"}``). Stop it with :func:`stop_process`."""
+    ``registry_port``; 0: any free port; None: none, e.g. with ``--registry`` in ``flags``),
+    with ``secret`` in ``work/secret`` and any other ``flags`` (e.g. ``--host``,
+    ``--tls-cert``); returns the process and its ready line (``{"address", "registry"}``).
+    Stop it with :func:`stop_process`."""
     secret_file = work / "secret"
     write_secret_file(secret_file, secret)
     process = subprocess.Popen(
@@ -52,8 +53,7 @@ def start_store_node(
             str(dram_bytes),
             "--secret-file",
             str(secret_file),
-            "--registry-port",
-            str(registry_port),
+            *(() if registry_port is None else ("--registry-port", str(registry_port))),
             "--ready-json",
             *flags,
         ],

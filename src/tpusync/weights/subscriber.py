@@ -36,6 +36,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster import BlockClient, Registry, Scatter
+from tpusync.cluster.dataplane.deadlines import MAX_LIMIT_S
 from tpusync.engines import native
 from tpusync.errors import (
     DtypeMismatchError,
@@ -198,6 +199,9 @@ class Subscriber:
             "tls": tls,
             "insecure": insecure,
             "same_host": bool(same_host),
+            # a pull's absolute limit is this subscriber's deadline_s (its watchdog closes the
+            # client then), not the client's default scaled from a batch's bytes
+            "max_pull_s": MAX_LIMIT_S,
         }
         self._address, self._registry = address, registry
         self.deadline_s = float(deadline_s)

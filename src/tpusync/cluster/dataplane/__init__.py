@@ -15,7 +15,7 @@ JSON object, ``{"id", "method", "params"}`` -> ``{"id", "result"}`` or ``{"id", 
     acquire  {"keys": [hex, ...], "ttl_s": s, "slots": true (optional)}
              -> {"lease", "present", "checksums", "ttl_s", "slots" (when asked: each key's
                  slot in the pool, -1 where absent)}
-    renew    {"lease": id, "ttl_s": s}          -> bool
+    renew    {"lease": id, "ttl_s": s}          -> bool (False past the lease's lease_max_s)
     release  {"lease": id}                       -> bool (held the whole time)
     contains {"keys": [hex, ...]}                -> [bool, ...]
     stat     {}                                  -> {"capacity", "used"}

@@ -4,6 +4,7 @@ the receive loops that fill slots before a deadline."""
 
 from __future__ import annotations
 
+import math
 import socket
 import ssl
 import time
@@ -14,6 +15,7 @@ from tpusync import _core
 from tpusync.cluster._handshake import _ProtocolError, _recv_json
 from tpusync.cluster._rpc import RpcConnection
 from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import tune_for_peer
 from tpusync.cluster.dataplane.protocol import (
     PROTOCOL,
@@ -24,7 +26,7 @@ from tpusync.cluster.dataplane.protocol import (
 )
 from tpusync.errors import PeerUnavailableError
 
-__all__ = ["Connection", "Deadline"]
+__all__ = ["Connection"]
 
 
 class Connection(RpcConnection):
@@ -78,26 +80,53 @@ class Connection(RpcConnection):
         self.send_request(rid, "get", {"lease": lease_id, "keys": [k.hex() for k in keys]})
         return rid
 
-    def send_put(self, keys: Sequence[bytes], checksums: Sequence[int]) -> tuple[int, Any]:
+    def send_put(
+        self, keys: Sequence[bytes], checksums: Sequence[int], deadline: Deadline | None = None
+    ) -> tuple[int, Any]:
         """Sends a ``put`` request and returns its id and the server's answer (which keys it
-        wants); the blocks follow with :meth:`send_block`, then :meth:`finish_put`."""
+        wants), before ``deadline`` (the push's; None: the I/O timeout alone); the blocks
+        follow (``frames.FrameBatch``), then :meth:`finish_put`."""
         assert self.sock is not None
+        deadline = deadline or Deadline(math.inf)
         rid = self.next_id()
-        self.sock.settimeout(self._timeout)
+        self.sock.settimeout(self._send_wait(deadline))
         params = {"keys": [k.hex() for k in keys], "checksums": [int(c) for c in checksums]}
         self.send_request(rid, "put", params)
-        return rid, self._answer(rid, "put")
+        return rid, self._answer(rid, "put", deadline)
 
-    def _answer(self, rid: int, method: str) -> Any:
-        """Reads the JSON answer to ``rid`` in the middle of a put's stream."""
-        assert self.sock is not None
-        return self.result(_recv_json(self.sock), rid, method, StreamError)
+    def _send_wait(self, deadline: Deadline) -> float:
+        """The longest one send may wait now: the I/O timeout, or what is left of
+        ``deadline``; DeadlineExceededError when nothing is."""
+        left = deadline.left()
+        if left <= 0:
+            raise deadline.missed()
+        return min(self._timeout, left)
 
-    def finish_put(self, rid: int, fingerprint: bytes) -> Any:
-        """Ends a put's blocks and returns the server's answer (which keys it stored)."""
+    def _answer(self, rid: int, method: str, deadline: Deadline | None = None) -> Any:
+        """Reads the JSON answer to ``rid`` in the middle of a put's stream, within the I/O
+        timeout and ``deadline`` (however the server trickles it)."""
         assert self.sock is not None
+        deadline = deadline or Deadline(math.inf)
+        wait = self._send_wait(deadline)
+        try:
+            response = _recv_json(self.sock, deadline=time.monotonic() + wait)
+        except TimeoutError as exc:
+            if deadline.left() <= 0:
+                raise deadline.missed() from exc
+            raise TimeoutError(f"{self.label} did not answer the {method} in {wait:g} s") from exc
+        finally:
+            if self.sock is not None:
+                self.sock.settimeout(self._timeout)
+        return self.result(response, rid, method, StreamError)
+
+    def finish_put(self, rid: int, fingerprint: bytes, deadline: Deadline | None = None) -> Any:
+        """Ends a put's blocks and returns the server's answer (which keys it stored), before
+        ``deadline``."""
+        assert self.sock is not None
+        deadline = deadline or Deadline(math.inf)
+        self.sock.settimeout(self._send_wait(deadline))
         self.sock.sendall(wire.encode_header(wire.END, rid, b"", fingerprint))
-        return self._answer(rid, "put")
+        return self._answer(rid, "put", deadline)
 
     def recv_into(
         self,
@@ -106,8 +135,9 @@ class Connection(RpcConnection):
         hasher: _core.PieceHasher | None = None,
     ) -> None:
         """Fills ``view`` from the socket before ``deadline`` (monotonic; a :class:`Deadline`
-        is read again at every wait, so lease renewals move it on), feeding ``hasher`` with the
-        bytes as they land (under TLS 64 KiB at a time: after a failure it may lag behind)."""
+        is read again at every wait, so lease renewals move it on, up to its cap), feeding
+        ``hasher`` with the bytes as they land (under TLS 64 KiB at a time: after a failure it
+        may lag behind)."""
         assert self.sock is not None
         got, n = 0, view.nbytes
         native = not isinstance(self.sock, ssl.SSLSocket)  # TLS decrypts in Python's ssl
@@ -117,9 +147,9 @@ class Connection(RpcConnection):
             at = deadline.at if isinstance(deadline, Deadline) else deadline
             left = at - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    "the pull's deadline passed (its lease could not be renewed in time)"
-                )
+                if isinstance(deadline, Deadline):
+                    raise deadline.missed()
+                raise TimeoutError(f"{self.label}: the read's deadline passed")
             wait = min(self._timeout, left)
             if native:  # one GIL-free call per payload, not one Python round trip per read
                 r = _core.recv_exact(self.sock.fileno(), view[got:], wait, hasher)
@@ -150,22 +180,11 @@ class Connection(RpcConnection):
         """Runs ``receiver`` until it is done or stops at a frame it did not expect, within
         ``deadline`` (read again at every wait) and the connection's I/O timeout."""
         while True:
-            left = deadline.at - time.monotonic()
+            left = deadline.left()
             if left <= 0:
-                raise TimeoutError(
-                    "the pull's deadline passed (its lease could not be renewed in time)"
-                )
+                raise deadline.missed()
             status = receiver.run(left, self._timeout)
             if status == _core.FRAMES_SILENT:
                 raise TimeoutError(f"{self.label} sent nothing for {self._timeout:g} s")
             if status != _core.FRAMES_TIMEOUT:  # else: the deadline's turn (it may have moved)
                 return status
-
-
-class Deadline:
-    """A pull's receive deadline (monotonic seconds), moved on by each lease renewal."""
-
-    __slots__ = ("at",)
-
-    def __init__(self, at: float) -> None:
-        self.at = at

@@ -16,7 +16,8 @@ import numpy as np
 from tpusync import _core
 from tpusync.cluster._handshake import _ProtocolError
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane._connection import Connection, Deadline
+from tpusync.cluster.dataplane._connection import Connection
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.protocol import MAX_ERROR_BYTES, StreamError
 from tpusync.cluster.dataplane.stripes import _Stripe
 from tpusync.errors import FrameError, PeerUnavailableError

@@ -19,11 +19,13 @@ import numpy as np
 from tpusync.cluster._circuit import PeerCircuits, is_deadline_miss
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane._answers import bool_list, check_lease
-from tpusync.cluster.dataplane._connection import Connection, Deadline
+from tpusync.cluster.dataplane._answers import check_lease
+from tpusync.cluster.dataplane._connection import Connection
 from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper
+from tpusync.cluster.dataplane._pushing import push_stripe
 from tpusync.cluster.dataplane._receiving import Link, receive_stripe
-from tpusync.cluster.dataplane.frames import FrameBatch, slot_addresses
+from tpusync.cluster.dataplane.deadlines import Deadline, check_limit, limit_for
+from tpusync.cluster.dataplane.frames import slot_addresses
 from tpusync.cluster.dataplane.local_reads import PoolFileReader, lease_slots, whole_slots
 from tpusync.cluster.dataplane.protocol import (
     DEADLINE_FRACTION,
@@ -56,7 +58,8 @@ _LocalLanding = Callable[[PoolFileReader, np.ndarray, np.ndarray, np.ndarray], "
 class PullResult:
     """What a pull did: ``loaded[i]`` for ``keys[i]``; ``corrupt`` blocks failed verification;
     ``error`` is the first transport or protocol failure (None when there was none);
-    ``released`` is False when the lease lapsed (then nothing was committed)."""
+    ``released`` is False when the lease lapsed, or was not released because a deadline was
+    missed (the peer stalled: asking it would wait out another); then nothing was committed."""
 
     loaded: list[bool]
     corrupt: int = 0
@@ -87,10 +90,16 @@ class BlockClient:
     keys are striped over them, one thread per connection.
 
     Connects and authenticates at once. ``timeout_s`` is each control request's deadline
-    (connecting included), a pull's longest silence and a push's timeout per send;
-    ``lease_ttl_s`` is asked of the server (which may grant less); a pull stops receiving after
-    DEADLINE_FRACTION of the granted TTL (the timing rule of
-    :mod:`tpusync.cluster.dataplane.leases`).
+    (connecting included) and the longest silence of a pull or push; ``lease_ttl_s`` is asked
+    of the server (which may grant less); a pull stops receiving after DEADLINE_FRACTION of the
+    granted TTL, moved on by each renewal the server grants (the timing rule of
+    :mod:`tpusync.cluster.dataplane.leases`), but never past ``max_pull_s`` after the pull
+    started; a push ends within ``max_push_s`` (its request, frames and answers together), however
+    slowly the server takes them. Either limit defaults (None) to 30 s plus the bytes at
+    32 MiB/s (:mod:`tpusync.cluster.dataplane.deadlines`); a missed one is a
+    :class:`~tpusync.errors.DeadlineExceededError` (the pull's keys are False, with
+    :attr:`PullResult.error`; a push's keys are False, logged, or PeerUnavailableError from it
+    when nothing got through) and opens the server's circuit.
     One pull or push at a time per client (calls are serialized).
 
     ``layout`` names the block layout this client moves; a server of several layouts (a store
@@ -129,6 +138,8 @@ class BlockClient:
         layout: PoolLayout | None = None,
         same_host: bool = True,
         circuits: PeerCircuits | None = None,
+        max_pull_s: float | None = None,
+        max_push_s: float | None = None,
     ) -> None:
         if (address is None) == (addresses is None):
             raise InvalidArgumentError("address, addresses: give exactly one of them")
@@ -159,6 +170,8 @@ class BlockClient:
                 f"circuits: expected a PeerCircuits or None, got {type(circuits).__name__}"
             )
         self.circuits = circuits if circuits is not None else PeerCircuits()
+        self.max_pull_s = check_limit(max_pull_s, "max_pull_s")
+        self.max_push_s = check_limit(max_push_s, "max_push_s")
         self.same_host = same_host
         self._pool_file: PoolFileReader | None = None
         self.local_blocks = 0  # blocks pulled from the server's pool file on this host
@@ -290,7 +303,9 @@ class BlockClient:
     def hold(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> Iterator[HeldBlocks]:
         """Leases ``keys`` on the server for as long as the ``with`` lasts, renewed every third
         of the TTL on a connection and thread of its own, so that the server keeps them (a
-        weights publisher drops no version a puller holds). Pulls may run meanwhile."""
+        weights publisher drops no version a puller holds), for at most the server's
+        ``lease_max_s``: once it refuses a renewal, :attr:`HeldBlocks.lapsed` turns True. Pulls
+        may run meanwhile."""
         keys = check_keys(keys)
         if len(keys) > MAX_KEYS_PER_REQUEST:
             raise InvalidArgumentError(
@@ -363,8 +378,9 @@ class BlockClient:
         with self._lock, self._circuit() as outcome:
             self._check_open()
             unique = list(dict.fromkeys(keys))
+            cap = self._limit(len(unique), "pull")
             for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
-                part = self._pull_batch(unique[i : i + MAX_KEYS_PER_REQUEST], target, loaded)
+                part = self._pull_batch(unique[i : i + MAX_KEYS_PER_REQUEST], target, loaded, cap)
                 total.corrupt += part.corrupt
                 total.bytes_received += part.bytes_received
                 total.local_blocks += part.local_blocks
@@ -376,8 +392,14 @@ class BlockClient:
         total.loaded = [loaded.get(k, False) for k in keys]
         return total
 
+    def _limit(self, count: int, kind: str) -> Deadline:
+        """The deadline nothing moves of a pull or push of ``count`` blocks, from now."""
+        option = f"max_{kind}_s"
+        limit = limit_for(getattr(self, option), count * self.payload_bytes)
+        return Deadline.within(limit, option=option)
+
     def _pull_batch(
-        self, keys: list[bytes], target: HostPool, loaded: dict[bytes, bool]
+        self, keys: list[bytes], target: HostPool, loaded: dict[bytes, bool], cap: Deadline
     ) -> PullResult:
         reservation = target.reserve(keys)  # TierFullError: nothing taken
         reserved = set(reservation.keys)
@@ -399,6 +421,7 @@ class BlockClient:
                 lambda indices, sums: PoolStripe(
                     reservation.keys, indices, sums, target, reservation.slots
                 ),
+                cap,
                 land_locally=land_locally,
             )
         except BaseException:
@@ -470,6 +493,7 @@ class BlockClient:
         corrupt = 0
         with self._lock, self._circuit() as outcome:
             self._check_open()
+            cap = self._limit(len(keys), "pull")
             for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
                 if outcome.error is not None:  # the peer stalled or went: the rest are misses
                     loaded.extend([False] * min(MAX_KEYS_PER_REQUEST, len(keys) - i))
@@ -490,7 +514,7 @@ class BlockClient:
                     return reader.land(layout, slots, sums, scatter.select(base[indices]))
 
                 part = None if required is None else required[i : i + len(batch)]
-                good, _, result = self._receive_leased(batch, stripe, part, land_locally)
+                good, _, result = self._receive_leased(batch, stripe, cap, part, land_locally)
                 loaded.extend(good.tolist())
                 corrupt += result.corrupt
                 if _peer_failed(result.error):
@@ -501,12 +525,14 @@ class BlockClient:
         self,
         keys: list[bytes],
         make_stripe: Callable[[np.ndarray, np.ndarray], _Stripe],
+        cap: Deadline,
         required: np.ndarray | None = None,
         land_locally: _LocalLanding | None = None,
     ) -> tuple[np.ndarray, np.ndarray, PullResult]:
         """Leases ``keys`` and receives them striped over the connections (``make_stripe``
         makes each connection's share from its key indices and their recorded checksums; a key
-        recorded with another checksum than ``required`` is not fetched), or, when the server's
+        recorded with another checksum than ``required`` is not fetched) before the lease's
+        deadline and ``cap`` (the pull's), or, when the server's
         pool file can be read here, copies them from it (``land_locally(reader, indices, slots,
         sums)``: the verified mask over ``indices``, or None to go over TCP).
         Returns the mask of verified keys (none when the lease lapsed), their recorded
@@ -526,7 +552,7 @@ class BlockClient:
                 params["slots"] = True
             lease = self._request(lease_conn, "acquire", params)
             lease_id, present, expected, ttl = check_lease(lease, n)
-            deadline = Deadline(start + ttl * DEADLINE_FRACTION)
+            deadline = cap.bounded(start + ttl * DEADLINE_FRACTION)
             if required is not None:
                 present = present & (expected == required)
             wanted = np.flatnonzero(present)
@@ -552,16 +578,17 @@ class BlockClient:
                     self._receive_stripes(
                         lease_id, wanted, expected, make_stripe, deadline, good, result, jobs
                     )
-            try:
-                released = self._request(lease_conn, "release", {"lease": lease_id}) is True
-            except (PeerUnavailableError, InvalidArgumentError) as exc:
-                released = False
-                result.error = result.error or exc
+            released = False  # after a missed deadline the peer stalled: its circuit opens, and
+            if not is_deadline_miss(result.error):  # a release would wait out another; it lapses
+                try:
+                    released = self._request(lease_conn, "release", {"lease": lease_id}) is True
+                except (PeerUnavailableError, InvalidArgumentError) as exc:
+                    result.error = result.error or exc
             result.released = released
             if not released:
                 if good.any():
                     log.warning(
-                        "tpusync: pull from %s: the lease lapsed before its release; "
+                        "tpusync: pull from %s: the lease lapsed or was not released; "
                         "discarding %d received blocks",
                         self.label,
                         int(good.sum()),
@@ -633,7 +660,8 @@ class BlockClient:
     def _renew(self, lease_id: int, ttl: float, deadline: Deadline) -> bool:
         """Renews the lease over the control connection and moves the stripes' deadline on
         (the timing rule holds per renewal: the deadline stays DEADLINE_FRACTION of a TTL
-        after the renewal was asked); False when it was refused or failed."""
+        after the renewal was asked), never past the pull's cap; False when it was refused or
+        failed."""
         asked = time.monotonic()
         try:
             granted = self._request(self._control, "renew", {"lease": lease_id, "ttl_s": ttl})
@@ -643,7 +671,7 @@ class BlockClient:
         if granted is not True:
             log.warning("tpusync: pull from %s: the server refused to renew the lease", self.label)
             return False
-        deadline.at = asked + ttl * DEADLINE_FRACTION
+        deadline.move_to(asked + ttl * DEADLINE_FRACTION)
         return True
 
     # --- push -------------------------------------------------------------------------------
@@ -656,8 +684,9 @@ class BlockClient:
         against its checksum before it commits it, and commits nothing of a cut connection.
 
         A connection that breaks once the server has accepted its part of the push (e.g. the
-        server dropped it for a damaged frame) makes that part's keys False (logged), not an
-        error: the connection is re-made on the next push.
+        server dropped it for a damaged frame), or the push's deadline (``max_push_s``), makes
+        that part's keys False (logged), not an error: the connection is re-made on the next
+        push.
 
         Raises InvalidArgumentError (another block layout),
         :class:`RemoteOperationUnsupportedError` (the server does not accept blocks), or
@@ -675,6 +704,7 @@ class BlockClient:
         with self._lock, self._circuit() as outcome:
             self._check_open()
             unique = list(dict.fromkeys(keys))
+            deadline = self._limit(len(unique), "push")  # one for every batch and stripe
             for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
                 batch = unique[i : i + MAX_KEYS_PER_REQUEST]
                 pinned = source.pin(batch)  # no slot is reused while its bytes are sent
@@ -683,12 +713,14 @@ class BlockClient:
                     stripes = [wanted[c :: len(self._conns)] for c in range(len(self._conns))]
                     jobs = [
                         self._executor.submit(
-                            self._push_stripe,
+                            push_stripe,
                             conn,
+                            self._ensure,
                             [batch[j] for j in stripe.tolist()],
                             pinned.slots[stripe],
                             pinned.checksums[stripe],
                             source,
+                            deadline,
                         )
                         for conn, stripe in zip(self._conns, stripes, strict=True)
                         if len(stripe)
@@ -709,51 +741,6 @@ class BlockClient:
         for error in errors:
             log.warning("tpusync: push to %s: %s", self.label, error)
         return [stored.get(k, False) for k in keys]
-
-    def _push_stripe(
-        self,
-        conn: Connection,
-        keys: list[bytes],
-        slots: np.ndarray,
-        checksums: np.ndarray,
-        source: HostPool,
-    ) -> tuple[dict[bytes, bool], BaseException | None, bool]:
-        """Pushes one stripe over ``conn``: the server's per-key answer, the failure that cut
-        it short (then the keys not confirmed count as not stored), and whether the server had
-        accepted the put."""
-        fingerprint, size = self.fingerprint, self.payload_bytes
-        accepted = False
-        try:
-            self._ensure(conn)
-            try:
-                rid, answer = conn.send_put(keys, checksums.tolist())
-            except (EOFError, ConnectionError):
-                conn.drop()  # an idle connection the server had just closed: ask once more
-                self._ensure(conn)
-                rid, answer = conn.send_put(keys, checksums.tolist())
-            accept = bool_list(answer, "accept", len(keys))
-            present = bool_list(answer, "present", len(keys))
-            accepted = True
-            assert conn.sock is not None
-            source._ensure_populated(slots)  # pages the batch's views will read
-            batch = FrameBatch(conn.sock, source)
-            try:
-                for key, slot, checksum, take in zip(
-                    keys, slots.tolist(), checksums.tolist(), accept, strict=True
-                ):
-                    if take:
-                        batch.add(
-                            wire.encode_header(wire.BLOCK, rid, key, fingerprint, size, checksum),
-                            slot,
-                        )
-                batch.flush()
-            finally:
-                batch.release()
-            done = bool_list(conn.finish_put(rid, fingerprint), "stored", len(keys))
-        except (OSError, EOFError, StreamError, _ProtocolError, PeerUnavailableError) as exc:
-            conn.drop()  # the stream's position is unknown
-            return {}, exc, accepted
-        return {k: p or d for k, p, d in zip(keys, present, done, strict=True)}, None, True
 
     def _check_pool(self, pool: Any, argument: str) -> None:
         if not isinstance(pool, HostPool):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tpusync import _core
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.tiers.blocks import CHECKSUM_SCHEME
 from tpusync.tiers.dram import HostPool
 from tpusync.tiers.layout import PoolLayout
@@ -30,17 +31,60 @@ __all__ = [
 ]
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+def send_buffers(
+    sock: socket.socket, buffers: Sequence[Any], deadline: Deadline | None = None
+) -> None:
     """Sends every buffer in order with ``sendmsg`` (no joining copy), handling short sends;
-    raises TimeoutError when the peer takes nothing for the socket's timeout."""
+    raises TimeoutError when the peer takes nothing for the socket's timeout, and
+    DeadlineExceededError once ``deadline`` passed (however little the peer takes at a time)."""
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS: the record layer copies anyway
+        _send_tls(sock, buffers, deadline)
+        return
+    # one GIL-free call for the whole frame: short sends and waits for room loop in C
+    timeout = sock.gettimeout()
+    timeout = 1e9 if timeout is None else timeout
+    if deadline is None:
+        _core.send_all(sock.fileno(), list(buffers), timeout)
+        return
+    left = deadline.left()
+    if left <= 0:
+        raise deadline.missed()
+    try:
+        _core.send_all(sock.fileno(), list(buffers), timeout, left)
+    except TimeoutError as exc:
+        if deadline.left() <= 0:
+            raise deadline.missed() from exc
+        raise
+
+
+TLS_SEND_STEP = 16 << 10  # a TLS record: the deadline is checked between them
+
+
+def _send_tls(sock: ssl.SSLSocket, buffers: Sequence[Any], deadline: Deadline | None) -> None:
+    if deadline is None:
         for buffer in buffers:
             if len(buffer):
                 sock.sendall(buffer)
         return
-    # one GIL-free call for the whole frame: short sends and waits for room loop in C
     timeout = sock.gettimeout()
-    _core.send_all(sock.fileno(), list(buffers), 1e9 if timeout is None else timeout)
+    view = None
+    try:
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            for start in range(0, view.nbytes, TLS_SEND_STEP):
+                left = deadline.left()
+                if left <= 0:
+                    raise deadline.missed()
+                sock.settimeout(left if timeout is None else min(timeout, left))
+                try:
+                    sock.sendall(view[start : start + TLS_SEND_STEP])
+                except TimeoutError as exc:
+                    if deadline.left() <= 0:
+                        raise deadline.missed() from exc
+                    raise
+    finally:
+        view = buffer = None  # a failure's traceback must not hold them
+        sock.settimeout(timeout)
 
 
 SEND_BATCH_BYTES = 4 << 20
@@ -72,10 +116,14 @@ def tune_for_peer(sock: socket.socket) -> None:
 class FrameBatch:
     """Frames queued for one :func:`send_buffers` call: headers, and the payloads of pinned
     (and mapped) slots as views of the pool's memory (held until sent), sent once
-    SEND_BATCH_BYTES of payload are queued and on :meth:`flush`."""
+    SEND_BATCH_BYTES of payload are queued and on :meth:`flush`, every one before
+    ``deadline`` (when given)."""
 
-    def __init__(self, conn: socket.socket, pool: HostPool) -> None:
+    def __init__(
+        self, conn: socket.socket, pool: HostPool, deadline: Deadline | None = None
+    ) -> None:
         self._conn = conn
+        self._deadline = deadline
         self._pool = pool
         self._size = pool.layout.payload_bytes
         self._memory: memoryview | None = None
@@ -97,14 +145,18 @@ class FrameBatch:
             self.flush()
 
     def flush(self) -> None:
-        if self._buffers:
-            send_buffers(self._conn, self._buffers)
-        self._buffers = []
-        self._bytes = 0
+        try:
+            if self._buffers:
+                send_buffers(self._conn, self._buffers, self._deadline)
+        finally:
+            # emptied in place: a failure's traceback holds this list, and must not hold the
+            # views of the pool's memory in it (the pool could not close)
+            self._buffers.clear()
+            self._bytes = 0
 
     def release(self) -> None:
         """Drops what was not sent and lets go of the pool's memory."""
-        self._buffers = []
+        self._buffers.clear()
         if self._memory is not None:
             self._memory.release()
             self._memory = None

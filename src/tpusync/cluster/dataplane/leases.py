@@ -4,7 +4,10 @@ A peer that pulls blocks first takes a lease on them (:meth:`LeaseTable.acquire`
 keys are pinned in the pool (:meth:`HostPool.pin`), so they are neither deleted nor their slots
 reused, and their recorded checksums are handed out. The lease lasts ``ttl_s`` seconds unless
 renewed; when it lapses, its pins are dropped (by an expiry thread, and lazily on every call), so a
-reader that died never holds blocks for longer than its TTL. The expiry thread is restarted if it
+reader that died never holds blocks for longer than its TTL. A reader that lives and keeps
+renewing holds them no longer than ``max_lifetime_s`` after its acquire (a block server's
+``lease_max_s``, default 600 s): a renewal that would carry the lease past that is refused
+(False), and the lease lapses at its last granted deadline. The expiry thread is restarted if it
 dies of a bug (:mod:`tpusync.cluster._supervisor`).
 
 The timing rule (what makes a pull safe without trusting the reader's liveness):
@@ -13,7 +16,8 @@ The timing rule (what makes a pull safe without trusting the reader's liveness):
   must be shorter than the TTL it was granted; a reader that runs out of time stops and keeps
   nothing it has not finished. A long pull renews the lease (every third of its TTL, on a
   connection of its own) and, after each renewal the server grants, moves its deadline to the
-  same fraction of a TTL after the renewal was asked;
+  same fraction of a TTL after the renewal was asked (never past its own limit, ``max_pull_s``:
+  a refused renewal leaves its deadline where it was, inside the lease);
 * the reader commits the blocks it pulled only if :meth:`LeaseTable.release` answered True --
   the lease was held the whole time, never expired before the release. Otherwise it discards
   them all (they may have been read from slots that were freed and reused meanwhile).
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tpusync.cluster._supervisor import SupervisedLoop
+from tpusync.cluster._tcp_server import DEFAULT_LEASE_MAX_S, check_lease_lifetime
 from tpusync.errors import InvalidArgumentError, TierFullError
 from tpusync.tiers.dram import HostPool, Pinned
 
@@ -57,12 +62,13 @@ class Lease:
 
 
 class _Held:
-    __slots__ = ("deadline", "lease", "pinned")
+    __slots__ = ("deadline", "ends", "lease", "pinned")
 
-    def __init__(self, lease: Lease, pinned: Pinned, deadline: float) -> None:
+    def __init__(self, lease: Lease, pinned: Pinned, deadline: float, ends: float) -> None:
         self.lease = lease
         self.pinned = pinned
         self.deadline = deadline
+        self.ends = ends  # no renewal carries the lease past this
 
 
 def _check_ttl(ttl_s: float) -> float:
@@ -79,6 +85,8 @@ class LeaseTable:
       clock: monotonic seconds (tests may pass their own; the expiry thread then still sleeps
         in real time, and every call expires what is due by ``clock``).
       max_leases: leases held at once beyond which :meth:`acquire` raises TierFullError.
+      max_lifetime_s: the longest a lease lives, renewals included (see the module docstring);
+        a TTL asked beyond it is granted only up to it.
       on_failure: called with its last exception if the expiry thread keeps dying and is
         given up on (leases still lapse on every call then).
     """
@@ -89,6 +97,7 @@ class LeaseTable:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_leases: int = MAX_LEASES,
+        max_lifetime_s: float = DEFAULT_LEASE_MAX_S,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         if not isinstance(pool, HostPool):
@@ -96,10 +105,12 @@ class LeaseTable:
         self._pool = pool
         self._clock = clock
         self._max_leases = int(max_leases)
+        self.max_lifetime_s = check_lease_lifetime(max_lifetime_s, "max_lifetime_s")
         self._cond = threading.Condition()
         self._held: dict[int, _Held] = {}
         self._closed = False
         self.expired = 0  # leases that lapsed before their release (a counter)
+        self.renewals_refused = 0  # renewals past a lease's max_lifetime_s (a counter)
         self.loop = SupervisedLoop(
             self._expiry_loop, name="tpusync-lease-expiry", on_failure=on_failure
         )
@@ -111,8 +122,9 @@ class LeaseTable:
             return len(self._held)
 
     def acquire(self, keys: Sequence[bytes], ttl_s: float) -> Lease:
-        """Pins the present ``keys`` for ``ttl_s`` seconds; returns the lease."""
-        ttl = _check_ttl(ttl_s)
+        """Pins the present ``keys`` for ``ttl_s`` seconds (at most ``max_lifetime_s``);
+        returns the lease (its ``ttl_s`` is what was granted)."""
+        ttl = min(_check_ttl(ttl_s), self.max_lifetime_s)
         with self._cond:
             if self._closed:
                 raise InvalidArgumentError("this LeaseTable is closed")
@@ -134,7 +146,8 @@ class LeaseTable:
                 ttl,
                 np.asarray(pinned.slots, dtype=np.int64).tolist(),
             )
-            self._held[lease_id] = _Held(lease, pinned, self._clock() + ttl)
+            now = self._clock()
+            self._held[lease_id] = _Held(lease, pinned, now + ttl, now + self.max_lifetime_s)
             self._cond.notify_all()  # the expiry thread may need to wake earlier
         return lease
 
@@ -146,14 +159,20 @@ class LeaseTable:
             return held.lease if held is not None else None
 
     def renew(self, lease_id: int, ttl_s: float) -> bool:
-        """Extends a held lease to ``ttl_s`` from now; False when it is unknown or expired."""
+        """Extends a held lease to ``ttl_s`` from now; False when it is unknown or expired, or
+        when that would carry it past ``max_lifetime_s`` after its acquire (it then lapses at
+        its last granted deadline)."""
         ttl = _check_ttl(ttl_s)
         with self._cond:
             self._expire_due()
             held = self._held.get(lease_id)
             if held is None:
                 return False
-            held.deadline = self._clock() + ttl
+            now = self._clock()
+            if now + ttl > held.ends:
+                self.renewals_refused += 1
+                return False
+            held.deadline = now + ttl
             self._cond.notify_all()
             return True
 

@@ -14,6 +14,7 @@ from tpusync.cluster._handshake import _error, _recv_json, _send_json
 from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster._tcp_server import AuthenticatedTcpServer, BlockServerOptions, options_of
 from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import FrameBatch, send_buffers, tune_for_peer
 from tpusync.cluster.dataplane.leases import LeaseTable
 from tpusync.cluster.dataplane.local_reads import advertised_file
@@ -71,7 +72,12 @@ class BlockServer(AuthenticatedTcpServer):
         self._listen(options_of(BlockServerOptions, options, keywords))
         self.pool = pool
         try:
-            self.leases = LeaseTable(pool, clock=self.options.clock, on_failure=self._lease_failed)
+            self.leases = LeaseTable(
+                pool,
+                clock=self.options.clock,
+                max_lifetime_s=self.options.lease_lifetime_s,
+                on_failure=self._lease_failed,
+            )
         except BaseException:
             self._sock.close()  # listening already: give the port back
             raise
@@ -257,8 +263,16 @@ class BlockServer(AuthenticatedTcpServer):
         # Frames go out SEND_BATCH_BYTES at a time, one GIL-free sendmsg loop each (a block at
         # a time cost the server more CPU per byte: docs/decisions/0003). A subclass that
         # overrides _send_block (tests that pace or damage frames) gets it called per block.
+        # All of them leave within lease_max_s: a peer that reads a byte now and then holds
+        # this get's pins no longer (its connection is closed then).
         hooked = type(self)._send_block is not BlockServer._send_block
-        batch = FrameBatch(conn, pool)
+        deadline = Deadline.within(
+            self.options.lease_lifetime_s,
+            option="lease_max_s",
+            what=f"a get of {len(keys)} blocks",
+            fix="the peer reads too slowly; raise the server's lease_max_s for slower links",
+        )
+        batch = FrameBatch(conn, pool, deadline)
         try:
             pool._ensure_populated(pinned.slots[pinned.present])  # pages the views will read
             for key, slot, present, checksum in zip(

@@ -13,7 +13,8 @@ import numpy as np
 
 from tpusync import _core
 from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane._connection import Connection, Deadline
+from tpusync.cluster.dataplane._connection import Connection
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import frame_receiver, slot_addresses
 from tpusync.cluster.dataplane.protocol import MAX_ERROR_BYTES
 from tpusync.engines import native

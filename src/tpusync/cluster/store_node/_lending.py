@@ -8,14 +8,13 @@ import logging
 import os
 import re
 import socket
-import ssl
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tpusync import _core
 from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.leases import LeaseTable
 from tpusync.cluster.dataplane.server import Served
 from tpusync.errors import InvalidArgumentError
@@ -43,10 +42,13 @@ class Lent:
         clock: Callable[[], float],
         disk: DiskPool | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        *,
+        lease_max_s: float,
     ) -> None:
         self.pool = pool
         self.disk = disk
-        self.served = Served(pool, LeaseTable(pool, clock=clock, on_failure=on_failure))
+        leases = LeaseTable(pool, clock=clock, max_lifetime_s=lease_max_s, on_failure=on_failure)
+        self.served = Served(pool, leases)
         self.lock = threading.Lock()  # making room and reserving, one put at a time
         self.lru: collections.OrderedDict[bytes, None] = collections.OrderedDict.fromkeys(
             pool.keys()
@@ -118,21 +120,39 @@ def checksums_param(value: Any, n: int) -> list[int]:
     return value
 
 
-def recv_header(conn: socket.socket) -> bytes:
+def recv_header(conn: socket.socket, deadline: Deadline) -> bytes:
     header = bytearray(wire.HEADER_SIZE)
-    recv_exactly(conn, memoryview(header))
+    recv_exactly(conn, memoryview(header), deadline)
     return bytes(header)
 
 
-def recv_exactly(conn: socket.socket, view: memoryview) -> None:
+def recv_exactly(conn: socket.socket, view: memoryview, deadline: Deadline) -> None:
+    """Fills ``view`` from ``conn`` before ``deadline`` (the put's), each read waiting at most
+    the connection's timeout (the peer's longest silence). A read in Python at a time, each
+    ending with what arrived, so that a peer sending a byte now and then cannot stretch it: the
+    paths that use it are TLS (which decrypts in Python anyway) and a frame that differs from
+    its declaration."""
     got, n = 0, view.nbytes
-    if not isinstance(conn, ssl.SSLSocket):  # one GIL-free call (TLS decrypts in Python)
-        timeout = conn.gettimeout()
-        if _core.recv_exact(conn.fileno(), view, 1e6 if timeout is None else timeout) < n:
-            raise TimeoutError(f"the peer sent nothing for {timeout} s mid-put")
-        return
-    while got < n:
-        r = conn.recv_into(view[got:], n - got)
-        if r == 0:
-            raise EOFError("the peer closed the connection mid-put")
-        got += r
+    silence = conn.gettimeout()
+    wait_set = silence  # what the socket waits at most, as last set
+    try:
+        while got < n:
+            left = deadline.left()
+            if left <= 0:
+                raise deadline.missed()
+            wait = left if silence is None else min(silence, left)
+            if wait != wait_set:  # a system call: only in the last silence before the deadline
+                conn.settimeout(wait)
+                wait_set = wait
+            try:
+                r = conn.recv_into(view[got:], n - got)
+            except TimeoutError:
+                if deadline.left() <= 0:
+                    raise deadline.missed() from None
+                raise TimeoutError(f"the peer sent nothing for {silence} s mid-put") from None
+            if r == 0:
+                raise EOFError("the peer closed the connection mid-put")
+            got += r
+    finally:
+        if wait_set != silence:
+            conn.settimeout(silence)

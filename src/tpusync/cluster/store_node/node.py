@@ -40,6 +40,9 @@ class StoreNode:
         ``registry``.
       node_id: this node's id in the registry (default: ``store-<host>:<port>``).
       ttl_s: the node's registry lease (renewed every third of it).
+      lease_max_s: the longest a peer may hold a lease on the node's blocks, renewals
+        included, and the longest a get may take to leave or a put to arrive (see
+        :class:`~tpusync.cluster.BlockServerOptions`; None: 600 s).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class StoreNode:
         insecure: bool = False,
         disk_dir: str | os.PathLike[str] | None = None,
         disk_bytes: int = 0,
+        lease_max_s: float | None = None,
     ) -> None:
         if registry is not None and registry_port is not None:
             raise InvalidArgumentError(
@@ -76,7 +80,9 @@ class StoreNode:
         self.registry_server: RegistryServer | None = None
         self.registry: Registry | None = registry
         self._link: Any = None
-        listen = BlockServerOptions(secret=secret, host=host, port=port, tls=tls, insecure=insecure)
+        listen = BlockServerOptions(
+            secret=secret, host=host, port=port, tls=tls, insecure=insecure, lease_max_s=lease_max_s
+        )
         self.server = StoreServer(
             dram_bytes,
             max_layouts=max_layouts,

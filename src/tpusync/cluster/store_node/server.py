@@ -23,6 +23,7 @@ from tpusync.cluster._tcp_server import (
     options_of,
 )
 from tpusync.cluster.dataplane import wire
+from tpusync.cluster.dataplane.deadlines import Deadline
 from tpusync.cluster.dataplane.frames import frame_receiver, slot_addresses
 from tpusync.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST, keys_param
 from tpusync.cluster.dataplane.server import BlockServer, Served
@@ -160,7 +161,11 @@ class StoreServer(BlockServer):
                 layout, header.n_slots, name=self._pool_name(layout), shm_dir=self.shm_dir
             )
             self._lent[layout.fingerprint] = Lent(
-                pool, self._clock, self._open_disk(layout), self._lease_failed
+                pool,
+                self._clock,
+                self._open_disk(layout),
+                self._lease_failed,
+                lease_max_s=self.options.lease_lifetime_s,
             )
             log.info("store node: re-attached %s (%d of %d blocks)", path, pool.used, pool.capacity)
 
@@ -189,7 +194,11 @@ class StoreServer(BlockServer):
                 pool.close()
                 raise
             lent = self._lent[layout.fingerprint] = Lent(
-                pool, self._clock, disk, self._lease_failed
+                pool,
+                self._clock,
+                disk,
+                self._lease_failed,
+                lease_max_s=self.options.lease_lifetime_s,
             )
             if disk is not None and disk.used and self.on_added is not None:
                 self.on_added(disk.keys())  # a restarted node's disk blocks
@@ -363,9 +372,17 @@ class StoreServer(BlockServer):
             if key in taken:
                 expected[taken[key]] = checksum
         ok = np.zeros(len(reservation.keys), dtype=bool)
+        # every frame must arrive within lease_max_s: a peer that sends a byte now and then
+        # holds the reserved slots (and this thread) no longer
+        deadline = Deadline.within(
+            self.options.lease_lifetime_s,
+            option="lease_max_s",
+            what=f"a put of {len(keys)} blocks",
+            fix="the peer sends too slowly; raise the server's lease_max_s for slower links",
+        )
         try:
             _send_json(conn, {"id": rid, "result": {"accept": accept, "present": present}})
-            verified = self._receive_put(conn, pool, rid, reservation, expected, ok)
+            verified = self._receive_put(conn, pool, rid, reservation, expected, ok, deadline)
         except FrameError as exc:  # the peer's misbehaviour, not ours: one line, a count
             pool.abort(reservation)
             self._misbehaved(conn, f"damaged put frame ({exc.reason})", str(exc))
@@ -401,16 +418,20 @@ class StoreServer(BlockServer):
         reservation: Any,
         expected: np.ndarray,
         ok: np.ndarray,
+        deadline: Deadline,
     ) -> np.ndarray:
-        """Receives the BLOCK frames of the accepted keys (in order) and the END frame;
-        ``ok[i]`` is set for each complete block whose frame matches its declaration. Returns
-        which blocks were also verified as they landed (the rest are hashed afterwards)."""
+        """Receives the BLOCK frames of the accepted keys (in order) and the END frame before
+        ``deadline``; ``ok[i]`` is set for each complete block whose frame matches its
+        declaration. Returns which blocks were also verified as they landed (the rest are hashed
+        afterwards)."""
         keys = list(reservation.keys)
         size = pool.layout.payload_bytes
 
         def one_block(i: int, header_bytes: bytes | None = None) -> None:
             """Block ``i`` a frame at a time (its header read here unless given)."""
-            header = wire.decode_header(header_bytes or recv_header(conn), max_payload=size)
+            header = wire.decode_header(
+                header_bytes or recv_header(conn, deadline), max_payload=size
+            )
             if header.frame_type != wire.BLOCK or header.request_id != rid or header.key != keys[i]:
                 raise FrameError(
                     f"expected the BLOCK frame of {keys[i].hex()} for request {rid}", "stream"
@@ -418,7 +439,7 @@ class StoreServer(BlockServer):
             if header.payload_length != size:
                 raise FrameError(f"a block of {header.payload_length} B, expected {size}")
             with pool.slot_memory(int(reservation.slots[i])) as memory, memory[:size] as payload:
-                recv_exactly(conn, payload)
+                recv_exactly(conn, payload, deadline)
             ok[i] = header.fingerprint == pool.layout.fingerprint and header.checksum == int(
                 expected[i]
             )
@@ -426,15 +447,19 @@ class StoreServer(BlockServer):
         if isinstance(conn, ssl.SSLSocket):  # TLS decrypts in Python: a frame at a time
             for i in range(len(keys)):
                 one_block(i)
-            self._check_put_end(rid, recv_header(conn))
+            self._check_put_end(rid, recv_header(conn, deadline))
             return np.zeros(len(keys), dtype=bool)
         silence = conn.gettimeout() or 1e6
         with slot_addresses(pool, reservation.slots) as addresses:
             receiver = frame_receiver(conn, rid, keys, pool.layout, expected, addresses)
             try:
-                while (status := receiver.run(1e9, silence)) != _core.FRAMES_DONE:
+                while (status := receiver.run(deadline.left(), silence)) != _core.FRAMES_DONE:
                     if status == _core.FRAMES_SILENT:
                         raise TimeoutError(f"the peer sent nothing for {silence} s mid-put")
+                    if status == _core.FRAMES_TIMEOUT:
+                        if deadline.left() <= 0:
+                            raise deadline.missed()
+                        continue
                     if status == _core.FRAMES_HEADER:  # not the frame declared: Python's turn
                         one_block(receiver.index, receiver.header)
                         receiver.resume(receiver.index + 1)
