@@ -1,5 +1,5 @@
 """An independent model of tpusync's piece checksum, sum64 format 1, written from its description
-in docs/ARCHITECTURE.md ("Checksums") and include/tpusync/checksum.h, not from the C code: the
+in docs/decisions/0002-fused-checksum.md and include/tpusync/checksum.h, not from the C code: the
 oracle the native kernels are compared with (tests/test_sum64_oracle.py).
 
 Plain Python integers and a bytewise CRC-32C table, so that every step can be read against the

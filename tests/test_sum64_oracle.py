@@ -1,8 +1,8 @@
 """The native piece checksum (sum64) against an oracle that is not its own output: the plain
 Python model of format 1 in tests/sum64_model.py, written from the documented algorithm
-(docs/ARCHITECTURE.md, "Checksums"). Every code path (AVX-512 carry-less multiplication, the CRC
-instruction alone, the portable tables), every length class the kernels treat apart, every
-alignment, and the incremental and many-region entry points."""
+(docs/decisions/0002-fused-checksum.md, "format 1 exactly"). Every code path (AVX-512
+carry-less multiplication, the CRC instruction alone, the portable tables), every length class
+the kernels treat apart, every alignment, and the incremental and many-region entry points."""
 
 from __future__ import annotations
 

@@ -213,12 +213,12 @@ def hit_limit_ratio(result: dict[str, Any], row: str) -> Any:
     """The median, over a vllm_ttft row's hits, of each load's GB/s over the memory limit
     around that hit: the faster of the samples taken just before it (after the previous hit's
     pair, or the last one before the row) and just after its pair (the hit and the prefix hit
-    after it). This VM's memory speed flips between about 26 and 40 GB/s from one minute to
-    the next, and the fastest sample around a whole row (:func:`row_memory_limit`) may come
-    from the other speed than its loads; the samples on both sides of a hit, seconds apart
-    (the row's first hit: the sample before it was taken before its engine started), say what
-    the memory did while it loaded. "-" for records without samples taken in the
-    row."""
+    after it). The machine's memory speed can flip from one minute to the next
+    (docs/connectors/vllm.md), and the fastest sample around a whole row
+    (:func:`row_memory_limit`) may come from the other speed than its loads; the samples on
+    both sides of a hit, seconds apart (the row's first hit: the sample before it was taken
+    before its engine started), say what the memory did while it loaded. "-" for records
+    without samples taken in the row."""
     runs, rows = result.get("limit_s_runs"), result.get("limit_sampled_in")
     loads = (result.get(row) or {}).get("load_s_runs") or []
     if not isinstance(runs, dict) or not rows or not loads:

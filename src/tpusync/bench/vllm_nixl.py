@@ -22,7 +22,7 @@ The peer gets its best setup here, none of which vLLM exposes as a setting (each
 child before its engine starts):
 
 * NIXL's progress thread polls without pause (its wrapper sets ``pthrDelay`` 0), taking one
-  of this machine's two cores; 100 us between polls takes almost none;
+  of the cores; 100 us between polls takes almost none;
 * on CPU the connector pins the engine to the last core; every thread gets both back;
 * ``UCX_MODULES=^ib``: the InfiniBand module bundled in the wheel crashes at exit.
 

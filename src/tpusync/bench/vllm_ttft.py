@@ -36,9 +36,9 @@ non-temporal stores, the caches emptied before each copy: the hits' source was w
 model steps that streamed the weights through the caches, and a repeated copy of a region that
 fits in the last-level cache would read it from there); "x limit, per hit" sets each load
 beside the faster of the two samples around it instead, the one just before the hit and the one
-right after its pair (the median of those ratios): this VM's memory speed flips between about
-26 and 40 GB/s from one minute to the next, and the fastest sample around a row may come from
-the other speed than its loads. Before each hit of a disk row the page
+right after its pair (the median of those ratios): the machine's memory speed can flip from
+one minute to the next (docs/connectors/vllm.md), and the fastest sample around a row may come
+from the other speed than its loads. Before each hit of a disk row the page
 cache is dropped (as root; the JSON says whether it was), and the disk's own limit is fio's
 O_DIRECT read with the disk tier's threads and each of its read sizes (4 MiB into DRAM, 2 MiB
 straight into the tensors), sampled after each prompt size's rows (the fastest sample is the
@@ -228,8 +228,7 @@ def _hits(
     called after each pair (the benchmark samples its memory limit there). Before each hit a
     prompt shorter than a block runs a step, so that the hit starts from an engine as warm as
     the one its paired prefix hit finds: the memory-limit sample empties the caches and the
-    OpenMP team falls asleep meanwhile (a probe of 1k hits: 2.8 ms over the paired prefix hit
-    right after a sample, 1.0 ms after such a step, 0.6 ms without samples)."""
+    OpenMP team falls asleep meanwhile (the probe's figures: docs/connectors/vllm.md)."""
     for p in prompts if filler is None else [*prompts, filler]:
         _ttft(llm, p)
     worker = _worker(llm)
@@ -331,8 +330,8 @@ def measure(model: Path, tokens: int, repeats: int, disk_dir: Path, max_len: int
             {"dram": {"capacity_blocks": blocks}, "secret_file": str(work / "secret"),
              "store_node": {"address": ready["address"], "timeout_s": 30.0}},
         )  # fmt: skip
-        # sampled before the first row and after every hit: this VM's memory speed moves
-        # between 20 and 40 GB/s within seconds, and a row's limit is the fastest around it
+        # sampled before the first row and after every hit: the machine's memory speed can
+        # move within seconds, and a row's limit is the fastest around it
         sampled_in: list[str | None] = [None]
         limit.sample(repeats=3)
         for row in VLLM_TTFT_ROWS:
@@ -458,8 +457,8 @@ def table(results: list[dict[str, Any]], disk: dict[str, Any]) -> None:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--tokens", default="1024,4096,8192")
-    # a 1k hit's TTFT moves by 1-2 ms from one hit to the next, more than its load: 5 pairs
-    # gave over-hit medians 0.9-1.9 ms in runs of the same code
+    # a 1k hit's TTFT moves from one hit to the next by more than its load, so a few pairs
+    # give unstable medians (docs/connectors/vllm.md)
     parser.add_argument("--repeats", type=int, default=11, help="hits per row")
     parser.add_argument("--json", default=None, help="default: the results scheme")
     parser.add_argument(

@@ -3,11 +3,11 @@
 On the CPU backend a DevicePool's buffers are host memory that XLA allocated in 4 KiB pages;
 a named HostPool's file lives in a tmpfs that allocates 4 KiB pages unless mounted with huge=.
 Block copies into and out of them scatter small pieces over hundreds of MiB, so every piece
-misses the TLB: measured here, 16 KiB pieces into 4 KiB-paged pools copy at 0.86x ``np.copyto``
-(whose numpy arrays get huge pages) and at 0.96x once the pools' pages are collapsed to 2 MiB.
+misses the TLB; with the pages collapsed to 2 MiB they copy nearly as fast as ``np.copyto``
+(whose numpy arrays get huge pages; figures in docs/decisions/0007).
 
-Collapsing costs ~1.7 ms per MiB (the kernel copies the pages), so it runs on one daemon thread,
-a chunk per call, after the pool is created. It never changes a byte (the kernel keeps the
+Collapsing costs CPU time for every MiB (the kernel copies the pages), so it runs on one daemon
+thread, a chunk per call, after the pool is created. It never changes a byte (the kernel keeps the
 contents and makes concurrent writers wait), so it needs no lock: a buffer freed meanwhile only
 makes the call fail or collapse memory that some other allocation now uses, harmlessly.
 ``Options.huge_pages`` (:mod:`tpusync.options`; ``TPUSYNC_HUGE_PAGES=0``) turns it off.

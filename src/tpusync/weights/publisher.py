@@ -177,7 +177,7 @@ class Publisher:
             shm_dir=self._shm_dir,
             on_mismatch="recreate",
             # staged and read in whole chunks, where huge pages gain nothing; samplers map the
-            # file with small pages, and read a collapsed one up to 2.4x slower (0010)
+            # file with small pages, through which a collapsed one reads slower (0010)
             collapse=False,
         )
         try:

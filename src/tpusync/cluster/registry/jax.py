@@ -19,7 +19,7 @@ after checking the lease) can interleave with another process's writes. That is 
 each node's entries are written by the node itself (the intended use); :meth:`sweep` from another
 process can race with a node that re-registers at the same moment.
 
-Each key is its own RPC to the coordinator (about 0.3-0.6 ms each); batches run on a small
+Each key is its own RPC to the coordinator (a round trip each); batches run on a small
 thread pool. The service lives in the coordinator process and dies with the job (one process
 dying aborts the others): this registry is for the lifetime of one job.
 """

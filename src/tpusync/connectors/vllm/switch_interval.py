@@ -3,8 +3,8 @@
 An engine that runs its loop in the worker's process (vLLM's in-process engine core, or its
 busy-polling threads) holds the GIL whenever it can; every time a background load of ours
 returns from a socket or a native copy it waits for the GIL, and Python hands it over only
-every switch interval (5 ms by default). A pull of a few dozen Python steps then costs tens of
-milliseconds of waiting (docs/connectors/vllm.md, "Measured"). A shorter interval costs
+every switch interval (5 ms by default). A pull of a few dozen Python steps then waits that
+interval at each of them (figures: docs/connectors/vllm.md, "Measured"). A shorter interval costs
 nothing while only one thread wants the GIL, so the connector shortens it for as long as any
 of its stores in the process is open, and puts the interpreter's own value back after the
 last one closes."""

@@ -128,7 +128,7 @@ class WorkerSide:
         """Opens the store over ``pools`` (one per layer, named as the engine names its layers)
         and starts answering lookups; ``by_layer``: DRAM hits load layer by layer;
         ``warm_up``: plans the moves between DRAM and the pools now, not in the first hit's
-        step (:meth:`KVCacheStore.warmup`; a 1k-token load paid ~0.7 ms for it)."""
+        step (:meth:`KVCacheStore.warmup`; decision 0004)."""
         self.by_layer = by_layer
         self._layer_index = {name: i for i, name in enumerate(names)}
         self.store = KVCacheStore(self.settings.store, pools)

@@ -754,7 +754,7 @@ class DiskPool(DiskFiles, BlockTier):
 MAX_RUN_BYTES = 4 << 20  # one preadv/pwritev covers at most this much of consecutive slots
 _MAX_RUN_SLOTS = 64  # and at most this many slots (iovecs)
 # get_scattered's reads: smaller, so that a run is copied out while the others still read
-# (measured in docs/ARCHITECTURE.md, "Disk tier")
+# (docs/decisions/0005-tier-io.md)
 LANDING_RUN_BYTES = 2 << 20
 
 
@@ -781,8 +781,8 @@ def _slab_runs(
 ) -> list[list[int]]:
     """Indices of ``jobs`` ((slab fd, DRAM slot, offset) each) grouped into runs of slots that
     follow each other in one slab file, one ``preadv``/``pwritev`` each: a prefix saved together
-    lies in consecutive slots, and one large I/O is faster than many small ones (128 KiB reads
-    ran at ~0.5 GB/s here, 1 MiB ones at ~1.2, O_DIRECT)."""
+    lies in consecutive slots, and small direct I/O requests are latency-bound (decision
+    0005)."""
     limit = _run_slots(slot_bytes, run_bytes)
     runs: list[list[int]] = []
     for i in sorted(range(len(jobs)), key=lambda i: (jobs[i][0], jobs[i][2])):

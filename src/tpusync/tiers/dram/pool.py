@@ -90,8 +90,8 @@ class HostPool(SlotRecords):
       populate: touch every page at creation so copies never pay page faults.
       collapse: collapse a named pool's /dev/shm pages into huge pages on a background thread
         (see :mod:`tpusync.memory.huge_pages`): scattered block copies miss the TLB less. The
-        collapse costs about 1.7 ms of a core per MiB, and another process that maps the
-        collapsed file with small pages reads it slower (up to 2.4x, decision 0010): False
+        collapse costs CPU time for every MiB, and another process that maps the collapsed file
+        with small pages reads it slower (decisions 0007, 0010): False
         for a pool read that way in long runs (the weights publisher's).
     """
 
@@ -137,8 +137,7 @@ class HostPool(SlotRecords):
         self.attach_seconds = 0.0
         if name is None:
             # Transparent huge pages where the kernel allows (advice, as numpy gives its large
-            # arrays): scattered block copies then miss the TLB far less (measured here: put and
-            # get of 1 MiB blocks 0.86x -> 0.89x the memcpy limit).
+            # arrays): scattered block copies then miss the TLB far less (decision 0001).
             self._mapping = _core.Mapping(self.geometry.file_bytes, populate=False, huge_pages=True)
             if populate:
                 prefault(self._mapping, "prefaulting host pool")
@@ -474,7 +473,7 @@ class HostPool(SlotRecords):
                 got = self._move_blocks(
                     pools, block_ids, pinned.slots, path, to_device=True, after=after_array
                 )
-                # one C compare, where numpy's != and any() cost ~10 us each after a step
+                # one C compare: numpy's != and any() cost more right after a step (0004)
                 expected = pinned.checksums
                 bad = None if got.tobytes() == expected.tobytes() else got != expected
             elif present.any():
@@ -599,9 +598,8 @@ class HostPool(SlotRecords):
         TorchPools) and the slots would pay for: plans the native moves in both directions,
         starts the copy engine, compiles the DevicePools' donated identity step and maps every
         slot's pages. Moves nothing; the first :meth:`put_from_device` and
-        :meth:`get_to_device` after it run as fast as later ones (measured here: a restarted
-        process's first KV load of 8 MiB took ~4-6 ms without it, ~1.5 ms with it; in vLLM a
-        first 1k-token load paid ~0.7 ms for its plan). ``wait_mapped=False`` maps no page and
+        :meth:`get_to_device` after it run as fast as later ones (decision 0004).
+        ``wait_mapped=False`` maps no page and
         waits for none: a re-attached pool's pages are left to its background mapper, and a
         pool opened with ``populate=False`` maps them on first use (for an engine's start-up,
         which must not wait for a large pool)."""

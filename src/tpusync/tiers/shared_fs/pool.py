@@ -410,8 +410,8 @@ class SharedFsPool(BlockTier):
 
     def _exist_all(self, keys: Sequence[bytes]) -> list[bool]:
         """:meth:`_exists` for each key: in this thread when the first few answer as a local
-        or cached filesystem does (microseconds; threads would only add handoffs: 512 keys
-        ~1-2 ms here against 3-9 on 8 threads), else on the I/O threads (a shared filesystem's
+        or cached filesystem does (microseconds; threads would only add handoffs, decision
+        0005), else on the I/O threads (a shared filesystem's
         round trips overlap there). The median probe decides, so one preempted call does not."""
         found: list[bool] = []
         times: list[float] = []
@@ -624,8 +624,8 @@ class SharedFsPool(BlockTier):
         are returned in place of results; otherwise the first one (in item order) is raised.
 
         Each thread takes the next item until none is left: one task per thread, not per item
-        (a future per item cost ~20 us: 512 ``stat`` calls took 10-30 ms that way against ~2 ms
-        in one thread on a local disk, and a slow shared filesystem still gets its threads)."""
+        (a future per item costs more than a local ``stat``, and a slow shared filesystem still
+        gets its threads; decision 0005)."""
         results: list[Any] = [None] * len(items)
         failed: list[bool] = [False] * len(items)
         if len(items) <= 1 or self.io_threads == 1:
