@@ -52,10 +52,11 @@ LAZY_COMMANDS = {
 PRIVATE_EXEMPT = {"tpusync.testing.file_fuzz"}
 
 
-# Modules with a module ``__getattr__``: only these, to import JAX-heavy names on first use (so
-# that `import tpusync` and the `tpusync` command's --help import no JAX, issue 54), never to
+# Modules with a module ``__getattr__``: only these, to import heavy names on first use (so
+# that `import tpusync` and the `tpusync` command's --help import no JAX, issue 54, and the vLLM
+# connector's lookup client, which its tests run as another user, imports no vLLM), never to
 # forward an old spelling to a new home.
-MODULE_GETATTR = {"tpusync", "tpusync.memory"}
+MODULE_GETATTR = {"tpusync", "tpusync.memory", "tpusync.connectors.vllm"}
 # What a deprecation path warns with: the package is a pre-release, it keeps none (issue 55).
 DEPRECATION_WARNINGS = {"DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"}
 

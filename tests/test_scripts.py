@@ -29,9 +29,10 @@ def run_fake(
     side_by_side: bool = True,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """Runs ``run_suites ARGS`` with fake steps in ``tmp_path``: each suite runs the shell
-    commands ``before`` gives it (none by default; exit 9 if they fail), then writes its arguments to
-    ``calls/<suite>``, prints a line and exits as ``exits`` says (default 0); ``make_env
-    NAME`` prints a line and fails (halfway, under errexit) for the name ``env_fails``.
+    commands ``before`` gives it (none by default; exit 9 if they fail), then writes its
+    arguments to ``calls/<suite>``, prints a line and exits as ``exits`` says (default 0);
+    ``make_env NAME`` prints a line and fails (halfway, under errexit) for the name
+    ``env_fails``.
     Returns the run and the calls folder."""
     exits = {"main": 0, "vllm": 0, "sglang": 0, **(exits or {})}
     calls = tmp_path / "calls"
@@ -165,7 +166,7 @@ def test_the_engine_suites_run_beside_the_main_one_and_their_output_is_shown(
     while it was running."""
     mark = tmp_path / "vllm-ran"
     before = {"main": WAIT_FOR.format(mark=mark), "vllm": f'touch "{mark}"'}
-    done, calls = run_fake(tmp_path, ["-q"], before=before)
+    done, _ = run_fake(tmp_path, ["-q"], before=before)
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary(done.stdout) == {name: ("passed", "") for name in ("main", "vllm", "sglang")}
     for name in ("vllm", "sglang"):

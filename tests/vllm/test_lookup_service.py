@@ -204,8 +204,10 @@ def test_a_process_of_another_user_gets_no_answer(tmp_path: Path) -> None:
             path.chmod(0o711)
         server.path.chmod(0o666)
         code = (  # imports first: this user cannot read the interpreter's files
-            "import os, pathlib; "
+            "import os, pathlib, sys; "
             "from tpusync.connectors.vllm.lookup_service import LookupClient; "
+            # the client imports no vLLM (seconds of CPU, a minute under load)
+            "assert 'vllm' not in sys.modules, 'the lookup client imported vLLM'; "
             "os.setgid(65534); os.setuid(65534); "
             f"c = LookupClient(pathlib.Path({str(server.path)!r}), 5); "
             "print(c.lookup('r', 1, [b'h']))"

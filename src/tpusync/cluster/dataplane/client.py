@@ -18,7 +18,6 @@ import numpy as np
 
 from tpusync.cluster._circuit import PeerCircuits, is_deadline_miss
 from tpusync.cluster._handshake import _check_secret, _ProtocolError, check_transport
-from tpusync.cluster.dataplane import wire
 from tpusync.cluster.dataplane._answers import check_lease
 from tpusync.cluster.dataplane._connection import Connection
 from tpusync.cluster.dataplane._lease_keeper import LeaseKeeper

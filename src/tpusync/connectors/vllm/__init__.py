@@ -1,8 +1,29 @@
 """tpusync as vLLM's KV store: :class:`TpuSyncConnector` (vLLM's KV connector v1).
 
-Imports vLLM (run it where vLLM is installed). See docs/connectors/vllm.md."""
+The connector imports vLLM (run it where vLLM is installed); it is imported on first use of its
+name, so the connector's own helpers that need no vLLM (the scheduler's lookup client,
+``lookup_service``) can be imported without it. See docs/connectors/vllm.md."""
 
-from tpusync.connectors.vllm.connector import TpuSyncConnector
-from tpusync.connectors.vllm.metadata import TpuSyncMetadata
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpusync.connectors.vllm.connector import TpuSyncConnector
+    from tpusync.connectors.vllm.metadata import TpuSyncMetadata
 
 __all__ = ["TpuSyncConnector", "TpuSyncMetadata"]
+
+_LAZY = {
+    "TpuSyncConnector": "tpusync.connectors.vllm.connector",
+    "TpuSyncMetadata": "tpusync.connectors.vllm.metadata",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:  # vLLM finds the class with getattr on this module
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later reads find it without this call
+        return value
+    raise AttributeError(f"module 'tpusync.connectors.vllm' has no attribute {name!r}")
