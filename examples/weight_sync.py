@@ -22,7 +22,12 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tpusync.cluster import MemoryRegistry, RegistryServer, RemoteRegistry  # noqa: E402
-from tpusync.weights import Publisher, Subscriber  # noqa: E402
+from tpusync.weights import (  # noqa: E402
+    Publisher,
+    Subscriber,
+    WeightsClientOptions,
+    WeightsPoolOptions,
+)
 
 SHAPES = {"embed": (256, 64), "layer0.w": (64, 128), "layer0.b": (128,), "head": (64, 256)}
 
@@ -66,8 +71,11 @@ def main():
             )
             for name, shape in SHAPES.items()
         }
-        publisher = Publisher("policy", secret=secret, registry=registry, keep=2)
-        subscriber = Subscriber("policy", target, secret=secret, registry=registry)
+        # the rest of each side's settings come in options objects (defaults documented there)
+        pool = WeightsPoolOptions(keep=2, chunk_bytes=4 << 20)  # versions kept, verified unit
+        publisher = Publisher("policy", secret=secret, registry=registry, pool=pool)
+        client = WeightsClientOptions(deadline_s=60.0)  # the longest a pull may take
+        subscriber = Subscriber("policy", target, secret=secret, registry=registry, client=client)
         try:
             for step in range(1, 4):
                 params = train_step(step, trainer_sharding)

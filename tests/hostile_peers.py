@@ -38,9 +38,8 @@ from tpusync.cluster import (
 )
 from tpusync.cluster._handshake import client_handshake
 from tpusync.tiers import HostPool
-from tpusync.weights import Publisher
-from tpusync.weights.manifest import chunk_key
-from tpusync.weights.publisher import chunk_layout
+from tpusync.weights import Publisher, WeightsPoolOptions
+from tpusync.weights.manifest import chunk_key, chunk_layout
 
 SECRET = bytes(range(100, 132))
 HANDSHAKE_S = 2.0  # a registry's handshake deadline here: stalled peers are dropped after it
@@ -125,7 +124,8 @@ def serving(kind: str, source: HostPool, names: Callable[[], str], tls: Tls) -> 
     assert kind == "publisher"
     name = names()
     weights = np.random.default_rng(53).integers(0, 256, 3 * CHUNK, dtype=np.uint8)
-    with Publisher(name, secret=SECRET, chunk_bytes=CHUNK, capacity_bytes=16 * CHUNK) as pub:
+    pool = WeightsPoolOptions(chunk_bytes=CHUNK, capacity_bytes=16 * CHUNK)
+    with Publisher(name, secret=SECRET, pool=pool) as pub:
         pub.publish({"w": weights}, 1)
         assert pub.server is not None
         address = pub.address

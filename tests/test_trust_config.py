@@ -617,7 +617,7 @@ def test_a_shm_dir_of_another_user_is_refused(
     is refused there now (the KV store's, HostPool's, a store node's, the weights
     publisher's), before anything is made."""
     from tpusync.tiers import HostPool
-    from tpusync.weights import Publisher
+    from tpusync.weights import Publisher, WeightsPoolOptions
 
     other = tmp_path / "other"
     other.mkdir()
@@ -633,7 +633,9 @@ def test_a_shm_dir_of_another_user_is_refused(
     for make in (
         lambda: HostPool(layout, 4, name=name, shm_dir=str(other)),
         lambda: StoreNode(4 * MiB, secret=SECRET, name=name, shm_dir=str(other)),
-        lambda: Publisher(name, secret=SECRET, capacity_bytes=4 * MiB, shm_dir=str(other)),
+        lambda: Publisher(
+            name, secret=SECRET, pool=WeightsPoolOptions(capacity_bytes=4 * MiB, shm_dir=str(other))
+        ),
     ):
         with pytest.raises(UnsafeFileError, match=rf"^shm_dir: {other} is owned by uid"):
             bounded(make)

@@ -11,6 +11,7 @@ import itertools
 import re
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -40,13 +41,21 @@ from tpusync.errors import (
 from tpusync.kv import DramTier, KVStoreConfig
 from tpusync.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
 from tpusync.tiers.blocks import slot_checksums
-from tpusync.weights import Publisher, Subscriber
+from tpusync.weights import (
+    Publisher,
+    Subscriber,
+    TlsOptions,
+    WeightsClientOptions,
+    WeightsPoolOptions,
+    WeightsServerOptions,
+)
 from tpusync.weights._stream import Rows, scatter_runs
-from tpusync.weights.manifest import Manifest, chunk_key, manifest_key
-from tpusync.weights.publisher import chunk_layout
+from tpusync.weights.manifest import Manifest, announcement_key, chunk_key, chunk_layout
 
 SECRET = secrets.token_bytes(32)
 CHUNK = 1 << 16
+POOL = WeightsPoolOptions(chunk_bytes=CHUNK, keep=2)
+NETWORK = WeightsClientOptions(same_host=False)
 
 
 def _mesh(shape: tuple[int, int]) -> Mesh:
@@ -86,7 +95,7 @@ def _same_bits(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.fixture
 def publisher(shm_names: Any) -> Iterator[Publisher]:
-    with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
+    with Publisher(shm_names(), secret=SECRET, pool=POOL) as pub:
         yield pub
 
 
@@ -156,8 +165,9 @@ def test_a_version_lands_bit_for_bit_in_another_mesh(publisher, mesh, same_host)
     params = _params(1)
     publisher.publish(params, 1)
     target = _target(mesh)
+    client = WeightsClientOptions(same_host=same_host)
     with Subscriber(
-        publisher.name, target, secret=SECRET, address=publisher.address, same_host=same_host
+        publisher.name, target, secret=SECRET, address=publisher.address, client=client
     ) as sub:
         report = sub.pull(1)
         assert (report.chunks_local > 0) == same_host
@@ -177,7 +187,7 @@ def test_a_version_lands_bit_for_bit_in_another_mesh(publisher, mesh, same_host)
 
 def test_registry_finds_the_publisher_and_kept_versions(shm_names):
     registry = MemoryRegistry()
-    with Publisher(shm_names(), secret=SECRET, registry=registry, chunk_bytes=CHUNK) as pub:
+    with Publisher(shm_names(), secret=SECRET, registry=registry, pool=POOL) as pub:
         versions = {v: _params(v) for v in (1, 2, 3)}
         for v, params in versions.items():
             pub.publish(params, v)
@@ -199,17 +209,17 @@ def test_a_held_version_is_not_dropped(publisher):
     for v in (1, 2):
         publisher.publish(_params(v), v)
     with BlockClient(publisher.address, secret=SECRET) as client:
-        with client.hold([manifest_key(publisher.name, 1)]) as held:
+        with client.hold([announcement_key(publisher.name, 1)]) as held:
             assert held.present == [True]
             publisher.publish(_params(3), 3)  # 1 is beyond keep=2, but held
             assert publisher.versions == [2, 3]
-            assert client.contains([manifest_key(publisher.name, 1)]) == [True]
+            assert client.contains([announcement_key(publisher.name, 1)]) == [True]
             with Subscriber(publisher.name, _target((4, 2)), secret=SECRET,
                             address=publisher.address) as sub:  # fmt: skip
                 _same_bits(sub.update(1), _params(1))
         publisher.publish(_params(4), 4)  # released: dropped now
         assert client.contains(
-            [manifest_key(publisher.name, 1), chunk_key(publisher.name, 1, 0)]
+            [announcement_key(publisher.name, 1), chunk_key(publisher.name, 1, 0)]
         ) == [False, False]
 
 
@@ -301,8 +311,10 @@ def test_a_chunk_damaged_in_flight_is_fetched_again(publisher):
     publisher.publish(params, 1)
     proxy = _FlippingProxy(publisher.address, after=200_000)
     try:
-        with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address,
-                        same_host=False, connections=1) as sub:  # fmt: skip
+        client = WeightsClientOptions(same_host=False, connections=1)
+        with Subscriber(
+            publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address, client=client
+        ) as sub:
             proxy.armed.set()
             report = sub.pull(1)
             assert proxy.flipped == 1
@@ -322,8 +334,10 @@ def test_a_stalled_publisher_fails_the_pull_at_its_deadline(publisher, stall_at)
     publisher.publish(_params(2), 2)
     proxy = _FlippingProxy(publisher.address, after=0)
     try:
-        with Subscriber(publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address,
-                        same_host=False, timeout_s=30.0) as sub:  # fmt: skip
+        client = WeightsClientOptions(same_host=False, timeout_s=30.0)
+        with Subscriber(
+            publisher.name, _target((2, 4)), secret=SECRET, address=proxy.address, client=client
+        ) as sub:
             committed = sub.update(1)
             proxy.stall_after(stall_at)
             start = time.monotonic()
@@ -449,6 +463,37 @@ def test_bad_targets_and_secrets_are_refused_before_any_chunk_moves(publisher):
         publisher.publish({"a": [1, 2]}, 5)
 
 
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: WeightsPoolOptions(keep=0), "keep"),
+        (lambda: WeightsPoolOptions(chunk_bytes=5000), "chunk_bytes"),
+        (lambda: WeightsPoolOptions(chunk_bytes=CHUNK, capacity_bytes=CHUNK - 1), "capacity"),
+        (lambda: WeightsServerOptions(port=70000), "port"),
+        (lambda: WeightsServerOptions(lease_ttl_s=0), "lease_ttl_s"),
+        (lambda: WeightsClientOptions(connections=0), "connections"),
+        (lambda: WeightsClientOptions(deadline_s=-1.0), "deadline_s"),
+        (lambda: WeightsClientOptions(same_host="yes"), "same_host"),
+        (lambda: TlsOptions(context="cert.pem"), "context"),
+        (lambda: Publisher("w", secret=SECRET, pool={"keep": 1}), "pool: expected a"),
+        (lambda: Publisher("w", secret=SECRET, tls=ssl.create_default_context()), "tls:"),
+        (
+            lambda: Publisher("w", secret=SECRET, server=WeightsServerOptions(host="10.1.2.3")),
+            "not a loopback address",
+        ),
+        (
+            lambda: Subscriber("w", {}, secret=SECRET, address="x:1", client=vars(NETWORK)),
+            "client: expected a",
+        ),
+    ],
+)
+def test_options_are_checked_where_they_are_written(make, match):
+    """Each options object refuses a wrong value when it is made; the constructors refuse
+    anything but their options class, before a pool, a socket or a thread is made."""
+    with pytest.raises(InvalidArgumentError, match=match):
+        make()
+
+
 def test_a_malformed_manifest_is_refused_naming_the_field():
     with pytest.raises(WeightSyncError, match="malformed"):
         Manifest.from_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}xyz", name="w", version=1)
@@ -459,15 +504,15 @@ def test_a_malformed_manifest_is_refused_naming_the_field():
 def test_over_tls_a_version_lands_and_a_plain_client_is_refused(shm_names, tmp_path):
     server, client = self_signed_tls(tmp_path)
     params = _params(1)
-    with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, tls=server) as pub:
+    with Publisher(shm_names(), secret=SECRET, pool=POOL, tls=TlsOptions(server)) as pub:
         pub.publish(params, 1)
         with Subscriber(pub.name, _target((4, 2)), secret=SECRET, address=pub.address,
-                        tls=client, same_host=False) as sub:  # fmt: skip
+                        client=NETWORK, tls=TlsOptions(client)) as sub:  # fmt: skip
             report = sub.pull(1)
             assert report.chunks_network > 0
             _same_bits(sub.commit(), params)
         with Subscriber(pub.name, _target((4, 2)), secret=SECRET, address=pub.address,
-                        timeout_s=2.0) as plain:  # fmt: skip
+                        client=WeightsClientOptions(timeout_s=2.0)) as plain:  # fmt: skip
             with pytest.raises(WeightSyncError, match="cannot be reached"):
                 plain.pull(1)
             assert plain.version is None
@@ -496,9 +541,8 @@ def test_a_publish_that_does_not_fit_is_refused_before_a_byte_moves(shm_names):
     small, large = (lambda v: _params(v, leaves=2)), (lambda v: _params(v, leaves=24))
     n_small, n_large = 1, 5  # chunks of CHUNK bytes (plus one manifest chunk each)
     capacity = (n_small + 1) + n_large  # a kept small version and the large one's chunks only
-    with Publisher(
-        shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=1, capacity_bytes=capacity * CHUNK
-    ) as pub:
+    pool = WeightsPoolOptions(chunk_bytes=CHUNK, keep=1, capacity_bytes=capacity * CHUNK)
+    with Publisher(shm_names(), secret=SECRET, pool=pool) as pub:
         versions = {1: small(1)}
         assert pub.publish(versions[1], 1).chunks == n_small
         before = _pool_state(pub)
@@ -512,8 +556,8 @@ def test_a_publish_that_does_not_fit_is_refused_before_a_byte_moves(shm_names):
             message
         )
         assert f"{n_small + 1} hold the 1 versions kept, [1])" in message
-        assert "sized from capacity_bytes and does not grow" in message
-        assert f"capacity_bytes={3 * (n_large + 1) * CHUNK}" in message
+        assert "sized from WeightsPoolOptions.capacity_bytes and does not grow" in message
+        assert f"pool=WeightsPoolOptions(capacity_bytes={3 * (n_large + 1) * CHUNK})" in message
         assert _pool_state(pub) == before, "the refused publish left something in the pool"
         with pytest.raises(TierFullError, match=r"^version 2 needs"):  # again: the same answer
             pub.publish(large(2), 2)
@@ -531,7 +575,7 @@ def test_a_publish_that_does_not_fit_is_refused_before_a_byte_moves(shm_names):
 def test_a_publish_that_fails_midway_leaves_nothing(shm_names, monkeypatch, where):
     """A failure while staging the chunks or writing the manifest frees the whole version's
     slots: the same version is then published as if it had not been tried."""
-    with Publisher(shm_names(), secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
+    with Publisher(shm_names(), secret=SECRET, pool=POOL) as pub:
         pub.publish(_params(1), 1)
         before = _pool_state(pub)
         with monkeypatch.context() as patch:
@@ -551,7 +595,7 @@ def test_a_growing_tree_is_published_or_refused_cleanly(shm_names):
     name = shm_names()
     published: list[int] = []
     refused: dict[int, str] = {}
-    with Publisher(name, secret=SECRET, chunk_bytes=CHUNK, keep=2) as pub:
+    with Publisher(name, secret=SECRET, pool=POOL) as pub:
         for version, leaves in enumerate((2, 12, 24, 40, 40, 2, 12), start=1):
             params = _params(version, leaves=leaves)
             before = _pool_state(pub) if pub.pool is not None else None
@@ -567,7 +611,8 @@ def test_a_growing_tree_is_published_or_refused_cleanly(shm_names):
         assert published == [1, 2, 3, 6, 7] and sorted(refused) == [4, 5]
         assert pub.versions == [6, 7]
     capacity = int(re.search(r"capacity_bytes=(\d+)", refused[4]).group(1))
-    with Publisher(name, secret=SECRET, chunk_bytes=CHUNK, keep=2, capacity_bytes=capacity) as pub:
+    pool = WeightsPoolOptions(chunk_bytes=CHUNK, keep=2, capacity_bytes=capacity)
+    with Publisher(name, secret=SECRET, pool=pool) as pub:
         for version in (1, 2, 3, 4):
             params = _params(version, leaves=40)
             pub.publish(params, version)

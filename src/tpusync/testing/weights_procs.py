@@ -43,9 +43,14 @@ except ImportError:  # pragma: no cover
 from tpusync.cluster import BlockClient, RemoteRegistry
 from tpusync.errors import TpuSyncError
 from tpusync.tiers import HostPool
-from tpusync.weights import Publisher, Subscriber
-from tpusync.weights.manifest import chunk_key
-from tpusync.weights.publisher import chunk_layout
+from tpusync.weights import (
+    Publisher,
+    Subscriber,
+    WeightsClientOptions,
+    WeightsPoolOptions,
+    WeightsServerOptions,
+)
+from tpusync.weights.manifest import chunk_key, chunk_layout
 
 DTYPES = ("bfloat16", "float32", "int8", "float16", "int32", "uint8")
 MESHES = {"8x1": (8, 1), "2x4": (2, 4), "4x2": (4, 2), "1x8": (1, 8)}
@@ -131,9 +136,12 @@ def trainer(
     spec = tree_spec(leaves, scale, dtype)
     registry = RemoteRegistry(registry_address, secret=secret)
     publisher = Publisher(
-        name, secret=secret, registry=registry, keep=keep, chunk_bytes=chunk_mib << 20,
-        registry_ttl_s=3.0,
-    )  # fmt: skip
+        name,
+        secret=secret,
+        registry=registry,
+        pool=WeightsPoolOptions(keep=keep, chunk_bytes=chunk_mib << 20),
+        server=WeightsServerOptions(registry_ttl_s=3.0),
+    )
 
     def params(version: int) -> dict[str, Any]:
         out = {}
@@ -225,8 +233,13 @@ def sampler(
         for path, shape, dtype in spec
     }  # fmt: skip
     registry = RemoteRegistry(registry_address, secret=secret)
-    subscriber = Subscriber(name, target, secret=secret, registry=registry, timeout_s=5.0,
-                            deadline_s=120.0, same_host=bool(same_host))  # fmt: skip
+    subscriber = Subscriber(
+        name,
+        target,
+        secret=secret,
+        registry=registry,
+        client=WeightsClientOptions(timeout_s=5.0, deadline_s=120.0, same_host=bool(same_host)),
+    )
     stamps = {"one": 0, "mixed": 0, "seen": []}
     stop = threading.Event()
 

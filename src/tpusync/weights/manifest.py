@@ -9,6 +9,24 @@ land in its own buffers against the trainer's, whichever path they took.
 The manifest travels as JSON in the publisher's pool (parts of ``chunk_bytes``, an 8-byte length
 first). A manifest comes from a peer: :meth:`Manifest.from_bytes` bounds and checks every field
 before any of it is used.
+
+A version is a plain ``int`` (``0 <= version < 2**62``, e.g. the training step) from
+``Publisher.publish`` to ``Subscriber.commit``: the arguments, the publisher's books, the
+manifest, the reports and ``Subscriber.version`` all hold that one number (checked once, by
+:func:`check_version`). It is not wrapped: a version carries nothing besides its number, callers
+already hold training steps, and a wrapper would be unwrapped again at every boundary below.
+It takes another form only where a boundary needs one, each made here or in one line:
+
+- the pool and the data plane name a version's pieces by keys (:func:`chunk_key`,
+  :func:`manifest_key`), and the registry lists the version by its announcement
+  (:func:`announcement_key`, the manifest's first part); nothing turns a key back into a
+  version;
+- the manifest's JSON carries the number as it is;
+- a KV store's namespace names the weights by a string: ``Subscriber.commit`` passes
+  ``str(version)`` to ``set_weight_version``.
+
+The helpers both sides share are here too: the pool layout of a stream's chunks
+(:func:`chunk_layout`) and the leaf paths a manifest names (:func:`tree_paths`).
 """
 
 from __future__ import annotations
@@ -21,13 +39,26 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import ml_dtypes  # jax's own dependency: bfloat16 and the float8 types
 import numpy as np
 
 from tpusync.errors import InvalidArgumentError, WeightSyncError
+from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.weights.plan import Box, leaf_plan
 
-__all__ = ["FORMAT", "LeafEntry", "Manifest", "chunk_key", "manifest_key"]
+__all__ = [
+    "FORMAT",
+    "LeafEntry",
+    "Manifest",
+    "announcement_key",
+    "check_name",
+    "check_version",
+    "chunk_key",
+    "chunk_layout",
+    "manifest_key",
+    "tree_paths",
+]
 
 FORMAT = 2  # 2: no pool slots or path (a same-host subscriber asks the lease)
 STREAM_ALIGNMENT = 64
@@ -50,10 +81,29 @@ def chunk_key(name: str, version: int, index: int) -> bytes:
     return _key(b"chunk", name, version, index)
 
 
-def manifest_key(name: str, version: int, part: int = 0) -> bytes:
-    """The pool key of part ``part`` of the manifest of ``version`` (part 0 is also the key
-    the registry lists: the version's announcement)."""
+def manifest_key(name: str, version: int, part: int) -> bytes:
+    """The pool key of part ``part`` of the manifest of ``version``."""
     return _key(b"manif", name, version, part)
+
+
+def announcement_key(name: str, version: int) -> bytes:
+    """The key the registry lists for ``version`` (its manifest's first part, which a
+    subscriber holds for its whole pull)."""
+    return manifest_key(name, version, 0)
+
+
+def chunk_layout(name: str, chunk_bytes: int) -> PoolLayout:
+    """The pool layout of a weights stream's chunks (one uint8 array of ``chunk_bytes``)."""
+    return PoolLayout(
+        f"weights:{name}", (ArrayLayout("chunk", "uint8", (int(chunk_bytes),), 0, 1),)
+    )
+
+
+def tree_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """The leaves of ``tree`` with their paths (``jax.tree_util.keystr``: the paths a manifest
+    names its leaves by) and the treedef."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, _ in with_paths], [x for _, x in with_paths], treedef
 
 
 @dataclass(frozen=True)
@@ -205,6 +255,7 @@ def check_name(name: Any) -> str:
 
 
 def check_version(version: Any, argument: str = "version") -> int:
+    """A version: an ``int`` in ``[0, 2**62)`` (see the module docstring)."""
     if type(version) is not int or not 0 <= version < 2**62:
         raise InvalidArgumentError(
             f"{argument}: expected a non-negative integer (a training step), got {version!r}"

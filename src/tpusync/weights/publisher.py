@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,37 +31,30 @@ from tpusync.engines import native
 from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
 from tpusync.tiers.blocks import slot_checksums
-from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.shm_admin import remove_pool, size_text
+from tpusync.weights._options import (
+    TlsOptions,
+    WeightsPoolOptions,
+    WeightsServerOptions,
+    options_or_default,
+)
 from tpusync.weights._stream import Rows, split_at_chunks
 from tpusync.weights.manifest import (
     LeafEntry,
     Manifest,
+    announcement_key,
     check_name,
     check_version,
     chunk_key,
+    chunk_layout,
     manifest_key,
+    tree_paths,
 )
 from tpusync.weights.plan import shard_boxes
 
-__all__ = ["PublishReport", "Publisher", "chunk_layout", "tree_paths"]
+__all__ = ["PublishReport", "Publisher"]
 
 log = logging.getLogger("tpusync.weights")
-
-DEFAULT_CHUNK_BYTES = 4 << 20
-
-
-def chunk_layout(name: str, chunk_bytes: int) -> PoolLayout:
-    """The pool layout of a weights stream's chunks (one uint8 array of ``chunk_bytes``)."""
-    return PoolLayout(
-        f"weights:{name}", (ArrayLayout("chunk", "uint8", (int(chunk_bytes),), 0, 1),)
-    )
-
-
-def tree_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """The leaves of ``tree`` with their paths (``jax.tree_util.keystr``) and the treedef."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [jax.tree_util.keystr(p) for p, _ in with_paths], [x for _, x in with_paths], treedef
 
 
 @dataclass
@@ -89,20 +81,17 @@ class Publisher:
 
     Args:
       name: the weights' name (letters, digits, ``.``, ``_``, ``-``); the pool is
-        ``/dev/shm/tpusync-weights-<name>.pool``.
+        ``<shm_dir>/tpusync-weights-<name>.pool``.
       secret: the deployment secret subscribers authenticate with (at least 16 bytes).
       registry: where versions are announced (any :class:`tpusync.cluster.Registry`); None to
         let subscribers connect to :attr:`address` directly.
-      keep: versions kept (at least 1); a late joiner may pull any of them.
-      capacity_bytes: the pool's size; default ``keep + 2`` versions of the first one published.
-        The pool does not grow: a version that does not fit beside the versions kept (and
-        those subscribers hold) is refused by :meth:`publish` before any byte is copied,
-        saying what it needs; give ``capacity_bytes`` for a tree that grows (a small warm-up
-        version first, an adapter added later).
-      chunk_bytes: the verified unit (a multiple of 4096).
-      host, port, tls, insecure, lease_ttl_s: the block server's (see
-        :class:`~tpusync.cluster.BlockServer`); TLS is required off loopback.
-      registry_ttl_s: the registry lease of this publisher's node, renewed by heartbeat.
+      pool: the pool of versions: how many are kept, its size, the chunk size, its directory
+        (:class:`~tpusync.weights.WeightsPoolOptions`; default: 2 versions kept, sized from
+        the first one, 4 MiB chunks, /dev/shm).
+      server: where subscribers connect and the leases' lengths
+        (:class:`~tpusync.weights.WeightsServerOptions`; default: loopback, a free port).
+      tls: the block server's TLS (:class:`~tpusync.weights.TlsOptions` with a server
+        context); required off loopback unless it says ``insecure``.
     """
 
     def __init__(
@@ -111,47 +100,33 @@ class Publisher:
         *,
         secret: bytes,
         registry: Registry | None = None,
-        keep: int = 2,
-        capacity_bytes: int | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        tls: ssl.SSLContext | None = None,
-        insecure: bool = False,
-        lease_ttl_s: float = 10.0,
-        registry_ttl_s: float = 10.0,
-        shm_dir: str = "/dev/shm",
+        pool: WeightsPoolOptions | None = None,
+        server: WeightsServerOptions | None = None,
+        tls: TlsOptions | None = None,
     ) -> None:
         self.name = check_name(name)
-        if type(keep) is not int or keep < 1:
-            raise InvalidArgumentError(f"keep: expected at least 1 version, got {keep!r}")
-        if type(chunk_bytes) is not int or chunk_bytes < 4096 or chunk_bytes % 4096:
-            raise InvalidArgumentError(
-                f"chunk_bytes: expected a positive multiple of 4096, got {chunk_bytes!r}"
-            )
-        if capacity_bytes is not None and (
-            type(capacity_bytes) is not int or capacity_bytes < chunk_bytes
-        ):
-            raise InvalidArgumentError(
-                f"capacity_bytes: expected at least one chunk ({chunk_bytes}), "
-                f"got {capacity_bytes!r}"
-            )
+        self.pool_options = options_or_default(WeightsPoolOptions, pool, "pool")
+        self.server_options = options_or_default(WeightsServerOptions, server, "server")
+        self.tls = options_or_default(TlsOptions, tls, "tls")
         if registry is not None and not isinstance(registry, Registry):
             raise InvalidArgumentError(
                 f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
             )
-        self.keep = keep
-        self.chunk_bytes = chunk_bytes
-        self.layout = chunk_layout(name, chunk_bytes)
+        self._keep = self.pool_options.keep
+        self._chunk_bytes = self.pool_options.chunk_bytes
+        self.layout = chunk_layout(name, self._chunk_bytes)
         # checked now, though the server starts with the pool (at the first publish by default)
-        self._server_options = BlockServerOptions(
-            secret=secret, host=host, port=port, tls=tls, insecure=insecure,
-            lease_ttl_s=lease_ttl_s,
-        )  # fmt: skip
+        self._block_server_options = BlockServerOptions(
+            secret=secret,
+            host=self.server_options.host,
+            port=self.server_options.port,
+            tls=self.tls.context,
+            insecure=self.tls.insecure,
+            lease_ttl_s=self.server_options.lease_ttl_s,
+        )
         self._registry = registry
-        self._registry_ttl = registry_ttl_s
-        self._shm_dir = shm_dir
         self._lock = threading.Lock()
+        # the versions' books, by version (an int); keys are the pool's names of its pieces
         self._versions: dict[int, list[bytes]] = {}  # kept version -> its manifest keys
         self._chunks: dict[int, int] = {}  # kept version -> its chunk count
         self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
@@ -163,9 +138,10 @@ class Publisher:
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, native.copy_threads() - 1), thread_name_prefix="tpusync-publish"
         )
+        capacity_bytes = self.pool_options.capacity_bytes
         self._sized_by_caller = capacity_bytes is not None
         if capacity_bytes is not None:
-            self._open(-(-capacity_bytes // chunk_bytes))
+            self._open(-(-capacity_bytes // self._chunk_bytes))
 
     # --- the pool, its server and the registry ---------------------------------------------
 
@@ -174,7 +150,7 @@ class Publisher:
             self.layout,
             slots,
             name=f"weights-{self.name}",
-            shm_dir=self._shm_dir,
+            shm_dir=self.pool_options.shm_dir,
             on_mismatch="recreate",
             # staged and read in whole chunks, where huge pages gain nothing; samplers map the
             # file with small pages, through which a collapsed one reads slower (0010)
@@ -184,7 +160,7 @@ class Publisher:
             stale = pool.keys()
             if stale:  # a restarted publisher: versions of a previous life are not announced
                 pool.delete(stale)
-            server = BlockServer(pool, options=self._server_options)
+            server = BlockServer(pool, options=self._block_server_options)
         except BaseException:
             pool.close()
             raise
@@ -193,7 +169,10 @@ class Publisher:
             node = NodeInfo(f"weights-{self.name}", (server.address,), group="weights")
             try:
                 self._link = RegistryLink(
-                    self._registry, node, self._registry_ttl, self._announced_keys
+                    self._registry,
+                    node,
+                    self.server_options.registry_ttl_s,
+                    self._announced_keys,
                 )
             except BaseException:
                 self.close()
@@ -201,12 +180,12 @@ class Publisher:
 
     def _announced_keys(self) -> list[bytes]:
         with self._lock:
-            return [keys[0] for keys in self._versions.values()]
+            return [announcement_key(self.name, v) for v in self._versions]
 
     @property
     def address(self) -> str | None:
-        """Where subscribers connect (``host:port``); None before the first publish when no
-        ``capacity_bytes`` was given."""
+        """Where subscribers connect (``host:port``); None before the first publish when the
+        pool options gave no ``capacity_bytes``."""
         return None if self.server is None else self.server.address
 
     @property
@@ -249,7 +228,7 @@ class Publisher:
         paths, leaves, _ = tree_paths(params)
         entries, sources = self._describe(paths, leaves)
         total = sum(e.box_bytes(b) for e in entries for b in range(len(e.boxes)))
-        n_chunks = -(-total // self.chunk_bytes)
+        n_chunks = -(-total // self._chunk_bytes)
         parent = self._latest if parent is None else parent
         # The manifest's size is known before any byte moves (its checksums are fixed-width
         # hex), so the version's chunks and manifest are reserved together: a publish that does
@@ -258,14 +237,14 @@ class Publisher:
             self.name,
             version,
             parent,
-            self.chunk_bytes,
+            self._chunk_bytes,
             total,
             tuple(entries),
             np.zeros(n_chunks, dtype=np.uint64),
         )
-        n_parts = -(-len(draft.to_bytes()) // self.chunk_bytes)
+        n_parts = -(-len(draft.to_bytes()) // self._chunk_bytes)
         if self.pool is None:
-            self._open((self.keep + 2) * (n_chunks + n_parts + 1))
+            self._open((self._keep + 2) * (n_chunks + n_parts + 1))
         assert self.pool is not None
         self._retry_drops()
         keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
@@ -289,7 +268,7 @@ class Publisher:
             self._latest = version
         self._drop_beyond_keep()
         if self._link is not None:
-            self._link.added([manifest_keys[0]])  # last: the announcement
+            self._link.added([announcement_key(self.name, version)])  # last: the announcement
             try:  # announced before publish() returns, unless the registry is unreachable
                 self._link.flush_changes()
             except (TpuSyncError, OSError) as error:
@@ -359,7 +338,7 @@ class Publisher:
 
     def _no_room(self, version: int, need: int, n_chunks: int, total: int) -> str:
         assert self.pool is not None
-        C, capacity = self.chunk_bytes, self.pool.capacity
+        C, capacity = self._chunk_bytes, self.pool.capacity
         with self._lock:
             kept = {v: self._chunks[v] + len(k) for v, k in self._versions.items()}
         held = {v: len(k) for v, k in self._dropping.items() if self.pool.contains(k[:1])[0]}
@@ -377,22 +356,26 @@ class Publisher:
                 )
                 + ")"
             )
-        sized = "capacity_bytes" if self._sized_by_caller else "the first version published"
-        enough = (self.keep + 2) * need * C
+        sized = (
+            "WeightsPoolOptions.capacity_bytes"
+            if self._sized_by_caller
+            else "the first version published"
+        )
+        enough = (self._keep + 2) * need * C
         return (
             f"version {version} needs {need} chunks of {C} bytes ({n_chunks} for its "
             f"{size_text(total)}, {need - n_chunks} for its manifest), {where}. The pool was "
             f"sized from {sized} and does not grow while the publisher runs; nothing of version "
             f"{version} was staged, and the publisher takes later versions as before. For "
-            f"versions of this size start a Publisher with capacity_bytes={enough} (keep + 2 "
-            "versions of it), or a smaller keep"
+            f"versions of this size start a Publisher with pool=WeightsPoolOptions("
+            f"capacity_bytes={enough}) (keep + 2 versions of it), or a smaller keep"
         )
 
     def _stage(self, slots: np.ndarray, sources: list[np.ndarray], total: int) -> np.ndarray:
         """Copies every shard into the reserved chunks and checksums each chunk as it is
         written, in one pass on every core; the last chunk's tail is zeros."""
         assert self.pool is not None
-        C = self.chunk_bytes
+        C = self._chunk_bytes
         sizes = np.array([s.nbytes for s in sources], dtype=np.int64)
         rows = Rows(
             np.cumsum(sizes) - sizes,
@@ -444,24 +427,24 @@ class Publisher:
         """Writes the manifest ``data`` into the reserved ``slots``, zero-padded to whole
         chunks."""
         assert self.pool is not None
-        assert len(slots) * self.chunk_bytes >= len(data), "the manifest outgrew its draft"
+        assert len(slots) * self._chunk_bytes >= len(data), "the manifest outgrew its draft"
         for p, slot in enumerate(slots.tolist()):
-            piece = data[p * self.chunk_bytes : (p + 1) * self.chunk_bytes]
+            piece = data[p * self._chunk_bytes : (p + 1) * self._chunk_bytes]
             with self.pool.slot_memory(slot) as memory:
                 memory[: len(piece)] = piece
-                memory[len(piece) : self.chunk_bytes] = bytes(self.chunk_bytes - len(piece))
+                memory[len(piece) : self._chunk_bytes] = bytes(self._chunk_bytes - len(piece))
 
     # --- dropping old versions ---------------------------------------------------------------
 
     def _drop_beyond_keep(self) -> None:
         with self._lock:
-            old = sorted(self._versions)[: -self.keep]
+            old = sorted(self._versions)[: -self._keep]
         for version in old:
             with self._lock:
                 manifest_keys = self._versions.pop(version)
                 n_chunks = self._chunks.pop(version)
             if self._link is not None:
-                self._link.removed([manifest_keys[0]])
+                self._link.removed([announcement_key(self.name, version)])
             self._dropping[version] = [
                 *manifest_keys,
                 *(chunk_key(self.name, version, i) for i in range(n_chunks)),
@@ -493,7 +476,7 @@ class Publisher:
         if self.pool is not None:
             self.pool.close()
             with contextlib.suppress(InvalidArgumentError):  # removed by hand meanwhile
-                remove_pool(f"weights-{self.name}", shm_dir=self._shm_dir)
+                remove_pool(f"weights-{self.name}", shm_dir=self.pool_options.shm_dir)
 
     def __enter__(self) -> Publisher:
         return self

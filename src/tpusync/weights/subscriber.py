@@ -48,15 +48,19 @@ from tpusync.errors import (
     WeightSyncError,
 )
 from tpusync.tiers import HostPool
-from tpusync.weights._stream import (
-    Rows,
-    piece_rows,
-    scatter_runs,
-    split_at_chunks,
+from tpusync.weights._options import TlsOptions, WeightsClientOptions, options_or_default
+from tpusync.weights._stream import Rows, piece_rows, scatter_runs, split_at_chunks
+from tpusync.weights.manifest import (
+    Manifest,
+    announcement_key,
+    check_name,
+    check_version,
+    chunk_key,
+    chunk_layout,
+    manifest_key,
+    tree_paths,
 )
-from tpusync.weights.manifest import Manifest, check_name, check_version, chunk_key, manifest_key
 from tpusync.weights.plan import leaf_plan, shard_boxes
-from tpusync.weights.publisher import chunk_layout, tree_paths
 
 __all__ = ["PullReport", "Subscriber"]
 
@@ -154,14 +158,17 @@ class Subscriber:
       target: a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` (with a ``sharding``): the
         structure, shapes, dtypes and shardings versions are pulled into.
       secret: the deployment secret (the publisher's).
-      address: the publisher's ``host:port``; or ``registry``, where versions are announced.
-      tls, insecure, connections, timeout_s: the data plane's (see
-        :class:`~tpusync.cluster.BlockClient`).
-      deadline_s: the longest a pull may take (default for :meth:`pull`).
+      address: the publisher's ``host:port``; or ``registry``, where versions are announced
+        (give exactly one).
+      client: the connections to the publisher, the deadlines and the same-host reads
+        (:class:`~tpusync.weights.WeightsClientOptions`; default: 2 connections, 10 s a
+        request, 120 s a pull, same-host reads on).
+      tls: the data plane's TLS (:class:`~tpusync.weights.TlsOptions` with a client context
+        that trusts the publisher's certificate); required off loopback unless it says
+        ``insecure``.
       in_place: write into the committed arrays (see the module docstring).
-      kv_stores: KV stores whose ``weight_version`` follows each commit (KV of other weights is
-        never served again).
-      same_host: read the publisher's /dev/shm pool directly when it is on this host.
+      kv_stores: :class:`tpusync.kv.KVCacheStore` objects whose ``weight_version`` follows each
+        commit (KV of other weights is never served again).
     """
 
     def __init__(
@@ -172,14 +179,10 @@ class Subscriber:
         secret: bytes,
         address: str | None = None,
         registry: Registry | None = None,
-        tls: Any = None,
-        insecure: bool = False,
-        connections: int = 2,
-        timeout_s: float = 10.0,
-        deadline_s: float = 120.0,
+        client: WeightsClientOptions | None = None,
+        tls: TlsOptions | None = None,
         in_place: bool = False,
         kv_stores: Any = (),
-        same_host: bool = True,
     ) -> None:
         self.name = check_name(name)
         if (address is None) == (registry is None):
@@ -188,31 +191,20 @@ class Subscriber:
             raise InvalidArgumentError(
                 f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
             )
-        if not isinstance(deadline_s, int | float) or not deadline_s > 0:
-            raise InvalidArgumentError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
+        self.client_options = options_or_default(WeightsClientOptions, client, "client")
+        self.tls = options_or_default(TlsOptions, tls, "tls")
         paths, leaves, self._treedef = tree_paths(target)
         self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
-        self._client_args = {
-            "secret": secret,
-            "connections": connections,
-            "timeout_s": timeout_s,
-            "tls": tls,
-            "insecure": insecure,
-            "same_host": bool(same_host),
-            # a pull's absolute limit is this subscriber's deadline_s (its watchdog closes the
-            # client then), not the client's default scaled from a batch's bytes
-            "max_pull_s": MAX_LIMIT_S,
-        }
+        self._secret = secret
         self._address, self._registry = address, registry
-        self.deadline_s = float(deadline_s)
         self.in_place = bool(in_place)
         self.kv_stores = list(kv_stores)
         for store in self.kv_stores:
             if not hasattr(store, "set_weight_version"):
                 raise InvalidArgumentError(
-                    f"kv_stores: expected tpusync.KVCacheStore objects, got {type(store).__name__}"
+                    "kv_stores: expected tpusync.kv.KVCacheStore objects, got "
+                    f"{type(store).__name__}"
                 )
-        self.same_host = bool(same_host)
         self._clients: dict[str, BlockClient] = {}
         self._manifest_staging: HostPool | None = None
         self._rows_cache: dict[Any, Rows] = {}
@@ -259,7 +251,7 @@ class Subscriber:
         self.torn = False
         if not self.in_place:  # the next version's buffers, made while this one serves
             self._spare_job = self._executor.submit(self._make_spare)
-        for store in self.kv_stores:
+        for store in self.kv_stores:  # a KV namespace names weights by a string: the one place
             store.set_weight_version(str(shadow.version))
         self.last_commit_seconds = time.perf_counter() - start
         return shadow.tree
@@ -298,10 +290,10 @@ class Subscriber:
             )
         self._retired = None
         start = time.perf_counter()
-        limit = self.deadline_s if deadline_s is None else float(deadline_s)
+        limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
         deadline = time.monotonic() + limit
-        client = self._client(version)
-        announce = manifest_key(self.name, version, 0)
+        announce = announcement_key(self.name, version)
+        client = self._client(version, announce)
         # At the deadline the client is closed: its sockets shut down, whatever the pull waits
         # on (the hold, the manifest, a batch of chunks) fails at once.
         expired = threading.Event()
@@ -315,7 +307,7 @@ class Subscriber:
                         f"version: {version} of {self.name!r} is not published by "
                         f"{client.label} (or no longer kept)"
                     )
-                manifest = self._read_manifest(client, version)
+                manifest = self._read_manifest(client, version, announce)
                 self._check_targets(manifest)
                 report = self._pull_chunks(client, manifest, deadline, start)
                 if held.lapsed:
@@ -349,14 +341,15 @@ class Subscriber:
         if self.in_place and self._live is not None and self._shadow is None:
             self.torn = True
 
-    def _client(self, version: int) -> BlockClient:
+    def _client(self, version: int, announce: bytes) -> BlockClient:
+        """A client of the publisher of ``version``: at ``address``, or found in the registry
+        by the version's announcement key ``announce``."""
         if self._address is not None:
             address = self._address
         else:
             assert self._registry is not None
-            key = manifest_key(self.name, version, 0)
             try:
-                holders = self._registry.holders([key])[0]
+                holders = self._registry.holders([announce])[0]
                 nodes = {n.node_id: n for n in self._registry.nodes()}
             except TpuSyncError as error:
                 raise WeightSyncError(f"the registry cannot be read ({error})") from error
@@ -371,7 +364,19 @@ class Subscriber:
         client = self._clients.get(address)
         if client is None:
             try:  # an AuthenticationError (a wrong secret) goes to the caller as it is
-                client = BlockClient(address, **self._client_args)
+                options = self.client_options
+                client = BlockClient(
+                    address,
+                    secret=self._secret,
+                    connections=options.connections,
+                    timeout_s=options.timeout_s,
+                    tls=self.tls.context,
+                    insecure=self.tls.insecure,
+                    same_host=options.same_host,
+                    # a pull's absolute limit is this subscriber's deadline_s (its watchdog
+                    # closes the client then), not the client's default scaled from the bytes
+                    max_pull_s=MAX_LIMIT_S,
+                )
             except PeerUnavailableError as error:
                 raise WeightSyncError(
                     f"version {version}: the publisher at {address} cannot be reached ({error})"
@@ -395,11 +400,11 @@ class Subscriber:
             pool = self._manifest_staging = HostPool(chunk_layout(self.name, chunk_bytes), 1)
         return pool
 
-    def _read_manifest(self, client: BlockClient, version: int) -> Manifest:
+    def _read_manifest(self, client: BlockClient, version: int, announce: bytes) -> Manifest:
+        """The manifest of ``version``, whose first part is its announcement ``announce``."""
         chunk_bytes = client.payload_bytes
         staging = self._manifest_pool(chunk_bytes)
-        first = manifest_key(self.name, version, 0)
-        parts = [self._pull_one(client, staging, first)]
+        parts = [self._pull_one(client, staging, announce)]
         length = int.from_bytes(parts[0][:8], "little")
         n_parts = -(-(length + 8) // chunk_bytes)
         if n_parts > 1 << 16:
