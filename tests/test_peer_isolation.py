@@ -26,14 +26,18 @@ from preauth_child import LAYOUT, key_for, payload_for
 
 from tpusync.cluster import (
     BlockServer,
-    CircuitOpenError,
     MemoryRegistry,
     NodeInfo,
     PeerCircuits,
     RegistryPool,
     RemoteRegistry,
 )
-from tpusync.errors import BlocksMissingError, InvalidArgumentError, RegistryUnavailableError
+from tpusync.errors import (
+    BlocksMissingError,
+    CircuitOpenError,
+    InvalidArgumentError,
+    RegistryUnavailableError,
+)
 from tpusync.tiers import HostPool
 
 SECRET = bytes(range(7, 39))

@@ -33,7 +33,6 @@ from test_peer_isolation import Clock, check_bytes, fill
 from tpusync import _core
 from tpusync.cluster import (
     BlockClient,
-    CircuitOpenError,
     MemoryRegistry,
     PeerCircuits,
     RegistryPool,
@@ -41,7 +40,7 @@ from tpusync.cluster import (
     StoreNodePool,
 )
 from tpusync.cluster.dataplane._connection import Connection
-from tpusync.errors import BlocksMissingError
+from tpusync.errors import BlocksMissingError, CircuitOpenError
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import HostPool
 

@@ -31,7 +31,6 @@ from tpusync.cluster import (
     BlockClient,
     BlockServer,
     BlockServerOptions,
-    CircuitOpenError,
     LeaseTable,
     PeerCircuits,
     StoreNode,
@@ -45,7 +44,7 @@ from tpusync.cluster.dataplane.deadlines import (
     Deadline,
     limit_for,
 )
-from tpusync.errors import DeadlineExceededError, InvalidArgumentError
+from tpusync.errors import CircuitOpenError, DeadlineExceededError, InvalidArgumentError
 from tpusync.tiers import HostPool
 
 SECRET = bytes(range(60, 92))

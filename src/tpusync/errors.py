@@ -8,6 +8,7 @@ __all__ = [
     "BlockIndexError",
     "BlocksHeldError",
     "BlocksMissingError",
+    "CircuitOpenError",
     "DeadlineExceededError",
     "DtypeMismatchError",
     "FrameError",
@@ -173,6 +174,11 @@ class FrameError(TpuSyncError, ValueError):
 class PeerUnavailableError(TpuSyncError, ConnectionError):
     """A block server cannot be reached, failed the handshake or did not answer; the cause is
     chained."""
+
+
+class CircuitOpenError(PeerUnavailableError):
+    """The peer failed recently and its circuit is open: the request was not sent. A probe goes
+    through after a back-off (``tpusync.cluster.PeerCircuits``) and closes it again."""
 
 
 class DeadlineExceededError(TpuSyncError, TimeoutError):

@@ -19,7 +19,7 @@ peers and listed in a registry). Its errors (``AuthenticationError``, ``PeerUnav
 ``RegistryUnavailableError``, ...) are exported once, from :mod:`tpusync.errors`.
 """
 
-from tpusync.cluster._circuit import CircuitOpenError, PeerCircuits
+from tpusync.cluster._circuit import PeerCircuits
 from tpusync.cluster._probe import ServerHealth, probe_health
 from tpusync.cluster._registry_link import RegistryLink
 from tpusync.cluster._supervisor import SupervisedLoop
@@ -54,7 +54,6 @@ __all__ = [
     "BlockClient",
     "BlockServer",
     "BlockServerOptions",
-    "CircuitOpenError",
     "HeldBlocks",
     "Holder",
     "JaxRegistry",

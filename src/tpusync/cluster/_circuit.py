@@ -26,17 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tpusync.errors import InvalidArgumentError, PeerUnavailableError
+from tpusync.errors import CircuitOpenError, InvalidArgumentError
 
-__all__ = ["CircuitOpenError", "PeerCircuits", "is_deadline_miss"]
+__all__ = ["PeerCircuits", "is_deadline_miss"]
 
 DEFAULT_THRESHOLD = 3
 DEFAULT_FIRST_BACKOFF_S = 1.0
 DEFAULT_LONGEST_BACKOFF_S = 60.0
-
-
-class CircuitOpenError(PeerUnavailableError):
-    """The peer failed recently and its circuit is open: the request was not sent."""
 
 
 def is_deadline_miss(error: BaseException | None) -> bool:

@@ -25,11 +25,12 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from tpusync.cluster._circuit import CircuitOpenError, PeerCircuits
+from tpusync.cluster._circuit import PeerCircuits
 from tpusync.cluster.dataplane import BlockClient, RemotePool
 from tpusync.cluster.registry.base import Registry, check_keys
 from tpusync.errors import (
     BlocksMissingError,
+    CircuitOpenError,
     InvalidArgumentError,
     RemoteOperationUnsupportedError,
     TpuSyncError,

@@ -113,7 +113,7 @@ class BlockClient:
     ``circuits`` (default: the client's own): the circuit of the server's address
     (:mod:`tpusync.cluster._circuit`). Every request and pull goes through it: after
     consecutive failures or a missed deadline, requests fail at once with
-    :class:`~tpusync.cluster.CircuitOpenError` (a PeerUnavailableError) until the back-off is
+    :class:`~tpusync.errors.CircuitOpenError` (a PeerUnavailableError) until the back-off is
     over and one probe succeeds. Pass one :class:`PeerCircuits` to several clients (e.g. one
     per node of a cluster) to keep each peer's circuit across reconnections.
 
