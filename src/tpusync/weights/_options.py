@@ -108,12 +108,17 @@ class WeightsServerOptions:
         subscriber renews it while it pulls).
       registry_ttl_s: the registry lease of the publisher's node, renewed by heartbeat
         (default 10 s).
+      lease_max_s: the longest a subscriber may hold a version, renewals included, so a
+        subscriber that keeps renewing pins nothing for ever (default None: the block
+        server's, 600 s); raise it where one pull can take longer (a big tree over a slow
+        link).
     """
 
     host: str = "127.0.0.1"
     port: int = 0
     lease_ttl_s: float = 10.0
     registry_ttl_s: float = 10.0
+    lease_max_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:

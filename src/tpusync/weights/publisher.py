@@ -123,6 +123,7 @@ class Publisher:
             tls=self.tls.context,
             insecure=self.tls.insecure,
             lease_ttl_s=self.server_options.lease_ttl_s,
+            lease_max_s=self.server_options.lease_max_s,  # BlockServerOptions checks it
         )
         self._registry = registry
         self._lock = threading.Lock()
