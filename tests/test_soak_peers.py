@@ -5,41 +5,41 @@ node, register, publish and look up in the registry, and pull the publisher's ch
 
 The peers reset (at once, mid-handshake, after a wrong proof, once authenticated), half-close,
 stall and send garbage before and after authenticating (the behaviours of
-tests/hostile_peers.py). Each of them keeps at most a few stalled connections open, so the
-servers face hundreds of pending handshakes (more than their admission limit of 128) without
-this process running out of descriptors.
+tests/hostile_peers.py), from a process of their own (tests/soak_attackers_child.py), as real
+attackers are: they share no interpreter lock with the servers and the legitimate clients here.
+Each of them keeps at most a few stalled connections open, so the servers face hundreds of
+pending handshakes (more than their admission limit of 128).
 
 What must hold: 0 wrong bytes (every pulled block is compared with what was saved); every
-visit succeeded; legitimate requests are not held up: a visit is a fresh connection, the mutual
-handshake and 3-4 round trips, milliseconds on loopback, so the goal is 1 s, and at most 1% of
-visits may take longer and none longer than 5 s (the 1 s goal at 5x load: CI runs this suite
-while the engine environments install beside it, and one visit in a few hundred took 1.5 s
-there). A server that let stalled peers hold up its handshake loop fails both: 50 peers keep
-stalling, and each stall costs the loop a 2 s handshake deadline or more, so many visits would
-wait seconds. Nothing may be logged at ERROR, and at the end the process's threads and
-descriptors are back at their baseline. ``TPUSYNC_SOAK_S`` changes the length (default 50 s of
-attack).
+visit succeeded and none took more than 1 s (a visit is a fresh connection, the mutual handshake
+and 3-4 round trips, milliseconds on loopback; with 50 peers attacking the longest took about
+0.5 s at load 12 on 2 cores, beside the vLLM suite and another test session). A server that let
+stalled peers hold up its handshake loop fails it: 50 peers keep stalling, and each stall costs
+the loop a 2 s handshake deadline or more. Every hostile behaviour ran; nothing was logged at
+ERROR; at the end the process's threads and descriptors are back at their baseline.
+``TPUSYNC_SOAK_S`` changes the length (default 50 s of attack).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-import random
-import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hostile_peers import (
     HOSTILE,
     WAIT_S,
-    Peer,
-    Served,
     Tls,
     back_to,
     holdings,
@@ -50,13 +50,12 @@ from hostile_peers import (
 
 from tpusync.tiers import HostPool
 
+HERE = Path(__file__).resolve().parent
 ATTACK_S = float(os.environ.get("TPUSYNC_SOAK_S", "50"))
 HOSTILE_PEERS = 50
 STALLED_PER_PEER = 4  # stalled connections one hostile peer keeps open at most
-PAUSE_S = 0.02  # between one peer's behaviours: 50 peers share this process's GIL with the servers
-SLOW_S = 1.0  # the goal for a legitimate request; at most SLOW_SHARE of them may take longer
-SLOW_SHARE = 0.01
-LONGEST_S = 5.0  # the goal at 5x load: no request may take longer
+PAUSE_S = 0.02  # between one peer's behaviours (50 peers share their process's GIL)
+LONGEST_S = 1.0  # no legitimate visit may take longer
 KINDS = ("store", "registry", "publisher")
 
 
@@ -65,7 +64,6 @@ class Visits:
     """One legitimate client's record."""
 
     done: int = 0
-    slow: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     longest: float = 0.0
 
@@ -82,23 +80,23 @@ def source() -> Iterator[HostPool]:
         yield pool
 
 
-def hostile_peer(targets: list[Served], stop: threading.Event, seed: int) -> None:
-    """One hostile peer: every behaviour, in a random order, against a random server, until
-    ``stop``; its stalled connections are closed oldest first beyond STALLED_PER_PEER."""
-    rng = random.Random(seed)
-    stalled: list[Peer] = []
+@contextlib.contextmanager
+def attackers_running(spec: dict[str, Any]) -> Iterator[subprocess.Popen[str]]:
+    """The hostile peers in their own process (tests/soak_attackers_child.py), once they run;
+    stopped by its pid if the test ends first."""
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "soak_attackers_child.py"), json.dumps(spec)],
+        cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        while not stop.is_set():
-            behave = rng.choice(HOSTILE)
-            # the server dropping this peer first is its right
-            with contextlib.suppress(OSError, EOFError, ssl.SSLError):
-                behave(rng.choice(targets), stalled)
-            while len(stalled) > STALLED_PER_PEER:
-                stalled.pop(0).close()
-            stop.wait(PAUSE_S)
+        assert child.stdout is not None
+        first = child.stdout.readline()  # its imports done, its peers started
+        assert first == "attacking\n", first + (child.stderr.read() if child.stderr else "")
+        yield child
     finally:
-        for peer in stalled:
-            peer.close()
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=WAIT_S)
 
 
 def legitimate(visit: Callable[[int], None], record: Visits, stop: threading.Event) -> None:
@@ -112,8 +110,6 @@ def legitimate(visit: Callable[[int], None], record: Visits, stop: threading.Eve
             record.failures.append(repr(exc))
         took = time.monotonic() - started
         record.longest = max(record.longest, took)
-        if took > SLOW_S:
-            record.slow.append(took)
         record.done += 1
 
 
@@ -131,13 +127,19 @@ def test_soak_fifty_hostile_peers_against_a_store_node_a_registry_and_a_publishe
         for server in served:
             server.visit(0)  # the lazy parts (a node's pool, its lease thread) exist now
         baseline = holdings()
-        stop_attack, stop_visits = threading.Event(), threading.Event()
-        attackers = [
-            threading.Thread(
-                target=hostile_peer, args=(served, stop_attack, seed), name=f"hostile-{seed}"
-            )
-            for seed in range(HOSTILE_PEERS)
-        ]
+        stop_visits = threading.Event()
+        spec = {
+            "targets": [
+                {"kind": s.kind, "address": s.address, "tls": s.client_tls is not None}
+                for s in served
+            ],
+            "ca": str(tls.ca),
+            "peers": HOSTILE_PEERS,
+            "seconds": ATTACK_S,
+            "stalled_per_peer": STALLED_PER_PEER,
+            "pause_s": PAUSE_S,
+        }
+        attackers = stack.enter_context(attackers_running(spec))
         records = {s.kind: Visits() for s in served}
         clients = [
             threading.Thread(
@@ -145,16 +147,18 @@ def test_soak_fifty_hostile_peers_against_a_store_node_a_registry_and_a_publishe
             )
             for s in served
         ]
-        for thread in [*attackers, *clients]:
-            thread.start()
-        stop_attack.wait(ATTACK_S)
-        stop_attack.set()
-        for thread in attackers:
-            thread.join(WAIT_S)
-        stop_visits.set()
         for thread in clients:
-            thread.join(WAIT_S)
-        assert not any(t.is_alive() for t in [*attackers, *clients]), "a thread did not finish"
+            thread.start()
+        try:  # the visits last as long as the attack
+            out, err = attackers.communicate(timeout=ATTACK_S + WAIT_S)
+        finally:
+            stop_visits.set()
+            for thread in clients:
+                thread.join(WAIT_S)
+        assert attackers.returncode == 0, err
+        ran = json.loads(out.splitlines()[-1])
+        assert set(ran) == {behave.__name__ for behave in HOSTILE}, ran  # every behaviour ran
+        assert not any(t.is_alive() for t in clients), "a client did not finish"
         for server in served:
             server.visit(1)  # still serving once the attack is over
         after = back_to(baseline)
@@ -162,12 +166,9 @@ def test_soak_fifty_hostile_peers_against_a_store_node_a_registry_and_a_publishe
         refusals = {s.kind: s.server.refusals() for s in served}
     for kind, record in records.items():
         print(f"{kind}: {record.done} visits, longest {record.longest:.3f} s, "
-              f"{len(record.slow)} over {SLOW_S} s, refusals {refusals[kind]}")  # fmt: skip
-    print(f"threads/fds {baseline} -> {after}")
+              f"refusals {refusals[kind]}")  # fmt: skip
+    print(f"threads/fds {baseline} -> {after}; hostile behaviours {ran}")
     assert {k: r.failures for k, r in records.items()} == {k: [] for k in records}
-    assert all(len(r.slow) <= SLOW_SHARE * r.done for r in records.values()), {
-        k: (len(r.slow), r.done) for k, r in records.items()
-    }
     assert all(r.longest <= LONGEST_S for r in records.values()), {
         k: r.longest for k, r in records.items()
     }
