@@ -32,8 +32,8 @@ from tpusync.engines import native
 from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
 from tpusync.tiers.blocks import slot_checksums
+from tpusync.tiers.dram.shm_admin import remove_pool, size_text
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
-from tpusync.tiers.shm_admin import remove_pool, size_text
 from tpusync.weights._stream import Rows, split_at_chunks
 from tpusync.weights.manifest import (
     LeafEntry,
