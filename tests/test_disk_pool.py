@@ -42,9 +42,9 @@ from tpusync.errors import (
 )
 from tpusync.info import check_o_direct
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, LowerTier, PoolLayout
-from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE, WRITING
 from tpusync.tiers.disk import _io_jobs as disk_io_jobs
 from tpusync.tiers.disk import pool as disk_pool_module
+from tpusync.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, WRITING
 
 PAGE = 4096
 ROWS, COLS = 16, 512  # one array's part of a block: 16 x 512 bf16 = 16 KiB; slot = 32 KiB

@@ -47,8 +47,8 @@ from tpusync.errors import (
     TpuSyncError,
 )
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, all_tier_stats
-from tpusync.tiers._pool_file import WRITING
 from tpusync.tiers.dram import pool_path
+from tpusync.tiers.dram._pool_file import WRITING
 
 TIMEOUT = 60.0
 NB = 8  # blocks of every device pool

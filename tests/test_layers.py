@@ -44,7 +44,7 @@ LAZY_COMMANDS = {
         "tpusync.health",
         "tpusync.info",
         "tpusync.serve",
-        "tpusync.tiers.shm_admin",
+        "tpusync.tiers.dram.shm_admin",
     )
 }
 # Modules allowed to import private names of other packages: the fuzzer of the private file

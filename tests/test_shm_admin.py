@@ -14,7 +14,7 @@ import pytest
 import tpusync
 from tpusync.errors import InvalidArgumentError, PoolBusyError
 from tpusync.tiers import HostPool, PoolLayout
-from tpusync.tiers.shm_admin import list_pools, remove_pool
+from tpusync.tiers.dram.shm_admin import list_pools, remove_pool
 
 
 def _pool(shm_dir: Path, name: str) -> HostPool:

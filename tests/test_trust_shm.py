@@ -35,7 +35,8 @@ from tpusync.errors import InvalidArgumentError, PoolFormatError, UnsafeFileErro
 from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
 from tpusync.memory import huge_pages as _huge_pages
 from tpusync.tiers import HostPool, PoolLayout
-from tpusync.tiers._pool_file import (
+from tpusync.tiers.dram import pool_path
+from tpusync.tiers.dram._pool_file import (
     COMMITTED,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -44,8 +45,7 @@ from tpusync.tiers._pool_file import (
     decode_header,
     encode_header,
 )
-from tpusync.tiers.dram import pool_path
-from tpusync.tiers.shm_admin import list_pools, remove_pool
+from tpusync.tiers.dram.shm_admin import list_pools, remove_pool
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
 import make_golden as golden
@@ -61,31 +61,31 @@ BLOCK = (8, 128)  # float32: 4 KiB per array per block
 
 
 def find_temp_files(*args: Any) -> Any:
-    from tpusync.tiers._shm_files import find_temp_files
+    from tpusync.tiers.dram._shm_files import find_temp_files
 
     return find_temp_files(*args)
 
 
 def sessions_path(*args: Any) -> Path:
-    from tpusync.tiers._shm_files import sessions_path
+    from tpusync.tiers.dram._shm_files import sessions_path
 
     return sessions_path(*args)
 
 
 def remove_stale(*args: Any) -> Any:
-    from tpusync.tiers.shm_admin import remove_stale
+    from tpusync.tiers.dram.shm_admin import remove_stale
 
     return remove_stale(*args)
 
 
 def owner_pid_field() -> slice:
-    from tpusync.tiers._pool_file import owner_pid_field
+    from tpusync.tiers.dram._pool_file import owner_pid_field
 
     return owner_pid_field()
 
 
 def scan_records(*args: Any) -> Any:
-    from tpusync.tiers._pool_file import scan_records
+    from tpusync.tiers.dram._pool_file import scan_records
 
     return scan_records(*args)
 
@@ -250,7 +250,8 @@ def test_item1_readme_examples_use_distinct_pool_names() -> None:
 ZYGOTE = """
 import json, os, random, signal, sys, time, traceback
 spec = json.loads(sys.argv[1])
-from tpusync.tiers import HostPool, PoolLayout, _pool_open
+from tpusync.tiers import HostPool, PoolLayout
+from tpusync.tiers.dram import _pool_open
 _pool_open._USE_TMPFILE = spec["use_tmpfile"]
 layout = PoolLayout.from_description(spec["layout"])
 rand = random.Random(spec["seed"])
@@ -374,7 +375,8 @@ def test_item2_sigkilled_creators_temp_files_are_listed_and_freed(
 PAUSED_CREATOR = """
 import json, os, sys, time
 spec = json.loads(sys.argv[1])
-from tpusync.tiers import HostPool, PoolLayout, _pool_open
+from tpusync.tiers import HostPool, PoolLayout
+from tpusync.tiers.dram import _pool_open
 _pool_open._USE_TMPFILE = False
 real_unlink, real_fallocate = os.unlink, os.posix_fallocate
 
@@ -669,7 +671,7 @@ def test_item5_fifo_directory_and_symlink_at_pool_paths(
 def test_item5_pool_files_are_created_0600(
     shm: Path, monkeypatch: pytest.MonkeyPatch, unnamed: bool
 ) -> None:
-    from tpusync.tiers import _pool_open
+    from tpusync.tiers.dram import _pool_open
 
     monkeypatch.setattr(_pool_open, "_USE_TMPFILE", unnamed)
     old = os.umask(0)  # the mode is tpusync's own, not the umask's

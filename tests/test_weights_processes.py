@@ -18,7 +18,7 @@ from run_names import run_name
 
 from tpusync.cluster import MemoryRegistry, RegistryServer
 from tpusync.testing.weights_procs import Child, digest, leaf_bytes, tree_spec
-from tpusync.tiers.shm_admin import remove_pool
+from tpusync.tiers.dram.shm_admin import remove_pool
 
 SECRET = secrets.token_bytes(32)
 LEAVES = 100

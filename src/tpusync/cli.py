@@ -129,7 +129,7 @@ def _shm_error(exc: Exception, shm_dir: str) -> str:
 
 
 def _shm_remove(args: argparse.Namespace) -> int:
-    from tpusync.tiers.shm_admin import remove_pools, remove_stale, size_text  # when it runs
+    from tpusync.tiers.dram.shm_admin import remove_pools, remove_stale, size_text  # when it runs
 
     if args.name is None:
         removed = remove_stale(args.dir)
@@ -151,7 +151,10 @@ def _shm_remove(args: argparse.Namespace) -> int:
 
 
 def _shm_list(shm_dir: str, as_json: bool = False) -> int:
-    from tpusync.tiers.shm_admin import list_pools, size_text  # a command's module, when it runs
+    from tpusync.tiers.dram.shm_admin import (  # a command's module, when it runs
+        list_pools,
+        size_text,
+    )
 
     pools = list_pools(shm_dir)
     if as_json:

@@ -37,8 +37,7 @@ from tpusync.connectors.vllm import worker as worker_module
 from tpusync.errors import InvalidArgumentError
 from tpusync.testing.file_fuzz import damage_disk_block
 from tpusync.testing.processes import start_store_node, stop_process
-from tpusync.tiers import shm_admin
-from tpusync.tiers.dram import pool_path
+from tpusync.tiers.dram import pool_path, shm_admin
 
 rng = np.random.default_rng(20261238)  # every greedy step has a margin (reference_tokens)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token

@@ -34,7 +34,7 @@ from engines import (
 )
 
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers import shm_admin
+from tpusync.tiers.dram import shm_admin
 
 PROMPT_TOKENS = 1200  # 37 full blocks before the last token
 FULL = (PROMPT_TOKENS - 1) // BLOCK * BLOCK

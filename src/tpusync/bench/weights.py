@@ -43,7 +43,7 @@ from tpusync.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
 from tpusync.cluster import MemoryRegistry, RegistryServer
 from tpusync.errors import TpuSyncError
 from tpusync.testing.weights_procs import Child, tree_spec
-from tpusync.tiers.shm_admin import remove_pool
+from tpusync.tiers.dram.shm_admin import remove_pool
 from tpusync.weights.plan import leaf_plan
 
 QUICK = ["--scale", "64", "--repeats", "2"]

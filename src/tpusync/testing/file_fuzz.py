@@ -38,10 +38,10 @@ import numpy as np
 from tpusync import _core
 from tpusync.errors import BlocksMissingError, PoolFormatError
 from tpusync.kv import _sessions
-from tpusync.tiers._pool_file import COMMITTED, PAGE, RECORD_DTYPE
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.disk import _format as disk_module
 from tpusync.tiers.dram import HostPool
+from tpusync.tiers.dram._pool_file import COMMITTED, PAGE, RECORD_DTYPE
 from tpusync.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.tiers.shared_fs import SharedFsPool
 from tpusync.tiers.shared_fs import _format as sfs_module

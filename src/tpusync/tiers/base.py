@@ -1,10 +1,12 @@
 """The block interface every tier below DRAM implements (disk, shared filesystem, remote, and
-another DRAM pool: :class:`~tpusync.tiers.HostPool` implements it slot to slot), and
+another DRAM pool: :class:`~tpusync.tiers.HostPool` implements it slot to slot), what such a
+tier needs of the DRAM pool it moves blocks to and from (:class:`SlotPool`, which
+:class:`~tpusync.tiers.HostPool` implements; this module imports no concrete tier), and
 :class:`BlockTier`, the base that owns the block transaction once for the media of this package.
 
-Blocks move between such a tier and the DRAM tier (:class:`~tpusync.tiers.HostPool`) slot to
-slot: ``put`` reads committed DRAM slots (pinned while read) and stores them with their key,
-layout fingerprint, length and checksum; ``get`` reserves DRAM slots, reads into them straight
+Blocks move between such a tier and a DRAM pool (a :class:`SlotPool`) slot to slot: ``put``
+reads committed DRAM slots (pinned while read) and stores them with their key, layout
+fingerprint, length and checksum; ``get`` reserves DRAM slots, reads into them straight
 from the medium, verifies every block's checksum over the bytes read, and commits only the good
 ones. A block that is absent or fails verification is a miss: ``get`` raises
 :class:`~tpusync.errors.BlocksMissingError` with a ``loaded`` mask after committing the rest.
@@ -35,9 +37,9 @@ import numpy as np
 
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
 from tpusync.tiers._keys import check_keys
-from tpusync.tiers.dram import HostPool, Pinned, Reservation
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.scatter import Scatter
+from tpusync.tiers.slots import Pinned, Reservation
 from tpusync.tiers.stats import TierStats
 
 __all__ = [
@@ -46,10 +48,79 @@ __all__ = [
     "LoadStatus",
     "LowerTier",
     "ScatteringTier",
+    "SlotPool",
+    "is_slot_pool",
     "tier_free",
     "tier_read_only",
     "tier_usable_capacity",
 ]
+
+
+@runtime_checkable
+class SlotPool(Protocol):
+    """The slot interface of a DRAM pool, as a lower tier uses it (``put`` reads from one,
+    ``get`` loads into one): blocks of ``layout`` in numbered slots, each found by its key.
+
+    A slot to write is taken by :meth:`reserve` (invisible to readers), filled through
+    :meth:`slot_memory` or :meth:`slot_addresses`, then published by :meth:`commit` with its
+    checksum, or freed by :meth:`abort`; whoever reserved must do one of the two. A slot to
+    read is held by :meth:`pin` (never reused while pinned) and released by one :meth:`unpin`."""
+
+    layout: PoolLayout
+
+    def reserve(self, keys: Sequence[bytes]) -> Reservation:
+        """Takes a free slot for every key not yet present; TierFullError (taking nothing)
+        when too few are free."""
+        ...
+
+    def commit(self, reservation: Reservation, checksums: np.ndarray) -> None:
+        """Publishes reserved slots whose bytes are fully written, with their checksums."""
+        ...
+
+    def abort(self, reservation: Reservation) -> None:
+        """Frees reserved slots without publishing them."""
+        ...
+
+    def pin(self, keys: Sequence[bytes]) -> Pinned:
+        """Pins the slots of the present keys; returns them with their recorded checksums."""
+        ...
+
+    def unpin(self, pinned: Pinned) -> None: ...
+
+    def drop_corrupt(self, keys: Sequence[bytes]) -> None:
+        """Drops blocks a reader found corrupt (a pinned one's slot is reused after unpin)."""
+        ...
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def hash_slots(self, slots: np.ndarray | Sequence[int], *, inline: bool = False) -> np.ndarray:
+        """Each slot's block checksum, computed from its bytes in memory."""
+        ...
+
+    def slot_memory(self, slot: int) -> memoryview:
+        """The writable bytes of one slot (``layout.slot_bytes``, page-aligned); release the
+        view when done."""
+        ...
+
+    def slot_addresses(self, slots: np.ndarray) -> contextlib.AbstractContextManager[np.ndarray]:
+        """The addresses (uint64) of ``slots``, valid inside the ``with``, for native I/O."""
+        ...
+
+
+# The types found to be SlotPools: an isinstance check against a Protocol inspects each member
+# (tens of microseconds), and a put or get checks its pool each call.
+_SLOT_POOL_TYPES: set[type] = set()
+
+
+def is_slot_pool(pool: object) -> bool:
+    """Whether ``pool`` has the whole :class:`SlotPool` interface (answered once per type)."""
+    kind = type(pool)
+    if kind in _SLOT_POOL_TYPES:
+        return True
+    if isinstance(pool, SlotPool):
+        _SLOT_POOL_TYPES.add(kind)
+        return True
+    return False
 
 
 @runtime_checkable
@@ -67,12 +138,12 @@ class LowerTier(Protocol):
         """Blocks the tier holds."""
         ...
 
-    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+    def put(self, keys: Sequence[bytes], source: SlotPool) -> int:
         """Stores the DRAM blocks under ``keys``; returns how many were written (keys already
         stored are skipped; keys absent from ``source`` raise ``BlocksMissingError``)."""
         ...
 
-    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+    def get(self, keys: Sequence[bytes], target: SlotPool) -> None:
         """Loads the blocks under ``keys`` into ``target`` (see the module docstring)."""
         ...
 
@@ -171,7 +242,7 @@ class BlockTier(ABC):
 
     @abstractmethod
     def _store(
-        self, keys: list[bytes], source: HostPool, slots: np.ndarray, checksums: np.ndarray
+        self, keys: list[bytes], source: SlotPool, slots: np.ndarray, checksums: np.ndarray
     ) -> tuple[int, BaseException | None]:
         """Stores the pinned ``source`` slots under ``keys``; returns how many were written and
         the error that stopped the rest (None when all went)."""
@@ -182,7 +253,7 @@ class BlockTier(ABC):
         readable: their list, in order."""
 
     @abstractmethod
-    def _load(self, reservation: Reservation, target: HostPool) -> list[Load]:
+    def _load(self, reservation: Reservation, target: SlotPool) -> list[Load]:
         """Reads the reserved blocks into their ``target`` slots: one :class:`Load` each."""
 
     @abstractmethod
@@ -191,7 +262,7 @@ class BlockTier(ABC):
 
     # --- the transaction -------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+    def put(self, keys: Sequence[bytes], source: SlotPool) -> int:
         """Stores the DRAM blocks under ``keys`` from ``source``; returns how many were written.
 
         Keys already stored and repeated keys are skipped. Raises, before anything is
@@ -200,7 +271,7 @@ class BlockTier(ABC):
         they are read and unpinned before returning."""
         return self._put(keys, source, overwrite=False)
 
-    def _put(self, keys: Sequence[bytes], source: HostPool, *, overwrite: bool) -> int:
+    def _put(self, keys: Sequence[bytes], source: SlotPool, *, overwrite: bool) -> int:
         keys = check_keys(keys)
         self._check_open()
         self._check_peer(source, "source")
@@ -236,7 +307,7 @@ class BlockTier(ABC):
 
     @staticmethod
     def _check_source(
-        keys: list[bytes], candidates: list[bytes], source: HostPool, pinned: Pinned
+        keys: list[bytes], candidates: list[bytes], source: SlotPool, pinned: Pinned
     ) -> list[bytes]:
         """Raises (listing the DRAM blocks that failed their checksum, to be dropped) unless
         every pinned block's bytes match its recorded checksum."""
@@ -255,7 +326,7 @@ class BlockTier(ABC):
         finally:
             source.drop_corrupt(corrupt)
 
-    def get(self, keys: Sequence[bytes], target: HostPool) -> None:
+    def get(self, keys: Sequence[bytes], target: SlotPool) -> None:
         """Loads the blocks under ``keys`` into ``target``, straight into its slots.
 
         Each block is read into a slot reserved in ``target``, its checksum computed over the
@@ -284,7 +355,7 @@ class BlockTier(ABC):
         self._report(keys, mask, loads, len(served))
 
     def _load_verified(
-        self, reservation: Reservation, target: HostPool, loads: dict[bytes, Load]
+        self, reservation: Reservation, target: SlotPool, loads: dict[bytes, Load]
     ) -> set[bytes]:
         """Loads, verifies and commits (or aborts) every reserved slot; fills ``loads``."""
         try:
@@ -349,7 +420,7 @@ class BlockTier(ABC):
         raise error
 
     def _check_peer(self, pool: Any, name: str) -> None:
-        if not isinstance(pool, HostPool):
+        if not is_slot_pool(pool):  # e.g. a HostPool
             raise InvalidArgumentError(f"{name}: expected a HostPool, got {type(pool).__name__}")
         if pool.layout.fingerprint != self.layout.fingerprint:
             raise InvalidArgumentError(

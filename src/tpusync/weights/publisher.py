@@ -31,7 +31,7 @@ from tpusync.engines import native
 from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError
 from tpusync.tiers import HostPool
 from tpusync.tiers.blocks import slot_checksums
-from tpusync.tiers.shm_admin import remove_pool, size_text
+from tpusync.tiers.dram.shm_admin import remove_pool, size_text
 from tpusync.weights._options import (
     TlsOptions,
     WeightsPoolOptions,

@@ -39,7 +39,8 @@ import numpy as np
 from tpusync.cluster._supervisor import SupervisedLoop
 from tpusync.cluster._tcp_server import DEFAULT_LEASE_MAX_S, check_lease_lifetime
 from tpusync.errors import InvalidArgumentError, TierFullError
-from tpusync.tiers.dram import HostPool, Pinned
+from tpusync.tiers.dram import HostPool
+from tpusync.tiers.slots import Pinned
 
 __all__ = ["Lease", "LeaseTable"]
 

@@ -37,11 +37,11 @@ from tpusync import _core
 from tpusync.engines import native
 from tpusync.errors import PeerUnavailableError, PoolFormatError, TpuSyncError
 from tpusync.tiers.blocks import slot_checksums
+from tpusync.tiers.dram.shm_admin import header_of_descriptor
+from tpusync.tiers.dram.slot_pages import SlotPages
 from tpusync.tiers.files import open_file
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.scatter import Scatter
-from tpusync.tiers.shm_admin import header_of_descriptor
-from tpusync.tiers.slot_pages import SlotPages
 
 __all__ = ["PoolFileReader", "advertised_file", "boot_id", "lease_slots", "whole_slots"]
 

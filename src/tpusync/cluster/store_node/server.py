@@ -45,8 +45,8 @@ from tpusync.errors import (
 )
 from tpusync.tiers.disk import DiskPool
 from tpusync.tiers.dram import DEFAULT_SHM_DIR, HostPool
+from tpusync.tiers.dram.shm_admin import node_pool_name, read_pool_header
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.shm_admin import node_pool_name, read_pool_header
 
 __all__ = ["StoreServer"]
 

@@ -19,7 +19,7 @@ import numpy as np
 from tpusync.errors import PoolFormatError, UnsafeFileError
 from tpusync.tiers._file_writes import file_error
 from tpusync.tiers._files import open_file
-from tpusync.tiers._pool_file import COMMITTED, RECORD_DTYPE  # noqa: F401 (for format readers)
+from tpusync.tiers.dram import COMMITTED, RECORD_DTYPE  # noqa: F401 (for format readers)
 from tpusync.tiers.layout import PoolLayout
 
 FORMAT_VERSION = 1

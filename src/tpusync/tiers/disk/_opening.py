@@ -25,7 +25,7 @@ from tpusync.errors import (
 )
 from tpusync.tiers._file_writes import file_error
 from tpusync.tiers._files import open_file
-from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
+from tpusync.tiers.blocks import MAX_KEY_BYTES
 from tpusync.tiers.disk._format import (
     _CRC,
     _NO_SPACE,
@@ -47,6 +47,7 @@ from tpusync.tiers.disk._format import (
     _remove_file,
     _runs,
 )
+from tpusync.tiers.dram import COMMITTED, FREE, RECORD_DTYPE, WRITING
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.stats import TierStats
 

@@ -8,7 +8,7 @@ Files in the pool's directory (format version 1)::
 
 The index header holds a magic, the format version, the geometry (slot bytes, capacity, slots
 per slab), a random pool id, the layout fingerprint and the layout's description (JSON), and a
-CRC32 of itself. The records are the DRAM pool's (``_pool_file.RECORD_DTYPE``): state
+CRC32 of itself. The records are the DRAM pool's (``tiers.dram.RECORD_DTYPE``): state
 (FREE / WRITING / COMMITTED), key (1 to 32 bytes), payload length, checksum (the block checksum
 of :meth:`HostPool.hash_slots`, over the payload bytes) and a commit sequence number. Slot ``s``
 lives in slab ``s // slab_slots`` at byte ``4096 + (s % slab_slots) * slot_bytes``; every slab
@@ -85,8 +85,8 @@ from tpusync.errors import InvalidArgumentError, PoolClosedError, TierFullError
 from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._files import check_directory
 from tpusync.tiers._keys import check_keys
-from tpusync.tiers._pool_file import COMMITTED, FREE, MAX_KEY_BYTES, RECORD_DTYPE, WRITING
-from tpusync.tiers.base import BlockTier, Load, LoadStatus
+from tpusync.tiers.base import BlockTier, Load, LoadStatus, SlotPool
+from tpusync.tiers.blocks import MAX_KEY_BYTES
 from tpusync.tiers.disk._format import (
     _SLAB_NAME,
     DEFAULT_IO_THREADS,
@@ -102,10 +102,11 @@ from tpusync.tiers.disk._format import (
 from tpusync.tiers.disk._io_jobs import choose_direct_io, run_jobs
 from tpusync.tiers.disk._landing import StagingBuffers, lander, segments_of
 from tpusync.tiers.disk._opening import DiskFiles
-from tpusync.tiers.dram import HostPool, Reservation
+from tpusync.tiers.dram import COMMITTED, FREE, RECORD_DTYPE, WRITING
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.room import check_room, check_writable_directory, held_bytes
 from tpusync.tiers.scatter import Scatter
+from tpusync.tiers.slots import Reservation
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["HEADER_BYTES", "DiskPool", "check_disk_capacity"]
@@ -330,7 +331,7 @@ class DiskPool(DiskFiles, BlockTier):
 
     # --- the medium's part of put -----------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], source: HostPool) -> int:
+    def put(self, keys: Sequence[bytes], source: SlotPool) -> int:
         """Stores the DRAM blocks under ``keys`` from ``source``; returns how many were written.
 
         Keys already stored (or being stored by another thread) and repeated keys are skipped.
@@ -353,7 +354,7 @@ class DiskPool(DiskFiles, BlockTier):
             return [k for k in keys if k not in self._index and k not in self._writing]
 
     def _store(
-        self, keys: list[bytes], source: HostPool, slots: np.ndarray, checksums: np.ndarray
+        self, keys: list[bytes], source: SlotPool, slots: np.ndarray, checksums: np.ndarray
     ) -> tuple[int, BaseException | None]:
         """Reserves slots (all or none: :class:`TierFullError`), writes the payloads and
         commits them; on an I/O error no block of the batch is committed."""
@@ -412,7 +413,7 @@ class DiskPool(DiskFiles, BlockTier):
                 raise self._io_error(exc, "writing the index") from exc
         return picked, slots
 
-    def _write_payloads(self, source: HostPool, source_slots: np.ndarray, slots: list[int]) -> None:
+    def _write_payloads(self, source: SlotPool, source_slots: np.ndarray, slots: list[int]) -> None:
         jobs = []
         for src, dst in zip(source_slots.tolist(), slots, strict=True):
             fd, offset = self._locate(dst)
@@ -432,7 +433,7 @@ class DiskPool(DiskFiles, BlockTier):
 
     def _transfer(
         self,
-        pool: HostPool,
+        pool: SlotPool,
         jobs: list[tuple[int, int, int]],
         runs: list[list[int]],
         *,
@@ -555,7 +556,7 @@ class DiskPool(DiskFiles, BlockTier):
             with self._lock:
                 np.add.at(self._pins, pinned, -1)
 
-    def _load(self, reservation: Reservation, target: HostPool) -> list[Load]:
+    def _load(self, reservation: Reservation, target: SlotPool) -> list[Load]:
         with self._lock:  # pinned: neither slot nor record changes until the read is done
             slots = [self._index[k] for k in reservation.keys]
             stored = self._records["checksum"][slots].tolist()

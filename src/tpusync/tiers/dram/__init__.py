@@ -1,21 +1,30 @@
-"""The DRAM tier: :class:`HostPool` (page-aligned slots in anonymous memory or in /dev/shm, a
-records index that survives the process), the handles of its slot interface
-(:class:`Reservation`, :class:`Pinned`), the locks of the device pools a move holds
-(:class:`PoolLocks`), where named pools live (:func:`pool_path`; their sessions:
-:func:`sessions_path`) and how large a pool is (:func:`pool_bytes`)."""
+"""The DRAM tier, all of it in this folder: :class:`HostPool` (page-aligned slots in anonymous
+memory or in /dev/shm, a records index that survives the process; it implements the slot
+interface the lower tiers use, :class:`~tpusync.tiers.base.SlotPool`), the locks of the device
+pools a move holds (:class:`PoolLocks`), where named pools live (:func:`pool_path`; their
+sessions: :func:`sessions_path`), how large a pool is (:func:`pool_bytes`), and its records'
+format (:data:`RECORD_DTYPE` and the states :data:`FREE`, :data:`WRITING`, :data:`COMMITTED`),
+which the disk tier's slab files share.
 
-from tpusync.tiers._pool_open import pool_bytes
-from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, pool_path, sessions_path
+Inside: the pool file's format (``_pool_file``), opening and creating it (``_pool_open``), the
+files a named pool keeps in /dev/shm (``_shm_files``), the pages of slots a process has mapped
+(:mod:`~tpusync.tiers.dram.slot_pages`) and ``tpusync shm``'s listing and removal of pools
+(:mod:`~tpusync.tiers.dram.shm_admin`)."""
+
 from tpusync.tiers.dram._device_moves import PoolLocks
+from tpusync.tiers.dram._pool_file import COMMITTED, FREE, RECORD_DTYPE, WRITING
+from tpusync.tiers.dram._pool_open import pool_bytes
+from tpusync.tiers.dram._shm_files import DEFAULT_SHM_DIR, pool_path, sessions_path
 from tpusync.tiers.dram.pool import HostPool
-from tpusync.tiers.dram.slots import Pinned, Reservation
 
 __all__ = [
+    "COMMITTED",
     "DEFAULT_SHM_DIR",
+    "FREE",
+    "RECORD_DTYPE",
+    "WRITING",
     "HostPool",
-    "Pinned",
     "PoolLocks",
-    "Reservation",
     "pool_bytes",
     "pool_path",
     "sessions_path",

@@ -15,9 +15,9 @@ import numpy as np
 from tpusync import _core
 from tpusync.errors import InvalidArgumentError, PoolClosedError, TierFullError
 from tpusync.tiers._keys import check_keys
-from tpusync.tiers._pool_file import COMMITTED, FREE, WRITING, scan_records
-from tpusync.tiers.dram.slots import Pinned, Reservation
+from tpusync.tiers.dram._pool_file import COMMITTED, FREE, WRITING, scan_records
 from tpusync.tiers.layout import PoolLayout
+from tpusync.tiers.slots import Pinned, Reservation
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["SlotRecords"]

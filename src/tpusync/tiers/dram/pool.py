@@ -39,14 +39,6 @@ from tpusync.memory.deferred_refs import close_releasing_deferred_views
 from tpusync.memory.device_pool import DevicePool, start_donation, wait_for_readers
 from tpusync.memory.torch_tensors import TorchPool
 from tpusync.tiers._keys import check_keys
-from tpusync.tiers._pool_file import RECORD_DTYPE, PoolGeometry
-from tpusync.tiers._pool_open import (
-    ON_MISMATCH,
-    check_before_opening,
-    open_named_pool,
-    write_header,
-)
-from tpusync.tiers._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
 from tpusync.tiers.blocks import slot_checksums
 from tpusync.tiers.dram._device_moves import (
     KeptPools,
@@ -54,11 +46,19 @@ from tpusync.tiers.dram._device_moves import (
     num_blocks,
     slot_major,
 )
+from tpusync.tiers.dram._pool_file import RECORD_DTYPE, PoolGeometry
+from tpusync.tiers.dram._pool_open import (
+    ON_MISMATCH,
+    check_before_opening,
+    open_named_pool,
+    write_header,
+)
 from tpusync.tiers.dram._prefault import prefault
 from tpusync.tiers.dram._records import SlotRecords
-from tpusync.tiers.dram.slots import Pinned, Reservation
+from tpusync.tiers.dram._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
+from tpusync.tiers.dram.slot_pages import SlotPages
 from tpusync.tiers.layout import PoolLayout
-from tpusync.tiers.slot_pages import SlotPages
+from tpusync.tiers.slots import Pinned, Reservation
 from tpusync.tiers.stats import TierStats
 from tpusync.transfer import Transfer, transfer_batch
 from tpusync.transfer.api import pools_locked as _pools_locked

@@ -9,7 +9,7 @@ import struct
 from dataclasses import dataclass
 
 from tpusync import _core
-from tpusync.tiers._pool_file import CHECKSUM_SCHEME, MAX_KEY_BYTES
+from tpusync.tiers.blocks import CHECKSUM_SCHEME, MAX_KEY_BYTES
 
 MAGIC = b"TPUSYNCB"
 FORMAT_VERSION = 1

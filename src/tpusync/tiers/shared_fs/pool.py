@@ -23,7 +23,7 @@ Block file format, version 1 (little-endian)::
 
 The payload starts on a page boundary of the file. The payload checksum is the DRAM tier's block
 checksum (:meth:`HostPool.hash_slots`); the checksum scheme field names it (it is the DRAM pool's
-scheme, :data:`tpusync.tiers._pool_file.CHECKSUM_SCHEME`), so a build with another scheme
+scheme, :data:`tpusync.tiers.blocks.CHECKSUM_SCHEME`), so a build with another scheme
 sees such files as foreign misses rather than corrupt ones.
 
 Publish protocol (what makes a partial block invisible on every host):
@@ -100,9 +100,8 @@ from tpusync.memory.fork_guard import check_same_process
 from tpusync.tiers._file_writes import write_file_atomically
 from tpusync.tiers._files import DIRECTORY_MODE, check_directory, open_file
 from tpusync.tiers._keys import check_keys
-from tpusync.tiers._pool_file import MAX_KEY_BYTES
-from tpusync.tiers.base import BlockTier, Load, LoadStatus, readable
-from tpusync.tiers.dram import HostPool, Reservation
+from tpusync.tiers.base import BlockTier, Load, LoadStatus, SlotPool, is_slot_pool, readable
+from tpusync.tiers.blocks import MAX_KEY_BYTES
 from tpusync.tiers.layout import PoolLayout
 from tpusync.tiers.mac import MAC_BYTES, MacKey
 from tpusync.tiers.shared_fs._format import (
@@ -120,6 +119,7 @@ from tpusync.tiers.shared_fs._format import (
     decode_block_header,
     encode_block_header,
 )
+from tpusync.tiers.slots import Reservation
 from tpusync.tiers.stats import TierStats
 
 __all__ = ["HEADER_BYTES", "SharedFsPool"]
@@ -229,7 +229,7 @@ class SharedFsPool(BlockTier):
 
     verify_source = True  # other hosts read these files without our index
 
-    def put(self, keys: Sequence[bytes], source: HostPool, *, overwrite: bool = False) -> int:
+    def put(self, keys: Sequence[bytes], source: SlotPool, *, overwrite: bool = False) -> int:
         """Stores the blocks under ``keys`` from ``source``; returns how many files were written.
 
         Keys already stored are skipped unless ``overwrite`` (which rewrites them, e.g. to repair
@@ -252,7 +252,7 @@ class SharedFsPool(BlockTier):
         return [k for k, e in zip(keys, self._exist_all(keys), strict=True) if not e]
 
     def _store(
-        self, keys: list[bytes], source: HostPool, slots: np.ndarray, checksums: np.ndarray
+        self, keys: list[bytes], source: SlotPool, slots: np.ndarray, checksums: np.ndarray
     ) -> tuple[int, BaseException | None]:
         """Writes one file per block (each published whole); blocks written before an I/O
         error stay."""
@@ -288,7 +288,7 @@ class SharedFsPool(BlockTier):
     def _reading(self, keys: list[bytes]) -> contextlib.AbstractContextManager[list[bytes]]:
         return readable(keys)  # no index: every key is worth a read (absent: a miss)
 
-    def _load(self, reservation: Reservation, target: HostPool) -> list[Load]:
+    def _load(self, reservation: Reservation, target: SlotPool) -> list[Load]:
         payload = self.layout.payload_bytes
         jobs: list[tuple[bytes, memoryview]] = []
         try:
@@ -604,7 +604,7 @@ class SharedFsPool(BlockTier):
         check_same_process(self._opened_by, f"the shared-FS pool in {self._root}")
 
     def _check_peer(self, pool: Any, argument: str) -> None:
-        if not isinstance(pool, HostPool):
+        if not is_slot_pool(pool):  # e.g. a HostPool
             raise InvalidArgumentError(
                 f"{argument}: expected a HostPool (the DRAM tier), got {type(pool).__name__}"
             )

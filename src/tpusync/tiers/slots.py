@@ -1,5 +1,7 @@
-"""What a caller of :class:`~tpusync.tiers.HostPool`'s slot interface holds: the slots it
-reserved (:class:`Reservation`, to commit or abort) or pinned (:class:`Pinned`, to unpin)."""
+"""What a caller of a slot pool's interface (:class:`~tpusync.tiers.base.SlotPool`, which
+:class:`~tpusync.tiers.HostPool` implements) holds: the slots it reserved
+(:class:`Reservation`, to commit or abort) or pinned (:class:`Pinned`, to unpin). Plain data,
+shared by the pool and the tiers that move blocks to and from it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ __all__ = ["Pinned", "Reservation"]
 
 @dataclass(frozen=True)
 class Reservation:
-    """Slots taken by :meth:`HostPool.reserve`: ``keys[i]`` (the request's entry
+    """Slots taken by :meth:`SlotPool.reserve`: ``keys[i]`` (the request's entry
     ``indices[i]``) goes to ``slots[i]``."""
 
     keys: list[bytes]
@@ -30,7 +32,7 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Pinned:
-    """Slots pinned by :meth:`HostPool.pin`: ``slots[i]`` is -1 where ``keys[i]`` is absent."""
+    """Slots pinned by :meth:`SlotPool.pin`: ``slots[i]`` is -1 where ``keys[i]`` is absent."""
 
     keys: list[bytes]
     slots: np.ndarray

@@ -11,7 +11,7 @@
 * A new pool is made in an unnamed file (``O_TMPFILE``), set up in full, locked, and only then
   linked to its name, so a creator killed at any moment leaves nothing behind. Where the
   filesystem has no ``O_TMPFILE`` (or there is no /proc) it is made under a temporary name
-  (see :mod:`tpusync.tiers._shm_files`) that the next open or ``tpusync shm remove`` frees if
+  (see :mod:`tpusync.tiers.dram._shm_files`) that the next open or ``tpusync shm remove`` frees if
   its creator dies.
 
 Every failure closes what it opened: no descriptor (and so no lock) outlives a failed open.
@@ -33,7 +33,7 @@ from pathlib import Path
 from tpusync import _core
 from tpusync.errors import InvalidArgumentError, PoolBusyError, PoolFormatError, TierFullError
 from tpusync.tiers._files import check_descriptor, check_shm_dir, open_file
-from tpusync.tiers._pool_file import (
+from tpusync.tiers.dram._pool_file import (
     HEADER_BYTES,
     PoolGeometry,
     PoolHeader,
@@ -41,7 +41,7 @@ from tpusync.tiers._pool_file import (
     encode_header,
     read_owner_pid,
 )
-from tpusync.tiers._shm_files import (
+from tpusync.tiers.dram._shm_files import (
     DEFAULT_SHM_DIR,
     creating,
     remove_stale_temp_files,

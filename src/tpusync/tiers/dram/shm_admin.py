@@ -17,15 +17,15 @@ import numpy as np
 
 from tpusync.errors import InvalidArgumentError, PoolBusyError, PoolFormatError, UnsafeFileError
 from tpusync.tiers._files import open_file
-from tpusync.tiers._pool_file import (
+from tpusync.tiers.dram._pool_file import (
     HEADER_BYTES,
     RECORD_DTYPE,
     decode_header,
     read_owner_pid,
     scan_records,
 )
-from tpusync.tiers._pool_open import size_text
-from tpusync.tiers._shm_files import (
+from tpusync.tiers.dram._pool_open import size_text
+from tpusync.tiers.dram._shm_files import (
     DEFAULT_SHM_DIR,
     POOL_NAME,
     TempFile,

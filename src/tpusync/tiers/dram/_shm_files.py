@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tpusync.errors import UnsafeFileError
 from tpusync.tiers._files import open_file
-from tpusync.tiers._pool_file import HEADER_BYTES, PoolHeader, decode_header
+from tpusync.tiers.dram._pool_file import HEADER_BYTES, PoolHeader, decode_header
 
 __all__ = [
     "DEFAULT_SHM_DIR",
