@@ -43,10 +43,12 @@ suite_main() {
     python -m pytest "$@"
 }
 
+# pytest-timeout's 120 s is a guard against a hang, not a bound on time: an engine's start
+# takes 20-30 s of CPU, and minutes beside the main suite on a loaded 2-core machine
 suite_vllm() {
     TORCHINDUCTOR_CACHE_DIR="$caches/inductor" VLLM_CACHE_ROOT="$caches/vllm" \
         TRITON_CACHE_DIR="$caches/triton" VLLM_RPC_BASE_PATH="$caches/rpc" \
-        "${TPUSYNC_VLLM_VENV:-$repo/.venv-vllm}/bin/python" -m pytest "$@" tests/vllm
+        "${TPUSYNC_VLLM_VENV:-$repo/.venv-vllm}/bin/python" -m pytest --timeout=600 "$@" tests/vllm
 }
 
 suite_sglang() {
