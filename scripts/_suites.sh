@@ -1,6 +1,7 @@
-# Sourced by scripts/test.sh: runs the test suites one after the other, each whatever the others
-# did, while the engine environments are made in the background, then prints one line per suite
-# and returns non-zero if any failed. The caller defines what each step does:
+# Sourced by scripts/test.sh: runs the test suites, each whatever the others did (the engine
+# suites beside the main one, see below), while the engine environments are made in the
+# background, then prints one line per suite and returns non-zero if any failed. The caller
+# defines what each step does:
 #   make_env NAME            makes engine environment NAME (vllm, sglang); runs in a subshell
 #                            with errexit, its output in $logs/NAME-env.log
 #   suite_main ARGS...       the main suite (options and test paths)
@@ -153,7 +154,10 @@ run_suites() {
             echo
             echo "tpusync: the $name suite's output ($logs/$name-suite.log):"
             cat "$logs/$name-suite.log"
-            read -r code seconds[$name] <"$logs/$name-suite.status"
+            if ! read -r code seconds[$name] <"$logs/$name-suite.status" 2>/dev/null; then
+                code=1 seconds[$name]=0  # stopped before it could say (killed)
+                echo "tpusync: the $name suite left no status: $logs/$name-suite.log" >&2
+            fi
         else
             start=$(date +%s)
             "suite_$name" "${options[@]}"

@@ -24,10 +24,12 @@ logs="${TPUSYNC_TEST_LOGS:-$repo/.test-logs/$(date +%Y%m%d-%H%M%S)-$$}"
 caches="$(mktemp -d -t tpusync-vllm-caches-XXXXXX)"
 mkdir -p "$caches/rpc"
 env_job=""
-stop_tree() {  # pid: stops a process and its descendants, children first
-    local child
-    for child in $(pgrep -P "$1" 2>/dev/null); do stop_tree "$child"; done
+stop_tree() {  # pid: stops a process, then its descendants (a parent stopped first starts
+    # nothing new when its child ends)
+    local child children
+    children=$(pgrep -P "$1" 2>/dev/null || true)
     kill "$1" 2>/dev/null || true
+    for child in $children; do stop_tree "$child"; done
 }
 # an interrupted run stops the environments' build and the engine suites beside the main one
 # too (their logs stay)

@@ -473,12 +473,11 @@ def test_bad_targets_and_secrets_are_refused_before_any_chunk_moves(publisher):
         (lambda: WeightsPoolOptions(chunk_bytes=CHUNK, capacity_bytes=CHUNK - 1), "capacity"),
         (lambda: WeightsServerOptions(port=70000), "port"),
         (lambda: WeightsServerOptions(lease_ttl_s=0), "lease_ttl_s"),
-        (  # a hold's whole life shorter than one grant: the block server's check
-            lambda: Publisher(
-                "w", secret=SECRET, server=WeightsServerOptions(lease_ttl_s=10, lease_max_s=5)
-            ),
+        (  # a hold's whole life shorter than one grant
+            lambda: WeightsServerOptions(lease_ttl_s=10, lease_max_s=5),
             "lease_max_s: expected at least lease_ttl_s",
         ),
+        (lambda: WeightsServerOptions(lease_max_s=-1), "lease_max_s"),
         (lambda: WeightsClientOptions(connections=0), "connections"),
         (lambda: WeightsClientOptions(deadline_s=-1.0), "deadline_s"),
         (lambda: WeightsClientOptions(same_host="yes"), "same_host"),

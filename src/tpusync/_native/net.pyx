@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Socket I/O of the data plane with the GIL released: sending a list of buffers, receiving into
 a buffer (hashed piece by piece as it lands), and receiving a pull's BLOCK frames straight into
-their slots, checked against the headers expected (cluster/wire.py lays the format out)."""
+their slots, checked against the headers expected (cluster/dataplane/wire.py lays the format out)."""
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -344,7 +344,7 @@ cdef enum:
 cdef void _block_header(unsigned char *out, uint64_t request_id, const unsigned char *key,
                         size_t key_len, const unsigned char *fingerprint, uint64_t length,
                         uint16_t scheme, uint64_t checksum) noexcept nogil:
-    """The 96 bytes of a BLOCK frame header (cluster/wire.py lays the format out)."""
+    """The 96 bytes of a BLOCK frame header (cluster/dataplane/wire.py lays the format out)."""
     cdef uint16_t version = 1, frame_type = 1
     cdef uint8_t n = <uint8_t> key_len
     cdef uint32_t crc

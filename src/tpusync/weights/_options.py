@@ -110,8 +110,8 @@ class WeightsServerOptions:
         (default 10 s).
       lease_max_s: the longest a subscriber may hold a version, renewals included, so a
         subscriber that keeps renewing pins nothing for ever (default None: the block
-        server's, 600 s); raise it where one pull can take longer (a big tree over a slow
-        link).
+        server's, 600 s or ``lease_ttl_s`` if longer; at most a week); raise it where one pull
+        can take longer (a big tree over a slow link).
     """
 
     host: str = "127.0.0.1"
@@ -127,6 +127,13 @@ class WeightsServerOptions:
             raise InvalidArgumentError(f"port: expected 0 to 65535, got {self.port!r}")
         _seconds(self.lease_ttl_s, "lease_ttl_s", 3600)
         _seconds(self.registry_ttl_s, "registry_ttl_s")
+        if self.lease_max_s is not None:
+            _seconds(self.lease_max_s, "lease_max_s", 7 * 86400)  # the block server's bound
+            if self.lease_max_s < self.lease_ttl_s:
+                raise InvalidArgumentError(
+                    f"lease_max_s: expected at least lease_ttl_s ({self.lease_ttl_s:g} s), got "
+                    f"{self.lease_max_s!r}; raise it or lower lease_ttl_s"
+                )
 
 
 @dataclass(frozen=True)

@@ -705,6 +705,11 @@ class BlockClient:
             unique = list(dict.fromkeys(keys))
             deadline = self._limit(len(unique), "push")  # one for every batch and stripe
             for i in range(0, len(unique), MAX_KEYS_PER_REQUEST):
+                if any(is_deadline_miss(e) for e in errors):
+                    break  # a stalled peer: the next batch would reconnect to it (its keys False)
+                if deadline.left() <= 0:
+                    errors.append(deadline.missed())
+                    break
                 batch = unique[i : i + MAX_KEYS_PER_REQUEST]
                 pinned = source.pin(batch)  # no slot is reused while its bytes are sent
                 try:
