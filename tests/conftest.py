@@ -17,6 +17,7 @@ import importlib.util
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from run_names import RUN_TAG, run_name  # noqa: E402
+from run_names import RUN_TAG, run_entries, run_name  # noqa: E402
 
 SEED = int(os.environ.get("TPUSYNC_TEST_SEED") or secrets.randbits(32))
 
@@ -131,6 +132,32 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.basetemp is None:
         config.option.basetemp = tempfile.mkdtemp(prefix=f"{RUN_TAG}-pytest-")
         config.stash[_OWN_BASETEMP] = config.option.basetemp
+
+
+def _stop_as_interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A session stopped by SIGTERM (``timeout``, ``kill``, a CI job cancelled) unwinds as for
+    Ctrl-C, so its fixtures' clean-up and the end-of-session hooks below still run."""
+    signal.signal(signal.SIGTERM, _stop_as_interrupted)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """What this run left in /dev/shm (names carrying its tag, made by a test or a child
+    process killed before its own clean-up) is removed, and named in the report."""
+    left = run_entries("/dev/shm")
+    for path in left:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"tpusync: removed what this run left in /dev/shm: {left}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from run_names import RUN_TAG, run_entries, run_name
+
+from tpusync.testing.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +57,45 @@ def test_leak_checks_see_this_runs_names_only(tmp_path: Path) -> None:
         path.write_bytes(b"x")
     assert run_entries(tmp_path) == [ours]
     assert run_entries(tmp_path, within="leak-") == sorted([ours, theirs])
+
+
+PROBE = "TPUSYNC_TEST_SIGTERM_PROBE"  # set only by the test below, for its child session
+
+
+@pytest.mark.skipif(PROBE not in os.environ, reason="the child session of the test below")
+def test_sigterm_probe(shm_names) -> None:
+    """Makes a named pool file (as a test's pool) and a bare file (as a killed child's), says
+    so, and waits to be stopped."""
+    from tpusync.tiers.dram import pool_path
+
+    pool_path(shm_names()).write_bytes(b"pool")
+    Path("/dev/shm", run_name("orphan")).write_bytes(b"orphan")
+    Path(os.environ[PROBE]).write_text("ready")
+    time.sleep(60)
+
+
+def test_a_session_stopped_by_sigterm_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    env = {k: v for k, v in os.environ.items() if k != "TPUSYNC_TEST_RUN"}
+    tag = f"tpt-{os.urandom(4).hex()}"
+    env.update({PROBE: str(ready), "TPUSYNC_TEST_RUN": tag})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+         "tests/test_isolation.py::test_sigterm_probe"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        eventually(ready.exists, 60, "the child session made its files")
+        assert len(run_entries("/dev/shm", within=tag)) == 2
+        child.send_signal(signal.SIGTERM)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=60)
+        left = run_entries("/dev/shm", within=tag)
+        for path in left:  # the child's names: removed here too when it failed to
+            path.unlink(missing_ok=True)
+    assert child.returncode != 0, out  # interrupted, not passed
+    assert left == [], out
+    assert "removed what this run left in /dev/shm" in out, out
