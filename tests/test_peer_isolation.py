@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import pytest
 from preauth_child import LAYOUT, key_for, payload_for
@@ -118,6 +119,34 @@ def three_nodes() -> Iterator[tuple[MemoryRegistry, list[StallingServer]]]:
         yield registry, servers
 
 
+def pull_aside(
+    pool: Any, keys: list[bytes], target: HostPool
+) -> tuple[threading.Thread, list[BaseException]]:
+    """``pool.get(keys, target)`` on a thread of its own, not started yet; what it raised is
+    appended to the list."""
+    failed: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            pool.get(keys, target)
+        except BaseException as exc:
+            failed.append(exc)
+
+    return threading.Thread(target=pull), failed
+
+
+def landed_while(
+    puller: threading.Thread, target: HostPool, keys: list[bytes], started: float
+) -> float | None:
+    """Seconds from ``started`` until every key of ``keys`` is in ``target``, watched while
+    ``puller`` runs; None if it ended first."""
+    while puller.is_alive():
+        if all(target.contains(keys)):
+            return time.monotonic() - started
+        time.sleep(0.005)
+    return None
+
+
 def test_a_stalled_node_holds_up_no_other_and_is_skipped_until_it_answers() -> None:
     clock = Clock()
     circuits = PeerCircuits(first_backoff_s=5.0, clock=clock)
@@ -137,25 +166,12 @@ def test_a_stalled_node_holds_up_no_other_and_is_skipped_until_it_answers() -> N
             check_bytes(warm, node_keys(n), 100 * n)
         stalling = servers[1]
         stalling.stall.set()
-        failed: list[BaseException] = []
-
-        def pull() -> None:
-            try:
-                cluster.get(everything, target)
-            except BaseException as exc:
-                failed.append(exc)
-
-        puller = threading.Thread(target=pull)
+        puller, failed = pull_aside(cluster, everything, target)
         started = time.monotonic()
         puller.start()
         assert stalling.stalled.wait(WAIT_S), "node-1 never stalled"
         # the other two nodes' blocks land while node-1 is still stalled and the pull waits
-        others_landed = None
-        while puller.is_alive():
-            if all(target.contains(others)):
-                others_landed = time.monotonic() - started
-                break
-            time.sleep(0.005)
+        others_landed = landed_while(puller, target, others, started)
         assert others_landed is not None, "the other nodes' blocks waited for the stalled one"
         assert puller.is_alive()  # still waiting for node-1's deadline
         puller.join(WAIT_S)

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from preauth_child import LAYOUT, key_for
-from test_peer_isolation import Clock, check_bytes, fill
+from test_peer_isolation import Clock, check_bytes, fill, landed_while, pull_aside
 
 from tpusync import _core
 from tpusync.cluster import (
@@ -41,6 +41,7 @@ from tpusync.cluster import (
 )
 from tpusync.cluster.dataplane._connection import Connection
 from tpusync.errors import BlocksMissingError, CircuitOpenError
+from tpusync.testing.polling import eventually
 from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import HostPool
 
@@ -100,10 +101,9 @@ def three_node_processes(tmp_path: Path) -> Iterator[tuple[MemoryRegistry, list[
                 with StoreNodePool(node.address, layout=LAYOUT, secret=SECRET) as to:
                     assert to.put(node_keys(n), source) == BLOCKS
         everything = [k for n in range(NODES) for k in node_keys(n)]
-        deadline = time.monotonic() + WAIT_S
-        while not all(registry.holders(everything)):  # each node publishes what it took
-            assert time.monotonic() < deadline, "the nodes did not publish their blocks"
-            time.sleep(0.05)
+        eventually(  # each node publishes what it took
+            lambda: all(registry.holders(everything)), WAIT_S, "the nodes published their blocks"
+        )
         yield registry, nodes
 
 
@@ -170,25 +170,12 @@ def test_a_stopped_node_holds_up_no_other_and_is_skipped_until_it_answers(
             return receive_frames(self, receiver, deadline)
 
         monkeypatch.setattr(Connection, "receive_frames", first_bytes_then_stop)
-        failed: list[BaseException] = []
-
-        def pull() -> None:
-            try:
-                cluster.get(everything, target)
-            except BaseException as exc:
-                failed.append(exc)
-
-        puller = threading.Thread(target=pull)
+        puller, failed = pull_aside(cluster, everything, target)
         stop_now.set()
         started = time.monotonic()
         puller.start()
-        others_landed = None
         last_of_others = [node_keys(0)[-1], node_keys(2)[-1]]  # a node's blocks commit at once
-        while puller.is_alive():
-            if all(target.contains(last_of_others)):
-                others_landed = time.monotonic() - started
-                break
-            time.sleep(0.01)
+        others_landed = landed_while(puller, target, last_of_others, started)
         assert was_stopped.wait(WAIT_S), "node-1 was never stopped"
         assert others_landed is not None, "the other nodes' blocks waited for the stopped one"
         print(f"the others' blocks: {normal:.3f} s before the stop, {others_landed:.3f} s with "

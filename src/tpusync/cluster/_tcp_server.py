@@ -54,18 +54,21 @@ DEFAULT_LEASE_MAX_S = 600.0  # a lease's whole life, renewals included (see data
 MAX_LEASE_MAX_S = 7 * 86400.0
 
 
-def check_lease_lifetime(value: Any, argument: str) -> float:
-    """A lease's longest life in seconds (``argument`` names it in the error)."""
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not 0 < value <= MAX_LEASE_MAX_S
-    ):
+def check_seconds(value: Any, argument: str, most: float, meaning: str) -> float:
+    """``value`` as seconds in (0, ``most``]; the error names ``argument`` and what the value
+    means."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= most:
         raise InvalidArgumentError(
-            f"{argument}: expected seconds in (0, {MAX_LEASE_MAX_S:g}] (how long a peer that "
-            f"keeps renewing may hold a lease), got {value!r}"
+            f"{argument}: expected seconds in (0, {most:g}] {meaning}, got {value!r}"
         )
     return float(value)
+
+
+def check_lease_lifetime(value: Any, argument: str) -> float:
+    """A lease's longest life in seconds (``argument`` names it in the error)."""
+    return check_seconds(
+        value, argument, MAX_LEASE_MAX_S, "(how long a peer that keeps renewing may hold a lease)"
+    )
 
 
 def _check_count(value: Any, argument: str) -> int:

@@ -22,7 +22,8 @@ import math
 import time
 from typing import Any
 
-from tpusync.errors import DeadlineExceededError, InvalidArgumentError
+from tpusync.cluster._tcp_server import check_seconds
+from tpusync.errors import DeadlineExceededError
 
 __all__ = [
     "DEFAULT_FLOOR_BYTES_PER_S",
@@ -42,16 +43,7 @@ def check_limit(value: Any, argument: str) -> float | None:
     """``value`` as an operation's limit in seconds (None: :func:`limit_for` decides)."""
     if value is None:
         return None
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not 0 < value <= MAX_LIMIT_S
-    ):
-        raise InvalidArgumentError(
-            f"{argument}: expected seconds in (0, {MAX_LIMIT_S:g}] or None (scaled from the "
-            f"bytes moved), got {value!r}"
-        )
-    return float(value)
+    return check_seconds(value, argument, MAX_LIMIT_S, "or None (scaled from the bytes moved)")
 
 
 def limit_for(limit_s: float | None, nbytes: int) -> float:
