@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import tpusync
+from tpusync import _core
 from tpusync.engines import native
 from tpusync.errors import TransferFailedError
 from tpusync.memory import device_pool
@@ -197,3 +198,23 @@ def test_donated_steps_never_changes_an_array_someone_holds(rng: np.random.Gener
     np.testing.assert_array_equal(np.asarray(pool.array), source.array)
     assert not np.array_equal(seen, source.array) and not np.array_equal(before, seen)
     source.close()
+
+
+def test_a_pinned_buffer_s_address_is_read_from_its_pin() -> None:
+    """The copy takes a buffer's address from the DLPack capsule that pins it (jaxlib's
+    ``unsafe_buffer_pointer`` on a ``device_put`` array can fail while another thread reads the
+    same array: it failed a put in CI): the capsule's address is the buffer's, offsets
+    included, and anything but an unconsumed capsule gives None."""
+    host = np.arange(64, dtype=np.float32)[5:]
+    assert _core.dlpack_address(host.__dlpack__()) == host.ctypes.data
+    for array in (
+        jax.device_put(np.arange(256, dtype=np.float32), jax.devices()[0]),
+        jnp.ones((8, 4), jnp.bfloat16) * 3,
+    ):
+        pin = native._pin_buffer(array)
+        assert _core.dlpack_address(pin) == array.unsafe_buffer_pointer()
+        holds: list[object] = []
+        assert native._hold(holds, array, jax.devices()[0], False) == array.unsafe_buffer_pointer()
+        assert len(holds) == 1 and _core.dlpack_address(holds[0]) is not None
+    for other in (None, b"dltensor", host):
+        assert _core.dlpack_address(other) is None

@@ -79,6 +79,7 @@ __all__ = [
     "copy_seconds",
     "copy_sum64_streams",
     "crc32c",
+    "dlpack_address",
     "file_runs",
     "have_streaming",
     "openmp_here",
@@ -101,6 +102,7 @@ __all__ = [
 PAGE_SIZE: int
 
 def collapse_huge_pages(address: int, length: int) -> int: ...
+def dlpack_address(capsule: object) -> int | None: ...
 def populate_range(address: int, length: int) -> None: ...
 def pin_slots(
     index: dict[bytes, int], keys: list[bytes], pins: np.ndarray, checksums: np.ndarray

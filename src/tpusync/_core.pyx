@@ -7,8 +7,9 @@ fileio, pjrt), so that ``tpusync._core`` answers every name of the native core."
 
 from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid
 from libc.errno cimport errno
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, strerror
 from libc.stdlib cimport qsort
 from posix.mman cimport (
@@ -48,7 +49,7 @@ __all__ = [
     "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_checksum_kernel", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",
-    "collapse_huge_pages", "copy_seconds", "copy_sum64_streams", "crc32c", "file_runs", "have_streaming", "openmp_here",
+    "collapse_huge_pages", "copy_seconds", "dlpack_address", "copy_sum64_streams", "crc32c", "file_runs", "have_streaming", "openmp_here",
     "openmp_install", "openmp_installed", "pin_slots", "pjrt_minimum_version", "populate_range", "recv_exact", "send_all",
     "sum64", "sum64_regions", "table_bounds", "unpin_slots", "xxh64", "xxh64_gathered",
     "xxh64_rows",
@@ -95,6 +96,29 @@ cdef bint _populate_write_supported():
         _populate_write = madvise(page, PAGE_SIZE, MADV_POPULATE_WRITE_) == 0
         munmap(page, PAGE_SIZE)
     return _populate_write == 1
+
+
+# The head of DLPack's DLManagedTensor (dlpack.h): a DLTensor.
+ctypedef struct _DLTensor:
+    void *data
+    int32_t device_type
+    int32_t device_id
+    int32_t ndim
+    uint8_t code
+    uint8_t bits
+    uint16_t lanes
+    int64_t *shape
+    int64_t *strides
+    uint64_t byte_offset
+
+
+def dlpack_address(object capsule):
+    """The address of the first element of an unconsumed DLPack capsule ("dltensor"), or None
+    for any other object. While the capsule lives its producer keeps that memory as is."""
+    if not PyCapsule_IsValid(capsule, "dltensor"):
+        return None
+    cdef _DLTensor *tensor = <_DLTensor *> PyCapsule_GetPointer(capsule, "dltensor")
+    return <uintptr_t> tensor.data + tensor.byte_offset
 
 
 def populate_range(uintptr_t address, size_t length):

@@ -109,21 +109,28 @@ class Holds(list):
         self.device_buffers: list[pjrt.DeviceBuffer] = []
 
 
+def _pinned_address(pin: Any, data: jax.Array) -> int:
+    """The address of ``data``'s buffer, read from its pin where that is a DLPack capsule:
+    jaxlib's ``unsafe_buffer_pointer`` on an array made by ``device_put`` can fail while another
+    thread reads the same array ("supported only for unsharded arrays"); the capsule cannot."""
+    address = _core.dlpack_address(pin)
+    return data.unsafe_buffer_pointer() if address is None else address
+
+
 def _hold(holds: list[Any], data: jax.Array, device: Any, written: bool) -> int:
     """Pins a single-device buffer for the copy and returns its address; a PJRT device's buffer
     is also waited for (a view has no definition event) and recorded in ``holds``."""
-    if device.platform == "cpu" and not pjrt.any_bound():
-        holds.append(_pin_buffer(data))
-        return data.unsafe_buffer_pointer()
-    if device_path(device).engine != "pjrt":
-        holds.append(_pin_buffer(data))
-        return data.unsafe_buffer_pointer()
+    if (device.platform == "cpu" and not pjrt.any_bound()) or device_path(device).engine != "pjrt":
+        pin = _pin_buffer(data)
+        holds.append(pin)
+        return _pinned_address(pin, data)
     try:
-        holds.append(_pin_buffer(data))
+        pin = _pin_buffer(data)
     except Exception:  # no DLPack export here: the reference alone keeps the buffer alive
-        holds.append(data)
+        pin = data
+    holds.append(pin)
     data.block_until_ready()
-    address = data.unsafe_buffer_pointer()
+    address = _pinned_address(pin, data)
     if isinstance(holds, Holds):
         holds.device_buffers.append(
             pjrt.DeviceBuffer(device, address, int(data.nbytes), written, data)
@@ -373,7 +380,10 @@ class BlockPlan:
         plain = not pjrt.any_bound()  # CPU buffers are host memory (see _hold)
         for side, single, places, written, unpinned in self._device_places:
             if unpinned and plain:  # a pin is costly right after a model step (0004)
-                bases[single] = side.array.unsafe_buffer_pointer()
+                try:
+                    bases[single] = side.array.unsafe_buffer_pointer()
+                except jax.errors.JaxRuntimeError:  # the race of _pinned_address: pin it
+                    bases[single] = _hold(holds, side.array, side.groups[0].devices[0], written)
             elif single is not None:  # one shard: the array is its data
                 bases[single] = _hold(holds, side.array, side.groups[0].devices[0], written)
             else:
