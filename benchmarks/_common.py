@@ -1,5 +1,5 @@
 """What the scripts left outside the package share (ab.py, network_tuning.py, the GPU
-benchmarks): the helpers now live in :mod:`tpusync.bench.common`; ``write_json`` writes to the
+benchmarks): the helpers now live in :mod:`tpusync._src.bench.common`; ``write_json`` writes to the
 path it is given, as ab.py expects."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import platform
 import time
 from typing import Any
 
-from tpusync.bench.common import commit_of, free_port, median, print_table, stop_process
-from tpusync.bench.transfer import parser as _transfer_parser
+from tpusync._src.bench.common import commit_of, free_port, median, print_table, stop_process
+from tpusync._src.bench.transfer import parser as _transfer_parser
 
 __all__ = [
     "commit_of",

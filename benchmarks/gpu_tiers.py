@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, print_table, write_json
 from gpu_transfer import CudaMemcpyLimit, _gpu
 
-from tpusync.bench.common import result_path
+from tpusync._src.bench.common import result_path
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """GB/s of tpusync's block data plane against the TCP limit and jax.experimental.transfer;
 striping over two rate-limited paths; registry lookups per second.
 
-A thin script: the benchmark lives in the package (:mod:`tpusync.bench.network`, with
+A thin script: the benchmark lives in the package (:mod:`tpusync._src.bench.network`, with
 ``network_procs`` and ``network_peers``; also run by ``tpusync bench network``); the command
 line is the same.
 
@@ -12,8 +12,8 @@ line is the same.
 
 import sys
 
-from tpusync.bench.network import main
-from tpusync.bench.network_procs import Puller, start_child
+from tpusync._src.bench.network import main
+from tpusync._src.bench.network_procs import Puller, start_child
 
 __all__ = ["Puller", "main", "start_child"]  # network_tuning.py uses the first two
 

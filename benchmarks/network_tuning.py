@@ -32,8 +32,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, print_table, write_json
 
-from tpusync.bench.common import result_path
-from tpusync.bench.network_procs import CHILDREN, Puller, start_child
+from tpusync._src.bench.common import result_path
+from tpusync._src.bench.network_procs import CHILDREN, Puller, start_child
 
 # this script runs its block servers itself: one of them with the ablation applied first
 CHILD_PROGRAM = (sys.executable, os.path.abspath(__file__))
@@ -62,7 +62,7 @@ def run_child(kind: str, config_json: str) -> None:
 
     config = json.loads(config_json)
     if config.get("autotuned_send_buffer"):
-        from tpusync.cluster.dataplane import _connection, server
+        from tpusync._src.cluster.dataplane import _connection, server
 
         server.tune_for_peer = _connection.tune_for_peer = lambda sock: None
     CHILDREN[kind](config)

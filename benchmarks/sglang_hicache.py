@@ -1,6 +1,7 @@
 """SGLang HiCache storage: tpusync's backend beside SGLang's file backend and the memory limit,
-driven by SGLang's cache controller code. A thin script over :mod:`tpusync.bench.sglang_hicache`
-(``tpusync bench sglang_hicache`` in the SGLang environment); the command line is the same.
+driven by SGLang's cache controller code. A thin script over
+:mod:`tpusync._src.bench.sglang_hicache` (``tpusync bench sglang_hicache`` in the SGLang
+environment); the command line is the same.
 
     .venv-sglang/bin/python benchmarks/sglang_hicache.py [--page-sizes 64,128] [--repeats 5]
 """
@@ -15,6 +16,6 @@ if __name__ == "__main__":
             "sglang_hicache: needs SGLang; run it in the SGLang environment (scripts/test.sh "
             "makes .venv-sglang): .venv-sglang/bin/python benchmarks/sglang_hicache.py"
         )
-    from tpusync.bench.sglang_hicache import main
+    from tpusync._src.bench.sglang_hicache import main
 
     sys.exit(main())

@@ -1,6 +1,6 @@
 """GB/s of the DRAM, disk and shared-FS tiers against their limits (memory copy, fio).
 
-A thin script: the benchmark lives in the package (:mod:`tpusync.bench.tiers`, also run by
+A thin script: the benchmark lives in the package (:mod:`tpusync._src.bench.tiers`, also run by
 ``tpusync bench tiers``); the command line is the same.
 
     python benchmarks/tiers.py [--total-mib 1024] [--repeats 9] [--json tiers.json]
@@ -9,7 +9,7 @@ A thin script: the benchmark lives in the package (:mod:`tpusync.bench.tiers`, a
 
 import sys
 
-from tpusync.bench.tiers import main
+from tpusync._src.bench.tiers import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Disaggregated prefill -> decode with real vLLM engines: a kv_producer and a kv_consumer
 through a store node, beside a cold prefill, the data plane's own pull of the same bytes and
-ExampleConnector. A thin script over :mod:`tpusync.bench.vllm_disagg` (``tpusync bench
+ExampleConnector. A thin script over :mod:`tpusync._src.bench.vllm_disagg` (``tpusync bench
 vllm_disagg`` in the vLLM environment); the command line is the same.
 
     .venv-vllm/bin/python benchmarks/vllm_disagg.py [--tokens 1024,4096,8192] [--repeats 3]
@@ -17,6 +17,6 @@ if __name__ == "__main__":
             "vllm_disagg: needs vLLM; run it in the vLLM environment (scripts/test.sh makes "
             ".venv-vllm): .venv-vllm/bin/python benchmarks/vllm_disagg.py"
         )
-    from tpusync.bench.vllm_disagg import main
+    from tpusync._src.bench.vllm_disagg import main
 
     sys.exit(main())

@@ -5,7 +5,7 @@ tokens, 128]`` bf16, the ``vllm_ttft`` model's), random bytes; the full blocks o
 8k-token prompt are saved once, then looked up and loaded into other blocks, timed (medians).
 Cases: a quiet process; right after a torch matmul on 2 OpenMP threads (whose workers spin
 after it, as they do after each op of a vLLM step); the same with the copy on the caller's
-OpenMP team (``tpusync.memory.openmp_team``, as the connector loads by default); and each
+OpenMP team (``tpusync._src.memory.openmp_team``, as the connector loads by default); and each
 with the copy engine on one thread (``TPUSYNC_COPY_THREADS=1``, in a child process). Beside
 each size: the memory limit (one contiguous streaming copy on all cores) of the same bytes,
 measured in the same run.
@@ -36,10 +36,10 @@ def _measure(repeats: int) -> dict[str, dict[str, float]]:
     """GB/s of each case and the bytes loaded, by prompt size."""
     import torch
 
-    from tpusync.bench.common import median
+    from tpusync._src.bench.common import median
+    from tpusync._src.memory import TorchPool, prefault_cpu_tensors
+    from tpusync._src.memory.openmp_team import openmp_team
     from tpusync.kv import KVCacheStore, KVStoreConfig
-    from tpusync.memory import TorchPool, prefault_cpu_tensors
-    from tpusync.memory.openmp_team import openmp_team
 
     num_blocks = 2 * max(TOKENS) // BLOCK + 16
     buffer = torch.empty((LAYERS, num_blocks, 8, BLOCK, 128), dtype=torch.bfloat16)
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(_measure(args.repeats)))
         return 0
-    from tpusync.bench.common import Run, print_table
-    from tpusync.memory.copy_limit import MemoryLimit
+    from tpusync._src.bench.common import Run, print_table
+    from tpusync._src.memory.copy_limit import MemoryLimit
 
     run = Run("vllm_load_contention")
     rates = {}

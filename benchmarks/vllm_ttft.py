@@ -1,5 +1,5 @@
 """TTFT of a real vLLM engine with tpusync's connector, beside vLLM's prefix cache and
-ExampleConnector. A thin script over :mod:`tpusync.bench.vllm_ttft` (``tpusync bench
+ExampleConnector. A thin script over :mod:`tpusync._src.bench.vllm_ttft` (``tpusync bench
 vllm_ttft`` in the vLLM environment); the command line is the same.
 
     .venv-vllm/bin/python benchmarks/vllm_ttft.py [--tokens 1024,4096,8192] [--repeats 11]
@@ -15,6 +15,6 @@ if __name__ == "__main__":
             "vllm_ttft: needs vLLM; run it in the vLLM environment (scripts/test.sh makes "
             ".venv-vllm): .venv-vllm/bin/python benchmarks/vllm_ttft.py"
         )
-    from tpusync.bench.vllm_ttft import main
+    from tpusync._src.bench.vllm_ttft import main
 
     sys.exit(main())

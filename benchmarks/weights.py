@@ -2,7 +2,7 @@
 pull each version into mesh 2x4 from /dev/shm and over the data plane, beside the memory limit,
 a plain BlockClient pull and an in-process jax.device_put reshard.
 
-A thin script: the benchmark lives in the package (:mod:`tpusync.bench.weights`, also run by
+A thin script: the benchmark lives in the package (:mod:`tpusync._src.bench.weights`, also run by
 ``tpusync bench all``); the command line is the same.
 
     python benchmarks/weights.py [--scale 1100] [--repeats 5] [--json PATH]
@@ -10,7 +10,7 @@ A thin script: the benchmark lives in the package (:mod:`tpusync.bench.weights`,
 
 import sys
 
-from tpusync.bench.weights import main
+from tpusync._src.bench.weights import main
 
 if __name__ == "__main__":
     sys.exit(main())

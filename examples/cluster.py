@@ -5,7 +5,7 @@ Three roles that would each run on their own host, here in one process over loop
 * the registry: a MemoryRegistry served by a RegistryServer (`tpusync serve --registry-port`
   hosts one too; see examples/store_node.py);
 * the prefill node: prefills a random prompt on the small test model of tpusync.testing, saves
-  its KV, serves its store's blocks and lists them in the registry (tpusync.cluster.serving);
+  its KV, serves its store's blocks and lists them in the registry (tpusync.cluster.serve);
 * the decode node: given only the registry's address, finds the prefix there, pulls its blocks
   over the authenticated data plane into its own device pools and prefills only the tail.
 
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 import tpusync
-from tpusync.cluster import MemoryRegistry, RegistryServer, RegistryTier, RemoteRegistry, serving
+from tpusync import cluster
+from tpusync.cluster import MemoryRegistry, RegistryServer, RegistryTier, RemoteRegistry
 from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig, load_secret
 from tpusync.testing import model
 
@@ -73,7 +74,7 @@ def prefill_node(registry_address, secret, prompt, table):
     kv, store = open_store(secret)
     # serve the store's blocks (DRAM, and disk moved up on demand) and list them in the registry
     registry = RemoteRegistry(registry_address, secret=secret)  # tls= off loopback
-    serving.serve(store, registry, "prefill-0", secret=secret)  # host=, tls= off loopback
+    cluster.serve(store, registry, "prefill-0", secret=secret)  # host=, tls= off loopback
     logits, _, _ = serve(store, kv, prompt, table)
     store.flush()  # saved, and published to the registry
     return store, registry, logits

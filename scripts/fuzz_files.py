@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Fuzzes the on-disk formats of the disk tier (index and slab files), the shared-filesystem tier
-(block files) and session manifests with mutations of real files (tpusync.testing.file_fuzz).
+(block files) and session manifests with mutations of real files (tpusync._src.testing.file_fuzz).
 
 Usage: python scripts/fuzz_files.py [--seconds S (per format, default 60)] [--seed N]
                                     [--directory DIR (default: a fresh temporary directory)]
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tpusync.testing import file_fuzz
+from tpusync._src.testing import file_fuzz
 
 FORMATS = {
     "disk": file_fuzz.fuzz_disk_pool,

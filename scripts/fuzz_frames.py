@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from tpusync import _core
-from tpusync.cluster.dataplane import wire
+from tpusync._src.cluster.dataplane import wire
 from tpusync.errors import FrameError
 
 FINGERPRINT = bytes(range(16))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Fuzzes the data plane's block-frame header decoder
-(tpusync.cluster.dataplane.wire.decode_header).
+(tpusync._src.cluster.dataplane.wire.decode_header).
 
 Usage: python scripts/fuzz_wire.py [ITERATIONS (default 1000000)] [SEED]
 
@@ -21,7 +21,7 @@ import sys
 import time
 
 from tpusync import _core
-from tpusync.cluster.dataplane import wire
+from tpusync._src.cluster.dataplane import wire
 from tpusync.errors import FrameError
 
 MAX_PAYLOAD = 1 << 24

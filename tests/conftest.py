@@ -220,7 +220,7 @@ def arrays() -> Arrays:
 @pytest.fixture
 def shm_names() -> Iterator[Callable[[], str]]:
     """Fresh names for named DRAM pools; their /dev/shm files are removed at the end."""
-    from tpusync.tiers.dram import pool_path
+    from tpusync._src.tiers.dram import pool_path
 
     made: list[str] = []
 

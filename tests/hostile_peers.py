@@ -27,6 +27,8 @@ import numpy as np
 from preauth_child import LAYOUT, key_for, payload_for
 from tools import self_signed_tls
 
+from tpusync._src.cluster._handshake import client_handshake
+from tpusync._src.weights.manifest import chunk_key, chunk_layout
 from tpusync.cluster import (
     BlockClient,
     MemoryRegistry,
@@ -36,10 +38,8 @@ from tpusync.cluster import (
     StoreNode,
     StoreNodePool,
 )
-from tpusync.cluster._handshake import client_handshake
 from tpusync.tiers import HostPool
 from tpusync.weights import Publisher, WeightsPoolOptions
-from tpusync.weights.manifest import chunk_key, chunk_layout
 
 SECRET = bytes(range(100, 132))
 HANDSHAKE_S = 2.0  # a registry's handshake deadline here: stalled peers are dropped after it

@@ -50,9 +50,9 @@ import numpy as np
 from run_names import run_name
 
 import tpusync
+from tpusync._src.testing.engine import Request, ToyEngine
+from tpusync._src.testing.model import ModelConfig
 from tpusync.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
-from tpusync.testing.engine import Request, ToyEngine
-from tpusync.testing.model import ModelConfig
 
 # The small model every KV test uses: a compile costs well under a second on 2 cores.
 MODEL: dict[str, int] = {

@@ -128,7 +128,7 @@ def digest(array: Any) -> str:
 
 def count_engine_calls() -> dict[str, int]:
     """Counts the batches each transfer engine runs in this process (to show which one did)."""
-    from tpusync.engines import native, pure_jax
+    from tpusync._src.engines import native, pure_jax
 
     calls = {"native": 0, "jax": 0}
 
@@ -172,7 +172,8 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import tpusync
-    from tpusync.cluster import BlockServer, JaxRegistry, NodeInfo, RegistryPool, serving
+    from tpusync._src.cluster import serving
+    from tpusync.cluster import BlockServer, JaxRegistry, NodeInfo, RegistryPool
     from tpusync.kv import DramTier, ExistingTier, KVCacheStore, KVStoreConfig
     from tpusync.tiers import PoolLayout
 

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 from jax._src.distributed import global_state  # private jax: the client of initialize()
 
+from tpusync._src.testing.conformance import REGISTRY_CASES
 from tpusync.cluster import JaxRegistry
-from tpusync.testing.conformance import REGISTRY_CASES
 
 # (call, arguments): the key-value calls JaxRegistry makes, on the keys and subtrees it uses,
 # and the errors it relies on (a missing key, a refused overwrite)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import tpusync
-from tpusync.bench.common import LIMIT_BEATEN, format_table, listen_port
-from tpusync.bench.plot import plot_results
-from tpusync.bench.results import (
+from tpusync._src.bench.common import LIMIT_BEATEN, format_table, listen_port
+from tpusync._src.bench.plot import plot_results
+from tpusync._src.bench.results import (
     TABLES,
     bracketing_limits,
     hicache_round_trip,
@@ -29,7 +29,7 @@ from tpusync.bench.results import (
     vllm_loaded_bytes,
     write_results_md,
 )
-from tpusync.bench.tiers import fastest_read
+from tpusync._src.bench.tiers import fastest_read
 
 ROOT = Path(__file__).resolve().parents[1]
 # the children import the tpusync under test (a relative PYTHONPATH breaks in another cwd)
@@ -270,7 +270,7 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     """The real command in a process where matplotlib cannot be imported (None in sys.modules)."""
     plots = tmp_path / "plots"
     blocked = (
-        "import sys; sys.modules['matplotlib'] = None; from tpusync.cli import main; "
+        "import sys; sys.modules['matplotlib'] = None; from tpusync._src.cli import main; "
         "sys.exit(main(sys.argv[1:]))"
     )
     done = subprocess.run(
@@ -295,7 +295,7 @@ def test_plot_writes_pngs_with_the_limit(tmp_path: Path) -> None:
 def test_results_written_by_a_run_leave_the_commit_clean(tmp_path: Path) -> None:
     """RESULTS.md and results/ are rewritten by every run: they must not make the next run's
     results "+dirty"; any other tracked change must."""
-    from tpusync.bench.common import commit_of
+    from tpusync._src.bench.common import commit_of
 
     def git(*argv: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True,
@@ -335,7 +335,7 @@ def test_a_wheel_built_from_other_sources_is_named_stale(tmp_path: Path) -> None
     """A benchmark run in an environment whose wheel predates the checkout's last change
     measures old code: its results must not go under the checkout's commit. Without the
     environment's stamp the Python files are compared."""
-    from tpusync.bench.common import stale_install
+    from tpusync._src.bench.common import stale_install
 
     checkout = _checkout(tmp_path / "checkout")
     sources, installed = checkout / "src" / "tpusync", tmp_path / "site" / "tpusync"
@@ -354,7 +354,7 @@ def test_the_environments_wheel_fingerprint_covers_every_source(tmp_path: Path) 
     """With the stamp scripts/_engine_envs.sh writes (the wheel of .wheelhouse/<fingerprint>/),
     any change to what the wheel is built from (a header included) makes the install stale,
     and undoing it (same contents, new times) makes it current again."""
-    from tpusync.bench.common import stale_install
+    from tpusync._src.bench.common import stale_install
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "_fingerprint.sh"
     checkout = _checkout(tmp_path / "checkout")
@@ -417,7 +417,7 @@ def test_listen_port_is_free_and_outside_the_ephemeral_range() -> None:
 
 def test_bench_without_a_name_lists_the_benchmarks_and_runs_none(tmp_path: Path) -> None:
     """Issue 54: `tpusync bench` ran every benchmark (most of an hour); now it is the list."""
-    from tpusync.bench.command import ABOUT, BENCHES, NEEDS
+    from tpusync._src.bench.command import ABOUT, BENCHES, NEEDS
 
     assert set(BENCHES) <= set(ABOUT) and set(NEEDS) <= set(ABOUT)
     done = _tpusync("bench", cwd=tmp_path, timeout=60)
@@ -452,7 +452,7 @@ def test_results_go_where_the_help_says(tmp_path: Path) -> None:
 def test_a_missing_peer_says_how_to_make_it_here_or_from_a_clone(tmp_path: Path) -> None:
     """An installed tpusync has no benchmarks/peers/setup.sh: the hint says where it is; a
     --peers-dir in a checkout gets its script's command."""
-    from tpusync.bench import external
+    from tpusync._src.bench import external
 
     installed = external.peer_state("tpu-sync", tmp_path)
     assert "pip installs no scripts" in installed and "--peers-dir" in installed

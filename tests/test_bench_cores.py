@@ -1,4 +1,4 @@
-"""The cores standing for two hosts on one (tpusync.bench.cores)."""
+"""The cores standing for two hosts on one (tpusync._src.bench.cores)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import subprocess
 import sys
 import threading
 
-from tpusync.bench.cores import SplitEnds, pin_process, pinned_thread
-from tpusync.testing.processes import stop_process
+from tpusync._src.bench.cores import SplitEnds, pin_process, pinned_thread
+from tpusync._src.testing.processes import stop_process
 
 
 def _ends() -> SplitEnds:

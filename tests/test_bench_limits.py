@@ -1,4 +1,4 @@
-"""The native limits (tpusync.bench.limits, csrc/limits.c): every copy method copies every byte
+"""The native limits (tpusync._src.bench.limits, csrc/limits.c): every copy method copies every byte
 of random data at any size and alignment, on any number of threads; the TCP limit moves what it
 says; bad arguments are refused by name."""
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tools import require_tool
 
 from tpusync._native import limits as native
-from tpusync.bench.cores import SplitEnds
-from tpusync.bench.limits import (
+from tpusync._src.bench.cores import SplitEnds
+from tpusync._src.bench.limits import (
     NR_HUGEPAGES,
     TCP_SETTINGS,
     Iperf3PerStream,
@@ -24,8 +24,8 @@ from tpusync.bench.limits import (
     loopback_tcp,
     reserved_huge_pages,
 )
+from tpusync._src.memory.copy_limit import last_level_cache_bytes
 from tpusync.errors import InvalidArgumentError
-from tpusync.memory.copy_limit import last_level_cache_bytes
 
 METHODS = sorted(native.COPY_METHODS)
 

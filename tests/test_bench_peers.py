@@ -18,9 +18,15 @@ import pytest
 
 import tpusync
 from tests.tools import skip_or_fail
-from tpusync.bench.command import peers
-from tpusync.bench.common import PACKAGE_DIR, benchmarks_path
-from tpusync.bench.external import PEERS, default_peers_dir, peer_python, peer_state, start_peer
+from tpusync._src.bench.command import peers
+from tpusync._src.bench.common import PACKAGE_DIR, benchmarks_path
+from tpusync._src.bench.external import (
+    PEERS,
+    default_peers_dir,
+    peer_python,
+    peer_state,
+    start_peer,
+)
 
 # The tests run against the installed package, which has no checkout beside it: the peers'
 # environments are the checkout's (benchmarks/peers/setup.sh makes them there).

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import tpusync
-from tpusync import cli
-from tpusync.cli_common import flag_message
-from tpusync.testing.processes import stop_process
+from tpusync._src import cli
+from tpusync._src.cli_common import flag_message
+from tpusync._src.testing.processes import stop_process
 from tpusync.tiers import HostPool, PoolLayout
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -76,7 +76,7 @@ def test_version_short_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # What the `tpusync` console script runs (python -m tpusync runs the same through __main__).
-CONSOLE_SCRIPT = "import sys; from tpusync.cli import main; sys.exit(main())"
+CONSOLE_SCRIPT = "import sys; from tpusync._src.cli import main; sys.exit(main())"
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["version"], ["--help"], ["help"], ["-h"]])
@@ -89,7 +89,7 @@ def test_version_and_help_import_no_jax(argv: list[str]) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     modules = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines()}
-    assert "tpusync.cli" in modules  # -X importtime listed the imports
+    assert "tpusync._src.cli" in modules  # -X importtime listed the imports
     heavy = sorted(m for m in modules if m.split(".")[0] in ("jax", "jaxlib", "numpy"))
     assert heavy == [], heavy
     expected = f"tpusync {tpusync.__version__}" if "version" in argv[0] else "usage: tpusync"
@@ -110,13 +110,13 @@ def test_help_command_shows_a_commands_help(capsys: pytest.CaptureFixture[str]) 
 
 def test_import_tpusync_is_lazy_and_keeps_its_names() -> None:
     """`import tpusync` imports no JAX; the public names import it on first use, and
-    tpusync.transfer and tpusync.info stay the functions whatever imports their modules."""
+    tpusync.transfer and tpusync.info are the functions whatever imports their modules."""
     script = (
         "import sys, tpusync; assert 'jax' not in sys.modules, 'jax imported'; "
-        "import tpusync.transfer.api, tpusync.info, tpusync.kv; "
-        "from tpusync.memory.device_pool import DevicePool; "
-        "assert tpusync.transfer is sys.modules['tpusync.transfer'].transfer; "
-        "assert tpusync.info is sys.modules['tpusync.info'].info; "
+        "import tpusync._src.transfer.api, tpusync._src.info, tpusync.kv; "
+        "from tpusync._src.memory.device_pool import DevicePool; "
+        "assert tpusync.transfer is sys.modules['tpusync._src.transfer'].transfer; "
+        "assert tpusync.info is sys.modules['tpusync._src.info'].info; "
         "assert tpusync.DevicePool is DevicePool and 'transfer_batch' in dir(tpusync); "
         "assert sorted(n for n in tpusync.__all__ if not hasattr(tpusync, n)) == []; "
         "print('ok')"

@@ -19,6 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tpusync._src.cluster.dataplane import Served, wire
+from tpusync._src.cluster.dataplane._connection import Connection
+from tpusync._src.cluster.dataplane.frames import (
+    LOCAL_SEND_BUFFER_BYTES,
+    send_buffers,
+    tune_for_peer,
+)
+from tpusync._src.cluster.dataplane.protocol import DEADLINE_FRACTION
+from tpusync._src.testing.polling import eventually
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -26,10 +35,6 @@ from tpusync.cluster import (
     PeerCircuits,
     RemotePool,
 )
-from tpusync.cluster.dataplane import Served, wire
-from tpusync.cluster.dataplane._connection import Connection
-from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES, send_buffers, tune_for_peer
-from tpusync.cluster.dataplane.protocol import DEADLINE_FRACTION
 from tpusync.errors import (
     AuthenticationError,
     BlocksMissingError,
@@ -38,7 +43,6 @@ from tpusync.errors import (
     RemoteOperationUnsupportedError,
     TierFullError,
 )
-from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout
 
 SECRET = b"s" * 32

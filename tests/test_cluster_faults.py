@@ -39,6 +39,8 @@ from cluster_fault_child import payload_for
 from tools import require_tool
 
 from tpusync import DevicePool
+from tpusync._src.cluster import serving
+from tpusync._src.testing.polling import eventually
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -48,11 +50,9 @@ from tpusync.cluster import (
     RegistryPool,
     RegistryServer,
     RemotePool,
-    serving,
 )
 from tpusync.errors import PeerUnavailableError
 from tpusync.kv import DramTier, ExistingTier, KVCacheStore, KVStoreConfig
-from tpusync.testing.polling import eventually
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
 CHILD = Path(__file__).with_name("cluster_fault_child.py")

@@ -1,7 +1,8 @@
 """The cluster layer's shape (issue 19): kv imports no cluster, not even inside a function;
-serving a store lives in ``tpusync.cluster.serving`` (the store has no ``serve`` / ``publish_to``
-of its own); cluster errors live in ``tpusync.errors``; the moved modules are gone from their old
-paths; one options dataclass per server kind; one node-lease rule; no module over 800 lines.
+serving a store lives in ``tpusync._src.cluster.serving`` (the store has no ``serve`` /
+``publish_to`` of its own); cluster errors live in ``tpusync.errors``; the moved modules are gone
+from their old paths; one options dataclass per server kind; one node-lease rule; no module over
+800 lines.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import pytest
 
 import tpusync.cluster as cluster
 import tpusync.errors as errors
-from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer, serving
-from tpusync.cluster._tcp_server import BlockServerOptions, ServerOptions
-from tpusync.cluster.registry._leases import has_lapsed, lapsed_nodes, lease_end, live_nodes
+from tpusync._src.cluster import serving
+from tpusync._src.cluster._tcp_server import BlockServerOptions, ServerOptions
+from tpusync._src.cluster.registry._leases import has_lapsed, lapsed_nodes, lease_end, live_nodes
+from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
 
@@ -112,14 +114,13 @@ def test_serving_refuses_a_closed_store_before_listening(rng: np.random.Generato
     ],
 )
 def test_cluster_errors_live_in_errors(name: str) -> None:
-    """Each is defined and exported once, in tpusync.errors (issue 55), not again by the
-    cluster's packages."""
+    """Each is defined and exported once, in tpusync.errors (issue 55), not again by
+    tpusync.cluster."""
     cls = getattr(errors, name)
     assert name in errors.__all__
     assert issubclass(cls, errors.TpuSyncError)
     assert cls.__module__ == "tpusync.errors"
-    for package in (cluster, cluster.dataplane, cluster.dataplane.wire, cluster.registry):
-        assert name not in package.__all__, package.__name__
+    assert name not in cluster.__all__
 
 
 def test_cluster_all_is_kept() -> None:

@@ -28,6 +28,8 @@ from test_cluster_dataplane import (
 )
 from tools import require_tool
 
+from tpusync._src.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES
+from tpusync._src.cluster.dataplane.protocol import DEADLINE_FRACTION
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -36,8 +38,6 @@ from tpusync.cluster import (
     RegistryServer,
     RemoteRegistry,
 )
-from tpusync.cluster.dataplane.frames import LOCAL_SEND_BUFFER_BYTES
-from tpusync.cluster.dataplane.protocol import DEADLINE_FRACTION
 from tpusync.errors import InvalidArgumentError, PeerUnavailableError, RegistryUnavailableError
 from tpusync.tiers import HostPool
 

@@ -1,4 +1,4 @@
-"""The data plane's block frame header (tpusync.cluster.dataplane.wire): round trips, a golden
+"""The data plane's block frame header (tpusync._src.cluster.dataplane.wire): round trips, a golden
 header of version 1, every single-byte corruption refused, arbitrary bytes never raising
 anything but FrameError, and the fuzz script."""
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _core
-from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane.wire import decode_header, encode_header
+from tpusync._src.cluster.dataplane import wire
+from tpusync._src.cluster.dataplane.wire import decode_header, encode_header
 from tpusync.errors import FrameError, InvalidArgumentError, TpuSyncError
 
 ROOT = Path(__file__).resolve().parents[1]

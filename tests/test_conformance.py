@@ -19,9 +19,9 @@ import pytest
 from registry_jax_conformance_child import KV_SCRIPT, run_kv_script
 from test_registry import FakeCoordinationClient, free_port, start_redis, stop
 
+from tpusync._src.testing import conformance  # its single cases too, beyond the public suite
+from tpusync._src.testing.conformance import RegistryConformance, TierConformance
 from tpusync.cluster import MemoryRegistry, RedisRegistry, RegistryServer, RemoteRegistry
-from tpusync.testing import conformance
-from tpusync.testing.conformance import RegistryConformance, TierConformance
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 
 SECRET = b"conformance-secret-0123456789abc"

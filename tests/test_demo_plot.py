@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tpusync.demo import PLOT_HINT, Row, ttft_figure
+from tpusync._src.demo import PLOT_HINT, Row, ttft_figure
 
 # the demo's rows, with TTFTs from a cold prefill down to a warm hit a hundred times faster
 ROWS = [
@@ -62,7 +62,7 @@ def test_plot_without_matplotlib_is_refused_before_the_demo_runs(tmp_path: Path)
     """The real command in a process where matplotlib cannot be imported: a usage error that
     names the extra, before any of the demo's minutes."""
     blocked = (
-        "import sys; sys.modules['matplotlib'] = None; from tpusync.cli import main; "
+        "import sys; sys.modules['matplotlib'] = None; from tpusync._src.cli import main; "
         "sys.exit(main(sys.argv[1:]))"
     )
     plot = tmp_path / "ttft.png"

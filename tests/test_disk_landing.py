@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tpusync._src.tiers.disk import pool as disk_pool_module
 from tpusync.errors import InvalidArgumentError, PoolClosedError
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout, Scatter
-from tpusync.tiers.disk import pool as disk_pool_module
 
 # two arrays, 4 pieces each (the block axis after the first): 8 pieces of a block
 ARRAYS = (

@@ -31,6 +31,10 @@ import pytest
 from tools import skip_or_fail
 
 from tpusync import _core
+from tpusync._src.info import check_o_direct
+from tpusync._src.tiers.disk import _io_jobs as disk_io_jobs
+from tpusync._src.tiers.disk import pool as disk_pool_module
+from tpusync._src.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, WRITING
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -40,11 +44,7 @@ from tpusync.errors import (
     TpuSyncError,
     TransferFailedError,
 )
-from tpusync.info import check_o_direct
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, LowerTier, PoolLayout
-from tpusync.tiers.disk import _io_jobs as disk_io_jobs
-from tpusync.tiers.disk import pool as disk_pool_module
-from tpusync.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, WRITING
 
 PAGE = 4096
 ROWS, COLS = 16, 512  # one array's part of a block: 16 x 512 bf16 = 16 KiB; slot = 32 KiB

@@ -14,11 +14,11 @@ import pytest
 
 import tpusync
 from tpusync import options
-from tpusync.engines import native, pure_jax
-from tpusync.engines.base import Engine
-from tpusync.engines.devices import device_path
+from tpusync._src.engines import native, pure_jax
+from tpusync._src.engines.base import Engine
+from tpusync._src.engines.devices import device_path
+from tpusync._src.transfer import select
 from tpusync.errors import InvalidArgumentError, NativePathUnavailableError
-from tpusync.transfer import select
 
 PACKAGE = Path(tpusync.__file__).resolve().parent
 LAYERS = {"memory": 0, "engines": 1, "transfer": 2}
@@ -81,7 +81,7 @@ def test_options_overridden_restores_and_reaches_the_engines() -> None:
 
 def test_the_environment_is_read_once_at_import() -> None:
     code = (
-        "import os, tpusync; from tpusync.memory import huge_pages\n"
+        "import os, tpusync; from tpusync._src.memory import huge_pages\n"
         "assert not huge_pages.enabled()\n"
         "os.environ['TPUSYNC_HUGE_PAGES'] = '1'\n"
         "assert not huge_pages.enabled()  # read once, at import\n"
@@ -107,7 +107,7 @@ def test_imports_run_down_the_layers_at_module_level() -> None:
             parts = name.split(".")
             layer = LAYERS.get(parts[1]) if len(parts) > 1 else None
             assert layer is None or layer <= mine, f"{path} imports {name} from a layer above"
-            assert name != "tpusync.transfer.select" or mine == LAYERS["transfer"], path
+            assert name != "tpusync._src.transfer.select" or mine == LAYERS["transfer"], path
             assert not any(p.startswith("_") and p != "_core" for p in parts[1:-1]), (path, name)
 
 

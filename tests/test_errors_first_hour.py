@@ -24,6 +24,8 @@ import pytest
 from mounts import tmpfs
 
 import tpusync
+import tpusync._src.kv
+import tpusync._src.tiers
 import tpusync.kv
 import tpusync.tiers
 from tpusync import DevicePool, errors
@@ -65,7 +67,7 @@ def _refused(call: Any, error: type[TpuSyncError], *parts: str) -> str:
 
 
 def test_update_with_a_numpy_array_is_refused_naming_the_argument(arrays, rng):
-    """The ownership contract (module docstring of tpusync.memory.device_pool) says update()
+    """The ownership contract (module docstring of tpusync._src.memory.device_pool) says update()
     takes arrays a JAX computation returned: numpy is refused with the argument named, not an
     AttributeError, and the pool keeps its array."""
     pool = DevicePool(jax.device_put(arrays.random(rng, (8, 4), np.float32)))
@@ -240,7 +242,7 @@ def test_tier_docstrings_promise_nothing_that_exists_already():
     the disk and shared-filesystem tiers exist and are exported."""
     assert tpusync.tiers.DiskPool is DiskPool and tpusync.tiers.SharedFsPool is SharedFsPool
     stale = ("to come", "will come", "not yet implemented", "coming soon")
-    for package in (tpusync.tiers, tpusync.kv):
+    for package in (tpusync._src.tiers, tpusync._src.kv):
         names = [package.__name__] + [
             m.name for m in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
         ]

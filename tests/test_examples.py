@@ -23,9 +23,9 @@ import pytest
 from run_names import run_entries, run_name
 
 import tpusync.kv
+from tpusync._src.serve import read_secret
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import load_secret
-from tpusync.serve import read_secret
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -121,7 +121,7 @@ def test_load_secret_reads_the_files_tpusync_serve_reads(tmp_path: Path) -> None
         load_secret(tmp_path / "short")
     with pytest.raises(InvalidArgumentError, match=r"^--secret-file: cannot read .*absent"):
         read_secret(str(tmp_path / "absent"))
-    assert "load_secret" in tpusync.kv.__all__
+    assert "load_secret" in tpusync._src.kv.__all__
 
 
 def _github_anchor(heading: str) -> str:

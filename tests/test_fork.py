@@ -341,7 +341,7 @@ def test_device_calls_in_forked_child_raise_a_clear_error(rng: np.random.Generat
         assert "spawn" in message, message
 
     def child() -> None:
-        assert tpusync.memory.fork_guard.jax_forked_from == parent
+        assert tpusync._src.memory.fork_guard.jax_forked_from == parent
         out = np.zeros((8, 64), np.uint8)
         refused(lambda: transfer(device, out), "src")
         refused(lambda: transfer(out, pool), "dst")
@@ -358,7 +358,7 @@ def test_device_calls_in_forked_child_raise_a_clear_error(rng: np.random.Generat
 
     try:
         in_forked_child(child)
-        assert tpusync.memory.fork_guard.jax_forked_from is None  # the parent's JAX is fine
+        assert tpusync._src.memory.fork_guard.jax_forked_from is None  # the parent's JAX is fine
         host.put_from_device([key_for(1)], [pool], [3])
         assert host.contains([key_for(1)]) == [True]
     finally:
@@ -369,7 +369,7 @@ _BEFORE_AND_AFTER_JAX = r"""
 import os, sys
 import numpy as np
 import tpusync
-from tpusync.memory import fork_guard
+from tpusync._src.memory import fork_guard
 
 def child(check):
     pid = os.fork()
@@ -414,7 +414,7 @@ _FIRST_USE_IN_CHILD = r"""
 import os, sys
 import numpy as np
 import tpusync  # imports no JAX, nor tpusync's transfer machinery, until first used
-assert "jax" not in sys.modules and "tpusync.transfer.api" not in sys.modules, "not lazy"
+assert "jax" not in sys.modules and "tpusync._src.transfer.api" not in sys.modules, "not lazy"
 import jax
 array = jax.device_put(np.arange(16, dtype=np.uint8))
 pid = os.fork()

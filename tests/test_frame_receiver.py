@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _core
-from tpusync.cluster.dataplane import wire
+from tpusync._src.cluster.dataplane import wire
 from tpusync.errors import FrameError
 
 FINGERPRINT = bytes(range(16))

@@ -23,16 +23,16 @@ import numpy as np
 import pytest
 
 from tpusync import DevicePool, Transfer, TransferFuture, transfer, transfer_batch
+from tpusync._src.testing.polling import eventually
 from tpusync.errors import (
     ArrayDeletedError,
     TpuSyncError,
     TransferFailedError,
     TransferTimeoutError,
 )
-from tpusync.testing.polling import eventually
 
 TIMEOUT = 30.0
-_transfer_module = importlib.import_module("tpusync.transfer.api")
+_transfer_module = importlib.import_module("tpusync._src.transfer.api")
 
 
 def put(x: np.ndarray, target: Any = None) -> jax.Array:
@@ -322,7 +322,7 @@ def test_array_donated_between_submit_and_run(arrays, rng, pool, host, path, wha
 
 def test_failure_while_moving_bytes_is_a_transfer_failed_error(monkeypatch, pool, host, path):
     engine = importlib.import_module(
-        {"native": "tpusync.engines.native", "jax": "tpusync.engines.pure_jax"}[path]
+        {"native": "tpusync._src.engines.native", "jax": "tpusync._src.engines.pure_jax"}[path]
     )
 
     def boom(moves: Any) -> int:

@@ -14,8 +14,8 @@ import pytest
 
 import tpusync
 from tpusync import HostBuffer
+from tpusync._src.memory import deferred_refs
 from tpusync.errors import InvalidArgumentError, TpuSyncError
-from tpusync.memory import deferred_refs
 
 SHAPES_DTYPES = [
     ((16, 4, 2, 8), ml_dtypes.bfloat16),

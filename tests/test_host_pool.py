@@ -35,7 +35,9 @@ from jax.sharding import PartitionSpec as P
 from tools import skip_or_fail
 
 from tpusync import DevicePool, _core
-from tpusync.engines import native
+from tpusync._src.engines import native
+from tpusync._src.tiers.dram import pool_path
+from tpusync._src.tiers.dram._pool_file import WRITING
 from tpusync.errors import (
     BlockIndexError,
     BlocksHeldError,
@@ -47,8 +49,6 @@ from tpusync.errors import (
     TpuSyncError,
 )
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, all_tier_stats
-from tpusync.tiers.dram import pool_path
-from tpusync.tiers.dram._pool_file import WRITING
 
 TIMEOUT = 60.0
 NB = 8  # blocks of every device pool
@@ -859,7 +859,7 @@ def test_prepare_plans_both_directions_and_moves_nothing(arrays, rng, mesh, open
     store(pool, model, keys_for([0, 1]), [0, 1], "native")
     slots_before = [slot_payload(pool, k) for k in keys_for([0, 1])]
     pool.prepare(model.pools)
-    assert set(pool._kept.plans) == {True, False}
+    assert set(pool._mover._kept.plans) == {True, False}
     model.check("after prepare")
     assert [slot_payload(pool, k) for k in keys_for([0, 1])] == slots_before
     load(pool, model, keys_for([0, 1]), [3, 2], "native")
@@ -905,16 +905,16 @@ def test_kept_plans_follow_the_pool_list(arrays, rng, mesh, open_pool):
     model = make_model(arrays, rng, mesh)
     pool = open_pool(model.layout, 8)
     store(pool, model, keys_for([0, 1]), [0, 1], "native")
-    first = pool._kept
+    first = pool._mover._kept
     assert first is not None and first.matches(model.pools)
     assert not first.matches(list(reversed(model.pools)))
     other = make_model(arrays, rng, mesh)
     store(pool, other, keys_for([2, 3]), [2, 3], "native")
-    assert pool._kept is not first and not pool._kept.matches(model.pools)
+    assert pool._mover._kept is not first and not pool._mover._kept.matches(model.pools)
     del first
     model.stored.update(other.stored)  # what the first list will load of the other's
     load(pool, model, keys_for([0, 1, 2, 3]), [7, 6, 5, 4], "native")
-    assert pool._kept.matches(model.pools)
+    assert pool._mover._kept.matches(model.pools)
     model.check("after loads with the first list again")
     other.check("the other list, untouched by them")
 
@@ -925,11 +925,11 @@ def test_puts_from_plain_arrays_keep_nothing(arrays, rng, mesh, open_pool):
     model = make_model(arrays, rng, mesh)
     pool = open_pool(model.layout, 8)
     store(pool, model, keys_for([0]), [0], "native")
-    kept = pool._kept
+    kept = pool._mover._kept
     plain = [jax.numpy.array(p.array, copy=True) for p in model.pools]
     watch = weakref.ref(plain[0])
     pool.put_from_device(keys_for([1], "plain"), plain, [1], path="native")
-    assert pool._kept is kept and kept.matches(model.pools)
+    assert pool._mover._kept is kept and kept.matches(model.pools)
     del plain
     gc.collect()
     assert watch() is None, "the HostPool still holds a plain array it read from"

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from run_names import RUN_TAG, run_name
 
+from tpusync._src.tiers.dram import pool_path
 from tpusync.errors import UnsafeFileError
 from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, SharedFsTier
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.dram import pool_path
 
 ATTACKER = 65534
 SHM = Path("/dev/shm")

@@ -13,7 +13,7 @@ from tools import tools_required
 
 import tpusync
 from tpusync import _core, options
-from tpusync.memory import huge_pages
+from tpusync._src.memory import huge_pages
 
 HUGE = 2 << 20
 
@@ -125,7 +125,7 @@ def _pmd_mapped_kib(path: str) -> int:
 def test_a_huge_pages_mapping_starts_on_a_huge_page_boundary(rng, shm_names):
     anonymous = _core.Mapping(5 * HUGE + 4096, huge_pages=True)
     assert anonymous.address % HUGE == 0 and anonymous.size == 5 * HUGE + 4096
-    from tpusync.tiers.dram import pool_path
+    from tpusync._src.tiers.dram import pool_path
 
     path = pool_path(shm_names())
     with open(path, "wb") as f:

@@ -13,7 +13,7 @@ import jax
 from run_names import run_name
 
 import tpusync
-from tpusync.info import check_o_direct
+from tpusync._src.info import check_o_direct
 
 
 def test_info_reports_every_device_with_a_reason(tmp_path: Path) -> None:

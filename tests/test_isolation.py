@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from run_names import RUN_TAG, run_entries, run_name
 
-from tpusync.testing.polling import eventually
+from tpusync._src.testing.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ PROBE = "TPUSYNC_TEST_SIGTERM_PROBE"  # set only by the test below, for its chil
 def test_sigterm_probe(shm_names) -> None:
     """Makes a named pool file (as a test's pool) and a bare file (as a killed child's), says
     so, and waits to be stopped."""
-    from tpusync.tiers.dram import pool_path
+    from tpusync._src.tiers.dram import pool_path
 
     pool_path(shm_names()).write_bytes(b"pool")
     Path("/dev/shm", run_name("orphan")).write_bytes(b"orphan")

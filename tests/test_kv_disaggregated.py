@@ -17,9 +17,10 @@ import kv_child
 import numpy as np
 import pytest
 
-from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer, serving
-from tpusync.testing.engine import ToyEngine
-from tpusync.testing.model import ModelConfig, init_params
+from tpusync._src.cluster import serving
+from tpusync._src.testing.engine import ToyEngine
+from tpusync._src.testing.model import ModelConfig, init_params
+from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer
 
 CFG = ModelConfig(**kv_child.MODEL)
 

@@ -1,7 +1,7 @@
 """Block keys of the KV store, scheme ``blake2b-chain-v1``: golden vectors, chaining, namespace
 isolation, the same keys in every process, and token-list validation.
 
-The reference below follows the module docstring of ``tpusync.kv.keys`` with nothing but
+The reference below follows the module docstring of ``tpusync._src.kv.keys`` with nothing but
 ``hashlib`` and ``struct``; the literal hex values pin the scheme, so any change to it (field
 order, encoding, personalisation, digest size) fails here and must come with a new scheme name.
 """
@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tpusync._src.kv.keys import DEFAULT_SECRET, KEY_BYTES, TAG_BYTES, check_tokens
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 from tpusync.kv import Blake2bChainKeys, DramTier, KeyScheme, KVStoreConfig, Namespace
-from tpusync.kv.keys import DEFAULT_SECRET, KEY_BYTES, TAG_BYTES, check_tokens
 
 SECRET = b"golden-secret"
 GOLDEN_NS = Namespace(
@@ -335,8 +335,8 @@ def test_tail_key_session_id_is_length_prefixed():
 
 def _child_keys(conn: Any, secret: bytes, ns: Namespace, tokens: list[int], block_size: int):
     try:
+        from tpusync._src.kv.keys import check_tokens as check
         from tpusync.kv import Blake2bChainKeys as Scheme
-        from tpusync.kv.keys import check_tokens as check
 
         scheme = Scheme(secret)
         toks = check(tokens)

@@ -17,8 +17,8 @@ import kv_child
 import numpy as np
 import pytest
 
-from tpusync.testing.engine import Request, ToyEngine
-from tpusync.testing.model import ModelConfig, init_params
+from tpusync._src.testing.engine import Request, ToyEngine
+from tpusync._src.testing.model import ModelConfig, init_params
 
 CFG = ModelConfig(**kv_child.MODEL)
 BS = CFG.block_size

@@ -24,11 +24,11 @@ import pytest
 
 import tpusync
 from tpusync import DevicePool
+from tpusync._src.testing.engine import Request, ToyEngine
+from tpusync._src.testing.model import ModelConfig, init_kv_pools, init_params
+from tpusync._src.testing.polling import eventually
 from tpusync.errors import PoolBusyError, SessionNotFoundError, StaleHandleError, TierFullError
 from tpusync.kv import KVCacheStore
-from tpusync.testing.engine import Request, ToyEngine
-from tpusync.testing.model import ModelConfig, init_kv_pools, init_params
-from tpusync.testing.polling import eventually
 
 CFG = ModelConfig(**kv_child.MODEL)
 BS = CFG.block_size

@@ -35,6 +35,10 @@ from hypothesis import strategies as st
 
 import tpusync
 from tpusync import DevicePool
+from tpusync._src.kv.keys import check_tokens
+from tpusync._src.tiers.disk.pool import HEADER_BYTES as DISK_HEADER_BYTES
+from tpusync._src.tiers.dram import pool_path
+from tpusync._src.tiers.shared_fs.pool import HEADER_BYTES as SHARED_HEADER_BYTES
 from tpusync.errors import (
     BlockIndexError,
     BlocksHeldError,
@@ -58,10 +62,6 @@ from tpusync.kv import (
     SessionRestore,
     SharedFsTier,
 )
-from tpusync.kv.keys import check_tokens
-from tpusync.tiers.disk.pool import HEADER_BYTES as DISK_HEADER_BYTES
-from tpusync.tiers.dram import pool_path
-from tpusync.tiers.shared_fs.pool import HEADER_BYTES as SHARED_HEADER_BYTES
 
 NB, BS, HEADS, DIM, N_POOLS = 64, 16, 2, 8, 4  # device pools: (NB, BS, HEADS, DIM) each
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -1602,7 +1602,8 @@ def test_serve_lists_dram_and_disk_and_serves_disk_blocks_to_peers(
     """A store serving peers (``serve``) lists every block DRAM or disk holds; a peer's pull
     of a block only on disk moves it up first. After a restart the node lists at once what
     /dev/shm and disk still hold; a block that leaves both tiers is withdrawn."""
-    from tpusync.cluster import MemoryRegistry, RegistryTier, serving
+    from tpusync._src.cluster import serving
+    from tpusync.cluster import MemoryRegistry, RegistryTier
 
     secret = b"k" * 32
     registry = MemoryRegistry()

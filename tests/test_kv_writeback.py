@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from tpusync import DevicePool
+from tpusync._src.kv.keys import check_tokens
 from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, SharedFsTier
-from tpusync.kv.keys import check_tokens
 
 NB, BS, HEADS, DIM, N_POOLS = 32, 16, 2, 8, 2  # device pools: (NB, BS, HEADS, DIM) each
 DTYPE = np.dtype(ml_dtypes.bfloat16)

@@ -1,9 +1,10 @@
-"""The layer contract (issue 19), read from the source with ``ast``: no module imports another
-package's ``_private`` module or name; no function-local import except an optional heavy
-dependency marked as one (or a command the ``tpusync`` command runs); no import cycle among
-tpusync modules, function-local imports included; no deprecation shim. The layer order itself
-is checked by import-linter (``lint-imports``, configured in ``pyproject.toml``, without
-exemptions); the last test runs it where it is installed.
+"""The layer contract (issue 19), read from the source with ``ast``: the public modules only
+re-export names of the private ``tpusync._src``, each public name from one of them, and nothing in
+``_src`` imports them (issue 55); no module imports another package's ``_private`` module or name;
+no function-local import except an optional heavy dependency marked as one (or a command the
+``tpusync`` command runs); no import cycle among tpusync modules, function-local imports included;
+no deprecation shim. The layer order itself is checked by import-linter (``lint-imports``,
+configured in ``pyproject.toml``, without exemptions); the last test runs it where it is installed.
 """
 
 from __future__ import annotations
@@ -38,25 +39,25 @@ LAZY_ALLOWED = {
 # The `tpusync` command imports each command's module (and its names) when that command runs,
 # so that --version and --help import no JAX (issue 54).
 LAZY_COMMANDS = {
-    "tpusync.cli": (
-        "tpusync.bench.command",
-        "tpusync.demo",
-        "tpusync.health",
-        "tpusync.info",
-        "tpusync.serve",
-        "tpusync.tiers.dram.shm_admin",
+    "tpusync._src.cli": (
+        "tpusync._src.bench.command",
+        "tpusync._src.demo",
+        "tpusync._src.health",
+        "tpusync._src.info",
+        "tpusync._src.serve",
+        "tpusync._src.tiers.dram.shm_admin",
     )
 }
 # Modules allowed to import private names of other packages: the fuzzer of the private file
 # formats (it damages their bytes as tests do).
-PRIVATE_EXEMPT = {"tpusync.testing.file_fuzz"}
+PRIVATE_EXEMPT = {"tpusync._src.testing.file_fuzz"}
 
 
 # Modules with a module ``__getattr__``: only these, to import heavy names on first use (so
 # that `import tpusync` and the `tpusync` command's --help import no JAX, issue 54, and the vLLM
 # connector's lookup client, which its tests run as another user, imports no vLLM), never to
 # forward an old spelling to a new home.
-MODULE_GETATTR = {"tpusync", "tpusync.memory", "tpusync.connectors.vllm"}
+MODULE_GETATTR = {"tpusync", "tpusync._src.memory", "tpusync.connectors.vllm"}
 # What a deprecation path warns with: the package is a pre-release, it keeps none (issue 55).
 DEPRECATION_WARNINGS = {"DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"}
 
@@ -282,20 +283,85 @@ def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
         "from typing import TYPE_CHECKING\n"
         "from . import _pool_file\n"
         "if TYPE_CHECKING:\n"
-        "    from tpusync.kv import store\n"
+        "    from tpusync._src.kv import store\n"
         "def f():\n"
         "    import redis  # optional heavy dependency\n"
-        "    from tpusync.cluster import serving\n"
+        "    from tpusync._src.cluster import serving\n"
     )
-    got = {i.target: i for i in _imports("tpusync.tiers.probe", path)}
-    assert got["tpusync.tiers._pool_file"].local is False
-    assert got["tpusync.kv.store"].runs is False
+    got = {i.target: i for i in _imports("tpusync._src.tiers.probe", path)}
+    assert got["tpusync._src.tiers._pool_file"].local is False
+    assert got["tpusync._src.kv.store"].runs is False
     assert got["redis"].local and "optional heavy dependency" in got["redis"].comments
-    assert got["tpusync.cluster.serving"].local
+    assert got["tpusync._src.cluster.serving"].local
     modules = _modules()
-    assert _owner(["tpusync", "tiers", "_room"], 2, modules) == "tpusync.tiers"
-    assert _owner(["tpusync", "tiers", "base", "_x"], 3, modules) == "tpusync.tiers"
+    assert _owner(["tpusync", "_src", "tiers", "_room"], 3, modules) == "tpusync._src.tiers"
+    assert _owner(["tpusync", "_src", "tiers", "base", "_x"], 4, modules) == "tpusync._src.tiers"
+    assert _owner(["tpusync", "_src"], 1, modules) == "tpusync"
     assert "tpusync._core" in modules and "tpusync._native.copy" in modules
+
+
+def public_modules() -> dict[str, Path]:
+    """The public modules: every module outside ``tpusync._src`` with no private part."""
+    return {
+        name: path
+        for name, path in _sources().items()
+        if not any(p.startswith("_") for p in name.split(".")[1:])
+    }
+
+
+def _public_names(path: Path) -> list[str]:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+# Public modules that define what they export (the bottom layer, which _src imports) or hold no
+# names: the others only re-export.
+DEFINING = {"tpusync.errors", "tpusync.options"}
+
+
+def test_each_public_name_is_exported_from_one_public_module() -> None:
+    modules = public_modules()
+    assert {"tpusync", "tpusync.kv", "tpusync.tiers", "tpusync.cluster", "tpusync.weights"} <= set(
+        modules
+    )
+    assert {"tpusync.connectors.vllm", "tpusync.testing.model", "tpusync.errors"} <= set(modules)
+    exported: dict[str, list[str]] = {}
+    for name, path in modules.items():
+        for public in _public_names(path):
+            exported.setdefault(public, []).append(name)
+    assert {n: where for n, where in exported.items() if len(where) > 1} == {}
+
+
+def test_public_modules_only_re_export() -> None:
+    """A public module defines no function or class of its own (a module ``__getattr__`` that
+    imports a heavy name on first use aside), so every implementation is under ``_src``."""
+    defined = []
+    for name, path in public_modules().items():
+        if name in DEFINING:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name not in (
+                "__getattr__",
+                "__dir__",
+            ):
+                defined.append(f"{name}:{node.lineno} defines {node.name}")
+    assert defined == []
+
+
+def test_nothing_in_src_imports_a_public_module() -> None:
+    """The core never depends on what it exports (function-local imports included)."""
+    public = set(public_modules()) - DEFINING - {"tpusync"}
+    bad = [
+        f"{i.importer}:{i.line} imports {i.target}"
+        for i in _all_imports()
+        if i.importer.startswith("tpusync._src")
+        and any(i.target == m or i.target.startswith(f"{m}.") for m in public)
+    ]
+    assert bad == []
 
 
 def test_the_scaffolding_check_sees_a_shim(tmp_path: Path) -> None:

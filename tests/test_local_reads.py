@@ -1,5 +1,5 @@
 """Pulls from a block server on this host read its named /dev/shm pool file directly
-(tpusync.cluster.dataplane.local_reads): real pools, servers and sockets, random bits. The
+(tpusync._src.cluster.dataplane.local_reads): real pools, servers and sockets, random bits. The
 bytes land exactly where a TCP pull puts them; a damaged slot is a miss; a server that
 advertises a file this process must not read, or slots outside it, is pulled from over TCP;
 a restarted server's new file is mapped again."""
@@ -18,6 +18,9 @@ import pytest
 from test_pull_scattered import KEYS, LAYOUT, SECRET, SIZE, Places, payload
 
 from tpusync import options
+from tpusync._src.cluster.dataplane import local_reads
+from tpusync._src.cluster.dataplane.local_reads import PoolFileReader, block_regions, boot_id
+from tpusync._src.tiers.scatter import Scatter
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -28,11 +31,8 @@ from tpusync.cluster import (
     StoreNode,
     StoreNodePool,
 )
-from tpusync.cluster.dataplane import local_reads
-from tpusync.cluster.dataplane.local_reads import PoolFileReader, block_regions, boot_id
 from tpusync.errors import InvalidArgumentError, PeerUnavailableError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
-from tpusync.tiers.scatter import Scatter
 
 
 def fill(pool: HostPool, keys: list[bytes], rng: np.random.Generator) -> None:
@@ -131,7 +131,7 @@ def test_each_reason_to_fall_back_is_logged_once(
     reader = PoolFileReader(advert, LAYOUT.fingerprint)
     places = Places(rng, 1)
     slots, sums = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint64)
-    with caplog.at_level("WARNING", logger="tpusync.cluster.dataplane.local_reads"):
+    with caplog.at_level("WARNING", logger="tpusync._src.cluster.dataplane.local_reads"):
         for _ in range(2):
             assert reader.land(LAYOUT, slots, sums, places.scatter) is None  # no such file
         path.write_bytes(b"x" * 4096)

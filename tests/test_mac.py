@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _mac
+from tpusync._src.tiers.mac import MacKey, mac_key_from_secret
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.mac import MacKey, mac_key_from_secret
 
 SECRET = b"this deployment's own secret"
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpusync.testing.model import (
+from tpusync._src.testing.model import (
     ModelConfig,
     blocks_needed,
     decode_step,

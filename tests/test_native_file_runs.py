@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpusync import _core
+from tpusync._src.tiers.disk import pool as disk_pool
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers.disk import pool as disk_pool
 
 
 def _runs(sizes: list[list[int]]) -> tuple[np.ndarray, ...]:

@@ -1,6 +1,6 @@
-"""Copies on the caller's OpenMP team (tpusync.memory.openmp_team): the same bytes and checksums
-as on the copy engine's own threads, really run as a parallel region of the team, and nothing
-changed where no OpenMP runtime is loaded.
+"""Copies on the caller's OpenMP team (tpusync._src.memory.openmp_team): the same bytes and
+checksums as on the copy engine's own threads, really run as a parallel region of the team, and
+nothing changed where no OpenMP runtime is loaded.
 
 Each case runs in a child process with a deadline (killed by pid when it passes): loading an
 OpenMP runtime into the process's global scope, as PyTorch does, cannot be undone. The child
@@ -23,7 +23,7 @@ _COMMON = """
 import ctypes, os
 import numpy as np
 from tpusync import _core
-from tpusync.memory.openmp_team import openmp_runtime_loaded, openmp_team
+from tpusync._src.memory.openmp_team import openmp_runtime_loaded, openmp_team
 
 def table(rng, n_blocks, block, src, dst):
     order = rng.permutation(n_blocks)

@@ -32,8 +32,8 @@ from test_host_pool import keys_for, load, make_model, store
 
 import tpusync
 from tpusync import _core, options
-from tpusync.engines.devices import device_path
-from tpusync.engines.pjrt import engine as pjrt
+from tpusync._src.engines.devices import device_path
+from tpusync._src.engines.pjrt import engine as pjrt
 from tpusync.errors import NativePathUnavailableError, TpuSyncError
 from tpusync.tiers import HostPool
 
@@ -464,7 +464,7 @@ def test_reads_of_mixed_pieces_and_dtypes(stand_in, arrays, rng):
 
 
 def test_large_reads_are_gathered_in_chunks(stand_in, arrays, rng, monkeypatch):
-    from tpusync.engines.pjrt import staging
+    from tpusync._src.engines.pjrt import staging
 
     monkeypatch.setattr(staging, "CHUNK_BYTES", 8 << 10)  # 8 blocks of 1 KiB a gather
     source = arrays.random(rng, (64, 512), BF16)

@@ -26,7 +26,7 @@ from typing import ClassVar
 import pytest
 
 from tpusync import _core
-from tpusync.engines.devices import describe_backend
+from tpusync._src.engines.devices import describe_backend
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -528,7 +528,7 @@ _CHILD = textwrap.dedent(
     # whose client JAX registered for that backend (a stand-in: no hardware, so no real client).
     from jax._src import xla_bridge as xb
     from jax._src.lib import xla_client
-    from tpusync.engines.devices import describe_backend
+    from tpusync._src.engines.devices import describe_backend
 
     capsule = xla_client.load_pjrt_plugin_dynamically(backend, path)
     out["capsule_same_table"] = _core.PjrtApi.from_capsule(capsule).address == api.address

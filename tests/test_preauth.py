@@ -40,6 +40,7 @@ import pytest
 from preauth_child import BLOCKS, LAYOUT, key_for, payload_for
 from tools import self_signed_tls
 
+from tpusync._src.cluster.dataplane import wire
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -50,7 +51,6 @@ from tpusync.cluster import (
     StoreNodePool,
     StoreServer,
 )
-from tpusync.cluster.dataplane import wire
 from tpusync.errors import AuthenticationError, InvalidArgumentError, RegistryUnavailableError
 from tpusync.tiers import HostPool
 
@@ -588,7 +588,7 @@ def test_handshake_frames_are_capped_and_not_allocated_ahead() -> None:
 def test_refusals_are_logged_at_most_once_per_reason_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from tpusync.cluster._admission import RefusalLog  # here: the file imports at any commit
+    from tpusync._src.cluster._admission import RefusalLog  # here: the file imports at any commit
 
     clock = [100.0]
     refusals = RefusalLog(logging.getLogger("tpusync.test"), lambda: "srv", 5.0, lambda: clock[0])

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from tpusync.memory import progress as progress_module
-from tpusync.memory.progress import Progress
+from tpusync._src.memory import progress as progress_module
+from tpusync._src.memory.progress import Progress
 
 
 def test_terminal_progress_redraws_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,8 +39,8 @@ def test_a_large_host_pool_reports_its_prefault(
 ) -> None:
     """HostPool prefaulting above PROGRESS_MIN_BYTES reports progress (lowered here so that
     the test maps 64 MiB, not a GiB); below it, it stays silent."""
+    from tpusync._src.tiers.dram import _prefault
     from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
-    from tpusync.tiers.dram import _prefault
 
     layout = PoolLayout("progress", (ArrayLayout("k", "uint8", (1 << 20,), 0, 1),))
     monkeypatch.setattr(_prefault, "PROGRESS_MIN_BYTES", 32 << 20)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from tools import self_signed_tls
 
+from tpusync._src.cluster.dataplane import wire
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -22,13 +23,11 @@ from tpusync.cluster import (
     NodeInfo,
     RegistryPool,
     RemotePool,
-    Scatter,
     StoreNode,
     StoreNodePool,
 )
-from tpusync.cluster.dataplane import wire
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers import ArrayLayout, HostPool, PoolLayout
+from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, Scatter
 
 SECRET = b"p" * 32
 LAYOUT = PoolLayout(

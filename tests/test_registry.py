@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 from jax.errors import JaxRuntimeError
 from tools import require_tool
 
+from tpusync._src.cluster.registry import PrefixRegistry, prefix_of
+from tpusync._src.cluster.registry._wire import _holders_from_wire, _holders_to_wire
 from tpusync.cluster import (
     Holder,
     JaxRegistry,
@@ -38,8 +40,6 @@ from tpusync.cluster import (
     longest_common_prefix,
     longest_prefix,
 )
-from tpusync.cluster.registry import PrefixRegistry, prefix_of
-from tpusync.cluster.registry._wire import _holders_from_wire, _holders_to_wire
 from tpusync.errors import (
     AuthenticationError,
     InvalidArgumentError,
@@ -763,7 +763,7 @@ def test_redis_reloads_scripts_after_restart(tmp_path: Path) -> None:
     script again (NOSCRIPT) and answer, single calls and multi-batch pipelines alike."""
     import redis
 
-    from tpusync.cluster.registry.redis import _LOOKUP_SHA
+    from tpusync._src.cluster.registry.redis import _LOOKUP_SHA
 
     port = free_port()
     proc = start_redis(port)

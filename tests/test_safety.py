@@ -17,10 +17,10 @@ import pytest
 
 import tpusync
 from tpusync import _core
-from tpusync.engines import native
+from tpusync._src.engines import native
+from tpusync._src.memory import device_pool
+from tpusync._src.memory.device_pool import DevicePool
 from tpusync.errors import TransferFailedError
-from tpusync.memory import device_pool
-from tpusync.memory.device_pool import DevicePool
 
 ROUNDS = 12
 ROWS, COLS = 256, 64 * 1024  # 64 MiB of float32

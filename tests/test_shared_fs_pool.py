@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpusync import DevicePool
+from tpusync._src.tiers.shared_fs import _format as sfs
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -41,7 +42,6 @@ from tpusync.errors import (
     TransferFailedError,
 )
 from tpusync.tiers import ArrayLayout, HostPool, LowerTier, PoolLayout, SharedFsPool
-from tpusync.tiers.shared_fs import _format as sfs
 
 TIMEOUT = 60.0
 BF16 = np.dtype(ml_dtypes.bfloat16)

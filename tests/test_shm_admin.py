@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import tpusync
+from tpusync._src.tiers.dram.shm_admin import list_pools, remove_pool
 from tpusync.errors import InvalidArgumentError, PoolBusyError
 from tpusync.tiers import HostPool, PoolLayout
-from tpusync.tiers.dram.shm_admin import list_pools, remove_pool
 
 
 def _pool(shm_dir: Path, name: str) -> HostPool:

@@ -1,4 +1,4 @@
-"""Which slots' pages a process has mapped (tpusync.tiers.dram.slot_pages): one call per run of
+"""Which slots' pages a process has mapped (tpusync._src.tiers.dram.slot_pages): one call per run of
 neighbouring slots, never a slot twice, the background walk's steps."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync.tiers.dram.slot_pages import SlotPages
+from tpusync._src.tiers.dram.slot_pages import SlotPages
 
 SLOT, OFFSET = 4096 + 64, 8192
 

@@ -31,6 +31,9 @@ from preauth_child import LAYOUT, key_for
 from test_peer_isolation import Clock, check_bytes, fill, landed_while, pull_aside
 
 from tpusync import _core
+from tpusync._src.cluster.dataplane._connection import Connection
+from tpusync._src.testing.polling import eventually
+from tpusync._src.testing.processes import start_store_node, stop_process
 from tpusync.cluster import (
     BlockClient,
     MemoryRegistry,
@@ -39,10 +42,7 @@ from tpusync.cluster import (
     RegistryServer,
     StoreNodePool,
 )
-from tpusync.cluster.dataplane._connection import Connection
 from tpusync.errors import BlocksMissingError, CircuitOpenError
-from tpusync.testing.polling import eventually
-from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import HostPool
 
 SECRET = bytes(range(140, 172))

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from test_cluster_dataplane import LAYOUT, SECRET, assert_clean, fill, key_for, payload
 
+from tpusync._src.cluster._handshake import _send_frame
+from tpusync._src.cluster.dataplane import wire
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -29,8 +31,6 @@ from tpusync.cluster import (
     StoreNode,
     StoreNodePool,
 )
-from tpusync.cluster._handshake import _send_frame
-from tpusync.cluster.dataplane import wire
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,
@@ -402,9 +402,9 @@ def test_tpusync_serve_lends_dram_to_a_kv_store(tmp_path: Path, rng: np.random.G
     """A real `tpusync serve` child; a prefill store writes its KV through to it; a second
     store with empty DRAM (another engine) loads the prefix from the node and its tokens and
     logits equal the cold run's."""
-    from tpusync.testing.engine import ToyEngine
-    from tpusync.testing.model import ModelConfig, init_params
-    from tpusync.testing.processes import start_store_node, stop_process
+    from tpusync._src.testing.engine import ToyEngine
+    from tpusync._src.testing.model import ModelConfig, init_params
+    from tpusync._src.testing.processes import start_store_node, stop_process
 
     cfg = ModelConfig(**kv_child.MODEL)
     params = init_params(cfg)
@@ -448,9 +448,9 @@ def test_a_store_opens_without_its_unreachable_node_and_uses_it_once_it_answers(
     """A store node that is down while an engine starts (restarting, say) no longer fails the
     start: the store opens with the node's tier unreached (a miss, no wait), keeps trying in
     the background, and writes through to the node and reads from it once it answers."""
-    from tpusync.cluster.reconnecting_tier import ReconnectingTier
+    from tpusync._src.cluster.reconnecting_tier import ReconnectingTier
+    from tpusync._src.memory import DevicePool
     from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
-    from tpusync.memory import DevicePool
 
     with StoreNode(4 * MiB, secret=SECRET) as probe:
         address = probe.address  # a port just freed: nothing listens on it now
@@ -498,13 +498,13 @@ def test_a_store_opens_without_its_unreachable_node_and_uses_it_once_it_answers(
     [("64MiB", 64 * MiB), ("1g", 1 << 30), ("1.5GiB", 3 << 29), ("4096", 4096), ("2 kB", 2048)],
 )
 def test_sizes_parse(text: str, expected: int) -> None:
-    from tpusync.serve import parse_size
+    from tpusync._src.serve import parse_size
 
     assert parse_size(text) == expected
 
 
 def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
-    from tpusync.serve import read_secret
+    from tpusync._src.serve import read_secret
 
     (tmp_path / "hex").write_text("ab" * 32 + "\n")
     (tmp_path / "raw").write_bytes(b"\x00\xffraw secret bytes!")
@@ -531,7 +531,7 @@ def test_secret_files_hold_hex_or_raw_bytes(tmp_path: Path) -> None:
 def test_serve_refuses_bad_arguments_clearly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    from tpusync.serve import main
+    from tpusync._src.serve import main
 
     secret = tmp_path / "secret"
     secret.write_text(secrets.token_hex(32))

@@ -1,7 +1,7 @@
 """PoolLayout: what one block is, where each array's part of it sits in a slot, and the
 fingerprint that names the format.
 
-The slot format is written down in :mod:`tpusync.tiers.layout`: a slot holds every array's part
+The slot format is written down in :mod:`tpusync._src.tiers.layout`: a slot holds every array's part
 of one block, in the layout's array order, each part laid out ``[shard][outer][inner]`` (``outer``
 the axes before the block axis, ``inner`` the ones after), slots page-aligned. These tests check
 those byte offsets independently of the code that computes them, and pin the fingerprint of one

@@ -18,6 +18,8 @@ import pytest
 from tools import require_tool
 
 from tpusync import DevicePool
+from tpusync._src.testing.model import ModelConfig
+from tpusync._src.tiers.spec import OpenedTier, TierContext, TierSpec
 from tpusync.cluster import (
     MemoryRegistry,
     PeerTier,
@@ -35,9 +37,7 @@ from tpusync.kv import (
     KVStoreConfig,
     SharedFsTier,
 )
-from tpusync.testing.model import ModelConfig
 from tpusync.tiers import BlockTier, DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.spec import OpenedTier, TierContext, TierSpec
 
 CFG = ModelConfig(num_blocks=32, max_blocks_per_seq=8)
 SECRET = secrets.token_bytes(32)

@@ -835,7 +835,7 @@ def test_a_non_default_device_layout_goes_to_the_jax_path() -> None:
     (and the cached answer for the default one) must say so, and auto-pick pure JAX."""
     from jax.experimental.layout import Format, Layout
 
-    from tpusync.engines.native import unavailable_reason
+    from tpusync._src.engines.native import unavailable_reason
 
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     make = jax.jit(
@@ -856,7 +856,7 @@ def test_a_pool_updated_to_another_device_layout_is_asked_again() -> None:
     update back to the default layout must return to the native engine."""
     from jax.experimental.layout import Format, Layout
 
-    from tpusync.engines.native import pool_unavailable_reason
+    from tpusync._src.engines.native import pool_unavailable_reason
 
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     rows = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
@@ -877,7 +877,7 @@ def test_a_pool_updated_to_another_device_layout_is_asked_again() -> None:
 def test_overlap_check_is_exact_on_random_segment_tables() -> None:
     """The native path's overlap check (a bounding-range shortcut, then an exact sweep) agrees
     with a brute-force check on random tables, overlapping or not."""
-    from tpusync.engines.native import overlaps
+    from tpusync._src.engines.native import overlaps
 
     rng = np.random.default_rng(7)
     for _ in range(300):

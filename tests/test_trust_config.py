@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 from mounts import tmpfs
 
 from tpusync import DevicePool
+from tpusync._src.testing.model import ModelConfig
+from tpusync._src.tiers.dram import pool_path
 from tpusync.cluster import MemoryRegistry, RegistryPool, StoreNode, StoreNodePool
 from tpusync.errors import (
     DtypeMismatchError,
@@ -50,9 +52,7 @@ from tpusync.kv import (
     SharedFsTier,
     load_secret,
 )
-from tpusync.testing.model import ModelConfig
 from tpusync.tiers import ArrayLayout, DiskPool, PoolLayout
-from tpusync.tiers.dram import pool_path
 
 MiB = 1 << 20
 # The test model's KV pools, made small: 8 arrays of (32 blocks, 16 tokens, 2 heads, 32).
@@ -491,7 +491,7 @@ def plant_secret(kind: str, path: Path) -> list[Any]:
 
 def secret_entry_points(path: Path) -> dict[str, tuple[str, Callable[[], Any]]]:
     """Every way a secret file is read, with the key it is named by."""
-    from tpusync.serve import read_secret
+    from tpusync._src.serve import read_secret
 
     section = {"address": "127.0.0.1:1", "secret_file": str(path)}
     return {

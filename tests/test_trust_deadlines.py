@@ -27,6 +27,15 @@ from test_peer_isolation import Clock, fill
 from tools import self_signed_tls
 
 from tpusync import _core
+from tpusync._src.cluster._handshake import _send_json
+from tpusync._src.cluster.dataplane import wire
+from tpusync._src.cluster.dataplane.deadlines import (
+    DEFAULT_FLOOR_BYTES_PER_S,
+    DEFAULT_FLOOR_S,
+    Deadline,
+    limit_for,
+)
+from tpusync._src.testing.polling import eventually
 from tpusync.cluster import (
     BlockClient,
     BlockServer,
@@ -36,16 +45,7 @@ from tpusync.cluster import (
     StoreNode,
     StoreServer,
 )
-from tpusync.cluster._handshake import _send_json
-from tpusync.cluster.dataplane import wire
-from tpusync.cluster.dataplane.deadlines import (
-    DEFAULT_FLOOR_BYTES_PER_S,
-    DEFAULT_FLOOR_S,
-    Deadline,
-    limit_for,
-)
 from tpusync.errors import CircuitOpenError, DeadlineExceededError, InvalidArgumentError
-from tpusync.testing.polling import eventually
 from tpusync.tiers import HostPool
 
 SECRET = bytes(range(60, 92))

@@ -9,7 +9,7 @@ crash, no hang, never a wrong byte (tpusync issue 17, and its fuzz acceptance li
 2. A write that fails (a real full tmpfs, a real read-only bind mount) is a TierFullError or a
    TierIOError naming the file and the cause, leaves no temporary file and changes nothing.
 3. Every on-disk format decoder takes random and mutated bytes (hypothesis, and a time-boxed loop
-   of mutations of real files: ``tpusync.testing.file_fuzz``; longer runs:
+   of mutations of real files: ``tpusync._src.testing.file_fuzz``; longer runs:
    ``scripts/fuzz_files.py``) raising nothing but its format error, and nothing damaged is served.
 
 Everything is real: FIFOs (``os.mkfifo``), chown to another uid (as root), tmpfs and bind mounts
@@ -44,6 +44,9 @@ from mounts import mount_tmpfs, unmount
 from tools import tools_required
 
 from tpusync import DevicePool
+from tpusync._src.kv import _sessions
+from tpusync._src.tiers.disk import _format as disk_module
+from tpusync._src.tiers.shared_fs import _format as sfs_module
 from tpusync.errors import (
     BlocksMissingError,
     PoolFormatError,
@@ -52,10 +55,8 @@ from tpusync.errors import (
     TpuSyncError,
     UnsafeFileError,
 )
-from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig, _sessions
+from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.disk import _format as disk_module
-from tpusync.tiers.shared_fs import _format as sfs_module
 
 OTHER_UID = 4242
 TIMEOUT = 60.0
@@ -649,7 +650,7 @@ SEED = int(os.environ.get("TPUSYNC_TEST_SEED") or 0)
 
 
 def test_fuzz_disk_pool_index_and_slabs(tmp_path):
-    from tpusync.testing import file_fuzz  # here: the module is new (the file runs without it)
+    from tpusync._src.testing import file_fuzz
 
     counts = file_fuzz.fuzz_disk_pool(tmp_path, seconds=FUZZ_S, seed=SEED)
     print(dict(counts))
@@ -657,7 +658,7 @@ def test_fuzz_disk_pool_index_and_slabs(tmp_path):
 
 
 def test_fuzz_shared_fs_block_files(tmp_path):
-    from tpusync.testing import file_fuzz
+    from tpusync._src.testing import file_fuzz
 
     counts = file_fuzz.fuzz_shared_fs(tmp_path, seconds=FUZZ_S, seed=SEED)
     print(dict(counts))
@@ -665,7 +666,7 @@ def test_fuzz_shared_fs_block_files(tmp_path):
 
 
 def test_fuzz_session_manifests(tmp_path):
-    from tpusync.testing import file_fuzz
+    from tpusync._src.testing import file_fuzz
 
     counts = file_fuzz.fuzz_manifests(tmp_path, seconds=FUZZ_S, seed=SEED)
     print(dict(counts))

@@ -54,7 +54,8 @@ from hostile_peers import (
 )
 from preauth_child import key_for
 
-from tpusync import cli
+from tpusync._src import cli
+from tpusync._src.cluster._admission import INTERNAL, HandshakeLoop
 from tpusync.cluster import (
     BlockServer,
     LeaseTable,
@@ -63,7 +64,6 @@ from tpusync.cluster import (
     RemoteRegistry,
     probe_health,
 )
-from tpusync.cluster._admission import INTERNAL, HandshakeLoop
 from tpusync.tiers import HostPool
 
 
@@ -247,13 +247,13 @@ def test_a_loop_that_keeps_dying_is_given_up_and_the_server_stops_listening(
 
 SERVE_WITH_A_BUG = """
 import sys
-from tpusync.cluster import _admission
+from tpusync._src.cluster import _admission
 
 def always(self):
     raise RuntimeError("injected: the accept step always fails")
 
 _admission.HandshakeLoop._accept = always
-from tpusync.cli import main
+from tpusync._src.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -31,12 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpusync
-from tpusync.errors import InvalidArgumentError, PoolFormatError, UnsafeFileError
-from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
-from tpusync.memory import huge_pages as _huge_pages
-from tpusync.tiers import HostPool, PoolLayout
-from tpusync.tiers.dram import pool_path
-from tpusync.tiers.dram._pool_file import (
+from tpusync._src.memory import huge_pages as _huge_pages
+from tpusync._src.tiers.dram import pool_path
+from tpusync._src.tiers.dram._pool_file import (
     COMMITTED,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -45,7 +42,10 @@ from tpusync.tiers.dram._pool_file import (
     decode_header,
     encode_header,
 )
-from tpusync.tiers.dram.shm_admin import list_pools, remove_pool
+from tpusync._src.tiers.dram.shm_admin import list_pools, remove_pool
+from tpusync.errors import InvalidArgumentError, PoolFormatError, UnsafeFileError
+from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
+from tpusync.tiers import HostPool, PoolLayout
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
 import make_golden as golden
@@ -61,31 +61,31 @@ BLOCK = (8, 128)  # float32: 4 KiB per array per block
 
 
 def find_temp_files(*args: Any) -> Any:
-    from tpusync.tiers.dram._shm_files import find_temp_files
+    from tpusync._src.tiers.dram._shm_files import find_temp_files
 
     return find_temp_files(*args)
 
 
 def sessions_path(*args: Any) -> Path:
-    from tpusync.tiers.dram._shm_files import sessions_path
+    from tpusync._src.tiers.dram._shm_files import sessions_path
 
     return sessions_path(*args)
 
 
 def remove_stale(*args: Any) -> Any:
-    from tpusync.tiers.dram.shm_admin import remove_stale
+    from tpusync._src.tiers.dram.shm_admin import remove_stale
 
     return remove_stale(*args)
 
 
 def owner_pid_field() -> slice:
-    from tpusync.tiers.dram._pool_file import owner_pid_field
+    from tpusync._src.tiers.dram._pool_file import owner_pid_field
 
     return owner_pid_field()
 
 
 def scan_records(*args: Any) -> Any:
-    from tpusync.tiers.dram._pool_file import scan_records
+    from tpusync._src.tiers.dram._pool_file import scan_records
 
     return scan_records(*args)
 
@@ -134,7 +134,7 @@ def device_pools(rng: np.random.Generator, n_blocks: int = 8) -> list[tpusync.De
 
 
 def layout_of(model_id: str, dtype: str = "float32") -> PoolLayout:
-    from tpusync.tiers.layout import ArrayLayout
+    from tpusync._src.tiers.layout import ArrayLayout
 
     return PoolLayout(model_id, tuple(ArrayLayout(n, dtype, BLOCK, 0, 1) for n in ("k", "v")))
 
@@ -251,7 +251,7 @@ ZYGOTE = """
 import json, os, random, signal, sys, time, traceback
 spec = json.loads(sys.argv[1])
 from tpusync.tiers import HostPool, PoolLayout
-from tpusync.tiers.dram import _pool_open
+from tpusync._src.tiers.dram import _pool_open
 _pool_open._USE_TMPFILE = spec["use_tmpfile"]
 layout = PoolLayout.from_description(spec["layout"])
 rand = random.Random(spec["seed"])
@@ -376,7 +376,7 @@ PAUSED_CREATOR = """
 import json, os, sys, time
 spec = json.loads(sys.argv[1])
 from tpusync.tiers import HostPool, PoolLayout
-from tpusync.tiers.dram import _pool_open
+from tpusync._src.tiers.dram import _pool_open
 _pool_open._USE_TMPFILE = False
 real_unlink, real_fallocate = os.unlink, os.posix_fallocate
 
@@ -671,7 +671,7 @@ def test_item5_fifo_directory_and_symlink_at_pool_paths(
 def test_item5_pool_files_are_created_0600(
     shm: Path, monkeypatch: pytest.MonkeyPatch, unnamed: bool
 ) -> None:
-    from tpusync.tiers.dram import _pool_open
+    from tpusync._src.tiers.dram import _pool_open
 
     monkeypatch.setattr(_pool_open, "_USE_TMPFILE", unnamed)
     old = os.umask(0)  # the mode is tpusync's own, not the umask's

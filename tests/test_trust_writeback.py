@@ -30,6 +30,9 @@ import pytest
 from mounts import tmpfs
 
 from tpusync import DevicePool
+from tpusync._src.kv.keys import check_tokens
+from tpusync._src.tiers.disk.pool import HEADER_BYTES
+from tpusync._src.tiers.layout import PoolLayout
 from tpusync.errors import TierFullError
 from tpusync.kv import (
     DiskTier,
@@ -39,10 +42,7 @@ from tpusync.kv import (
     KVStoreConfig,
     SharedFsTier,
 )
-from tpusync.kv.keys import check_tokens
 from tpusync.tiers import DiskPool
-from tpusync.tiers.disk.pool import HEADER_BYTES
-from tpusync.tiers.layout import PoolLayout
 
 NB, BS, HEADS, DIM, N_POOLS = 64, 16, 2, 8, 2  # device pools: (NB, BS, HEADS, DIM) each
 DTYPE = np.dtype(ml_dtypes.bfloat16)

@@ -13,9 +13,9 @@ from pathlib import Path
 from test_trust_writeback import BS, Kv, counters, prompt
 
 import tpusync.cluster  # noqa: F401  (registers the store_node section)
+from tpusync._src.kv._tier_faults import REST_FIRST_S, TierFaults
+from tpusync._src.testing.processes import start_store_node, stop_process
 from tpusync.kv import KVStoreConfig
-from tpusync.kv._tier_faults import REST_FIRST_S, TierFaults
-from tpusync.testing.processes import start_store_node, stop_process
 
 NODE_TIMEOUT_S = 1.0
 DRAM_BLOCKS = 4

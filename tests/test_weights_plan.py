@@ -1,4 +1,4 @@
-"""The reshard plan (tpusync.weights.plan) against real JAX shardings on the 8 CPU devices:
+"""The reshard plan (tpusync._src.weights.plan) against real JAX shardings on the 8 CPU devices:
 every target shard assembled from its pieces' bytes, read from the source shards' C-order bytes
 through the plan's runs, equals the target shard JAX itself gives, for random shapes, dtypes
 and meshes (hypothesis); pieces tile each target exactly; plans are cached; bad boxes are

@@ -3,7 +3,7 @@
 pull each into their own layout through a registry server, bit for bit, while a toy step loop
 stamps every step with the versions of the leaves it read: never two in one step, across a
 SIGKILL of the trainer mid-publish, a registry restart and a late joiner asking for an older
-kept version. The children are tpusync.testing.weights_procs."""
+kept version. The children are tpusync._src.testing.weights_procs."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from run_names import run_name
 
+from tpusync._src.testing.weights_procs import Child, digest, leaf_bytes, tree_spec
+from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync.cluster import MemoryRegistry, RegistryServer
-from tpusync.testing.weights_procs import Child, digest, leaf_bytes, tree_spec
-from tpusync.tiers.dram.shm_admin import remove_pool
 
 SECRET = secrets.token_bytes(32)
 LEAVES = 100

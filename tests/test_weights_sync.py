@@ -27,8 +27,12 @@ from jax.sharding import PartitionSpec as P
 from tools import self_signed_tls
 
 from tpusync import DevicePool, _core
-from tpusync.cluster import BlockClient, MemoryRegistry, Scatter
-from tpusync.cluster.dataplane.local_reads import PoolFileReader, block_regions
+from tpusync._src.cluster.dataplane.local_reads import PoolFileReader, block_regions
+from tpusync._src.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
+from tpusync._src.tiers.blocks import slot_checksums
+from tpusync._src.weights._stream import Rows, scatter_runs
+from tpusync._src.weights.manifest import Manifest, announcement_key, chunk_key, chunk_layout
+from tpusync.cluster import BlockClient, MemoryRegistry
 from tpusync.errors import (
     AuthenticationError,
     DtypeMismatchError,
@@ -39,8 +43,7 @@ from tpusync.errors import (
     WeightSyncError,
 )
 from tpusync.kv import DramTier, KVStoreConfig
-from tpusync.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
-from tpusync.tiers.blocks import slot_checksums
+from tpusync.tiers import Scatter
 from tpusync.weights import (
     Publisher,
     Subscriber,
@@ -49,8 +52,6 @@ from tpusync.weights import (
     WeightsPoolOptions,
     WeightsServerOptions,
 )
-from tpusync.weights._stream import Rows, scatter_runs
-from tpusync.weights.manifest import Manifest, announcement_key, chunk_key, chunk_layout
 
 SECRET = secrets.token_bytes(32)
 CHUNK = 1 << 16

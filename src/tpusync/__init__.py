@@ -1,22 +1,21 @@
 """tpusync: move LLM state — KV caches and weights — between device memory, host memory and tiers.
 
-The public surface is what ``__all__`` lists; modules and names starting with ``_`` may change
-without notice. The layers, bottom to top: :mod:`tpusync.errors` and :mod:`tpusync.options`,
-the native core, :mod:`tpusync.memory`, :mod:`tpusync.engines`, :mod:`tpusync.transfer`, then
-the tiers, the KV store and the cluster.
+The public API is this module's ``__all__`` and the modules :mod:`tpusync.kv`,
+:mod:`tpusync.tiers`, :mod:`tpusync.cluster`, :mod:`tpusync.weights`, :mod:`tpusync.connectors`
+(``vllm``, ``sglang``, ``tpu_inference``), :mod:`tpusync.errors`, :mod:`tpusync.options` and
+:mod:`tpusync.testing`; each public name is exported from one of them. Everything under
+``tpusync._src`` (and any other path with a part starting with ``_``) is private and may change
+without notice (docs/decisions/0014-privacy-line.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from tpusync import errors, options
 from tpusync._version import __version__
-from tpusync.errors import TpuSyncError
 
 # A library adds no output of its own: its records reach the application's handlers only
 # (without one, logging.lastResort does not print them to stderr).
@@ -26,18 +25,17 @@ logging.getLogger("tpusync").addHandler(logging.NullHandler())
 options.set_current(options.from_environment())
 
 # The fork guard notes a fork after JAX started from the first import on (it imports no JAX).
-from tpusync.memory import fork_guard as _fork_guard  # noqa: E402, F401
+from tpusync._src.memory import fork_guard as _fork_guard  # noqa: E402, F401
 
 if TYPE_CHECKING:
-    from tpusync.info import info
-    from tpusync.memory import DevicePool, HostBuffer, TorchPool
-    from tpusync.transfer import Transfer, TransferFuture, transfer, transfer_batch
+    from tpusync._src.info import info
+    from tpusync._src.memory import DevicePool, HostBuffer, TorchPool
+    from tpusync._src.transfer import Transfer, TransferFuture, transfer, transfer_batch
 
 __all__ = [
     "DevicePool",
     "HostBuffer",
     "TorchPool",
-    "TpuSyncError",
     "Transfer",
     "TransferFuture",
     "__version__",
@@ -49,16 +47,16 @@ __all__ = [
 ]
 
 # The public names that need JAX, imported on first use: `import tpusync` (and so the
-# `tpusync` command's --version and --help) costs no JAX import (issue 54).
+# `tpusync` command's --version and --help) costs no JAX import.
 _LAZY = {
-    "DevicePool": "tpusync.memory",
-    "HostBuffer": "tpusync.memory",
-    "TorchPool": "tpusync.memory",
-    "Transfer": "tpusync.transfer",
-    "TransferFuture": "tpusync.transfer",
-    "info": "tpusync.info",
-    "transfer": "tpusync.transfer",
-    "transfer_batch": "tpusync.transfer",
+    "DevicePool": "tpusync._src.memory",
+    "HostBuffer": "tpusync._src.memory",
+    "TorchPool": "tpusync._src.memory",
+    "Transfer": "tpusync._src.transfer",
+    "TransferFuture": "tpusync._src.transfer",
+    "info": "tpusync._src.info",
+    "transfer": "tpusync._src.transfer",
+    "transfer_batch": "tpusync._src.transfer",
 }
 
 
@@ -72,17 +70,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """`tpusync.info` and `tpusync.transfer` are functions named like the modules they live in.
-    Importing such a module binds it on the package, which would hide the function from the
-    lazy lookup above: the package keeps the function's name for the function."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return  # the import system binding tpusync.info or tpusync.transfer (the module)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -2,6 +2,6 @@
 
 import sys
 
-from tpusync.cli import main
+from tpusync._src.cli import main
 
 sys.exit(main())

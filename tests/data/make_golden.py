@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 import tpusync
+from tpusync._src.tiers.dram._pool_file import FORMAT_VERSION as HOST_POOL_VERSION
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync.tiers.dram._pool_file import FORMAT_VERSION as HOST_POOL_VERSION
 
 HERE = Path(__file__).parent
 BLOCK_SHAPE = (8, 16)  # float32: 512 bytes per array per block

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.sglang.conftest import CASES, Case, host_pool, indices, keys, page_bytes, randomize
+from tpusync._src.testing.file_fuzz import damage_disk_block
+from tpusync._src.tiers.dram import pool_path, sessions_path
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVCacheStore
-from tpusync.testing.file_fuzz import damage_disk_block
-from tpusync.tiers.dram import pool_path, sessions_path
 
 IDS = [f"{c.kind}-{c.layout}" for c in CASES]
 FLAT_CASES = [c for c in CASES if c.layout != "page_unified"]  # SGLang has no flat page there

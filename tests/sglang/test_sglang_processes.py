@@ -19,8 +19,8 @@ from sglang.srt.managers.cache_controller import (
 )
 
 from tests.sglang.conftest import host_pool, indices, keys, page_bytes
-from tpusync.testing.processes import start_store_node, stop_process
-from tpusync.testing.sglang_controller import controller as make_controller
+from tpusync._src.testing.processes import start_store_node, stop_process
+from tpusync._src.testing.sglang_controller import controller as make_controller
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from fronts import mapped_shm_files
 
-from tpusync.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, decode_header
+from tpusync._src.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, decode_header
 
 # before vLLM is imported or an engine made: engines in this process, a 1 GiB KV space
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -29,7 +29,7 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 1024
 def build_model(path: Path, seed: int) -> Path:
     """A 2-layer Llama (head_dim 32) with random weights, scaled up so that greedy decoding
     has few near-ties (a test's reference prompt has none: :func:`reference_tokens`)."""
-    from tpusync.testing.hf_llama import build_random_llama
+    from tpusync._src.testing.hf_llama import build_random_llama
 
     return build_random_llama(
         path, layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, intermediate=256,
@@ -189,8 +189,8 @@ def small_worker(socket_dir: Path, engine_id: str) -> Iterator[Any]:
     as one buffer, closed on exit."""
     import torch
 
-    from tpusync.connectors.vllm.settings import read_settings
-    from tpusync.connectors.vllm.worker import WorkerSide
+    from tpusync._src.connectors.vllm.settings import read_settings
+    from tpusync._src.connectors.vllm.worker import WorkerSide
 
     settings = read_settings(
         {"dram": {"capacity_blocks": 16}, "socket_dir": str(socket_dir)},
@@ -235,7 +235,7 @@ def matched_when_answered(scheduler: Any, request: Any, timeout_s: float = 10.0)
 
 def worker_of(llm: Any) -> Any:
     """The connector's worker side of a live in-process engine."""
-    from tpusync.connectors.vllm.worker import local_worker
+    from tpusync._src.connectors.vllm.worker import local_worker
 
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
     worker = local_worker(engine_id)

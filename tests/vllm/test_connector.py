@@ -32,12 +32,12 @@ from fronts import line_before, serve_once_front
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from tpusync._src.connectors.vllm import worker as worker_module
+from tpusync._src.testing.file_fuzz import damage_disk_block
+from tpusync._src.testing.processes import start_store_node, stop_process
+from tpusync._src.tiers.dram import pool_path, shm_admin
 from tpusync.connectors.vllm import TpuSyncConnector
-from tpusync.connectors.vllm import worker as worker_module
 from tpusync.errors import InvalidArgumentError
-from tpusync.testing.file_fuzz import damage_disk_block
-from tpusync.testing.processes import start_store_node, stop_process
-from tpusync.tiers.dram import pool_path, shm_admin
 
 rng = np.random.default_rng(20261238)  # every greedy step has a margin (reference_tokens)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token

@@ -12,8 +12,8 @@ import pytest
 import torch
 from engines import build_model, engine, transfer_config
 
-from tpusync.connectors.vllm.settings import check_stable_hashing, read_settings
-from tpusync.connectors.vllm.worker import WorkerSide
+from tpusync._src.connectors.vllm.settings import check_stable_hashing, read_settings
+from tpusync._src.connectors.vllm.worker import WorkerSide
 from tpusync.errors import InvalidArgumentError
 
 ENGINE = dict(
@@ -113,7 +113,7 @@ def test_the_plugin_registers_the_name_without_importing_jax() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    assert out.stdout.split()[-2:] == ["tpusync.connectors.vllm.connector", "TpuSyncConnector"]
+    assert out.stdout.split()[-2:] == ["tpusync._src.connectors.vllm.connector", "TpuSyncConnector"]
 
 
 def test_the_plugin_is_an_installed_vllm_entry_point() -> None:
@@ -172,7 +172,7 @@ def _attention(kind: str, **extra):
 
 
 def test_the_served_attention_layouts_are_accepted() -> None:
-    from tpusync.connectors.vllm.layouts import check_attention_layout
+    from tpusync._src.connectors.vllm.layouts import check_attention_layout
 
     full = _attention("FullAttentionSpec")
     sliding = _attention("SlidingWindowSpec", sliding_window=256)
@@ -214,7 +214,7 @@ def test_the_served_attention_layouts_are_accepted() -> None:
 def test_a_layout_the_connector_cannot_serve_is_refused_by_name(
     groups, policy, prefix_caching, message
 ) -> None:
-    from tpusync.connectors.vllm.layouts import check_attention_layout
+    from tpusync._src.connectors.vllm.layouts import check_attention_layout
 
     config = _config(
         *(_group(_attention(kind, **extra), [f"l{i}"]) for i, (kind, extra) in enumerate(groups))
@@ -227,7 +227,7 @@ def test_mamba_is_refused_by_name() -> None:
     import torch
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from tpusync.connectors.vllm.layouts import check_attention_layout
+    from tpusync._src.connectors.vllm.layouts import check_attention_layout
 
     mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     with pytest.raises(InvalidArgumentError, match="KV cache layout MambaSpec is not served"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from engines import BLOCK, build_model
 
-from tpusync.testing.processes import stop_process
+from tpusync._src.testing.processes import stop_process
 
 PROMPT = np.random.default_rng(20261207).integers(1, 1000, 300).tolist()
 FULL = (len(PROMPT) - 1) // BLOCK * BLOCK

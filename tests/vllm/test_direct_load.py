@@ -17,9 +17,10 @@ import torch
 from engines import tier_asked
 
 from tpusync import TorchPool
-from tpusync.cluster import MemoryRegistry, RegistryTier, StoreNode, StoreNodeTier, serving
+from tpusync._src.cluster import serving
+from tpusync._src.testing.processes import start_store_node, stop_process
+from tpusync.cluster import MemoryRegistry, RegistryTier, StoreNode, StoreNodeTier
 from tpusync.kv import DiskTier, DramTier, KVCacheStore, KVStoreConfig
-from tpusync.testing.processes import start_store_node, stop_process
 from tpusync.tiers import Scatter
 
 BLOCK = 16

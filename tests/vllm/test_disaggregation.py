@@ -42,10 +42,10 @@ from fronts import (
     serve_once_front,
 )
 
-from tpusync.connectors.vllm.settings import read_settings
+from tpusync._src.connectors.vllm.settings import read_settings
+from tpusync._src.testing.processes import start_store_node, stop_process
+from tpusync._src.tiers.dram import pool_path, shm_admin
 from tpusync.errors import InvalidArgumentError
-from tpusync.testing.processes import start_store_node, stop_process
-from tpusync.tiers.dram import pool_path, shm_admin
 
 rng = np.random.default_rng(20261214)  # every greedy step has a margin (reference_tokens)
 PROMPT = rng.integers(1, 1000, 300).tolist()  # 9 full blocks before the last token

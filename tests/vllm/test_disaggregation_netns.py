@@ -25,7 +25,7 @@ from fronts import finish_front, kv_common, produce_serving, serve_once_front
 from netns import Namespace, network_namespace
 from tools import require_tool
 
-from tpusync.testing.processes import start_store_node, stop_process
+from tpusync._src.testing.processes import start_store_node, stop_process
 
 PROMPT_TOKENS = 300
 FULL = (PROMPT_TOKENS - 1) // BLOCK * BLOCK

@@ -18,16 +18,16 @@ import pytest
 from engines import matched_when_answered, small_worker, vllm_request
 from tools import skip_or_fail
 
-from tpusync.connectors.vllm.events import MAX_KNOWN_BLOCKS, BlockEventLog
-from tpusync.connectors.vllm.lookup_service import (
+from tpusync._src.connectors.vllm.events import MAX_KNOWN_BLOCKS, BlockEventLog
+from tpusync._src.connectors.vllm.lookup_service import (
     MAX_HASHES,
     LookupClient,
     LookupServer,
     encode_request,
 )
-from tpusync.connectors.vllm.scheduler import SchedulerSide
-from tpusync.connectors.vllm.settings import default_socket_dir, read_settings
-from tpusync.connectors.vllm.worker import WorkerSide
+from tpusync._src.connectors.vllm.scheduler import SchedulerSide
+from tpusync._src.connectors.vllm.settings import default_socket_dir, read_settings
+from tpusync._src.connectors.vllm.worker import WorkerSide
 from tpusync.errors import UnsafeFileError
 
 BLOCK = 32
@@ -205,7 +205,7 @@ def test_a_process_of_another_user_gets_no_answer(tmp_path: Path) -> None:
         server.path.chmod(0o666)
         code = (  # imports first: this user cannot read the interpreter's files
             "import os, pathlib, sys; "
-            "from tpusync.connectors.vllm.lookup_service import LookupClient; "
+            "from tpusync._src.connectors.vllm.lookup_service import LookupClient; "
             # the client imports no vLLM (seconds of CPU, a minute under load)
             "assert 'vllm' not in sys.modules, 'the lookup client imported vLLM'; "
             "os.setgid(65534); os.setuid(65534); "

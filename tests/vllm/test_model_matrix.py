@@ -33,8 +33,8 @@ from engines import (
     worker_of,
 )
 
+from tpusync._src.tiers.dram import shm_admin
 from tpusync.errors import InvalidArgumentError
-from tpusync.tiers.dram import shm_admin
 
 PROMPT_TOKENS = 1200  # 37 full blocks before the last token
 FULL = (PROMPT_TOKENS - 1) // BLOCK * BLOCK
@@ -42,7 +42,7 @@ WINDOW = 256
 
 
 def _mistral(path: Path, seed: int) -> Path:
-    from tpusync.testing.hf_llama import build_random_mistral
+    from tpusync._src.testing.hf_llama import build_random_mistral
 
     return build_random_mistral(
         path, layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, intermediate=256,
@@ -51,7 +51,7 @@ def _mistral(path: Path, seed: int) -> Path:
 
 
 def _gemma3(path: Path, seed: int) -> Path:
-    from tpusync.testing.hf_llama import build_random_gemma3
+    from tpusync._src.testing.hf_llama import build_random_gemma3
 
     return build_random_gemma3(
         path, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, vocab=VOCAB, max_len=4096,
@@ -145,7 +145,7 @@ def test_mla_is_refused_at_start_where_vllm_turns_prefix_caching_off(
     turns its own prefix caching off, and a hit loaded by the connector gave other tokens
     from the third one. Such an engine is refused at start; where vLLM keeps prefix caching
     on for MLA, the hit is served like every other layout."""
-    from tpusync.testing.hf_llama import build_random_deepseek_mla
+    from tpusync._src.testing.hf_llama import build_random_deepseek_mla
 
     model = build_random_deepseek_mla(
         tmp_path / "mla", layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, max_len=4096,

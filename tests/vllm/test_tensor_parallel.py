@@ -24,10 +24,10 @@ from engines import (
     vllm_request,
 )
 
-from tpusync.connectors.vllm.lookup_service import LookupServer
-from tpusync.connectors.vllm.scheduler import SchedulerSide
-from tpusync.connectors.vllm.settings import read_settings
-from tpusync.connectors.vllm.worker import WorkerSide
+from tpusync._src.connectors.vllm.lookup_service import LookupServer
+from tpusync._src.connectors.vllm.scheduler import SchedulerSide
+from tpusync._src.connectors.vllm.settings import read_settings
+from tpusync._src.connectors.vllm.worker import WorkerSide
 from tpusync.errors import InvalidArgumentError
 
 PROMPT = np.random.default_rng(20261205).integers(1, 1000, 200).tolist()  # 6 full blocks

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tpusync import TorchPool
+from tpusync._src.memory import prefault_cpu_tensors
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVCacheStore, KVStoreConfig
-from tpusync.memory import prefault_cpu_tensors
 
 BLOCK = 32
 

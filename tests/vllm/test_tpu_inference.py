@@ -22,9 +22,9 @@ from engines import build_model
 from jax.sharding import PartitionSpec
 from tpu_runner_stand_in import TPU_INFERENCE_SPEC, TpuInferenceRunnerStandIn, kv_shape
 
+from tpusync._src.connectors.vllm.metadata import LoadSpec, SaveSpec, TpuSyncMetadata
+from tpusync._src.connectors.vllm.worker import local_worker
 from tpusync.connectors.tpu_inference import TpuSyncTpuConnector
-from tpusync.connectors.vllm.metadata import LoadSpec, SaveSpec, TpuSyncMetadata
-from tpusync.connectors.vllm.worker import local_worker
 from tpusync.errors import InvalidArgumentError
 
 LAYERS, PAGES, KV_HEADS, HEAD_DIM = 3, 32, 8, 128

@@ -14,11 +14,11 @@ import pytest
 from engines import small_worker
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from tpusync.connectors.vllm import worker as worker_module
-from tpusync.connectors.vllm.metadata import TpuSyncMetadata
-from tpusync.connectors.vllm.scheduler import SchedulerSide
-from tpusync.connectors.vllm.settings import read_settings
-from tpusync.connectors.vllm.worker import WorkerSide
+from tpusync._src.connectors.vllm import worker as worker_module
+from tpusync._src.connectors.vllm.metadata import TpuSyncMetadata
+from tpusync._src.connectors.vllm.scheduler import SchedulerSide
+from tpusync._src.connectors.vllm.settings import read_settings
+from tpusync._src.connectors.vllm.worker import WorkerSide
 
 BLOCK = 32
 

@@ -251,7 +251,7 @@ def blake2b_chain(bytes start not None, const unsigned char[::1] data not None, 
                   bytes key=b"", bytes person=b"", bytes tag=b""):
     """The chain of keyed BLAKE2b values over ``data`` cut into pieces of ``step`` bytes:
     value i = BLAKE2b(value i-1 + piece i), value -1 = ``start`` (its length is the digest
-    size), as the ``blake2b-chain-v1`` key scheme computes block keys (tpusync/kv/keys.py).
+    size), as the ``blake2b-chain-v1`` key scheme computes block keys (tpusync/_src/kv/keys.py).
     Returns ``tag + value`` for each whole piece, as a list of bytes. GIL released while
     hashing."""
     if step == 0:

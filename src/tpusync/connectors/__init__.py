@@ -1,4 +1,5 @@
-"""Serving-engine connectors: tpusync as the KV store of an engine (vLLM today).
+"""Serving-engine connectors: tpusync as the KV store of an engine.
 
-Each engine's connector is a subpackage that imports its engine; importing this package
-imports none of them."""
+:mod:`tpusync.connectors.vllm` (vLLM's KV connector), :mod:`tpusync.connectors.sglang` (SGLang's
+HiCache storage) and :mod:`tpusync.connectors.tpu_inference` (vLLM on TPU). Each imports its
+engine; importing this package imports none of them."""

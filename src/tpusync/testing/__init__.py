@@ -1,7 +1,4 @@
-"""Test and demo helpers. Not part of the store: nothing in :mod:`tpusync` imports this package.
-
-:mod:`tpusync.testing.model` is a small decoder-only transformer in pure JAX with a paged KV cache,
-used to prove that KV blocks saved and loaded by the store give exactly the same results.
-:mod:`tpusync.testing.conformance` is the suite a tier or registry backend author runs against
-their own implementation.
-"""
+"""Test and demo helpers: :mod:`tpusync.testing.model`, a small decoder-only transformer in pure
+JAX with a paged KV cache (a test and demo model, not a store); :mod:`tpusync.testing.engine`, a
+minimal serving loop of it over a KV store; :mod:`tpusync.testing.conformance`, the suites a tier
+or registry author runs against their own implementation. Nothing in tpusync imports them."""

@@ -1,0 +1,3 @@
+"""tpusync's implementation. Private: import the public modules instead (see :mod:`tpusync`);
+nothing here is kept stable. The layers, bottom to top: ``memory``, ``engines``, ``transfer``,
+``tiers``, ``kv``, ``cluster``, then ``weights`` and ``connectors``, then the commands."""

@@ -1,0 +1,489 @@
+"""The trainer's side of weight sync: :class:`Publisher` stages each version of a pytree of
+(sharded) arrays once in a named host pool in /dev/shm, serves it to subscribers over the data
+plane, and announces it through a registry.
+
+``publish()`` returns once every byte is staged, checksummed and committed, so the trainer may
+overwrite or donate its arrays at once. A version's chunks and manifest are reserved together
+before any byte is copied (a version that does not fit is refused then, saying what it needs),
+the manifest is written after the chunks, all are committed at once, and the version is
+announced last: a version is visible only whole, and a failed publish leaves nothing behind.
+The last ``keep`` versions stay; an older one is dropped when no subscriber holds it (a held one
+is dropped at a later ``publish``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync import _core
+from tpusync._src.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
+from tpusync._src.engines import native
+from tpusync._src.tiers import HostPool
+from tpusync._src.tiers.blocks import slot_checksums
+from tpusync._src.tiers.dram.shm_admin import remove_pool, size_text
+from tpusync._src.weights._options import (
+    TlsOptions,
+    WeightsPoolOptions,
+    WeightsServerOptions,
+    options_or_default,
+)
+from tpusync._src.weights._stream import Rows, split_at_chunks
+from tpusync._src.weights.manifest import (
+    LeafEntry,
+    Manifest,
+    announcement_key,
+    check_name,
+    check_version,
+    chunk_key,
+    chunk_layout,
+    manifest_key,
+    tree_paths,
+)
+from tpusync._src.weights.plan import shard_boxes
+from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError
+
+__all__ = ["PublishReport", "Publisher"]
+
+log = logging.getLogger("tpusync.weights")
+
+
+@dataclass
+class PublishReport:
+    """What :meth:`Publisher.publish` did: the version, its bytes and chunks, the seconds it
+    took to stage, and the versions kept after it."""
+
+    version: int
+    nbytes: int
+    chunks: int
+    seconds: float
+    kept: list[int] = field(default_factory=list)
+
+
+def _shard_source(data: Any) -> np.ndarray:
+    """One shard's bytes in C order on the host: the device buffer itself where it is host
+    memory (CPU), else a copy."""
+    host = np.asarray(data)
+    return host if host.flags.c_contiguous else np.ascontiguousarray(host)
+
+
+class Publisher:
+    """Publishes numbered versions of a pytree of arrays (see the module docstring).
+
+    Args:
+      name: the weights' name (letters, digits, ``.``, ``_``, ``-``); the pool is
+        ``<shm_dir>/tpusync-weights-<name>.pool``.
+      secret: the deployment secret subscribers authenticate with (at least 16 bytes).
+      registry: where versions are announced (any :class:`tpusync.cluster.Registry`); None to
+        let subscribers connect to :attr:`address` directly.
+      pool: the pool of versions: how many are kept, its size, the chunk size, its directory
+        (:class:`~tpusync.weights.WeightsPoolOptions`; default: 2 versions kept, sized from
+        the first one, 4 MiB chunks, /dev/shm).
+      server: where subscribers connect and the leases' lengths
+        (:class:`~tpusync.weights.WeightsServerOptions`; default: loopback, a free port).
+      tls: the block server's TLS (:class:`~tpusync.weights.TlsOptions` with a server
+        context); required off loopback unless it says ``insecure``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        secret: bytes,
+        registry: Registry | None = None,
+        pool: WeightsPoolOptions | None = None,
+        server: WeightsServerOptions | None = None,
+        tls: TlsOptions | None = None,
+    ) -> None:
+        self.name = check_name(name)
+        self.pool_options = options_or_default(WeightsPoolOptions, pool, "pool")
+        self.server_options = options_or_default(WeightsServerOptions, server, "server")
+        self.tls = options_or_default(TlsOptions, tls, "tls")
+        if registry is not None and not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
+            )
+        self._keep = self.pool_options.keep
+        self._chunk_bytes = self.pool_options.chunk_bytes
+        self.layout = chunk_layout(name, self._chunk_bytes)
+        # checked now, though the server starts with the pool (at the first publish by default)
+        self._block_server_options = BlockServerOptions(
+            secret=secret,
+            host=self.server_options.host,
+            port=self.server_options.port,
+            tls=self.tls.context,
+            insecure=self.tls.insecure,
+            lease_ttl_s=self.server_options.lease_ttl_s,
+            lease_max_s=self.server_options.lease_max_s,  # BlockServerOptions checks it
+        )
+        self._registry = registry
+        self._lock = threading.Lock()
+        # the versions' books, by version (an int); keys are the pool's names of its pieces
+        self._versions: dict[int, list[bytes]] = {}  # kept version -> its manifest keys
+        self._chunks: dict[int, int] = {}  # kept version -> its chunk count
+        self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
+        self._latest: int | None = None
+        self.pool: HostPool | None = None
+        self.server: BlockServer | None = None
+        self._link: RegistryLink | None = None
+        self._closed = False
+        self._executor = ThreadPoolExecutor(
+            max_workers=max(1, native.copy_threads() - 1), thread_name_prefix="tpusync-publish"
+        )
+        capacity_bytes = self.pool_options.capacity_bytes
+        self._sized_by_caller = capacity_bytes is not None
+        if capacity_bytes is not None:
+            self._open(-(-capacity_bytes // self._chunk_bytes))
+
+    # --- the pool, its server and the registry ---------------------------------------------
+
+    def _open(self, slots: int) -> None:
+        pool = HostPool(
+            self.layout,
+            slots,
+            name=f"weights-{self.name}",
+            shm_dir=self.pool_options.shm_dir,
+            on_mismatch="recreate",
+            # staged and read in whole chunks, where huge pages gain nothing; samplers map the
+            # file with small pages, through which a collapsed one reads slower (0010)
+            collapse=False,
+        )
+        try:
+            stale = pool.keys()
+            if stale:  # a restarted publisher: versions of a previous life are not announced
+                pool.delete(stale)
+            server = BlockServer(pool, options=self._block_server_options)
+        except BaseException:
+            pool.close()
+            raise
+        self.pool, self.server = pool, server
+        if self._registry is not None:
+            node = NodeInfo(f"weights-{self.name}", (server.address,), group="weights")
+            try:
+                self._link = RegistryLink(
+                    self._registry,
+                    node,
+                    self.server_options.registry_ttl_s,
+                    self._announced_keys,
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    def _announced_keys(self) -> list[bytes]:
+        with self._lock:
+            return [announcement_key(self.name, v) for v in self._versions]
+
+    @property
+    def address(self) -> str | None:
+        """Where subscribers connect (``host:port``); None before the first publish when the
+        pool options gave no ``capacity_bytes``."""
+        return None if self.server is None else self.server.address
+
+    @property
+    def versions(self) -> list[int]:
+        """The versions kept, oldest first."""
+        with self._lock:
+            return sorted(self._versions)
+
+    # --- publish ------------------------------------------------------------------------------
+
+    def publish(self, params: Any, version: int, *, parent: int | None = None) -> PublishReport:
+        """Stages ``params`` (a pytree of ``jax.Array`` / numpy arrays) as ``version`` (an
+        integer above every earlier one, e.g. the training step) and announces it; returns once
+        the bytes are staged, so the arrays may be changed or donated at once.
+
+        Raises InvalidArgumentError (a version not above the last, a leaf that is no array),
+        TierFullError (the pool cannot hold this version beside those kept and held: the
+        message says how many chunks it needs, how many are free and what holds the rest) or
+        ServerFailedError (its block server stopped accepting subscribers: a loop of it kept
+        dying). The first two are raised before any byte is staged, and a failed publish
+        leaves the pool and the publisher as they were: the next publish (of this version
+        too) runs as if it had not been tried.
+        """
+        check_version(version)
+        if self._closed:
+            raise InvalidArgumentError("this Publisher is closed")
+        failure = None if self.server is None else self.server.failure
+        if failure is not None:  # staging a version nobody can pull would hide it
+            raise ServerFailedError(
+                f"the weights block server at {self.address} no longer accepts subscribers (a "
+                f"loop of it kept dying: {failure!r:.200}; the log has its traceback): close "
+                "this Publisher and make a new one, or restart the process"
+            )
+        if self._latest is not None and version <= self._latest:
+            raise InvalidArgumentError(
+                f"version: {version} is not above the last one published ({self._latest}); "
+                "versions must rise (use the training step)"
+            )
+        start = time.perf_counter()
+        paths, leaves, _ = tree_paths(params)
+        entries, sources = self._describe(paths, leaves)
+        total = sum(e.box_bytes(b) for e in entries for b in range(len(e.boxes)))
+        n_chunks = -(-total // self._chunk_bytes)
+        parent = self._latest if parent is None else parent
+        # The manifest's size is known before any byte moves (its checksums are fixed-width
+        # hex), so the version's chunks and manifest are reserved together: a publish that does
+        # not fit is refused before it copies anything, and one that fails leaves nothing.
+        draft = Manifest(
+            self.name,
+            version,
+            parent,
+            self._chunk_bytes,
+            total,
+            tuple(entries),
+            np.zeros(n_chunks, dtype=np.uint64),
+        )
+        n_parts = -(-len(draft.to_bytes()) // self._chunk_bytes)
+        if self.pool is None:
+            self._open((self._keep + 2) * (n_chunks + n_parts + 1))
+        assert self.pool is not None
+        self._retry_drops()
+        keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
+        manifest_keys = [manifest_key(self.name, version, p) for p in range(n_parts)]
+        reservation = self._reserve(version, keys + manifest_keys, n_chunks, total)
+        try:
+            checksums = self._stage(reservation.slots[:n_chunks], sources, total)
+            manifest = dataclasses.replace(draft, checksums=checksums)
+            self._write_manifest(reservation.slots[n_chunks:], manifest.to_bytes())
+            all_checksums = np.concatenate(
+                [checksums, self.pool.hash_slots(reservation.slots[n_chunks:])]
+            )
+        except BaseException:
+            self.pool.abort(reservation)  # nothing of this version stays in the pool
+            raise
+        # one commit: the chunks and the manifest become visible together, under the pool's lock
+        self.pool.commit(reservation, all_checksums)
+        with self._lock:
+            self._versions[version] = manifest_keys
+            self._chunks[version] = n_chunks
+            self._latest = version
+        self._drop_beyond_keep()
+        if self._link is not None:
+            self._link.added([announcement_key(self.name, version)])  # last: the announcement
+            try:  # announced before publish() returns, unless the registry is unreachable
+                self._link.flush_changes()
+            except (TpuSyncError, OSError) as error:
+                log.warning(
+                    "tpusync weights: version %d is staged but not yet announced (%s); the "
+                    "registry link retries at its next heartbeat",
+                    version,
+                    error,
+                )
+        return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
+
+    def _describe(self, paths: list[str], leaves: list[Any]) -> tuple[list[LeafEntry], list[Any]]:
+        entries: list[LeafEntry] = []
+        sources: list[np.ndarray] = []
+        offset = 0
+        for path, leaf in zip(paths, leaves, strict=True):
+            if isinstance(leaf, jax.Array):
+                shape = tuple(leaf.shape)
+                boxes, of_device = shard_boxes(leaf.sharding, shape)
+                data: list[Any] = [None] * len(boxes)
+                for shard in leaf.addressable_shards:
+                    if data[of_device[shard.device]] is None:
+                        data[of_device[shard.device]] = shard.data
+                if any(d is None for d in data):
+                    raise InvalidArgumentError(
+                        f"params{path}: not every shard is addressable in this process "
+                        "(multi-controller publishing comes in a later part)"
+                    )
+                hosts = [_shard_source(d) for d in data]
+                dtype = np.dtype(leaf.dtype)
+            elif isinstance(leaf, np.ndarray):
+                shape = leaf.shape
+                boxes = (tuple((0, d) for d in shape),)
+                hosts = [np.ascontiguousarray(leaf)]
+                dtype = leaf.dtype
+            else:
+                raise InvalidArgumentError(
+                    f"params{path}: expected a jax.Array or numpy array, got {type(leaf).__name__}"
+                )
+            offsets = []
+            for host in hosts:
+                offsets.append(offset)
+                offset += host.nbytes
+            entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets)))
+            sources.extend(hosts)
+        return entries, sources
+
+    def _reserve(self, version: int, keys: list[bytes], n_chunks: int, total: int) -> Any:
+        """Slots for every chunk and manifest part of ``version`` (``keys``, chunks first), or
+        :class:`~tpusync.errors.TierFullError` saying what the version needs, what is free and
+        what holds the rest; nothing is taken then."""
+        assert self.pool is not None
+        pool = self.pool
+        if any(pool.contains(keys)):  # never expected: left by an earlier life of this name
+            pool.delete(keys)
+            if any(pool.contains(keys)):
+                raise InvalidArgumentError(
+                    f"version: {version}'s chunks from an earlier attempt are still held by a "
+                    "subscriber; publish it under a later version number"
+                )
+        try:
+            reservation = pool.reserve(keys)
+        except TierFullError:
+            raise TierFullError(self._no_room(version, len(keys), n_chunks, total)) from None
+        assert len(reservation.slots) == len(keys)
+        return reservation
+
+    def _no_room(self, version: int, need: int, n_chunks: int, total: int) -> str:
+        assert self.pool is not None
+        C, capacity = self._chunk_bytes, self.pool.capacity
+        with self._lock:
+            kept = {v: self._chunks[v] + len(k) for v, k in self._versions.items()}
+        held = {v: len(k) for v, k in self._dropping.items() if self.pool.contains(k[:1])[0]}
+        if need > capacity:
+            where = f"more than the whole pool holds ({capacity} chunks)"
+        else:
+            where = (
+                f"the pool has {self.pool.free} of its {capacity} chunks free ("
+                f"{sum(kept.values())} hold the {len(kept)} versions kept, {sorted(kept)}"
+                + (
+                    f"; {sum(held.values())} the versions beyond keep that subscribers still "
+                    f"hold, {sorted(held)}, dropped once released"
+                    if held
+                    else ""
+                )
+                + ")"
+            )
+        sized = (
+            "WeightsPoolOptions.capacity_bytes"
+            if self._sized_by_caller
+            else "the first version published"
+        )
+        enough = (self._keep + 2) * need * C
+        return (
+            f"version {version} needs {need} chunks of {C} bytes ({n_chunks} for its "
+            f"{size_text(total)}, {need - n_chunks} for its manifest), {where}. The pool was "
+            f"sized from {sized} and does not grow while the publisher runs; nothing of version "
+            f"{version} was staged, and the publisher takes later versions as before. For "
+            f"versions of this size start a Publisher with pool=WeightsPoolOptions("
+            f"capacity_bytes={enough}) (keep + 2 versions of it), or a smaller keep"
+        )
+
+    def _stage(self, slots: np.ndarray, sources: list[np.ndarray], total: int) -> np.ndarray:
+        """Copies every shard into the reserved chunks and checksums each chunk as it is
+        written, in one pass on every core; the last chunk's tail is zeros."""
+        assert self.pool is not None
+        C = self._chunk_bytes
+        sizes = np.array([s.nbytes for s in sources], dtype=np.int64)
+        rows = Rows(
+            np.cumsum(sizes) - sizes,
+            np.array([s.ctypes.data for s in sources], dtype=np.int64),
+            sizes,
+        )
+        rows = split_at_chunks(rows, C)
+        keep = rows.nbytes > 0
+        rows = Rows(rows.offset[keep], rows.address[keep], rows.nbytes[keep])
+        tail = total - (len(slots) - 1) * C
+        padding = np.zeros(C - tail if len(slots) and tail < C else 0, dtype=np.uint8)
+        with self.pool.slot_addresses(slots) as addresses:
+            chunk = rows.offset // C
+            dst = addresses.astype(np.int64)[chunk] + rows.offset - chunk * C
+            src, lengths = rows.address, rows.nbytes
+            if len(padding):  # deterministic: the checksum covers the whole slot
+                chunk = np.append(chunk, len(slots) - 1)
+                src = np.append(src, padding.ctypes.data)
+                dst = np.append(dst, int(addresses[-1]) + tail)
+                lengths = np.append(lengths, len(padding))
+            ends = np.searchsorted(chunk, np.arange(1, len(slots) + 1))
+            digests = self._copy_streams(src, dst, lengths, ends)
+        del sources
+        return slot_checksums(digests[:, None])
+
+    def _copy_streams(
+        self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """``_core.copy_sum64_streams`` with the streams (chunks) shared among the cores."""
+        parts = np.array_split(np.arange(len(ends)), max(1, min(native.copy_threads(), len(ends))))
+
+        def run(part: np.ndarray) -> np.ndarray:
+            if not len(part):
+                return np.zeros(0, dtype=np.uint64)
+            lo = int(ends[part[0] - 1]) if part[0] else 0
+            hi = int(ends[part[-1]])
+            return _core.copy_sum64_streams(
+                src[lo:hi].astype(np.uint64),
+                dst[lo:hi].astype(np.uint64),
+                lengths[lo:hi].astype(np.uint64),
+                (ends[part] - lo).astype(np.int64),
+            )
+
+        jobs = [self._executor.submit(run, p) for p in parts[:-1]]
+        last = run(parts[-1])
+        return np.concatenate([*(j.result() for j in jobs), last])
+
+    def _write_manifest(self, slots: np.ndarray, data: bytes) -> None:
+        """Writes the manifest ``data`` into the reserved ``slots``, zero-padded to whole
+        chunks."""
+        assert self.pool is not None
+        assert len(slots) * self._chunk_bytes >= len(data), "the manifest outgrew its draft"
+        for p, slot in enumerate(slots.tolist()):
+            piece = data[p * self._chunk_bytes : (p + 1) * self._chunk_bytes]
+            with self.pool.slot_memory(slot) as memory:
+                memory[: len(piece)] = piece
+                memory[len(piece) : self._chunk_bytes] = bytes(self._chunk_bytes - len(piece))
+
+    # --- dropping old versions ---------------------------------------------------------------
+
+    def _drop_beyond_keep(self) -> None:
+        with self._lock:
+            old = sorted(self._versions)[: -self._keep]
+        for version in old:
+            with self._lock:
+                manifest_keys = self._versions.pop(version)
+                n_chunks = self._chunks.pop(version)
+            if self._link is not None:
+                self._link.removed([announcement_key(self.name, version)])
+            self._dropping[version] = [
+                *manifest_keys,
+                *(chunk_key(self.name, version, i) for i in range(n_chunks)),
+            ]
+        self._retry_drops()
+
+    def _retry_drops(self) -> None:
+        """Drops the versions beyond ``keep`` that no subscriber holds: the manifest's first
+        part goes first (a subscriber holds it for its whole pull), then the rest."""
+        assert self.pool is not None
+        for version, keys in list(self._dropping.items()):
+            if self.pool.contains(keys[:1])[0] and not self.pool.delete(keys[:1]):
+                continue  # held by a subscriber: dropped at a later publish
+            self.pool.delete(keys[1:])
+            del self._dropping[version]
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Withdraws every version, stops serving and removes the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        if self._link is not None:
+            self._link.close()
+        if self.server is not None:
+            self.server.close()
+        if self.pool is not None:
+            self.pool.close()
+            with contextlib.suppress(InvalidArgumentError):  # removed by hand meanwhile
+                remove_pool(f"weights-{self.name}", shm_dir=self.pool_options.shm_dir)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Publisher({self.name!r}, versions={self.versions}, address={self.address})"

@@ -1,0 +1,634 @@
+"""The sampler's side of weight sync: :class:`Subscriber` pulls a published version into its
+own layout (any mesh, any sharding), verifies every byte that lands, and switches to it at
+once on :meth:`Subscriber.commit`.
+
+A pull reads only the chunks its own shards need, through its data-plane client: from the
+publisher's /dev/shm pool file when it runs on the same host (read-only, the same user and
+boot: the client's same-host reads), else over the authenticated data plane. The reshard plan
+(:mod:`tpusync._src.weights.plan`) cuts each chunk into its runs in the target shards; then each
+chunk's checksum is computed over the bytes where they landed and compared with the manifest's,
+so nothing is trusted between the trainer's arrays and the sampler's. A chunk that fails is
+fetched again (the same way); failing twice fails the pull.
+
+Shadow mode (the default): the pull fills new buffers; the committed version is untouched until
+:meth:`commit`, which only swaps references, and a failed pull leaves it as it was. In-place mode
+(``in_place=True``, when memory is short) writes into the committed arrays' own buffers: the
+caller must not run steps on them during the pull, and a failed pull leaves them torn (a mix of
+versions) until a later pull succeeds.
+
+On CPU the shard buffers are this process's memory, handed to JAX without a copy (device memory
+is host memory there); elsewhere each shard is staged in host memory and placed with
+``jax.device_put`` (the pure-JAX path).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from tpusync import _core
+from tpusync._src.cluster import BlockClient, Registry, Scatter
+from tpusync._src.cluster.dataplane.deadlines import MAX_LIMIT_S
+from tpusync._src.engines import native
+from tpusync._src.tiers import HostPool
+from tpusync._src.weights._options import TlsOptions, WeightsClientOptions, options_or_default
+from tpusync._src.weights._stream import Rows, piece_rows, scatter_runs, split_at_chunks
+from tpusync._src.weights.manifest import (
+    Manifest,
+    announcement_key,
+    check_name,
+    check_version,
+    chunk_key,
+    chunk_layout,
+    manifest_key,
+    tree_paths,
+)
+from tpusync._src.weights.plan import leaf_plan, shard_boxes
+from tpusync.errors import (
+    DtypeMismatchError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    ShapeMismatchError,
+    TpuSyncError,
+    VersionUnavailableError,
+    WeightSyncError,
+)
+
+__all__ = ["PullReport", "Subscriber"]
+
+log = logging.getLogger("tpusync.weights")
+
+_PAGE = 4096
+
+
+@dataclass
+class PullReport:
+    """What :meth:`Subscriber.pull` did: the bytes that landed in this process's shards, the
+    chunks read from /dev/shm and over the network, the chunks fetched again after a failed
+    check, and the seconds it took."""
+
+    version: int
+    nbytes: int
+    chunks_local: int
+    chunks_network: int
+    chunks_retried: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Target:
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any
+    boxes: tuple[Any, ...]
+    devices: tuple[Any, ...]  # this process's devices of the sharding
+    box_of: tuple[int, ...]  # per device
+
+    def shard_shape(self, box: int) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.boxes[box])
+
+
+def _target(path: str, leaf: Any) -> _Target:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise InvalidArgumentError(
+            f"target{path}: expected a jax.Array or a jax.ShapeDtypeStruct with a sharding, "
+            f"got {type(leaf).__name__}"
+        )
+    shape = tuple(int(d) for d in leaf.shape)
+    boxes, of_device = shard_boxes(sharding, shape)
+    devices = tuple(d for d in sharding.addressable_devices_indices_map(shape))
+    return _Target(
+        path,
+        shape,
+        np.dtype(leaf.dtype),
+        sharding,
+        boxes,
+        devices,
+        tuple(of_device[d] for d in devices),
+    )
+
+
+class _Buffers:
+    """One page-aligned region per (leaf, device) in one mapping: the shards' memory."""
+
+    def __init__(self, targets: list[_Target]) -> None:
+        self.offsets: list[list[int]] = []
+        total = 0
+        for t in targets:
+            per = []
+            for box in t.box_of:
+                per.append(total)
+                nbytes = int(np.prod(t.shard_shape(box))) * t.dtype.itemsize
+                total += -(-nbytes // _PAGE) * _PAGE
+            self.offsets.append(per)
+        self.mapping = _core.Mapping(max(total, _PAGE), populate=True, huge_pages=True)
+        self.bytes = np.frombuffer(self.mapping, dtype=np.uint8)
+        self.base = int(self.bytes.ctypes.data)
+
+    def view(self, t: _Target, leaf: int, device: int) -> np.ndarray:
+        shape = t.shard_shape(t.box_of[device])
+        start = self.offsets[leaf][device]
+        nbytes = int(np.prod(shape)) * t.dtype.itemsize
+        return self.bytes[start : start + nbytes].view(t.dtype).reshape(shape)
+
+
+@dataclass
+class _Pulled:
+    version: int
+    tree: Any
+    buffers: _Buffers | None
+    zero_copy: bool  # the arrays are the buffers (CPU): in-place writes reach them
+
+
+class Subscriber:
+    """Pulls versions of the weights called ``name`` into the layout of ``target``.
+
+    Args:
+      name: the publisher's weights name.
+      target: a pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct`` (with a ``sharding``): the
+        structure, shapes, dtypes and shardings versions are pulled into.
+      secret: the deployment secret (the publisher's).
+      address: the publisher's ``host:port``; or ``registry``, where versions are announced
+        (give exactly one).
+      client: the connections to the publisher, the deadlines and the same-host reads
+        (:class:`~tpusync.weights.WeightsClientOptions`; default: 2 connections, 10 s a
+        request, 120 s a pull, same-host reads on).
+      tls: the data plane's TLS (:class:`~tpusync.weights.TlsOptions` with a client context
+        that trusts the publisher's certificate); required off loopback unless it says
+        ``insecure``.
+      in_place: write into the committed arrays (see the module docstring).
+      kv_stores: :class:`tpusync.kv.KVCacheStore` objects whose ``weight_version`` follows each
+        commit (KV of other weights is never served again).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: Any,
+        *,
+        secret: bytes,
+        address: str | None = None,
+        registry: Registry | None = None,
+        client: WeightsClientOptions | None = None,
+        tls: TlsOptions | None = None,
+        in_place: bool = False,
+        kv_stores: Any = (),
+    ) -> None:
+        self.name = check_name(name)
+        if (address is None) == (registry is None):
+            raise InvalidArgumentError("address, registry: give exactly one of them")
+        if registry is not None and not isinstance(registry, Registry):
+            raise InvalidArgumentError(
+                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
+            )
+        self.client_options = options_or_default(WeightsClientOptions, client, "client")
+        self.tls = options_or_default(TlsOptions, tls, "tls")
+        paths, leaves, self._treedef = tree_paths(target)
+        self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
+        self._secret = secret
+        self._address, self._registry = address, registry
+        self.in_place = bool(in_place)
+        self.kv_stores = list(kv_stores)
+        for store in self.kv_stores:
+            if not hasattr(store, "set_weight_version"):
+                raise InvalidArgumentError(
+                    "kv_stores: expected tpusync.kv.KVCacheStore objects, got "
+                    f"{type(store).__name__}"
+                )
+        self._clients: dict[str, BlockClient] = {}
+        self._manifest_staging: HostPool | None = None
+        self._rows_cache: dict[Any, Rows] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpusync-weights")
+        # a thread made now: commit() hands it the next buffers, never waits for one to start
+        self._executor.submit(int)
+        self._live: _Pulled | None = None
+        self._shadow: _Pulled | None = None
+        self._retired: _Pulled | None = None
+        self._spare_job: Future[tuple[_Buffers, Any]] | None = None
+        self.torn = False
+        self.last_commit_seconds = 0.0
+
+    # --- what is committed ---------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The committed version (None before the first commit)."""
+        return None if self._live is None else self._live.version
+
+    @property
+    def params(self) -> Any:
+        """The committed version's arrays, in the target's structure."""
+        if self.torn:
+            raise WeightSyncError(
+                "an in-place pull failed: the arrays hold a mix of versions; pull again"
+            )
+        if self._live is None:
+            raise InvalidArgumentError("no version committed yet: pull(version), then commit()")
+        return self._live.tree
+
+    def commit(self) -> Any:
+        """Switches to the last pulled version and returns its arrays (only references move;
+        KV stores given as ``kv_stores`` switch their ``weight_version`` with it)."""
+        start = time.perf_counter()
+        shadow = self._shadow
+        if shadow is None:
+            raise InvalidArgumentError("nothing to commit: pull(version) first")
+        self._shadow = None
+        # the old version is freed at the next pull, not here: unmapping its buffers and
+        # dropping its arrays would cost more than the switch itself
+        self._retired = self._live
+        self._live = shadow
+        self.torn = False
+        if not self.in_place:  # the next version's buffers, made while this one serves
+            self._spare_job = self._executor.submit(self._make_spare)
+        for store in self.kv_stores:  # a KV namespace names weights by a string: the one place
+            store.set_weight_version(str(shadow.version))
+        self.last_commit_seconds = time.perf_counter() - start
+        return shadow.tree
+
+    def prepare(self) -> None:
+        """Makes the next pull's buffers now (after a commit they are made on a worker thread
+        while the committed version serves; this waits for that), so that the pull only copies
+        and verifies."""
+        if self.in_place and self._live is not None:
+            return
+        if self._spare_job is None:
+            self._spare_job = self._executor.submit(self._make_spare)
+        concurrent.futures.wait([self._spare_job])
+
+    def update(self, version: int, *, deadline_s: float | None = None) -> Any:
+        """:meth:`pull` then :meth:`commit`."""
+        self.pull(version, deadline_s=deadline_s)
+        return self.commit()
+
+    # --- pull -----------------------------------------------------------------------------------
+
+    def pull(self, version: int, *, deadline_s: float | None = None) -> PullReport:
+        """Pulls ``version`` into shadow buffers (or in place); :meth:`commit` switches to it.
+
+        Raises InvalidArgumentError (a version not above the committed one),
+        VersionUnavailableError (not published or no longer kept), ShapeMismatchError /
+        DtypeMismatchError / InvalidArgumentError (the target does not match the version's
+        tree; before any chunk moves), AuthenticationError (a wrong secret) or
+        WeightSyncError (what failed: a chunk failing its checksum twice, the publisher gone,
+        the deadline). The committed version is untouched by a failure (but see in-place)."""
+        check_version(version)
+        current = self.version
+        if current is not None and version <= current:
+            raise InvalidArgumentError(
+                f"version: {version} is not above the committed version {current}"
+            )
+        self._retired = None
+        start = time.perf_counter()
+        limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
+        deadline = time.monotonic() + limit
+        announce = announcement_key(self.name, version)
+        client = self._client(version, announce)
+        # At the deadline the client is closed: its sockets shut down, whatever the pull waits
+        # on (the hold, the manifest, a batch of chunks) fails at once.
+        expired = threading.Event()
+        watchdog = threading.Timer(limit, lambda: (expired.set(), client.close()))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            with client.hold([announce], ttl_s=max(1.0, min(limit, 60.0))) as held:
+                if not held.present[0]:
+                    raise VersionUnavailableError(
+                        f"version: {version} of {self.name!r} is not published by "
+                        f"{client.label} (or no longer kept)"
+                    )
+                manifest = self._read_manifest(client, version, announce)
+                self._check_targets(manifest)
+                report = self._pull_chunks(client, manifest, deadline, start)
+                if held.lapsed:
+                    raise WeightSyncError(
+                        f"version {version}: the hold on it lapsed during the pull; the "
+                        "publisher may have dropped it"
+                    )
+        except (TpuSyncError, OSError) as error:
+            if expired.is_set():
+                self._fail_in_place()
+                raise WeightSyncError(
+                    f"version {version}: the pull missed its deadline ({limit:g} s) waiting "
+                    f"for {client.label}; the committed version is untouched"
+                ) from error
+            if isinstance(error, PeerUnavailableError | OSError):
+                self._drop_client(client)
+                self._fail_in_place()
+                raise WeightSyncError(
+                    f"version {version}: the publisher at {client.label} went away ({error})"
+                ) from error
+            if isinstance(error, WeightSyncError):
+                self._fail_in_place()
+            raise
+        finally:
+            watchdog.cancel()
+            if expired.is_set():
+                self._drop_client(client)  # closed: the next pull connects afresh
+        return report
+
+    def _fail_in_place(self) -> None:
+        if self.in_place and self._live is not None and self._shadow is None:
+            self.torn = True
+
+    def _client(self, version: int, announce: bytes) -> BlockClient:
+        """A client of the publisher of ``version``: at ``address``, or found in the registry
+        by the version's announcement key ``announce``."""
+        if self._address is not None:
+            address = self._address
+        else:
+            assert self._registry is not None
+            try:
+                holders = self._registry.holders([announce])[0]
+                nodes = {n.node_id: n for n in self._registry.nodes()}
+            except TpuSyncError as error:
+                raise WeightSyncError(f"the registry cannot be read ({error})") from error
+            found = [nodes[h.node_id] for h in holders if h.node_id in nodes]
+            found = [n for n in found if n.addresses]
+            if not found:
+                raise VersionUnavailableError(
+                    f"version: {version} of {self.name!r} is not announced in the registry "
+                    "(not published yet, or no longer kept)"
+                )
+            address = found[0].addresses[0]
+        client = self._clients.get(address)
+        if client is None:
+            try:  # an AuthenticationError (a wrong secret) goes to the caller as it is
+                options = self.client_options
+                client = BlockClient(
+                    address,
+                    secret=self._secret,
+                    connections=options.connections,
+                    timeout_s=options.timeout_s,
+                    tls=self.tls.context,
+                    insecure=self.tls.insecure,
+                    same_host=options.same_host,
+                    # a pull's absolute limit is this subscriber's deadline_s (its watchdog
+                    # closes the client then), not the client's default scaled from the bytes
+                    max_pull_s=MAX_LIMIT_S,
+                )
+            except PeerUnavailableError as error:
+                raise WeightSyncError(
+                    f"version {version}: the publisher at {address} cannot be reached ({error})"
+                ) from error
+            self._clients[address] = client
+        return client
+
+    def _drop_client(self, client: BlockClient) -> None:
+        for address, known in list(self._clients.items()):
+            if known is client:
+                del self._clients[address]
+        client.close()
+
+    def _manifest_pool(self, chunk_bytes: int) -> HostPool:
+        """The one-slot pool manifest parts land in (made again for another chunk size)."""
+        pool = self._manifest_staging
+        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = self._manifest_staging = HostPool(chunk_layout(self.name, chunk_bytes), 1)
+        return pool
+
+    def _read_manifest(self, client: BlockClient, version: int, announce: bytes) -> Manifest:
+        """The manifest of ``version``, whose first part is its announcement ``announce``."""
+        chunk_bytes = client.payload_bytes
+        staging = self._manifest_pool(chunk_bytes)
+        parts = [self._pull_one(client, staging, announce)]
+        length = int.from_bytes(parts[0][:8], "little")
+        n_parts = -(-(length + 8) // chunk_bytes)
+        if n_parts > 1 << 16:
+            raise WeightSyncError(f"version {version}: a manifest of {length} bytes is too long")
+        for p in range(1, n_parts):
+            parts.append(self._pull_one(client, staging, manifest_key(self.name, version, p)))
+        return Manifest.from_bytes(b"".join(parts), name=self.name, version=version)
+
+    def _pull_one(self, client: BlockClient, staging: HostPool, key: bytes) -> bytes:
+        staging.delete([key])
+        if not client.pull([key], staging)[0]:
+            raise WeightSyncError(f"a manifest part could not be pulled from {client.label}")
+        slot = staging.slot_of(key)
+        assert slot is not None
+        with staging.slot_memory(slot) as memory:
+            data = bytes(memory[: staging.layout.payload_bytes])
+        staging.delete([key])
+        return data
+
+    def _check_targets(self, manifest: Manifest) -> None:
+        if len(manifest.leaves) != len(self._targets):
+            raise InvalidArgumentError(
+                f"target: {len(self._targets)} leaves, but version {manifest.version} has "
+                f"{len(manifest.leaves)}; the target must have the published tree's structure"
+            )
+        for entry, t in zip(manifest.leaves, self._targets, strict=True):
+            if entry.path != t.path:
+                raise InvalidArgumentError(
+                    f"target{t.path}: the published tree has {entry.path} here; the target "
+                    "must have the published tree's structure"
+                )
+            if entry.shape != t.shape:
+                raise ShapeMismatchError(
+                    f"target{t.path}: shape {t.shape}, published {entry.shape}"
+                )
+            if entry.np_dtype != t.dtype:
+                raise DtypeMismatchError(
+                    f"target{t.path}: dtype {t.dtype}, published {entry.dtype} (dtype changes "
+                    "on the way in come in a later part)"
+                )
+
+    # --- moving the chunks ----------------------------------------------------------------------
+
+    def _rows(self, manifest: Manifest, buffers: _Buffers) -> Rows:
+        """Every run the target shards need (first replica of each box), sorted by stream
+        offset and cut at chunk ends; addresses relative to the buffers' base. Cached per pair
+        of layouts."""
+        key = (
+            manifest.chunk_bytes,
+            tuple((e.shape, e.dtype, e.boxes, e.offsets) for e in manifest.leaves),
+        )
+        rows = self._rows_cache.get(key)
+        if rows is None:
+            parts: list[Rows] = []
+            for i, (entry, t) in enumerate(zip(manifest.leaves, self._targets, strict=True)):
+                if not int(np.prod(t.shape)):
+                    continue
+                plan = leaf_plan(t.shape, t.dtype.itemsize, entry.boxes, t.boxes)
+                first_device: dict[int, int] = {}
+                for d, box in enumerate(t.box_of):
+                    first_device.setdefault(box, d)
+                for box, d in first_device.items():
+                    at = buffers.offsets[i][d]
+                    for piece in plan.pieces[box]:
+                        parts.append(piece_rows(piece, entry.offsets[piece.source], at))
+            rows = split_at_chunks(Rows.join(parts).sorted(), manifest.chunk_bytes)
+            self._rows_cache = {key: rows}  # one layout pair at a time
+        return rows
+
+    def _pull_chunks(
+        self, client: BlockClient, manifest: Manifest, deadline: float, start: float
+    ) -> PullReport:
+        live = self._live
+        made: Any = None  # arrays over the buffers, made before the bytes land (zero-copy)
+        if self.in_place and live is not None and live.buffers is not None and live.zero_copy:
+            buffers = live.buffers
+        else:
+            buffers, made = self._take_spare()
+        relative = self._rows(manifest, buffers)
+        rows = Rows(relative.offset, relative.address + buffers.base, relative.nbytes)
+        C = manifest.chunk_bytes
+        row_chunk = rows.offset // C
+        # the rows are sorted: each chunk's first row starts a run of equal chunk numbers
+        chunks = row_chunk[np.flatnonzero(np.diff(row_chunk, prepend=-1))]
+        report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
+        read_locally = client.local_blocks
+        report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks, deadline)
+        # every chunk landed verified once, from the file or over the network (the client
+        # counts the verified blocks it read from the file)
+        report.chunks_local = client.local_blocks - read_locally
+        report.chunks_network = len(chunks) - report.chunks_local
+        self._replicate(buffers)
+        tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
+        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _pull_chunk_rows(
+        self,
+        client: BlockClient,
+        manifest: Manifest,
+        rows: Rows,
+        chunks: np.ndarray,
+        deadline: float,
+    ) -> int:
+        """Pulls ``chunks`` straight into their rows' places (gaps hashed and dropped), each
+        verified against the manifest's checksum as it lands: copied from the publisher's pool
+        file when it is on this host (the client's ``same_host``), else received over the data
+        plane; fetches the failed ones once more. Returns how many were fetched again.
+
+        At the deadline the watchdog closes the client, which cuts the pull short, from the file
+        as over TCP; a retry is not started past it."""
+        layout = chunk_layout(self.name, manifest.chunk_bytes)
+        todo, retried = chunks, 0
+        for attempt in range(2):
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"version {manifest.version}: the pull missed its deadline with "
+                    f"{len(todo)} chunks to go"
+                )
+            first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
+            keys = [chunk_key(self.name, manifest.version, int(c)) for c in todo]
+            loaded = client.pull_scattered(
+                keys, layout, Scatter(first, offsets, targets), checksums=manifest.checksums[todo]
+            )
+            todo = todo[~np.asarray(loaded, dtype=bool)]
+            if not len(todo):
+                return retried
+            if not attempt:
+                log.warning(
+                    "tpusync weights: version %d: %d chunks arrived damaged or not at all; "
+                    "fetching them again",
+                    manifest.version,
+                    len(todo),
+                )
+                retried = len(todo)
+        kept = (
+            "the arrays are torn (in place)"
+            if self.in_place
+            else "the committed version is untouched"
+        )
+        raise WeightSyncError(
+            f"version {manifest.version}: chunks {todo.tolist()[:8]} could not be pulled "
+            f"verified from {client.label} twice (damaged, or the publisher dropped the "
+            f"version or stopped serving); {kept}"
+        )
+
+    def _replicate(self, buffers: _Buffers) -> None:
+        """Copies each box's first replica to its other devices (after it was verified)."""
+        rows = []
+        for i, t in enumerate(self._targets):
+            first: dict[int, int] = {}
+            for d, box in enumerate(t.box_of):
+                if box in first:
+                    nbytes = int(np.prod(t.shard_shape(box))) * t.dtype.itemsize
+                    src = buffers.base + buffers.offsets[i][first[box]]
+                    rows.append((src, buffers.base + buffers.offsets[i][d], nbytes))
+                else:
+                    first[box] = d
+        rows = [r for r in rows if r[2]]
+        if rows:
+            native.engine().copy(np.array(rows, dtype=np.uint64))
+
+    def _take_spare(self) -> tuple[_Buffers, Any]:
+        """The buffers of the next shadow copy and, where JAX takes them without a copy, the
+        arrays over them: made after the last commit on a worker thread (off the pull's path),
+        else now."""
+        job, self._spare_job = self._spare_job, None
+        if job is not None:
+            try:
+                return job.result()
+            except (TpuSyncError, MemoryError, RuntimeError) as error:
+                log.warning("tpusync weights: preparing the next buffers failed: %s", error)
+        return self._make_spare()
+
+    def _make_spare(self) -> tuple[_Buffers, Any]:
+        self._retired = None  # the version before the committed one: its memory is reused
+        buffers = _Buffers(self._targets)
+        tree, zero_copy = self._arrays(buffers)
+        return buffers, (tree if zero_copy else None)
+
+    def _arrays(self, buffers: _Buffers) -> tuple[Any, bool]:
+        """The arrays over the buffers, and whether JAX took them without a copy. New array
+        objects even in place: JAX caches an array's host value, which a write beneath it would
+        leave stale."""
+        views = [
+            [buffers.view(t, i, d) for d in range(len(t.devices))]
+            for i, t in enumerate(self._targets)
+        ]
+        placed = jax.device_put(views, [list(t.devices) for t in self._targets])  # one batch
+        zero_copy = all(
+            shard.unsafe_buffer_pointer() == view.ctypes.data
+            for per_views, per_shards in zip(views, placed, strict=True)
+            for view, shard in zip(per_views, per_shards, strict=True)
+            if view.size
+        )
+        leaves = [
+            jax.make_array_from_single_device_arrays(t.shape, t.sharding, shards)
+            for t, shards in zip(self._targets, placed, strict=True)
+        ]
+        for leaf in leaves:
+            # JAX makes an array's per-device list on its first use, and not atomically: two
+            # threads using a new array at once (a sampler's step loop and its main thread)
+            # can see it half made ("list index out of range" in np.asarray). Made here,
+            # before any other thread sees the array.
+            leaf.addressable_shards  # noqa: B018
+        return jax.tree_util.tree_unflatten(self._treedef, leaves), zero_copy
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the connections and the manifest's staging pool (committed arrays stay
+        usable)."""
+        self._spare_job = None
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        if self._manifest_staging is not None:
+            self._manifest_staging.close()
+            self._manifest_staging = None
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

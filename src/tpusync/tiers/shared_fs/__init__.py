@@ -1,6 +1,0 @@
-"""The shared-filesystem tier: :class:`SharedFsPool` (one content-addressed file per block in a
-directory many hosts share)."""
-
-from tpusync.tiers.shared_fs.pool import SharedFsPool
-
-__all__ = ["SharedFsPool"]

@@ -1,0 +1,44 @@
+"""RL weight sync: a trainer publishes each version of its (sharded) weights once
+(:class:`Publisher`); samplers pull it resharded into their own layouts, verified, and switch to
+it atomically (:class:`Subscriber`). A version is an ``int`` that rises (the training step).
+
+Options, grouped: :class:`WeightsPoolOptions`, :class:`WeightsServerOptions`,
+:class:`WeightsClientOptions` and :class:`TlsOptions`. See docs/weights.md."""
+
+from __future__ import annotations
+
+from tpusync._src.weights import (
+    Box,
+    LeafEntry,
+    LeafPlan,
+    Manifest,
+    Piece,
+    Publisher,
+    PublishReport,
+    PullReport,
+    Subscriber,
+    TlsOptions,
+    WeightsClientOptions,
+    WeightsPoolOptions,
+    WeightsServerOptions,
+    leaf_plan,
+    shard_boxes,
+)
+
+__all__ = [
+    "Box",
+    "LeafEntry",
+    "LeafPlan",
+    "Manifest",
+    "Piece",
+    "PublishReport",
+    "Publisher",
+    "PullReport",
+    "Subscriber",
+    "TlsOptions",
+    "WeightsClientOptions",
+    "WeightsPoolOptions",
+    "WeightsServerOptions",
+    "leaf_plan",
+    "shard_boxes",
+]
