@@ -37,8 +37,8 @@ def _measure(repeats: int) -> dict[str, dict[str, float]]:
     import torch
 
     from tpusync._src.bench.common import median
-    from tpusync._src.memory import TorchPool, prefault_cpu_tensors
     from tpusync._src.memory.openmp_team import openmp_team
+    from tpusync._src.memory.torch_tensors import TorchPool, prefault_cpu_tensors
     from tpusync.kv import KVCacheStore, KVStoreConfig
 
     num_blocks = 2 * max(TOKENS) // BLOCK + 16

@@ -117,7 +117,7 @@ def serve(spec: dict[str, Any]) -> None:
         say("filled")
         link = None
         if spec.get("registry"):
-            from tpusync._src.cluster._registry_link import RegistryLink
+            from tpusync._src.cluster.registry_link import RegistryLink
 
             reg = spec["registry"]
             registry = RemoteRegistry(reg["address"], secret=secret, timeout_s=5)

@@ -20,8 +20,8 @@ import pytest
 import tpusync.cluster as cluster
 import tpusync.errors as errors
 from tpusync._src.cluster import serving
-from tpusync._src.cluster._tcp_server import BlockServerOptions, ServerOptions
 from tpusync._src.cluster.registry._leases import has_lapsed, lapsed_nodes, lease_end, live_nodes
+from tpusync._src.cluster.tcp_server import BlockServerOptions, ServerOptions
 from tpusync.cluster import BlockServer, MemoryRegistry, NodeInfo, RegistryServer
 from tpusync.errors import InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout

@@ -57,7 +57,7 @@ PRIVATE_EXEMPT = {"tpusync._src.testing.file_fuzz"}
 # that `import tpusync` and the `tpusync` command's --help import no JAX, issue 54, and the vLLM
 # connector's lookup client, which its tests run as another user, imports no vLLM), never to
 # forward an old spelling to a new home.
-MODULE_GETATTR = {"tpusync", "tpusync._src.memory", "tpusync.connectors.vllm"}
+MODULE_GETATTR = {"tpusync", "tpusync.connectors.vllm"}
 # What a deprecation path warns with: the package is a pre-release, it keeps none (issue 55).
 DEPRECATION_WARNINGS = {"DeprecationWarning", "PendingDeprecationWarning", "FutureWarning"}
 

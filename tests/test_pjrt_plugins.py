@@ -520,8 +520,7 @@ _CHILD = textwrap.dedent(
             "classes": [isinstance(exc, c) for c in (TpuSyncError, RuntimeError)],
         }
     else:  # only where the hardware is present
-        out["client"] = {"platform_name": api.platform_name(client),
-                         "platform_version": api.platform_version(client)}
+        out["client"] = {"platform_name": api.platform_name(client)}
         api.destroy_client(client)
 
     # The same table through JAX's own loader (a capsule), then describe_backend on a device

@@ -449,7 +449,7 @@ def test_a_store_opens_without_its_unreachable_node_and_uses_it_once_it_answers(
     start: the store opens with the node's tier unreached (a miss, no wait), keeps trying in
     the background, and writes through to the node and reads from it once it answers."""
     from tpusync._src.cluster.reconnecting_tier import ReconnectingTier
-    from tpusync._src.memory import DevicePool
+    from tpusync._src.memory.device_pool import DevicePool
     from tpusync.kv import DramTier, KVCacheStore, KVStoreConfig
 
     with StoreNode(4 * MiB, secret=SECRET) as probe:

@@ -52,9 +52,10 @@ def test_a_stopped_store_node_costs_one_timeout_not_one_per_save(arrays, rng, st
                 assert store.save(prompt(rng, 1), [0]).stored_blocks == 1
                 took.append(time.monotonic() - started)
             # Before the rest, each of these saves waited out the node's timeout two or three
-            # times (its lookup, the demotion, the write-back); now at most the first waits.
+            # times (its lookup, the demotion, the write-back); now one of them waits (the first
+            # to reach the node: not always the first save, whose eviction may reach none).
             assert sum(took) < 2 * NODE_TIMEOUT_S + 1.5, took
-            assert max(took[1:]) < NODE_TIMEOUT_S / 2, took
+            assert sum(t >= NODE_TIMEOUT_S / 2 for t in took) <= 1, took
             stats = counters(store)
             assert stats["lower_tier_rested"] > 0 and stats["evicted_unsaved"] > 0, stats
             assert all(store.lookup(tokens).num_blocks == 0 for tokens, _ in kept)  # a miss

@@ -29,7 +29,9 @@ from tpusync._src.memory import fork_guard as _fork_guard  # noqa: E402, F401
 
 if TYPE_CHECKING:
     from tpusync._src.info import info
-    from tpusync._src.memory import DevicePool, HostBuffer, TorchPool
+    from tpusync._src.memory.device_pool import DevicePool
+    from tpusync._src.memory.host_buffer import HostBuffer
+    from tpusync._src.memory.torch_tensors import TorchPool
     from tpusync._src.transfer import Transfer, TransferFuture, transfer, transfer_batch
 
 __all__ = [
@@ -49,9 +51,9 @@ __all__ = [
 # The public names that need JAX, imported on first use: `import tpusync` (and so the
 # `tpusync` command's --version and --help) costs no JAX import.
 _LAZY = {
-    "DevicePool": "tpusync._src.memory",
-    "HostBuffer": "tpusync._src.memory",
-    "TorchPool": "tpusync._src.memory",
+    "DevicePool": "tpusync._src.memory.device_pool",
+    "HostBuffer": "tpusync._src.memory.host_buffer",
+    "TorchPool": "tpusync._src.memory.torch_tensors",
     "Transfer": "tpusync._src.transfer",
     "TransferFuture": "tpusync._src.transfer",
     "info": "tpusync._src.info",

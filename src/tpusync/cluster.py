@@ -11,39 +11,36 @@ Registries: :class:`MemoryRegistry` (served by :class:`RegistryServer`, reached 
 
 from __future__ import annotations
 
-from tpusync._src.cluster import (
+from tpusync._src.cluster.circuit import PeerCircuits
+from tpusync._src.cluster.dataplane import (
     BlockClient,
     BlockServer,
-    BlockServerOptions,
     HeldBlocks,
-    Holder,
-    JaxRegistry,
     Lease,
     LeaseTable,
+    PullResult,
+    RemotePool,
+)
+from tpusync._src.cluster.probe import ServerHealth, probe_health
+from tpusync._src.cluster.registry import (
+    Holder,
+    JaxRegistry,
     MemoryRegistry,
     NodeInfo,
-    PeerCircuits,
-    PeerTier,
-    PullResult,
     RedisRegistry,
     Registry,
-    RegistryLink,
-    RegistryPool,
     RegistryServer,
-    RegistryTier,
-    RemotePool,
     RemoteRegistry,
-    ServerHealth,
-    StoreNode,
-    StoreNodePool,
-    StoreNodeTier,
-    StoreServer,
-    SupervisedLoop,
     longest_common_prefix,
     longest_prefix,
-    probe_health,
 )
+from tpusync._src.cluster.registry_link import RegistryLink
+from tpusync._src.cluster.registry_pool import RegistryPool
 from tpusync._src.cluster.serving import serve
+from tpusync._src.cluster.store_node import StoreNode, StoreNodePool, StoreServer
+from tpusync._src.cluster.supervisor import SupervisedLoop
+from tpusync._src.cluster.tcp_server import BlockServerOptions
+from tpusync._src.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier
 
 __all__ = [
     "BlockClient",

@@ -8,24 +8,19 @@ straight into an engine's :class:`~tpusync.DevicePool`. See the README, "Prefix 
 
 from __future__ import annotations
 
-from tpusync._src.kv import (
-    Blake2bChainKeys,
-    DiskTier,
-    DramTier,
-    ExistingTier,
-    KeyScheme,
-    KVCacheStore,
-    KVStoreConfig,
+from tpusync._src.kv.config import KVStoreConfig
+from tpusync._src.kv.keys import Blake2bChainKeys, KeyScheme, Namespace
+from tpusync._src.kv.results import (
     LayerLoad,
     LoadResult,
     LookupResult,
-    Namespace,
     SaveFuture,
     SaveResult,
     SessionRestore,
-    SharedFsTier,
-    load_secret,
 )
+from tpusync._src.kv.secret import load_secret
+from tpusync._src.kv.store import KVCacheStore
+from tpusync._src.kv.tier_specs import DiskTier, DramTier, ExistingTier, SharedFsTier
 
 __all__ = [
     "Blake2bChainKeys",

@@ -7,23 +7,16 @@ Options, grouped: :class:`WeightsPoolOptions`, :class:`WeightsServerOptions`,
 
 from __future__ import annotations
 
-from tpusync._src.weights import (
-    Box,
-    LeafEntry,
-    LeafPlan,
-    Manifest,
-    Piece,
-    Publisher,
-    PublishReport,
-    PullReport,
-    Subscriber,
+from tpusync._src.weights.manifest import LeafEntry, Manifest
+from tpusync._src.weights.options import (
     TlsOptions,
     WeightsClientOptions,
     WeightsPoolOptions,
     WeightsServerOptions,
-    leaf_plan,
-    shard_boxes,
 )
+from tpusync._src.weights.plan import Box, LeafPlan, Piece, leaf_plan, shard_boxes
+from tpusync._src.weights.publisher import Publisher, PublishReport
+from tpusync._src.weights.subscriber import PullReport, Subscriber
 
 __all__ = [
     "Box",

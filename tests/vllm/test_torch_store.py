@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tpusync import TorchPool
-from tpusync._src.memory import prefault_cpu_tensors
+from tpusync._src.memory.torch_tensors import prefault_cpu_tensors
 from tpusync.errors import InvalidArgumentError
 from tpusync.kv import KVCacheStore, KVStoreConfig
 

@@ -23,7 +23,7 @@ from tpusync._native._pjrt_min cimport (
     PJRT_Api, PJRT_Client, PJRT_Client_Create_Args, PJRT_Client_Create_Args_STRUCT_SIZE,
     PJRT_Client_Destroy_Args, PJRT_Client_Destroy_Args_STRUCT_SIZE,
     PJRT_Client_PlatformName_Args, PJRT_Client_PlatformName_Args_STRUCT_SIZE,
-    PJRT_Client_PlatformVersion_Args, PJRT_Client_PlatformVersion_Args_STRUCT_SIZE,
+    PJRT_Client_PlatformVersion_Args_STRUCT_SIZE,
     PJRT_Error, PJRT_Error_Destroy_Args, PJRT_Error_Destroy_Args_STRUCT_SIZE,
     PJRT_Error_GetCode_Args, PJRT_Error_GetCode_Args_STRUCT_SIZE, PJRT_Error_Message_Args,
     PJRT_Error_Message_Args_STRUCT_SIZE, PJRT_Extension_Base, PJRT_NamedValue,
@@ -195,6 +195,25 @@ cdef uintptr_t _pjrt_address(address, str what) except? 0:
         raise InvalidArgumentError(
             f"expected the address of {what} as an int in [0, 2**64), got {address!r}"
         ) from exc
+
+
+cdef int _check(const PJRT_Api *api, PJRT_Error *err, str what) except -1:
+    """Raises the PjrtError of a call that returned ``err`` (destroying it); 0 when it is NULL."""
+    if err != NULL:
+        raise _pjrt_error(api, err, what)
+    return 0
+
+
+cdef uintptr_t _made(
+    const PJRT_Api *api, PJRT_Error *err, void *made, str what, str thing,
+    int code=_CODE_INTERNAL,
+) except? 0:
+    """The address of the ``thing`` a call made, or the call's error; a PjrtError with ``code``
+    when it returned neither."""
+    _check(api, err, what)
+    if made == NULL:
+        raise PjrtError(f"{what} returned no {thing} and no error", code)
+    return <uintptr_t> made
 
 
 cdef class PjrtApi:
@@ -406,8 +425,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Plugin_Attributes(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Plugin_Attributes")
+        _check(self._api, err, "PJRT_Plugin_Attributes")
         result = {}
         if args.num_attributes == 0 or args.attributes == NULL:
             return result
@@ -459,8 +477,7 @@ cdef class PjrtApi:
             args.struct_size = PJRT_Plugin_Initialize_Args_STRUCT_SIZE
             with nogil:
                 err = self._api.PJRT_Plugin_Initialize(&args)
-            if err != NULL:
-                raise _pjrt_error(self._api, err, "PJRT_Plugin_Initialize")
+            _check(self._api, err, "PJRT_Plugin_Initialize")
             _PJRT_INITIALIZED.add(key)
         return True
 
@@ -480,23 +497,8 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_PlatformName(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_PlatformName")
+        _check(self._api, err, "PJRT_Client_PlatformName")
         return _pjrt_text(args.platform_name, args.platform_name_size)
-
-    def platform_version(self, client_address):
-        """The platform version string of a live PJRT_Client of this plugin."""
-        self._require("PJRT_Client_PlatformVersion")
-        cdef PJRT_Client_PlatformVersion_Args args
-        memset(&args, 0, sizeof(args))
-        args.struct_size = PJRT_Client_PlatformVersion_Args_STRUCT_SIZE
-        args.client = self._client(client_address)
-        cdef PJRT_Error *err
-        with nogil:
-            err = self._api.PJRT_Client_PlatformVersion(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_PlatformVersion")
-        return _pjrt_text(args.platform_version, args.platform_version_size)
 
     def try_create_client(self):
         """Creates a PJRT_Client with no options and no key-value store; returns its address.
@@ -512,12 +514,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_Create(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_Create")
-        if args.client == NULL:
-            raise PjrtError("PJRT_Client_Create returned neither a client nor an error",
-                            _CODE_INTERNAL)
-        return <uintptr_t> args.client
+        return _made(self._api, err, args.client, "PJRT_Client_Create", "client")
 
     def destroy_client(self, client_address):
         """Destroys a client made by :meth:`try_create_client` (never one JAX owns)."""
@@ -529,8 +526,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_Destroy(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_Destroy")
+        _check(self._api, err, "PJRT_Client_Destroy")
 
     # ---- device copies (the native path on plugin backends) ---------------------------------
 
@@ -545,12 +541,8 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_LookupDevice(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_LookupDevice")
-        if args.device == NULL:
-            raise PjrtError(f"PJRT_Client_LookupDevice({device_id}) returned no device",
-                            _CODE_NOT_FOUND)
-        return <uintptr_t> args.device
+        what = f"PJRT_Client_LookupDevice({device_id})"
+        return _made(self._api, err, args.device, what, "device", _CODE_NOT_FOUND)
 
     def create_view(self, client_address, device_address, buffer_address, int64_t nbytes):
         """A ``PJRT_Buffer`` viewing ``nbytes`` of existing device memory as a flat uint8 array
@@ -573,12 +565,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_CreateViewOfDeviceBuffer(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_CreateViewOfDeviceBuffer")
-        if args.buffer == NULL:
-            raise PjrtError("PJRT_Client_CreateViewOfDeviceBuffer returned no buffer",
-                            _CODE_INTERNAL)
-        return <uintptr_t> args.buffer
+        return _made(self._api, err, args.buffer, "PJRT_Client_CreateViewOfDeviceBuffer", "buffer")
 
     def destroy_buffer(self, buffer_address):
         """Frees a ``PJRT_Buffer`` made by :meth:`create_view` (not the memory it views)."""
@@ -590,8 +577,14 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Buffer_Destroy(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Buffer_Destroy")
+        _check(self._api, err, "PJRT_Buffer_Destroy")
+
+    cdef const PJRT_RawBuffer_Extension *_required_raw_extension(self) except NULL:
+        cdef const PJRT_RawBuffer_Extension *ext = self._raw_extension()
+        if ext == NULL:
+            raise PjrtError(f"{self.source} has no usable raw-buffer extension",
+                            _CODE_UNIMPLEMENTED)
+        return ext
 
     cdef const PJRT_RawBuffer_Extension *_raw_extension(self):
         found = self.find_extension(PJRT_EXTENSION_TYPE_RAW_BUFFER)
@@ -623,10 +616,7 @@ cdef class PjrtApi:
     def create_raw_alias(self, buffer_address):
         """A ``PJRT_RawBuffer`` aliasing a buffer's device memory (raw-buffer extension);
         returns its address; free it with :meth:`destroy_raw_buffer`."""
-        cdef const PJRT_RawBuffer_Extension *ext = self._raw_extension()
-        if ext == NULL:
-            raise PjrtError(f"{self.source} has no usable raw-buffer extension",
-                            _CODE_UNIMPLEMENTED)
+        cdef const PJRT_RawBuffer_Extension *ext = self._required_raw_extension()
         cdef PJRT_RawBuffer_CreateRawAliasOfBuffer_Args args
         memset(&args, 0, sizeof(args))
         args.struct_size = PJRT_RawBuffer_CreateRawAliasOfBuffer_Args_STRUCT_SIZE
@@ -634,19 +624,12 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = ext.PJRT_RawBuffer_CreateRawAliasOfBuffer(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_RawBuffer_CreateRawAliasOfBuffer")
-        if args.raw_buffer == NULL:
-            raise PjrtError("PJRT_RawBuffer_CreateRawAliasOfBuffer returned no raw buffer",
-                            _CODE_INTERNAL)
-        return <uintptr_t> args.raw_buffer
+        what = "PJRT_RawBuffer_CreateRawAliasOfBuffer"
+        return _made(self._api, err, args.raw_buffer, what, "raw buffer")
 
     def destroy_raw_buffer(self, raw_address):
         """Frees a ``PJRT_RawBuffer`` made by :meth:`create_raw_alias`."""
-        cdef const PJRT_RawBuffer_Extension *ext = self._raw_extension()
-        if ext == NULL:
-            raise PjrtError(f"{self.source} has no usable raw-buffer extension",
-                            _CODE_UNIMPLEMENTED)
+        cdef const PJRT_RawBuffer_Extension *ext = self._required_raw_extension()
         cdef PJRT_RawBuffer_Destroy_Args args
         memset(&args, 0, sizeof(args))
         args.struct_size = PJRT_RawBuffer_Destroy_Args_STRUCT_SIZE
@@ -654,8 +637,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = ext.PJRT_RawBuffer_Destroy(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_RawBuffer_Destroy")
+        _check(self._api, err, "PJRT_RawBuffer_Destroy")
 
     def dma_map(self, client_address, address, size_t size):
         """Registers host memory with the client for DMA (e.g. pinned for the GPU's copy
@@ -670,8 +652,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_DmaMap(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_DmaMap")
+        _check(self._api, err, "PJRT_Client_DmaMap")
 
     def dma_unmap(self, client_address, address):
         """Undoes :meth:`dma_map` of the memory starting at ``address``."""
@@ -684,8 +665,7 @@ cdef class PjrtApi:
         cdef PJRT_Error *err
         with nogil:
             err = self._api.PJRT_Client_DmaUnmap(&args)
-        if err != NULL:
-            raise _pjrt_error(self._api, err, "PJRT_Client_DmaUnmap")
+        _check(self._api, err, "PJRT_Client_DmaUnmap")
 
     def copy_rows(self, cnp.ndarray targets not None, cnp.ndarray rows not None):
         """Runs a segment table between host memory and device buffers; returns the number of

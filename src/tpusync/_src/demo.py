@@ -40,23 +40,20 @@ import jax
 import numpy as np
 
 from tpusync._src.cli_common import DefaultsHelpFormatter, have_matplotlib, int_at_least
-from tpusync._src.cluster import (
-    BlockServer,
-    NodeInfo,
-    RegistryTier,
-    RemoteRegistry,
-    StoreNodeTier,
-    serving,
-)
+from tpusync._src.cluster import serving
+from tpusync._src.cluster.dataplane import BlockServer
+from tpusync._src.cluster.registry import NodeInfo, RemoteRegistry
+from tpusync._src.cluster.tier_specs import RegistryTier, StoreNodeTier
 from tpusync._src.demo_transfer import main as transfer_main
 from tpusync._src.demo_transfer import memory_limit
-from tpusync._src.kv import DiskTier, DramTier, KVStoreConfig, SharedFsTier
+from tpusync._src.kv.config import KVStoreConfig
+from tpusync._src.kv.tier_specs import DiskTier, DramTier, SharedFsTier
 from tpusync._src.testing import model as M
 from tpusync._src.testing.engine import ToyEngine
 from tpusync._src.testing.model import init_kv_pools
 from tpusync._src.testing.processes import run_json_child, start_store_node, stop_process
-from tpusync._src.tiers import PoolLayout
 from tpusync._src.tiers.dram import pool_path, sessions_path
+from tpusync._src.tiers.layout import PoolLayout
 
 MODEL_ID = "tpusync-demo-model"
 PLOT_HINT = "pip install 'tpusync[demo]'"  # the extra that brings matplotlib

@@ -23,8 +23,9 @@ import numpy as np
 
 from tpusync._src.cli_common import DefaultsHelpFormatter, int_at_least
 from tpusync._src.info import info
-from tpusync._src.memory import DevicePool, HostBuffer
 from tpusync._src.memory.copy_limit import memory_limit_gbps
+from tpusync._src.memory.device_pool import DevicePool
+from tpusync._src.memory.host_buffer import HostBuffer
 from tpusync._src.transfer import Transfer, transfer_batch
 
 

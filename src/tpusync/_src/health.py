@@ -22,9 +22,9 @@ import sys
 
 from tpusync._src.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter
 from tpusync._src.cli_common import flag_message as _flag_message
-from tpusync._src.cluster import probe_health
-from tpusync._src.kv import load_secret
+from tpusync._src.cluster.probe import probe_health
 from tpusync._src.kv.config_dict import client_tls
+from tpusync._src.kv.secret import load_secret
 from tpusync.errors import InvalidArgumentError
 
 _FLAGS = {"timeout_s": "--timeout", "address": "HOST:PORT"}

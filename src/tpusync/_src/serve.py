@@ -42,10 +42,11 @@ from typing import Any
 
 from tpusync._src.cli_common import RUNTIME_ERROR, USAGE_ERROR, DefaultsHelpFormatter, port_number
 from tpusync._src.cli_common import flag_message as _flag_message
-from tpusync._src.cluster import RedisRegistry, RemoteRegistry, StoreNode
+from tpusync._src.cluster.registry import RedisRegistry, RemoteRegistry
 from tpusync._src.cluster.registry.server import is_loopback
-from tpusync._src.kv import load_secret
+from tpusync._src.cluster.store_node import StoreNode
 from tpusync._src.kv.config_dict import client_tls
+from tpusync._src.kv.secret import load_secret
 from tpusync.errors import InvalidArgumentError, TierFullError, TpuSyncError, UnsafeFileError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

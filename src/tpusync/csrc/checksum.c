@@ -39,6 +39,19 @@ static inline uint64_t fold_lane(uint64_t hash, uint64_t lane) {
 }
 
 /* Consumes whole 32-byte stripes; returns the bytes consumed. */
+/* Tops up a streaming state's partial unit (a stripe or a group of `unit` bytes) from the
+ * input, advancing *p and *n past what it took; returns whether the unit is now whole. */
+static inline int fill_pending(uint8_t *pending, uint32_t *n_pending, size_t unit,
+                               const uint8_t **p, size_t *n) {
+  size_t take = unit - *n_pending;
+  if (take > *n) take = *n;
+  memcpy(pending + *n_pending, *p, take);
+  *n_pending += (uint32_t)take;
+  *p += take;
+  *n -= take;
+  return *n_pending == unit;
+}
+
 static size_t consume_stripes(uint64_t lanes[4], const uint8_t *p, size_t n) {
   uint64_t a = lanes[0], b = lanes[1], c = lanes[2], d = lanes[3];
   size_t done = 0;
@@ -69,13 +82,7 @@ void tps_xxh64_update(tps_xxh64_state *s, const void *data, size_t n) {
   const uint8_t *p = data;
   s->total += n;
   if (s->n_pending) {
-    size_t take = 32 - s->n_pending;
-    if (take > n) take = n;
-    memcpy(s->pending + s->n_pending, p, take);
-    s->n_pending += (uint32_t)take;
-    p += take;
-    n -= take;
-    if (s->n_pending < 32) return;
+    if (!fill_pending(s->pending, &s->n_pending, 32, &p, &n)) return;
     consume_stripes(s->lanes, s->pending, 32);
     s->n_pending = 0;
   }
@@ -717,13 +724,7 @@ void tps_sum64_update(tps_sum64_state *s, const void *data, size_t n) {
   const uint8_t *p = data;
   s->total += n;
   if (s->n_pending) {
-    size_t take = 24 - s->n_pending;
-    if (take > n) take = n;
-    memcpy(s->pending + s->n_pending, p, take);
-    s->n_pending += (uint32_t)take;
-    p += take;
-    n -= take;
-    if (s->n_pending < 24) return;
+    if (!fill_pending(s->pending, &s->n_pending, 24, &p, &n)) return;
     feed_groups(s->lanes, s->pending, 1);
     s->n_pending = 0;
   }

@@ -36,8 +36,10 @@ from tpusync._src.bench.common import (
     timed,
 )
 from tpusync._src.bench.limits import MemoryLimit
-from tpusync._src.tiers import HostPool, PoolLayout, SharedFsPool
+from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.mac import mac_key_from_secret
+from tpusync._src.tiers.shared_fs import SharedFsPool
 
 BLOCK = 2 << 20
 N_ARRAYS = 8

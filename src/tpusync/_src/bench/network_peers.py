@@ -26,7 +26,7 @@ from tpusync._src.bench.network_procs import (
     jax_transfer,
     start_child,
 )
-from tpusync._src.cluster import (
+from tpusync._src.cluster.registry import (
     MemoryRegistry,
     NodeInfo,
     RedisRegistry,

@@ -25,15 +25,11 @@ import numpy as np
 
 from tpusync._src.bench.common import stop_process
 from tpusync._src.bench.peer_workers.protocol import PREFIX, reply, serve
-from tpusync._src.cluster import (
-    BlockClient,
-    BlockServer,
-    MemoryRegistry,
-    RegistryServer,
-    StoreNodePool,
-    StoreServer,
-)
-from tpusync._src.tiers import ArrayLayout, HostPool, PoolLayout
+from tpusync._src.cluster.dataplane import BlockClient, BlockServer
+from tpusync._src.cluster.registry import MemoryRegistry, RegistryServer
+from tpusync._src.cluster.store_node import StoreNodePool, StoreServer
+from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.layout import ArrayLayout, PoolLayout
 
 jax_transfer: Any
 try:

@@ -44,11 +44,12 @@ import numpy as np
 
 from tpusync._src.bench.common import Run, median, print_table, settle, spread
 from tpusync._src.bench.limits import MemoryLimit, disk_fio
-from tpusync._src.kv import DiskTier, DramTier, KVStoreConfig
+from tpusync._src.kv.config import KVStoreConfig
+from tpusync._src.kv.tier_specs import DiskTier, DramTier
 from tpusync._src.testing import model as M
 from tpusync._src.testing.engine import ToyEngine
 from tpusync._src.testing.processes import run_json_child
-from tpusync._src.tiers import DiskPool
+from tpusync._src.tiers.disk import DiskPool
 from tpusync._src.tiers.dram import pool_path
 
 CACHE = str(Path.home() / ".cache" / "tpusync" / "jax")

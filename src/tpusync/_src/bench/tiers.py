@@ -45,8 +45,10 @@ from tpusync._src.bench.common import (
     timed,
 )
 from tpusync._src.bench.limits import LimitResult, MemoryLimit, disk_fio
-from tpusync._src.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
-from tpusync._src.tiers.dram import pool_path
+from tpusync._src.tiers.disk import DiskPool
+from tpusync._src.tiers.dram import HostPool, pool_path
+from tpusync._src.tiers.layout import PoolLayout
+from tpusync._src.tiers.shared_fs import SharedFsPool
 
 N_ARRAYS = 8
 BLOCK_MIBS = (1, 4)

@@ -27,7 +27,8 @@ import numpy as np
 from tpusync._src.bench.common import Run, median, print_table, settle, spread, timed
 from tpusync._src.bench.external import peer_state, start_peer
 from tpusync._src.bench.limits import MemoryLimit
-from tpusync._src.memory import DevicePool, HostBuffer
+from tpusync._src.memory.device_pool import DevicePool
+from tpusync._src.memory.host_buffer import HostBuffer
 from tpusync._src.transfer import transfer
 
 TRANSFER_BLOCK_SIZES_KIB = [64, 256, 1024, 4096, 16384]

@@ -73,7 +73,7 @@ from tpusync._src.bench.limits import TcpLimit
 from tpusync._src.bench.results import disagg_limits, nixl_figures, paired_figures
 from tpusync._src.bench.vllm_nixl import TRANSPORTS, measure_nixl, nixl_missing
 from tpusync._src.bench.vllm_ttft import BLOCK, KV_BYTES_PER_TOKEN, build_model, engine, first_token
-from tpusync._src.cluster import Scatter
+from tpusync._src.cluster.dataplane import Scatter
 from tpusync._src.connectors.vllm.worker import local_worker
 from tpusync._src.memory.copy_limit import CacheEmptier, MemoryLimit
 from tpusync._src.testing.processes import start_store_node, stop_process

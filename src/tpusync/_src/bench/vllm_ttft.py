@@ -96,7 +96,7 @@ from tpusync._src.connectors.vllm.worker import local_worker
 from tpusync._src.memory.copy_limit import MemoryLimit
 from tpusync._src.testing.hf_llama import build_random_llama
 from tpusync._src.testing.processes import start_store_node, stop_process
-from tpusync._src.tiers import DiskPool
+from tpusync._src.tiers.disk import DiskPool
 from tpusync._src.tiers.disk.pool import LANDING_RUN_BYTES, MAX_RUN_BYTES
 
 QUICK = ["--tokens", "1024,4096", "--repeats", "3"]

@@ -40,7 +40,7 @@ import numpy as np
 from tpusync import _core
 from tpusync._src.bench.common import Run, median, print_table, spread, timed
 from tpusync._src.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
-from tpusync._src.cluster import MemoryRegistry, RegistryServer
+from tpusync._src.cluster.registry import MemoryRegistry, RegistryServer
 from tpusync._src.testing.weights_procs import Child, tree_spec
 from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync._src.weights.plan import leaf_plan

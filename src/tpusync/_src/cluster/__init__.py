@@ -2,8 +2,8 @@
 and serving a KV store to peers.
 
 Layers of this package (each imports only those before it): the shared connection machinery
-(``_supervisor``, ``_circuit``: a :class:`PeerCircuits` per client, ``_admission``,
-``_handshake``, ``_tcp_server``, ``_rpc``; :func:`probe_health`
+(``supervisor``, ``circuit``: a :class:`PeerCircuits` per client, ``_admission``,
+``_handshake``, ``tcp_server``, ``_rpc``; :func:`probe_health`
 is what ``tpusync health`` runs); :mod:`tpusync._src.cluster.registry`
 (the :class:`Registry` protocol and its backends: :class:`MemoryRegistry`, served by
 :class:`RegistryServer` and reached through :class:`RemoteRegistry`; :class:`RedisRegistry`,
@@ -18,68 +18,3 @@ DRAM as a writable lower tier of a store); :mod:`tpusync._src.cluster.serving` (
 peers and listed in a registry). Its errors (``AuthenticationError``, ``PeerUnavailableError``,
 ``RegistryUnavailableError``, ...) are exported once, from :mod:`tpusync.errors`.
 """
-
-from tpusync._src.cluster._circuit import PeerCircuits
-from tpusync._src.cluster._probe import ServerHealth, probe_health
-from tpusync._src.cluster._registry_link import RegistryLink
-from tpusync._src.cluster._supervisor import SupervisedLoop
-from tpusync._src.cluster._tcp_server import BlockServerOptions
-from tpusync._src.cluster.dataplane import (
-    BlockClient,
-    BlockServer,
-    HeldBlocks,
-    Lease,
-    LeaseTable,
-    PullResult,
-    RemotePool,
-    Scatter,
-)
-from tpusync._src.cluster.registry import (
-    Holder,
-    JaxRegistry,
-    MemoryRegistry,
-    NodeInfo,
-    RedisRegistry,
-    Registry,
-    RegistryServer,
-    RemoteRegistry,
-    longest_common_prefix,
-    longest_prefix,
-)
-from tpusync._src.cluster.registry_pool import RegistryPool
-from tpusync._src.cluster.store_node import StoreNode, StoreNodePool, StoreServer
-from tpusync._src.cluster.tier_specs import PeerTier, RegistryTier, StoreNodeTier
-
-__all__ = [
-    "BlockClient",
-    "BlockServer",
-    "BlockServerOptions",
-    "HeldBlocks",
-    "Holder",
-    "JaxRegistry",
-    "Lease",
-    "LeaseTable",
-    "MemoryRegistry",
-    "NodeInfo",
-    "PeerCircuits",
-    "PeerTier",
-    "PullResult",
-    "RedisRegistry",
-    "Registry",
-    "RegistryLink",
-    "RegistryPool",
-    "RegistryServer",
-    "RegistryTier",
-    "RemotePool",
-    "RemoteRegistry",
-    "Scatter",
-    "ServerHealth",
-    "StoreNode",
-    "StoreNodePool",
-    "StoreNodeTier",
-    "StoreServer",
-    "SupervisedLoop",
-    "longest_common_prefix",
-    "longest_prefix",
-    "probe_health",
-]

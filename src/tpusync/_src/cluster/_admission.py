@@ -11,7 +11,7 @@ whose handshake takes a round trip, still gets in while hostile peers keep the b
 No peer can stop the loop: every step of a connection (accepting it, TLS, sending, reading,
 handing it over) runs under one guard, and whatever a peer causes there (a reset, a half-close,
 garbage) costs that connection only. The loop runs under a
-:class:`~tpusync._src.cluster._supervisor.SupervisedLoop`: an exception that still escapes (a bug of
+:class:`~tpusync._src.cluster.supervisor.SupervisedLoop`: an exception that still escapes (a bug of
 ours) restarts it with its pending connections dropped.
 
 A TLS server sees a client that connected without TLS as silence (both sides wait for the other
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tpusync._src.cluster._supervisor import SupervisedLoop
+from tpusync._src.cluster.supervisor import SupervisedLoop
 
 __all__ = ["HANDSHAKE_FRAME_BYTES", "HandshakeLoop", "RefusalLog", "peer_label"]
 
@@ -154,7 +154,7 @@ class HandshakeLoop:
     The loop never blocks on a peer: every socket is non-blocking, a pending connection holds
     at most one handshake frame (``HANDSHAKE_FRAME_BYTES``), and ``max_pending`` bounds them.
     It is restarted when it dies of a bug (and ``on_failure`` is called if it keeps dying:
-    :class:`~tpusync._src.cluster._supervisor.SupervisedLoop`). :meth:`close` stops it and closes
+    :class:`~tpusync._src.cluster.supervisor.SupervisedLoop`). :meth:`close` stops it and closes
     every pending connection; the listener is the caller's.
     """
 

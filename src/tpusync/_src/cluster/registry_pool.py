@@ -8,7 +8,7 @@ are opened per node on first use, at the node's registered addresses, and kept.
 One slow or dead holder never holds up the others: each holder is asked on a thread of its own
 (the last on the caller's), so the other holders' blocks land in their normal time while a
 stalled one waits out its deadline; and each holder's address has a circuit
-(:mod:`tpusync._src.cluster._circuit`): after a missed deadline or consecutive failures it is not
+(:mod:`tpusync._src.cluster.circuit`): after a missed deadline or consecutive failures it is not
 asked (its blocks are misses at once, or come from another live holder) until a probe after
 its back-off finds it answering again. No lock is held while a client connects.
 
@@ -25,7 +25,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from tpusync._src.cluster._circuit import PeerCircuits
+from tpusync._src.cluster.circuit import PeerCircuits
 from tpusync._src.cluster.dataplane import BlockClient, RemotePool
 from tpusync._src.cluster.registry.base import Registry, check_keys
 from tpusync._src.tiers.dram import HostPool

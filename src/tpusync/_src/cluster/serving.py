@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import ssl
 
-from tpusync._src.cluster._registry_link import RegistryLink
 from tpusync._src.cluster.dataplane.server import BlockServer
 from tpusync._src.cluster.registry.base import NodeInfo, Registry, check_ttl
+from tpusync._src.cluster.registry_link import RegistryLink
 from tpusync._src.kv.store import KVCacheStore
 from tpusync.errors import InvalidArgumentError
 

@@ -5,36 +5,3 @@ namespace digest (``Namespace``, ``Blake2bChainKeys``), keeps blocks in DRAM (an
 /dev/shm), local disk and a shared filesystem with LRU demotion and promotion, and loads a
 cached prefix straight into the engine's ``DevicePool``.
 """
-
-from tpusync._src.kv.config import KVStoreConfig
-from tpusync._src.kv.keys import Blake2bChainKeys, KeyScheme, Namespace
-from tpusync._src.kv.results import (
-    LayerLoad,
-    LoadResult,
-    LookupResult,
-    SaveFuture,
-    SaveResult,
-    SessionRestore,
-)
-from tpusync._src.kv.secret import load_secret
-from tpusync._src.kv.store import KVCacheStore
-from tpusync._src.kv.tier_specs import DiskTier, DramTier, ExistingTier, SharedFsTier
-
-__all__ = [
-    "Blake2bChainKeys",
-    "DiskTier",
-    "DramTier",
-    "ExistingTier",
-    "KVCacheStore",
-    "KVStoreConfig",
-    "KeyScheme",
-    "LayerLoad",
-    "LoadResult",
-    "LookupResult",
-    "Namespace",
-    "SaveFuture",
-    "SaveResult",
-    "SessionRestore",
-    "SharedFsTier",
-    "load_secret",
-]

@@ -4,9 +4,9 @@ Tiers are ordered top down: DRAM (a :class:`~tpusync.tiers.HostPool`) first, the
 tiers (disk, shared filesystem). Blocks move only through DRAM: lower tiers read from and write
 into DRAM slots.
 
-* **LRU per tier.** Each tier keeps its keys oldest first; a hit or a store moves a key to the
-  end.
-* **Room.** A tier that needs ``n`` free slots evicts its oldest blocks that are neither pinned
+* **An eviction order per tier**, a policy object (:mod:`tpusync._src.kv._eviction`; LRU: a hit
+  or a store moves a key to the hot end).
+* **Room.** A tier that needs ``n`` free slots evicts its coldest blocks that are neither pinned
   (a lookup handle, a prefetch or a restore holds them) nor kept by a session at the bottom.
   DRAM demotes a victim to the next tier first unless a writable lower tier already holds it
   (the next one that works: a full or failing tier is passed over); a lower tier drops its
@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from tpusync._src.kv._eviction import EvictionPolicy, LruPolicy
 from tpusync._src.kv._tier_faults import TierFaults
 from tpusync._src.kv._writeback import WriteBackQueue, drop_one_each
 from tpusync._src.tiers.base import LowerTier, tier_free, tier_usable_capacity
@@ -110,8 +111,9 @@ class TierStack:
         writable = [t for t in range(1, len(self.tiers)) if not self.read_only[t]]
         self._below: int | None = writable[0] if writable else None  # where DRAM demotes to
         self._writable_lower = writable
-        self._lru = [
-            collections.OrderedDict.fromkeys([] if ro else _known_keys(t))
+        # each tier's eviction order (kv/_eviction.py); read-only tiers are never evicted from
+        self._order: list[EvictionPolicy] = [
+            LruPolicy([] if ro else _known_keys(t))
             for t, ro in zip(self.tiers, self.read_only, strict=True)
         ]
         self._pins: collections.Counter[bytes] = collections.Counter()
@@ -158,13 +160,7 @@ class TierStack:
 
     def touch(self, tier: int, keys: Sequence[bytes]) -> None:
         with self.lock:
-            lru = self._lru[tier]
-            move = lru.move_to_end
-            for key in keys:
-                try:
-                    move(key)
-                except KeyError:  # new here: enters at the hot end
-                    lru[key] = None
+            self._order[tier].touched(keys)
 
     def touch_if_all_local(self, keys: Sequence[bytes]) -> bool:
         """Whether this node's tiers hold every one of ``keys`` (an index lookup, no I/O); if
@@ -182,8 +178,7 @@ class TierStack:
 
     def forget(self, tier: int, keys: Sequence[bytes]) -> None:
         with self.lock:
-            for key in keys:
-                self._lru[tier].pop(key, None)
+            self._order[tier].removed(keys)
 
     def pin(self, keys: Sequence[bytes]) -> None:
         with self.lock:
@@ -357,7 +352,7 @@ class TierStack:
             busy = self.writeback.active() if tier == 0 else set()
             with self.lock:
                 victims, waiting = [], False
-                for key in self._lru[tier]:
+                for key in self._order[tier].coldest():
                     if self._pinned_in(tier, key) or key in stuck:
                         continue
                     if self._kept.get(key, 0) > 0 and (bottom or tier > 0):
@@ -369,8 +364,7 @@ class TierStack:
                     if len(victims) == need:
                         break
                 stale = absent(store, victims)  # dropped behind our back (e.g. found corrupt)
-                for key in stale:
-                    self._lru[tier].pop(key, None)
+                self._order[tier].removed(stale)
             if stale:
                 continue
             if len(victims) < need:
@@ -402,8 +396,7 @@ class TierStack:
                     unsaved = sum(k not in below for k in victims)
                 dropped = store.delete(victims)
                 gone = absent(store, victims)
-                for key in gone:
-                    self._lru[tier].pop(key, None)
+                self._order[tier].removed(gone)
             self.removed(tier, gone)
             self.bump("evictions", dropped)
             if unsaved:
@@ -442,8 +435,7 @@ class TierStack:
                 ]
                 dropped = store.delete(victims)
                 gone = absent(store, victims)
-                for key in gone:
-                    self._lru[tier].pop(key, None)
+                self._order[tier].removed(gone)
         self.removed(tier, gone)
         self.bump("evictions", dropped)
         store.stats.add(evictions=dropped)

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from tpusync._src.cluster import NodeInfo
-from tpusync._src.tiers import ArrayLayout, HostPool, PoolLayout
+from tpusync._src.cluster.registry import NodeInfo
+from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.errors import BlocksMissingError, TierFullError
 
 __all__ = [

@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpusync._src.kv import KVCacheStore, KVStoreConfig, LoadResult
+from tpusync._src.kv.config import KVStoreConfig
+from tpusync._src.kv.results import LoadResult
+from tpusync._src.kv.store import KVCacheStore
 from tpusync._src.memory.device_pool import DevicePool, wait_for_readers
 from tpusync._src.testing import model as M
 from tpusync.errors import SessionNotFoundError, TierFullError

@@ -22,18 +22,9 @@ from transformers import (
 
 
 def build_random_llama(
-    path: Path,
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    intermediate: int,
-    vocab: int,
-    max_len: int,
-    seed: int = 0,
-    scale: float = 1.0,
-) -> Path:
+    path: Path, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+    vocab: int, max_len: int, seed: int = 0, scale: float = 1.0,
+) -> Path:  # fmt: skip
     """Saves (``save_pretrained``, bf16) a Llama of the given shape with weights drawn from
     ``seed`` and multiplied by ``scale`` (a tiny model's logits are near-ties without it, so
     greedy tokens would flip on rounding noise), and returns ``path``."""
@@ -51,20 +42,10 @@ def build_random_llama(
 
 
 def build_random_mistral(
-    path: Path,
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    intermediate: int,
-    vocab: int,
-    max_len: int,
-    sliding_window: int,
-    seed: int = 0,
-    scale: float = 1.0,
+    path: Path, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+    vocab: int, max_len: int, sliding_window: int, seed: int = 0, scale: float = 1.0,
     dtype: str = "bfloat16",
-) -> Path:
+) -> Path:  # fmt: skip
     """:func:`build_random_llama` for a Mistral whose every layer attends to the last
     ``sliding_window`` tokens only, saved in ``dtype``."""
     config = MistralConfig(

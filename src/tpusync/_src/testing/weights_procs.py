@@ -40,16 +40,17 @@ try:  # the benchmark's baseline; not in every jax
 except ImportError:  # pragma: no cover
     jax_transfer = None
 
-from tpusync._src.cluster import BlockClient, RemoteRegistry
-from tpusync._src.tiers import HostPool
-from tpusync._src.weights import (
-    Publisher,
-    Subscriber,
+from tpusync._src.cluster.dataplane import BlockClient
+from tpusync._src.cluster.registry import RemoteRegistry
+from tpusync._src.tiers.dram import HostPool
+from tpusync._src.weights.manifest import chunk_key, chunk_layout
+from tpusync._src.weights.options import (
     WeightsClientOptions,
     WeightsPoolOptions,
     WeightsServerOptions,
 )
-from tpusync._src.weights.manifest import chunk_key, chunk_layout
+from tpusync._src.weights.publisher import Publisher
+from tpusync._src.weights.subscriber import Subscriber
 from tpusync.errors import TpuSyncError
 
 DTYPES = ("bfloat16", "float32", "int8", "float16", "int32", "uint8")

@@ -3,32 +3,3 @@ filesystems. Every tier holds blocks in the same slot format (:class:`PoolLayout
 transaction lives once in :class:`BlockTier` (``tiers/base.py``, with :class:`SlotPool`, what a
 lower tier needs of a DRAM pool), each medium in its own subpackage (``dram/``, ``disk/``,
 ``shared_fs/``)."""
-
-from tpusync._src.tiers.base import BlockTier, LowerTier, SlotPool
-from tpusync._src.tiers.disk import DiskPool
-from tpusync._src.tiers.dram import HostPool
-from tpusync._src.tiers.layout import ArrayLayout, PoolLayout
-from tpusync._src.tiers.scatter import Scatter
-from tpusync._src.tiers.shared_fs import SharedFsPool
-from tpusync._src.tiers.slots import Pinned, Reservation
-from tpusync._src.tiers.spec import OpenedTier, TierContext, TierSpec
-from tpusync._src.tiers.stats import TierStats, all_tier_stats
-
-__all__ = [
-    "ArrayLayout",
-    "BlockTier",
-    "DiskPool",
-    "HostPool",
-    "LowerTier",
-    "OpenedTier",
-    "Pinned",
-    "PoolLayout",
-    "Reservation",
-    "Scatter",
-    "SharedFsPool",
-    "SlotPool",
-    "TierContext",
-    "TierSpec",
-    "TierStats",
-    "all_tier_stats",
-]

@@ -9,32 +9,3 @@ chunk size, directory), :class:`WeightsServerOptions` (where the publisher serve
 
 :mod:`tpusync._src.weights.plan` is the reshard plan (which bytes of which source shard each target
 shard needs); :mod:`tpusync._src.weights.manifest` the version's manifest (its commit record)."""
-
-from tpusync._src.weights._options import (
-    TlsOptions,
-    WeightsClientOptions,
-    WeightsPoolOptions,
-    WeightsServerOptions,
-)
-from tpusync._src.weights.manifest import LeafEntry, Manifest
-from tpusync._src.weights.plan import Box, LeafPlan, Piece, leaf_plan, shard_boxes
-from tpusync._src.weights.publisher import Publisher, PublishReport
-from tpusync._src.weights.subscriber import PullReport, Subscriber
-
-__all__ = [
-    "Box",
-    "LeafEntry",
-    "LeafPlan",
-    "Manifest",
-    "Piece",
-    "PublishReport",
-    "Publisher",
-    "PullReport",
-    "Subscriber",
-    "TlsOptions",
-    "WeightsClientOptions",
-    "WeightsPoolOptions",
-    "WeightsServerOptions",
-    "leaf_plan",
-    "shard_boxes",
-]

@@ -26,17 +26,14 @@ import jax
 import numpy as np
 
 from tpusync import _core
-from tpusync._src.cluster import BlockServer, BlockServerOptions, NodeInfo, Registry, RegistryLink
+from tpusync._src.cluster.dataplane import BlockServer
+from tpusync._src.cluster.registry import NodeInfo, Registry
+from tpusync._src.cluster.registry_link import RegistryLink
+from tpusync._src.cluster.tcp_server import BlockServerOptions
 from tpusync._src.engines import native
-from tpusync._src.tiers import HostPool
 from tpusync._src.tiers.blocks import slot_checksums
+from tpusync._src.tiers.dram import HostPool
 from tpusync._src.tiers.dram.shm_admin import remove_pool, size_text
-from tpusync._src.weights._options import (
-    TlsOptions,
-    WeightsPoolOptions,
-    WeightsServerOptions,
-    options_or_default,
-)
 from tpusync._src.weights._stream import Rows, split_at_chunks
 from tpusync._src.weights.manifest import (
     LeafEntry,
@@ -48,6 +45,12 @@ from tpusync._src.weights.manifest import (
     chunk_layout,
     manifest_key,
     tree_paths,
+)
+from tpusync._src.weights.options import (
+    TlsOptions,
+    WeightsPoolOptions,
+    WeightsServerOptions,
+    options_or_default,
 )
 from tpusync._src.weights.plan import shard_boxes
 from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError

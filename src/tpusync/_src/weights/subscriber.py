@@ -35,11 +35,11 @@ import jax
 import numpy as np
 
 from tpusync import _core
-from tpusync._src.cluster import BlockClient, Registry, Scatter
+from tpusync._src.cluster.dataplane import BlockClient, Scatter
 from tpusync._src.cluster.dataplane.deadlines import MAX_LIMIT_S
+from tpusync._src.cluster.registry import Registry
 from tpusync._src.engines import native
-from tpusync._src.tiers import HostPool
-from tpusync._src.weights._options import TlsOptions, WeightsClientOptions, options_or_default
+from tpusync._src.tiers.dram import HostPool
 from tpusync._src.weights._stream import Rows, piece_rows, scatter_runs, split_at_chunks
 from tpusync._src.weights.manifest import (
     Manifest,
@@ -51,6 +51,7 @@ from tpusync._src.weights.manifest import (
     manifest_key,
     tree_paths,
 )
+from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
 from tpusync.errors import (
     DtypeMismatchError,

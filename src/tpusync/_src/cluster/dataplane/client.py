@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from tpusync._src.cluster._circuit import PeerCircuits, is_deadline_miss
 from tpusync._src.cluster._handshake import _check_secret, _ProtocolError, check_transport
+from tpusync._src.cluster.circuit import PeerCircuits, is_deadline_miss
 from tpusync._src.cluster.dataplane._answers import check_lease
 from tpusync._src.cluster.dataplane._connection import Connection
 from tpusync._src.cluster.dataplane._lease_keeper import LeaseKeeper
@@ -111,7 +111,7 @@ class BlockClient:
     :attr:`local_blocks` counts them. False: always TCP.
 
     ``circuits`` (default: the client's own): the circuit of the server's address
-    (:mod:`tpusync._src.cluster._circuit`). Every request and pull goes through it: after
+    (:mod:`tpusync._src.cluster.circuit`). Every request and pull goes through it: after
     consecutive failures or a missed deadline, requests fail at once with
     :class:`~tpusync.errors.CircuitOpenError` (a PeerUnavailableError) until the back-off is
     over and one probe succeeds. Pass one :class:`PeerCircuits` to several clients (e.g. one

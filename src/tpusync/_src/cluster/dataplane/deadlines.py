@@ -22,7 +22,7 @@ import math
 import time
 from typing import Any
 
-from tpusync._src.cluster._tcp_server import check_seconds
+from tpusync._src.cluster.tcp_server import check_seconds
 from tpusync.errors import DeadlineExceededError
 
 __all__ = [

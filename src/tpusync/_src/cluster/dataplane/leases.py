@@ -8,7 +8,7 @@ reader that died never holds blocks for longer than its TTL. A reader that lives
 renewing holds them no longer than ``max_lifetime_s`` after its acquire (a block server's
 ``lease_max_s``, default 600 s): a renewal that would carry the lease past that is refused
 (False), and the lease lapses at its last granted deadline. The expiry thread is restarted if it
-dies of a bug (:mod:`tpusync._src.cluster._supervisor`).
+dies of a bug (:mod:`tpusync._src.cluster.supervisor`).
 
 The timing rule (what makes a pull safe without trusting the reader's liveness):
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tpusync._src.cluster._supervisor import SupervisedLoop
-from tpusync._src.cluster._tcp_server import DEFAULT_LEASE_MAX_S, check_lease_lifetime
+from tpusync._src.cluster.supervisor import SupervisedLoop
+from tpusync._src.cluster.tcp_server import DEFAULT_LEASE_MAX_S, check_lease_lifetime
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.tiers.slots import Pinned
 from tpusync.errors import InvalidArgumentError, TierFullError

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpusync._src.cluster._handshake import _error, _recv_json, _send_json
-from tpusync._src.cluster._supervisor import SupervisedLoop
-from tpusync._src.cluster._tcp_server import AuthenticatedTcpServer, BlockServerOptions, options_of
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane.deadlines import Deadline
 from tpusync._src.cluster.dataplane.frames import FrameBatch, send_buffers, tune_for_peer
@@ -27,6 +25,8 @@ from tpusync._src.cluster.dataplane.protocol import (
     lease_param,
     ttl_param,
 )
+from tpusync._src.cluster.supervisor import SupervisedLoop
+from tpusync._src.cluster.tcp_server import AuthenticatedTcpServer, BlockServerOptions, options_of
 from tpusync._src.tiers.dram import HostPool
 from tpusync.errors import InvalidArgumentError
 
@@ -54,7 +54,7 @@ class BlockServer(AuthenticatedTcpServer):
       pool: the HostPool whose committed blocks are served.
       secret, host, port, lease_ttl_s, handshake_timeout_s, io_timeout_s, max_connections,
         max_handshakes, tls, insecure, clock (keywords), or ``options``: see
-        :class:`~tpusync._src.cluster._tcp_server.BlockServerOptions` (``secret`` is required).
+        :class:`~tpusync._src.cluster.tcp_server.BlockServerOptions` (``secret`` is required).
       before_lease: called with the keys a peer asks to lease, before the lease is taken (a
         store moves blocks up from its lower tiers into ``pool`` there); failures are logged
         and the keys it could not bring are simply absent.

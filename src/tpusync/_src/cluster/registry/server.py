@@ -52,7 +52,6 @@ from typing import Any
 
 from tpusync._src.cluster._handshake import _error, _ProtocolError, _recv_json, _send_json
 from tpusync._src.cluster._handshake import is_loopback as is_loopback  # tpusync serve uses it
-from tpusync._src.cluster._tcp_server import AuthenticatedTcpServer, ServerOptions, options_of
 from tpusync._src.cluster.registry._wire import _holders_to_wire, _keys_from_hex, _keys_from_wire
 from tpusync._src.cluster.registry.base import (
     Registry,
@@ -64,6 +63,7 @@ from tpusync._src.cluster.registry.base import (
     node_from_dict,
     node_to_dict,
 )
+from tpusync._src.cluster.tcp_server import AuthenticatedTcpServer, ServerOptions, options_of
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["RegistryServer"]
@@ -81,7 +81,7 @@ class RegistryServer(AuthenticatedTcpServer):
     Args:
       registry: any :class:`Registry` (its ``sweep()``, where it has one, is served too).
       host, port, and the other keywords (``secret`` among them), or ``options``: see
-        :class:`~tpusync._src.cluster._tcp_server.ServerOptions`.
+        :class:`~tpusync._src.cluster.tcp_server.ServerOptions`.
     """
 
     _label = "registry server"

@@ -10,15 +10,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tpusync._src.cluster._registry_link import RegistryLink
-from tpusync._src.cluster._tcp_server import (
-    BlockServerOptions,
-    ServerOptions,
-)
 from tpusync._src.cluster.registry.base import NodeInfo, Registry, check_ttl
 from tpusync._src.cluster.registry.memory import MemoryRegistry
 from tpusync._src.cluster.registry.server import RegistryServer
+from tpusync._src.cluster.registry_link import RegistryLink
 from tpusync._src.cluster.store_node.server import StoreServer
+from tpusync._src.cluster.tcp_server import (
+    BlockServerOptions,
+    ServerOptions,
+)
 from tpusync._src.tiers.dram import DEFAULT_SHM_DIR
 from tpusync.errors import InvalidArgumentError
 

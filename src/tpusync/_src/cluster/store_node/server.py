@@ -16,12 +16,6 @@ import numpy as np
 
 from tpusync import _core
 from tpusync._src.cluster._handshake import _error, _send_json
-from tpusync._src.cluster._supervisor import SupervisedLoop
-from tpusync._src.cluster._tcp_server import (
-    AuthenticatedTcpServer,
-    BlockServerOptions,
-    options_of,
-)
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane.deadlines import Deadline
 from tpusync._src.cluster.dataplane.frames import frame_receiver, slot_addresses
@@ -35,6 +29,12 @@ from tpusync._src.cluster.store_node._lending import (
     checksums_param,
     recv_exactly,
     recv_header,
+)
+from tpusync._src.cluster.supervisor import SupervisedLoop
+from tpusync._src.cluster.tcp_server import (
+    AuthenticatedTcpServer,
+    BlockServerOptions,
+    options_of,
 )
 from tpusync._src.tiers.disk import DiskPool
 from tpusync._src.tiers.dram import DEFAULT_SHM_DIR, HostPool

@@ -18,7 +18,7 @@ from typing import Any
 
 import tpusync._src.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync._src.connectors.sglang.events import EventSettings, event_settings
-from tpusync._src.kv import KVStoreConfig
+from tpusync._src.kv.config import KVStoreConfig
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
 
 __all__ = ["SGLANG_KEYS", "BackendSettings", "read_settings"]

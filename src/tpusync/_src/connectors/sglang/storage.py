@@ -26,8 +26,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from tpusync._src.connectors.sglang.events import PageEventPublisher
 from tpusync._src.connectors.sglang.host_pages import HostPages, host_pages, page_ids
 from tpusync._src.connectors.sglang.settings import BackendSettings, read_settings
-from tpusync._src.kv import KVCacheStore
-from tpusync._src.memory import TorchPool
+from tpusync._src.kv.store import KVCacheStore
+from tpusync._src.memory.torch_tensors import TorchPool
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 __all__ = ["TpuSyncHiCacheStorage"]

@@ -21,7 +21,7 @@ import jax
 from tpusync._src.connectors.vllm.metadata import TpuSyncMetadata
 from tpusync._src.connectors.vllm.settings import ConnectorSettings
 from tpusync._src.connectors.vllm.worker import WorkerSide
-from tpusync._src.memory import DevicePool
+from tpusync._src.memory.device_pool import DevicePool
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["RunnerWorkerSide", "check_runner_arrays"]

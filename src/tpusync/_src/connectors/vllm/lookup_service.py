@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tpusync._src.cluster import SupervisedLoop
+from tpusync._src.cluster.supervisor import SupervisedLoop
 from tpusync._src.tiers.files import make_directory
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import tpusync._src.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync._src.cluster.registry.server import is_loopback
-from tpusync._src.kv import DiskTier, KVStoreConfig
+from tpusync._src.kv.config import KVStoreConfig
 from tpusync._src.kv.config_dict import client_tls, server_tls
+from tpusync._src.kv.tier_specs import DiskTier
 from tpusync._src.tiers.files import check_directory
 from tpusync.errors import InvalidArgumentError, UnsafeFileError
 

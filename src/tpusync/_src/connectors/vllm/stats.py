@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tpusync._src.kv import DiskTier, SharedFsTier
+from tpusync._src.kv.tier_specs import DiskTier, SharedFsTier
 
 __all__ = [
     "CacheHitSource",

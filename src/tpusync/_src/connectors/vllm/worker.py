@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, cast
 
-from tpusync._src.cluster import RemoteRegistry
+from tpusync._src.cluster.registry import RemoteRegistry
 from tpusync._src.cluster.serving import serve
 from tpusync._src.connectors.vllm import switch_interval
 from tpusync._src.connectors.vllm.events import BlockEventLog
@@ -20,9 +20,11 @@ from tpusync._src.connectors.vllm.lookup_service import LookupServer
 from tpusync._src.connectors.vllm.metadata import LoadSpec, TpuSyncMetadata
 from tpusync._src.connectors.vllm.settings import ConnectorSettings
 from tpusync._src.connectors.vllm.stats import StatsCounter
-from tpusync._src.kv import KVCacheStore, KVStoreConfig, LayerLoad, LookupResult
-from tpusync._src.memory import TorchPool, prefault_cpu_tensors
+from tpusync._src.kv.config import KVStoreConfig
+from tpusync._src.kv.results import LayerLoad, LookupResult
+from tpusync._src.kv.store import KVCacheStore
 from tpusync._src.memory.openmp_team import openmp_team
+from tpusync._src.memory.torch_tensors import TorchPool, prefault_cpu_tensors
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 __all__ = ["WorkerSide", "local_worker"]

@@ -521,11 +521,8 @@ class HostPool(SlotRecords):
         to_device: bool,
         after: Callable[[int], None] | None = None,
     ) -> np.ndarray:
-        """Moves device blocks ``block_ids`` to or from ``slots`` (one transfer per array) and
-        returns the blocks' checksums over the bytes moved: computed in the copy pass on the
-        native path, in a separate pass over the (pinned or reserved) slots on the JAX path.
-        ``after(i)``: called once array ``i`` is moved (array by array on the kept native
-        plan, all at the end otherwise)."""
+        """:meth:`SlotMover.move <tpusync._src.transfer.slot_moves.SlotMover.move>`, after the
+        fork check and with the slots' pages mapped."""
         fork_guard.check_device_use("pools")  # before the pools' locks: see memory.fork_guard
         self._ensure_populated(slots)
         return self._mover.move(pools, block_ids, slots, path, to_device=to_device, after=after)

@@ -3,7 +3,7 @@ listener whose connections authenticate first (on one thread, without blocking:
 :mod:`tpusync._src.cluster._admission`) and are then served on a thread each.
 
 Its loops (the handshake loop; a block server's lease expiry) are restarted when they die of a
-bug (:mod:`tpusync._src.cluster._supervisor`). One that keeps dying is given up on: the server then
+bug (:mod:`tpusync._src.cluster.supervisor`). One that keeps dying is given up on: the server then
 closes its listener (a client is refused at once instead of waiting in a queue nobody reads),
 records the failure (:attr:`AuthenticatedTcpServer.failure`, and its ``health`` answer), and
 calls the callbacks given to :meth:`AuthenticatedTcpServer.on_failure` (``tpusync serve`` exits
@@ -34,7 +34,7 @@ from tpusync._src.cluster._handshake import (
     server_reply,
     tls_required_frame,
 )
-from tpusync._src.cluster._supervisor import SupervisedLoop, failure_line
+from tpusync._src.cluster.supervisor import SupervisedLoop, failure_line
 from tpusync.errors import DeadlineExceededError, InvalidArgumentError
 
 __all__ = [

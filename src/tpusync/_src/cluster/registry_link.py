@@ -10,7 +10,7 @@ re-publishes everything when the registry no longer lists the node -- a heartbea
 or a publish refused, as when its lease lapsed or the registry restarted empty (and as after this
 process restarts, when the store publishes what its /dev/shm tier still holds). Anything else
 the registry's client raises on that thread is a bug: the loop is restarted
-(:mod:`tpusync._src.cluster._supervisor`), and given up on (``on_failure``) if it keeps dying.
+(:mod:`tpusync._src.cluster.supervisor`), and given up on (``on_failure``) if it keeps dying.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tpusync._src.cluster._supervisor import SupervisedLoop
 from tpusync._src.cluster.registry.base import NodeInfo, Registry, longest_common_prefix
+from tpusync._src.cluster.supervisor import SupervisedLoop
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
 __all__ = ["RegistryLink"]
