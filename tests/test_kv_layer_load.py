@@ -2,8 +2,8 @@
 engine's layers), each readable as soon as it is written; checksums compared at the end.
 
 Real DRAM, disk and DevicePools of random bits (the KV store tests' helpers). One test reaches
-into the DRAM tier (``store.dram._get_checked``, what the load runs) to look at the device pools
-from inside the copy, between one pool and the next; it says so."""
+into the DRAM tier (``store.dram.get_to_device_checked``, what the load runs) to look at the device
+pools from inside the copy, between one pool and the next; it says so."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_pools_are_written_in_order_one_at_a_time(arrays, rng, stores):
             arrays.assert_same(now, wanted, f"pool {j} when pool {i} was reported")
 
     keys = keys_of(store, tokens)[:4]
-    store.dram._get_checked(keys, store.pools, target, "auto", reported)
+    store.dram.get_to_device_checked(keys, store.pools, target, "auto", reported)
     assert seen == list(range(N_POOLS))
 
 

@@ -144,7 +144,7 @@ def test_a_damaged_block_is_never_reported_loaded(tmp_path, caplog, named: bool)
     with _store(_pools(source), shm_dir=str(tmp_path) if named else None) as producer:
         serving.serve(producer, registry, "producer", secret=SECRET, ttl_s=30)
         hashes = _saved(producer, 6)
-        damaged = producer.dram.slot_of(producer._engine_keys(hashes, None)[3])
+        damaged = producer.dram.slot_of(producer._engine_blocks._keys(hashes, None)[3])
         with producer.dram.slot_memory(damaged) as memory:
             memory[100] ^= 0xFF
         with _store(_pools(target), RegistryTier(registry, exclude="consumer")) as consumer:
@@ -175,7 +175,7 @@ def test_a_disk_hit_lands_in_the_tensors_and_a_damaged_block_ends_it(
     source, target = _kv(10, dtype, 13, shape), _kv(10, dtype, 14, shape)
     with _store(_pools(source), disk) as producer:
         hashes = _saved(producer, 8)
-        keys = producer._engine_keys(hashes, None)
+        keys = producer._engine_blocks._keys(hashes, None)
     with _store(_pools(target), disk) as consumer:
         pool = consumer._stack.tiers[1]
         fd, offset = pool._locate(pool._index[keys[5]])
@@ -225,7 +225,7 @@ def test_a_hit_partly_in_dram_goes_through_dram(node) -> None:
     with _store(_pools(target), StoreNodeTier(node.address)) as consumer:
         first = consumer.load(consumer.lookup_engine_blocks(hashes[:2]), [6, 7])
         assert first.loaded_blocks == 2 and consumer.dram.used == 0
-        consumer._run_prefetch(consumer._engine_keys(hashes[:2], None))  # now in its DRAM
+        consumer._run_prefetch(consumer._engine_blocks._keys(hashes[:2], None))  # now in its DRAM
         assert consumer.dram.used == 2
         done = consumer.load(consumer.lookup_engine_blocks(hashes), [0, 1, 2, 3])
         stats = consumer.stats()["store"]

@@ -6,35 +6,33 @@ cost as much as the load saved."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from tpusync._src.kv._store_calls import BlockPaths
 from tpusync._src.tiers.base import ScatteringTier
 from tpusync._src.tiers.scatter import still_in_place, tensor_landing
-
-if TYPE_CHECKING:
-    from tpusync._src.kv.store import KVCacheStore
 
 __all__ = ["land_in_place"]
 
 
 def land_in_place(
-    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, pools: list[Any]
+    paths: BlockPaths, keys: list[bytes], ids: np.ndarray, pools: list[Any]
 ) -> tuple[int, list[int] | None]:
     """Lands pinned ``keys`` in ``ids`` of ``pools`` straight from the one scattering tier
     that holds them all; returns (leading blocks landed, the tiers holding each key when they
     were located, else None). 0 blocks when the load cannot go this way: a key in DRAM, keys
     spread over tiers, or pools that are not CPU tensors with contiguous pieces."""
-    stack = store._stack
+    stack = paths.stack
     scattering = [
         t for t in range(1, len(stack.tiers)) if isinstance(stack.tiers[t], ScatteringTier)
     ]
-    if not scattering or len(set(keys)) != len(keys) or any(stack.dram._contains_checked(keys)):
+    if not scattering or len(set(keys)) != len(keys) or any(stack.dram.contains_checked(keys)):
         return 0, None
     # before any request to a tier: blocks a save holds are refused at once, not after a
     # round trip to a node that may be stalled
-    scatter = tensor_landing(store.layout, pools, ids)
+    scatter = tensor_landing(paths.layout, pools, ids)
     if scatter is None:
         return 0, None
     if len(stack.tiers) == 2:  # DRAM and one tier, a scattering one (checked above)

@@ -1,28 +1,25 @@
 """How the KV store's loads run: land a lower tier's hit straight in the engine's tensors
 (:mod:`tpusync._src.kv._direct`), else promote from the lower tiers, copy out of DRAM (checksums in
-the copy pass), read from below what DRAM failed to serve; and the background run of a
-layer-by-layer load (:class:`~tpusync._src.kv.results.LayerLoad`)."""
+the copy pass), read from below what DRAM failed to serve. (A layer-by-layer load's background
+run is :func:`~tpusync._src.kv.results.run_layer_load`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from tpusync._src.kv._direct import land_in_place
+from tpusync._src.kv._store_calls import BlockPaths
 from tpusync._src.kv._streaming import load_through_dram, reload_from_below, streams
-from tpusync._src.kv.results import LayerLoad, LoadResult
 from tpusync.errors import BlocksMissingError
 
-if TYPE_CHECKING:
-    from tpusync._src.kv.store import KVCacheStore
-
-__all__ = ["load_keys", "run_layer_load"]
+__all__ = ["load_keys"]
 
 
 def load_keys(
-    store: KVCacheStore,
+    paths: BlockPaths,
     keys: list[bytes],
     ids: np.ndarray,
     after_pool: Callable[[int], None] | None = None,
@@ -39,50 +36,40 @@ def load_keys(
     reported as not loaded (the caller recomputes it)."""
     if not keys:
         return 0, 0
-    pools = store.pools if pools is None else pools
+    pools = paths.pools if pools is None else pools
     where = None
     if after_pool is None and direct:  # a layer-by-layer load reads DRAM hits only
-        landed, where = land_in_place(store, keys, ids, pools)
+        landed, where = land_in_place(paths, keys, ids, pools)
         if landed == len(keys):
             return landed, 0
         if landed:  # the rest through DRAM: the tiers below may hold what this one failed
-            more, promoted = load_keys(store, keys[landed:], ids[landed:], None, pools, False)
+            more, promoted = load_keys(paths, keys[landed:], ids[landed:], None, pools, False)
             return landed + more, promoted
-    if streams(store, len(keys), save=False):
-        done = load_through_dram(store, keys, ids, pools)
-        _all_written(store, after_pool)
+    if streams(paths, len(keys), save=False):
+        done = load_through_dram(paths, keys, ids, pools)
+        _all_written(pools, after_pool)
         return done
-    stack = store._stack
+    stack = paths.stack
     in_dram, promoted = stack.promote(keys, where=where)
     prefix = next((i for i, ok in enumerate(in_dram) if not ok), len(keys))
     if not prefix:
         return 0, promoted
     try:
         # keys, pools and ids were checked by this store (load): not again per tier
-        store.dram._get_checked(keys[:prefix], pools, ids[:prefix], store.config.path, after_pool)
+        stack.dram.get_to_device_checked(keys[:prefix], pools, ids[:prefix], paths.path, after_pool)
         loaded = prefix
     except BlocksMissingError as missing:
         if after_pool is not None:
             loaded = next((i for i, ok in enumerate(missing.loaded) if not ok), prefix)
         else:  # DRAM dropped the blocks that failed their checksum: a lower tier may hold them
             loaded, again = reload_from_below(
-                store, keys[:prefix], ids[:prefix], missing.loaded, pools
+                paths, keys[:prefix], ids[:prefix], missing.loaded, pools
             )
             promoted += again
     stack.touch(0, keys[:loaded])
     return loaded, promoted
 
 
-def _all_written(store: KVCacheStore, after_pool: Callable[[int], None] | None) -> None:
-    for i in range(len(store.pools) if after_pool is not None else 0):
+def _all_written(pools: list[Any], after_pool: Callable[[int], None] | None) -> None:
+    for i in range(len(pools) if after_pool is not None else 0):
         after_pool(i)  # type: ignore[misc]
-
-
-def run_layer_load(load: LayerLoad, call: Callable[[Callable[[int], None]], LoadResult]) -> None:
-    """Runs ``call(after_pool)`` (the store's load) for ``load`` and records how it ended."""
-    try:
-        result = call(load._pool_written)
-    except BaseException as error:  # handed to the waiter: result() raises it
-        load._finish(None, error)
-        return
-    load._finish(result, None)

@@ -19,34 +19,33 @@ longer than DRAM passes through it in chunks:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from tpusync._src.kv._store_calls import BlockPaths
 from tpusync._src.kv._tier_stack import present
 from tpusync.errors import BlocksMissingError, TierFullError
 
-if TYPE_CHECKING:
-    from tpusync._src.kv.store import KVCacheStore
 
-
-def streams(store: KVCacheStore, blocks: int, *, save: bool) -> bool:
+def streams(paths: BlockPaths, blocks: int, *, save: bool) -> bool:
     """Whether ``blocks`` must stream through DRAM: more than it holds, and a tier below to
     write them into (a save; without one, the save is refused as too large) or to read them
     from (a load)."""
-    stack = store._stack
+    stack = paths.stack
     below = stack.can_write_down if save else len(stack.tiers) > 1
-    return blocks > store.dram.capacity and below
+    return blocks > stack.dram.capacity and below
 
 
 def save_through_dram(
-    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, pools: list[Any]
+    paths: BlockPaths, keys: list[bytes], ids: np.ndarray, pools: list[Any]
 ) -> tuple[int, int | None]:
     """Saves the leading blocks of a save larger than DRAM, chunk by chunk, each written into
     the lower tiers before the next (see the module docstring). Returns the blocks stored and
     where the rest begins (no more blocks than the last chunk that found room in DRAM, for the
     caller to save as usual), or None when the save stops (no lower tier took a chunk)."""
-    stack, dram = store._stack, store.dram
+    stack = paths.stack
+    dram = stack.dram
     stack.bump("saves_streamed", 1)
     stored_blocks = start = 0
     chunk = dram.capacity
@@ -54,7 +53,7 @@ def save_through_dram(
         part = slice(start, start + chunk)
         try:
             with stack.room(0, len(keys[part])):
-                dram.put_from_device(keys[part], pools, ids[part], path=store.config.path)
+                dram.put_from_device(keys[part], pools, ids[part], path=paths.path)
         except TierFullError:
             if chunk == 1:
                 raise
@@ -73,18 +72,19 @@ def save_through_dram(
 
 
 def load_through_dram(
-    store: KVCacheStore, keys: list[bytes], ids: np.ndarray, pools: list[Any]
+    paths: BlockPaths, keys: list[bytes], ids: np.ndarray, pools: list[Any]
 ) -> tuple[int, int]:
     """Loads pinned ``keys`` (more than DRAM holds) into blocks ``ids`` of ``pools`` (see the
     module docstring); returns (leading blocks loaded, blocks promoted from lower tiers)."""
-    stack, dram = store._stack, store.dram
+    stack = paths.stack
+    dram = stack.dram
     n = len(keys)
     loaded = np.zeros(n, dtype=bool)
     promoted = 0
     loosened: list[bytes] = []
     try:
         in_dram = np.flatnonzero(dram.contains(keys))
-        _to_device(store, pools, keys, ids, in_dram, loaded)
+        _to_device(paths, pools, keys, ids, in_dram, loaded)
         loosened += [keys[i] for i in in_dram]
         stack.loosen(loosened)
         # the rest, and the blocks DRAM failed to serve (dropped: a lower tier may hold them)
@@ -102,7 +102,7 @@ def load_through_dram(
                 continue
             promoted += moved
             _to_device(
-                store, pools, keys, ids, np.array(part)[np.asarray(held, dtype=bool)], loaded
+                paths, pools, keys, ids, np.array(part)[np.asarray(held, dtype=bool)], loaded
             )
             stack.loosen(part_keys)
             loosened += part_keys
@@ -116,7 +116,7 @@ def load_through_dram(
 
 
 def reload_from_below(
-    store: KVCacheStore,
+    paths: BlockPaths,
     keys: list[bytes],
     ids: np.ndarray,
     served: list[bool],
@@ -128,14 +128,14 @@ def reload_from_below(
     loaded = np.asarray(served, dtype=bool).copy()
     failed = np.flatnonzero(~loaded)
     promoted = 0
-    if len(store._stack.tiers) > 1:
-        held, promoted = store._stack.promote([keys[i] for i in failed])
-        _to_device(store, pools, keys, ids, failed[np.asarray(held, dtype=bool)], loaded)
+    if len(paths.stack.tiers) > 1:
+        held, promoted = paths.stack.promote([keys[i] for i in failed])
+        _to_device(paths, pools, keys, ids, failed[np.asarray(held, dtype=bool)], loaded)
     return (int(np.argmin(loaded)) if not loaded.all() else len(keys)), promoted
 
 
 def _to_device(
-    store: KVCacheStore,
+    paths: BlockPaths,
     pools: list[Any],
     keys: list[bytes],
     ids: np.ndarray,
@@ -148,7 +148,7 @@ def _to_device(
         return
     subset = [keys[i] for i in which]
     try:
-        store.dram._get_checked(subset, pools, ids[which], store.config.path)
+        paths.stack.dram.get_to_device_checked(subset, pools, ids[which], paths.path)
         loaded[which] = True
     except BlocksMissingError as missing:
         loaded[which] = missing.loaded

@@ -568,7 +568,7 @@ class TierStack:
         the tiers below that one, and is a miss only when none serves it. Pin the keys first, so
         that making room cannot evict them. With ``local``, other nodes' (read-only) tiers are
         not read. ``where``: :meth:`locate`'s answer for ``keys``, when the caller has it."""
-        in_dram = self.dram._contains_checked(list(keys))  # the store's own keys
+        in_dram = self.dram.contains_checked(list(keys))  # the store's own keys
         if all(in_dram):
             return in_dram, 0
         if where is None:

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -174,3 +175,13 @@ class SessionRestore:
     loaded_tokens: int
     bytes: int
     seconds: float
+
+
+def run_layer_load(load: LayerLoad, call: Callable[[Callable[[int], None]], LoadResult]) -> None:
+    """Runs ``call(after_pool)`` (the store's load) for ``load`` and records how it ended."""
+    try:
+        result = call(load._pool_written)
+    except BaseException as error:  # handed to the waiter: result() raises it
+        load._finish(None, error)
+        return
+    load._finish(result, None)

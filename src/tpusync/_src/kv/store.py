@@ -37,10 +37,11 @@ import numpy as np
 
 from tpusync._src.kv._engine_calls import EngineBlockCalls
 from tpusync._src.kv._handles import OpenHandles, warn_still_open
-from tpusync._src.kv._loads import load_keys, run_layer_load
+from tpusync._src.kv._loads import load_keys
 from tpusync._src.kv._peer_link import PeerLink, watch_removals
-from tpusync._src.kv._session_calls import SessionCalls
+from tpusync._src.kv._session_calls import SessionCalls, session_dir
 from tpusync._src.kv._sessions import SessionManifests
+from tpusync._src.kv._store_calls import BlockPaths, StoreCalls
 from tpusync._src.kv._store_checks import (
     check_block_ids,
     check_device_pools,
@@ -61,6 +62,8 @@ from tpusync._src.kv.results import (
     LookupResult,
     SaveFuture,
     SaveResult,
+    SessionRestore,
+    run_layer_load,
 )
 from tpusync._src.memory.device_pool import DevicePool
 from tpusync._src.memory.fork_guard import check_same_process
@@ -82,7 +85,7 @@ log = logging.getLogger("tpusync.kv")
 T = TypeVar("T")
 
 
-class KVCacheStore(SessionCalls, EngineBlockCalls):
+class KVCacheStore:
     """Prefix cache of KV blocks over a device pool and the tiers below it.
 
     Args:
@@ -133,7 +136,6 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         self._closed = False
         self._opened_by = os.getpid()
         self._handles = OpenHandles()  # watched: one dropped unconsumed releases its pins
-        self._session_saves: dict[str, SaveFuture] = {}
         self._registry_link: PeerLink | None = None  # see attach_peer_link
         self._server: Any = None  # the BlockServer of tpusync._src.cluster.serving.serve()
         self._saving: set[SaveFuture] = set()  # saves not yet durable (flush waits for them)
@@ -144,7 +146,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
              "load_misses", "saves", "saved_blocks", "save_skipped_blocks", "prefetched_blocks"],
             0,
         )  # fmt: skip
-        sessions = self._session_dir()
+        sessions = session_dir(config)
         if sessions is not None and os.path.lexists(sessions):
             check_directory(sessions)  # before any tier is opened: a refusal changes nothing
         opened: list[Any] = []
@@ -165,7 +167,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
                     opened.append(tier.tier)
                 lower.append((spec.name, tier))
             self._not_owned = {id(tier.tier) for _, tier in lower if not tier.owned}
-            self._sessions = SessionManifests(  # UnsafeFileError/TierIOError: tiers closed
+            manifests = SessionManifests(  # UnsafeFileError/TierIOError: tiers closed
                 sessions,
                 owner=(config.model_id, self.layout.fingerprint.hex()),
                 block_size=self.block_size,
@@ -183,8 +185,31 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
                 tier.close()
             raise
         self.dram = dram
-        for record in self._sessions.all():
-            self._stack.keep(record.keys)
+        self._paths = BlockPaths(self._stack, self.layout, self.pools, config.path)
+        calls = StoreCalls(
+            check_open=self._check_open,
+            namespace=self._namespace,
+            keys=self._keys,
+            check_block_ids=self._check_block_ids,
+            check_writable=self._check_writable,
+            other_pools=self._other_pools,
+            lookup_keys=self._lookup_keys,
+            opened=self._opened,
+            start_save=self._start_save,
+            load_keys=self._load_keys,
+            submit=self._submit,
+        )
+        self._sessions = SessionCalls(
+            calls,
+            self._stack,
+            manifests,
+            scheme=self.scheme,
+            block_size=self.block_size,
+            block_bytes=self.layout.payload_bytes,
+        )
+        self._engine_blocks = EngineBlockCalls(
+            calls, self._stack, scheme=self.scheme, block_size=self.block_size
+        )
         self._calls = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tpusync-kv")
         # layer-by-layer loads start at once: never queued behind saves
         self._layer_calls = concurrent.futures.ThreadPoolExecutor(1, "tpusync-kv-layers")
@@ -435,7 +460,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         after_pool: Callable[[int], None] | None = None,
         pools: list[Any] | None = None,
     ) -> tuple[int, int]:
-        return load_keys(self, keys, ids, after_pool, pools)
+        return load_keys(self._paths, keys, ids, after_pool, pools)
 
     def load_by_layer(
         self, result: LookupResult, device_block_ids: Any, *, skip_blocks: int = 0
@@ -528,8 +553,8 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             for t in set(where) - {-1}:
                 stack.touch(t, [k for k, w in zip(keys, where, strict=True) if w == t])
             new_keys, new_ids = [keys[i] for i in fresh], ids[fresh]
-            if streams(self, len(new_keys), save=True):  # more than DRAM holds: chunk by chunk
-                streamed, rest = save_through_dram(self, new_keys, new_ids, pools)
+            if streams(self._paths, len(new_keys), save=True):  # more than DRAM: chunk by chunk
+                streamed, rest = save_through_dram(self._paths, new_keys, new_ids, pools)
                 rest = len(new_keys) if rest is None else rest
                 new_keys, new_ids = new_keys[rest:], new_ids[rest:]
             if stack.writeback.admit(len(new_keys)):
@@ -587,6 +612,118 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
 
     # --- peers: what tpusync._src.cluster.serving attaches
     # -----------------------------------------
+
+    # --- offloaded sessions (kv/_session_calls.py) ---------------------------------------
+
+    def offload_session(
+        self,
+        session_id: str,
+        tokens: Any,
+        device_block_ids: Any,
+        *,
+        namespace: Namespace | None = None,
+    ) -> SaveResult:
+        """Offloads a paused session (see :meth:`offload_session_async`) and waits until it is
+        durable in DRAM; the device blocks are free when this returns."""
+        return self.offload_session_async(
+            session_id, tokens, device_block_ids, namespace=namespace
+        ).result()
+
+    def offload_session_async(
+        self,
+        session_id: str,
+        tokens: Any,
+        device_block_ids: Any,
+        *,
+        namespace: Namespace | None = None,
+    ) -> SaveFuture:
+        """Moves a paused session's KV — every token, the partial last block too — out of device
+        memory into the store and keeps it from being dropped until :meth:`restore_session` or
+        :meth:`drop_session`. Offloading an id again replaces the old session. Returns the
+        save's future (free the device blocks after ``released``)."""
+        return self._sessions.offload_async(session_id, tokens, device_block_ids, namespace)
+
+    def restore_session(
+        self, session_id: str, device_block_ids: Any, *, timeout: float | None = None
+    ) -> SessionRestore:
+        """Loads an offloaded session's KV into ``device_block_ids`` (one per block of its
+        tokens, the partial last block included) and ends the session; its full blocks stay
+        cached as ordinary prefix blocks."""
+        return self._sessions.restore(session_id, device_block_ids, timeout)
+
+    def restore_session_async(
+        self, session_id: str, device_block_ids: Any
+    ) -> concurrent.futures.Future[SessionRestore]:
+        """:meth:`restore_session` on the store's threads."""
+        return self._submit(self.restore_session, session_id, device_block_ids)
+
+    def drop_session(self, session_id: str) -> None:
+        """Forgets an offloaded session; its full blocks stay cached as ordinary blocks."""
+        self._sessions.drop(session_id)
+
+    def sessions(self) -> list[str]:
+        """Ids of the offloaded sessions (including those found after a restart)."""
+        return self._sessions.ids()
+
+    def session_tokens(self, session_id: str) -> np.ndarray:
+        """The tokens of an offloaded session (a copy): what sizes the device blocks
+        :meth:`restore_session` needs. Raises :class:`~tpusync.errors.SessionNotFoundError`
+        when there is none."""
+        self._check_open()
+        return self._sessions.tokens(session_id)
+
+    # --- blocks an engine hashed itself, block events (kv/_engine_calls.py) ---------------
+
+    def lookup_engine_blocks(
+        self, block_hashes: Sequence[bytes], *, namespace: Namespace | None = None
+    ) -> LookupResult:
+        """:meth:`lookup` for blocks the engine has hashed itself (vLLM's
+        ``Request.block_hashes``, each naming its whole prefix): the leading run of them cached
+        in any tier, pinned. Keys are the engine's hashes under this store's keyed namespace
+        (:meth:`~tpusync.kv.Blake2bChainKeys.engine_keys`), so they are the same in every
+        process whose engine hashes the same way. (Tensor-parallel shards agree through a
+        registry only on token lookups: here each shard answers for itself.)"""
+        return self._engine_blocks.lookup(block_hashes, namespace)
+
+    def lookup_engine_blocks_in_dram(
+        self, block_hashes: Sequence[bytes], *, namespace: Namespace | None = None
+    ) -> LookupResult | None:
+        """:meth:`lookup_engine_blocks` answered from the DRAM tier's index alone: the hit,
+        pinned, when DRAM holds every one of the blocks, or (a store without tiers below DRAM)
+        DRAM's leading run of them, the whole answer there. ``None`` when a lower tier may hold
+        more, or when the store's lock is held (a lower tier may be answering a lookup over the
+        network): then ask :meth:`lookup_engine_blocks`. It reads no tier below DRAM and only
+        tries the store's lock, so it never waits for another lookup: a caller that must not
+        block on I/O (an engine's scheduler) may call it on its own thread."""
+        return self._engine_blocks.lookup_in_dram(block_hashes, namespace)
+
+    def save_engine_blocks_async(
+        self,
+        block_hashes: Sequence[bytes],
+        device_block_ids: Any,
+        *,
+        namespace: Namespace | None = None,
+        pools: Any = None,
+    ) -> SaveFuture:
+        """:meth:`save_async` for blocks the engine has hashed itself (see
+        :meth:`lookup_engine_blocks`): ``device_block_ids[i]`` holds the block of
+        ``block_hashes[i]``; blocks already stored are skipped. ``pools``: other pools of
+        this store's block layout to save from (e.g. a staging buffer); default: the
+        store's own."""
+        return self._engine_blocks.save_async(block_hashes, device_block_ids, namespace, pools)
+
+    def add_block_listener(self, listener: Callable[[str, str, list[bytes]], None]) -> None:
+        """Calls ``listener(kind, tier, keys)`` whenever blocks are stored in (``"stored"``) or
+        removed from (``"removed"``: evicted, dropped as corrupt, purged) a tier of this store
+        (``tier`` is its name: ``"dram"``, ``"disk"``, ...); a block moving between tiers is a
+        store in one and, when it leaves, a removal from the other. Called on the thread that
+        changed the tier, without the store's locks: keep it short (e.g. queue the event). An
+        exception in it is logged and ignored."""
+        self._engine_blocks.add_listener(listener)
+
+    def remove_block_listener(self, listener: Callable[[str, str, list[bytes]], None]) -> None:
+        """Stops calling ``listener`` (added with :meth:`add_block_listener`)."""
+        self._engine_blocks.remove_listener(listener)
 
     def check_peer_link_free(self) -> None:
         """Raises InvalidArgumentError when the store is closed or already has a peer link
@@ -654,10 +791,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
         self._check_open()
         tag = self.scheme.namespace_tag(self._namespace(namespace))
         self.flush()
-        for record in self._sessions.all():
-            if record.keys and record.keys[0].startswith(tag):
-                self._sessions.pop(record.session_id)
-                self._stack.unkeep(list(record.keys))
+        self._sessions.forget_namespace(tag)
         keys: set[bytes] = set()
         for tier, read_only in zip(self._stack.tiers, self._stack.read_only, strict=True):
             if not read_only:
@@ -700,7 +834,7 @@ class KVCacheStore(SessionCalls, EngineBlockCalls):
             store: dict[str, Any] = dict(self._counters)
         store.update(stack.counters_snapshot())
         store["writeback_pending_bytes"] = stack.writeback.pending_bytes()
-        store["sessions"] = len(self._sessions.all())
+        store["sessions"] = len(self._sessions.ids())
         with self._handles_lock:
             store["open_handles"] = len(self._handles)
         tiers = {}

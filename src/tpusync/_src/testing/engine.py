@@ -27,7 +27,7 @@ from tpusync._src.kv.results import LoadResult
 from tpusync._src.kv.store import KVCacheStore
 from tpusync._src.memory.device_pool import DevicePool, wait_for_readers
 from tpusync._src.testing import model as M
-from tpusync.errors import SessionNotFoundError, TierFullError
+from tpusync.errors import TierFullError
 
 __all__ = ["Request", "ToyEngine"]
 
@@ -205,10 +205,8 @@ class ToyEngine:
         first being the one after ``next_token`` (the paused request's last output)."""
         assert self.store is not None
         start = time.perf_counter()
-        record = self.store._sessions.get(session_id)
-        if record is None:
-            raise SessionNotFoundError(f"session_id: no paused session {session_id!r}")
-        blocks = self.allocate(M.blocks_needed(self.config, len(record.tokens) + n_new))
+        tokens = self.store.session_tokens(session_id)  # SessionNotFoundError: none
+        blocks = self.allocate(M.blocks_needed(self.config, len(tokens) + n_new))
         table = np.asarray(blocks, dtype=np.int32)
         try:
             restored = self.store.restore_session(session_id, blocks)

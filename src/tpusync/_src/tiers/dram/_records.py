@@ -84,9 +84,9 @@ class SlotRecords:
             return list(self._index)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._contains_checked(check_keys(keys))
+        return self.contains_checked(check_keys(keys))
 
-    def _contains_checked(self, keys: list[bytes]) -> list[bool]:
+    def contains_checked(self, keys: list[bytes]) -> list[bool]:
         """:meth:`contains` of keys already checked (the KV store's own)."""
         with self._lock:
             self._open_base()

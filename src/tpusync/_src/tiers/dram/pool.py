@@ -347,7 +347,7 @@ class HostPool(SlotRecords):
             self.unpin(pinned)
         if corrupt:
             self.drop_corrupt(corrupt)
-        loaded = target._contains_checked(keys)
+        loaded = target.contains_checked(keys)
         self._served(loaded, len(keys) - sum(loaded) - len(corrupt), len(corrupt))
 
     def _check_peer(self, pool: Any, argument: str) -> None:
@@ -446,9 +446,9 @@ class HostPool(SlotRecords):
             raise InvalidArgumentError(
                 f"block_ids: {len(block_ids)} block ids for {len(keys)} keys; give one per key"
             )
-        self._get_checked(keys, pools, block_ids, path)
+        self.get_to_device_checked(keys, pools, block_ids, path)
 
-    def _get_checked(
+    def get_to_device_checked(
         self,
         keys: list[bytes],
         pools: Sequence[DevicePool],
