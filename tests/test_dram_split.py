@@ -39,13 +39,3 @@ def test_the_lower_tier_interface_imports_no_concrete_tier() -> None:
 def test_kv_store_names_are_the_same_objects_from_kv_and_kv_store() -> None:
     for name in tpusync._src.kv.store.__all__:
         assert getattr(tpusync.kv, name) is getattr(tpusync._src.kv.store, name), name
-
-
-def test_the_split_modules_are_under_800_lines() -> None:
-    paths = [
-        *sorted((SRC / "tiers" / "dram").glob("*.py")),
-        *sorted((SRC / "tiers" / "disk").glob("*.py")),
-        *sorted((SRC / "kv").glob("*.py")),
-    ]
-    long = {p.name: n for p in paths if (n := len(p.read_text().splitlines())) > 800}
-    assert long == {}

@@ -121,7 +121,7 @@ def test_load_secret_reads_the_files_tpusync_serve_reads(tmp_path: Path) -> None
         load_secret(tmp_path / "short")
     with pytest.raises(InvalidArgumentError, match=r"^--secret-file: cannot read .*absent"):
         read_secret(str(tmp_path / "absent"))
-    assert "load_secret" in tpusync._src.kv.__all__
+    assert "load_secret" in tpusync.kv.__all__
 
 
 def _github_anchor(heading: str) -> str:

@@ -26,7 +26,7 @@ def test_v1_pages_round_trip_byte_exact(backends, case: Case):
     pool = host_pool(case.kind, case.layout)
     backend = backends(pool, case.kind)
     assert isinstance(backend.store, KVCacheStore)
-    assert set(backend.store.dram._kept.plans) == {True, False}  # planned at registration
+    assert set(backend.store.dram._mover._kept.plans) == {True, False}  # planned at registration
     source = [3, 7, 1, 12, 5]
     target = [20, 21, 30, 9, 40]
     names = keys(len(source))

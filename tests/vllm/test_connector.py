@@ -80,7 +80,7 @@ def test_a_new_engine_serves_the_prompt_from_dram_in_dev_shm(
     # chunked prefill: the prompt's blocks become full over several steps
     with engine(models["main"], transfer_config(kv), max_num_batched_tokens=64) as llm:
         # both directions planned when the KV tensors were registered: no hit pays for it
-        assert set(worker_of(llm).store.dram._kept.plans) == {True, False}
+        assert set(worker_of(llm).store.dram._mover._kept.plans) == {True, False}
         assert generate(llm, [PROMPT]) == [(reference, 0)]
         stats = settle(worker_of(llm))
         assert stats["store"]["saved_blocks"] == len(PROMPT) // BLOCK

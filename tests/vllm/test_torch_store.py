@@ -54,12 +54,12 @@ def test_warmup_plans_both_directions_over_torch_pools_and_moves_nothing() -> No
         store.flush(timeout=30)
         before = buffer.clone()
         store.warmup(wait_mapped=False)
-        plans = {way: id(plan) for way, plan in store.dram._kept.plans.items()}  # (no views held)
+        plans = {way: id(plan) for way, plan in store.dram._mover._kept.plans.items()}
         assert set(plans) == {True, False}  # loads and saves: planned now, not on first use
         assert torch.equal(buffer.view(torch.uint8), before.view(torch.uint8))
         assert store.load(store.lookup_engine_blocks(hashes), [5, 7, 9]).loaded_blocks == 3
         # the load ran the plan made by warmup
-        assert {way: id(plan) for way, plan in store.dram._kept.plans.items()} == plans
+        assert {way: id(plan) for way, plan in store.dram._mover._kept.plans.items()} == plans
         moved = buffer[:, [5, 7, 9]].view(torch.uint8)
         assert torch.equal(moved, before[:, [0, 2, 4]].view(torch.uint8))
     finally:

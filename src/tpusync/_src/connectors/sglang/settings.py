@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import tpusync._src.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
+import tpusync._src.cluster.tier_specs  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync._src.connectors.sglang.events import EventSettings, event_settings
 from tpusync._src.kv.config import KVStoreConfig
 from tpusync.errors import InvalidArgumentError, UnsafeFileError

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tpusync._src.cluster  # noqa: F401  (registers the "store_node" and "peer" sections)
+import tpusync._src.cluster.tier_specs  # noqa: F401  (registers the "store_node" and "peer" sections)
 from tpusync._src.cluster.registry.server import is_loopback
 from tpusync._src.kv.config import KVStoreConfig
 from tpusync._src.kv.config_dict import client_tls, server_tls
