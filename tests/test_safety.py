@@ -218,3 +218,17 @@ def test_a_pinned_buffer_s_address_is_read_from_its_pin() -> None:
         assert len(holds) == 1 and _core.dlpack_address(holds[0]) is not None
     for other in (None, b"dltensor", host):
         assert _core.dlpack_address(other) is None
+
+
+def test_hold_takes_the_address_from_the_pin_not_from_the_array(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pin of another buffer gives that buffer's address: ``_hold`` reads the capsule, not
+    ``unsafe_buffer_pointer`` (the call that raced in CI)."""
+    array = jax.device_put(np.arange(64, dtype=np.float32), jax.devices()[0])
+    decoy = jax.device_put(np.arange(64, dtype=np.float32), jax.devices()[0])
+    original_pin = native._pin_buffer
+    monkeypatch.setattr(native, "_pin_buffer", lambda data: original_pin(decoy))
+    holds: list[object] = []
+    address = native._hold(holds, array, jax.devices()[0], False)
+    assert address == decoy.unsafe_buffer_pointer() != array.unsafe_buffer_pointer()

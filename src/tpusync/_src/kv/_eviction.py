@@ -48,6 +48,3 @@ class LruPolicy:
 
     def coldest(self) -> Iterator[bytes]:
         return iter(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)

@@ -4,7 +4,6 @@ into the store's attributes and the store reaches into none of theirs."""
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,6 @@ class StoreCalls:
     opened: Callable[[list[bytes], list[str], int, int], LookupResult]
     start_save: Callable[..., SaveFuture]
     load_keys: Callable[[list[bytes], np.ndarray], tuple[int, int]]
-    submit: Callable[..., concurrent.futures.Future[Any]]
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,6 @@ class KVCacheStore:
             opened=self._opened,
             start_save=self._start_save,
             load_keys=self._load_keys,
-            submit=self._submit,
         )
         self._sessions = SessionCalls(
             calls,

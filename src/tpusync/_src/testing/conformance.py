@@ -30,16 +30,6 @@ from tpusync._src.tiers.dram import HostPool
 from tpusync._src.tiers.layout import ArrayLayout, PoolLayout
 from tpusync.errors import BlocksMissingError, TierFullError
 
-__all__ = [
-    "REGISTRY_CASES",
-    "TIER_CASES",
-    "RegistryConformance",
-    "TierConformance",
-    "check_registry",
-    "check_tier",
-    "conformance_layout",
-]
-
 OpenTier = Callable[[PoolLayout], Any]
 MakeRegistry = Callable[[], Any]
 

@@ -29,8 +29,6 @@ from tpusync._src.memory.device_pool import DevicePool, wait_for_readers
 from tpusync._src.testing import model as M
 from tpusync.errors import TierFullError
 
-__all__ = ["Request", "ToyEngine"]
-
 
 @dataclass(frozen=True)
 class Request:

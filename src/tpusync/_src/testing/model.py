@@ -47,17 +47,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = [
-    "Generation",
-    "ModelConfig",
-    "blocks_needed",
-    "decode_step",
-    "generate_greedy",
-    "init_kv_pools",
-    "init_params",
-    "prefill",
-]
-
 Params = dict[str, Any]
 KVPools = list[jax.Array]
 
