@@ -6,7 +6,10 @@ API it has). Rounds alternate the order (A B, B A, A B, ...) so that drift on a 
 falls on both sides. Every figure a run's JSON holds (GB/s and per-second rates: higher is
 better; seconds: lower is better) is collected per round; the table shows the median of the
 rounds per side and B's change, and flags a figure of our code that is worse by more than the
-threshold. Figures of the limits measured beside ours (memcpy, fio, iperf3, raw disk) are shown
+threshold. Rounds are also compared in pairs (A and B of one round run back to back): the median
+of the per-round changes cancels drift between rounds, and the spread of those changes (half
+their interquartile range) is the noise a change must stand out of; the flag uses the paired
+change. Figures of the limits measured beside ours (memcpy, fio, iperf3, raw disk) are shown
 for context and never flagged.
 
     python benchmarks/ab.py --a /work/ab/before --b /work/ab/after --rounds 5 \\
@@ -104,6 +107,16 @@ def compare(
         a = statistics.median(r[label][0] for r in runs["a"])
         b = statistics.median(r[label][0] for r in runs["b"])
         change = (b / a - 1.0) * sign if a else 0.0  # > 0: B is better
+        pairs = [
+            (rb[label][0] / ra[label][0] - 1.0) * sign
+            for ra, rb in zip(runs["a"], runs["b"], strict=True)
+            if ra[label][0]
+        ]
+        paired = statistics.median(pairs) if pairs else 0.0
+        spread = 0.0
+        if len(pairs) >= 4:
+            quartiles = statistics.quantiles(pairs, n=4)
+            spread = (quartiles[2] - quartiles[0]) / 2
         limit = is_limit(label)
         rows.append(
             {
@@ -111,8 +124,10 @@ def compare(
                 "a": a,
                 "b": b,
                 "b_better_by": change,
+                "paired_b_better_by": paired,
+                "paired_spread": spread,
                 "limit": limit,
-                "worse": (not limit) and change < -threshold,
+                "worse": (not limit) and paired < -threshold,
             }
         )
     return rows
@@ -140,17 +155,18 @@ def main() -> None:
         print(f"round {round_ + 1}/{args.rounds} done ({time.monotonic() - start:.0f} s)")
     rows = compare(runs, args.threshold)
     print(f"\n{args.bench}: median of {args.rounds} alternating runs per side")
-    print(f"{'figure':<64}{'A':>11}{'B':>11}{'B vs A':>9}")
+    print(f"{'figure':<56}{'A':>11}{'B':>11}{'B vs A':>9}{'paired':>9}{'+-':>7}")
     for row in rows:
         mark = "  WORSE" if row["worse"] else ("  (limit)" if row["limit"] else "")
         print(
-            f"{row['figure'][:63]:<64}{row['a']:>11.4g}{row['b']:>11.4g}"
-            f"{row['b_better_by']:>+9.1%}{mark}"
+            f"{row['figure'][:55]:<56}{row['a']:>11.4g}{row['b']:>11.4g}"
+            f"{row['b_better_by']:>+9.1%}{row['paired_b_better_by']:>+9.1%}"
+            f"{row['paired_spread']:>7.1%}{mark}"
         )
     worse = [r for r in rows if r["worse"]]
     print(
         f"{len(worse)} of {sum(not r['limit'] for r in rows)} figures worse by more than "
-        f"{args.threshold:.0%}"
+        f"{args.threshold:.0%} (paired)"
     )
     if args.json:
         write_json(

@@ -8,7 +8,7 @@
 #   suite_vllm OPTIONS...    the suites of the engines (options only)
 #   suite_sglang OPTIONS...
 # and sets $logs, the folder this run's logs stay in. While the environments are made, $env_job
-# is the pid of the job making them (for the caller's EXIT trap). tests/test_scripts.py runs
+# is the pid of the job making them (for the caller's EXIT trap). tests/project/test_scripts.py runs
 # this with fake steps.
 #
 # TPUSYNC_SUITES (default "main vllm sglang") names the suites to run; the others are reported

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs real PJRT plugins (libtpu, the CUDA 13 plugin) into a private directory, for
-# tests/test_pjrt_plugins.py. They only need to load: no TPU or GPU is used.
+# tests/native/test_pjrt_plugins.py. They only need to load: no TPU or GPU is used.
 #
 # Never into the venv's site-packages: a jax_plugins CUDA plugin on sys.path whose version does
 # not match jaxlib breaks JAX's start-up. The tests load each plugin by path, in a child process.

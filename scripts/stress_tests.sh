@@ -9,9 +9,9 @@ cd "$repo"
 venv="${TPUSYNC_VENV:-$repo/.venv}"
 loops="${TPUSYNC_STRESS_LOOPS:-$(nproc)}"
 main_tests=(
-    tests/test_cluster_faults.py tests/test_cluster_tls.py tests/test_preauth.py
-    tests/test_fork.py tests/test_crash.py tests/test_weights_processes.py
-    tests/test_trust_loops.py tests/test_peer_isolation.py
+    tests/cluster/test_cluster_faults.py tests/cluster/test_cluster_tls.py tests/cluster/test_preauth.py
+    tests/memory/test_fork.py tests/tiers/test_crash.py tests/weights/test_weights_processes.py
+    tests/cluster/test_server_loops.py tests/cluster/test_peer_isolation.py
 )
 # the vLLM connector's tests of lookup deadlines and background loads (its engine tests take
 # minutes each under load: CI's 30 minutes do not hold them a second time)

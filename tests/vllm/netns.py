@@ -1,7 +1,7 @@
 """A network namespace joined to this one by a veth pair, for tests whose processes must talk
 across different addresses (not loopback): made with ``ip`` (iproute2, root), removed on exit
 with its link (stop every process inside it first). Without root or ``ip`` the test skips, or
-fails where the tools are required (CI: see tests/tools.py)."""
+fails where the tools are required (CI: see tests/helpers/tools.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PyTorch tensors in transfer() / transfer_batch() (issue 22): CPU tensors as sources, and as
+"""PyTorch tensors in transfer() / transfer_batch(): CPU tensors as sources, and as
 destinations through TorchPool, bit-exact on every dtype vLLM uses, strided views included, on
 both engines; what cannot be moved as raw memory is refused by name. Runs in the vLLM
 environment (the main one has no torch)."""

@@ -17,7 +17,7 @@ flag (``--dram``, never the library's ``dram_bytes``). Output piped into a reade
 early (``tpusync info | head``) ends quietly with exit 0.
 
 Each command's module is imported when that command runs: ``--version`` and ``--help`` answer
-without importing JAX (tests/test_cli_conventions.py checks that they import none).
+without importing JAX (tests/cli/test_cli_conventions.py checks that they import none).
 """
 
 from __future__ import annotations

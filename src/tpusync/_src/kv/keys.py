@@ -1,6 +1,6 @@
 """Block keys for prefix caching: token blocks chained under a keyed namespace digest.
 
-Scheme ``blake2b-chain-v1`` (pinned by golden vectors in ``tests/test_kv_keys.py``):
+Scheme ``blake2b-chain-v1`` (pinned by golden vectors in ``tests/kv/test_kv_keys.py``):
 
 * The namespace digest is BLAKE2b-128, keyed by the deployment secret, with personalisation
   ``tpusync-ns-v1``, over the namespace's fields in a fixed order, each written as a

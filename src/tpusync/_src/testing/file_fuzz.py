@@ -14,8 +14,8 @@ swapped, JSON edits with the digest recomputed), and opens and reads what is the
 * every block served under a key that was stored has exactly the bytes stored under it.
 
 A broken rule raises :class:`FuzzFailure` naming the mutation, the iteration and the seed. The
-functions return how often each outcome happened. Used by ``tests/test_trust_files.py`` (a few
-seconds each) and ``scripts/fuzz_files.py`` (longer runs).
+functions return how often each outcome happened. Used by ``tests/tiers/test_damaged_files.py`` (a
+few seconds each) and ``scripts/fuzz_files.py`` (longer runs).
 """
 
 from __future__ import annotations
