@@ -111,7 +111,7 @@ def test_the_file_is_mapped_before_the_first_pull(tmp_path: Path, rng: np.random
                 memory[: 1 << 20] = rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
             pool.commit(reservation, pool.hash_slots(reservation.slots))
         with BlockClient(server.address, secret=SECRET) as client:
-            reader = client._pool_file
+            reader = client.pool_file
             assert reader is not None and reader._warming is not None
             reader._warming.join(timeout=20)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -316,7 +316,7 @@ def test_a_closed_reader_reads_nothing(named: HostPool, rng: np.random.Generator
         client = BlockClient(server.address, secret=SECRET)
         places = Places(rng, len(KEYS))
         assert client.pull_scattered(KEYS, LAYOUT, places.scatter) == [True] * len(KEYS)
-        reader = client._pool_file
+        reader = client.pool_file
         assert reader is not None
         client.close()
         pinned = named.pin(KEYS)
@@ -337,7 +337,7 @@ def test_closing_the_client_cuts_a_copy_from_the_file_short(
     closers: list[threading.Thread] = []
     with BlockServer(named, secret=SECRET) as server:
         client = BlockClient(server.address, secret=SECRET)
-        reader = client._pool_file
+        reader = client.pool_file
         assert reader is not None
         original = reader._copy
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 import tpusync
-from tpusync._src.tiers.dram._pool_file import FORMAT_VERSION as HOST_POOL_VERSION
+from tpusync._src.tiers.dram.pool_file import FORMAT_VERSION as HOST_POOL_VERSION
 from tpusync.tiers import DiskPool, HostPool, PoolLayout, SharedFsPool
 
 HERE = Path(__file__).parent

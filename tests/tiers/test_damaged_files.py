@@ -45,9 +45,9 @@ from paths import REPO
 from tools import tools_required
 
 from tpusync import DevicePool
-from tpusync._src.kv import _sessions
-from tpusync._src.tiers.disk import _format as disk_module
-from tpusync._src.tiers.shared_fs import _format as sfs_module
+from tpusync._src.kv import sessions as _sessions
+from tpusync._src.tiers.disk import file_format as disk_module
+from tpusync._src.tiers.shared_fs import file_format as sfs_module
 from tpusync.errors import (
     BlocksMissingError,
     PoolFormatError,
@@ -715,7 +715,7 @@ def test_manifest_decoder_checks_every_field():
 
     def edited(**fields: Any) -> bytes:
         body = {**json.loads(good)["body"], **fields}
-        return json.dumps({"body": body, "digest": _sessions._digest(body)}).encode()
+        return json.dumps({"body": body, "digest": _sessions.manifest_digest(body)}).encode()
 
     for bad in (
         edited(tokens=[1.0] * 9),

@@ -34,7 +34,7 @@ from paths import DATA, REPO
 import tpusync
 from tpusync._src.memory import huge_pages as _huge_pages
 from tpusync._src.tiers.dram import pool_path
-from tpusync._src.tiers.dram._pool_file import (
+from tpusync._src.tiers.dram.pool_file import (
     COMMITTED,
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -78,13 +78,13 @@ def remove_stale(*args: Any) -> Any:
 
 
 def owner_pid_field() -> slice:
-    from tpusync._src.tiers.dram._pool_file import owner_pid_field
+    from tpusync._src.tiers.dram.pool_file import owner_pid_field
 
     return owner_pid_field()
 
 
 def scan_records(*args: Any) -> Any:
-    from tpusync._src.tiers.dram._pool_file import scan_records
+    from tpusync._src.tiers.dram.pool_file import scan_records
 
     return scan_records(*args)
 

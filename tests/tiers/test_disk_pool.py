@@ -41,7 +41,7 @@ from tpusync import _core
 from tpusync._src.info import check_o_direct
 from tpusync._src.tiers.disk import _io_jobs as disk_io_jobs
 from tpusync._src.tiers.disk import pool as disk_pool_module
-from tpusync._src.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, WRITING
+from tpusync._src.tiers.dram.pool_file import COMMITTED, RECORD_DTYPE, WRITING
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,

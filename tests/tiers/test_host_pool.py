@@ -44,7 +44,7 @@ from tools import skip_or_fail
 
 from tpusync import DevicePool
 from tpusync._src.tiers.dram import pool_path
-from tpusync._src.tiers.dram._pool_file import WRITING
+from tpusync._src.tiers.dram.pool_file import WRITING
 from tpusync.errors import (
     BlockIndexError,
     BlocksHeldError,

@@ -41,7 +41,7 @@ from shared_fs_child import (
 )
 
 from tpusync import DevicePool
-from tpusync._src.tiers.shared_fs import _format as sfs
+from tpusync._src.tiers.shared_fs import file_format as sfs
 from tpusync.errors import (
     BlocksMissingError,
     InvalidArgumentError,

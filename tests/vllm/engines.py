@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from fronts import mapped_shm_files
 
-from tpusync._src.tiers.dram._pool_file import COMMITTED, RECORD_DTYPE, decode_header
+from tpusync._src.tiers.dram.pool_file import COMMITTED, RECORD_DTYPE, decode_header
 
 # before vLLM is imported or an engine made: engines in this process, a 1 GiB KV space
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

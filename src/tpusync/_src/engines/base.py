@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from tpusync._src.memory.device_pool import DevicePool
+from tpusync._src.memory.device_pool import DevicePool, current_array
 
 __all__ = ["DeviceSide", "Engine", "HostSide", "Move", "ShardGroup", "Side"]
 
@@ -46,7 +46,7 @@ class DeviceSide:
         fixed). A side holds no reference to a pool's array, which would keep a
         ``donated_steps`` pool from being written in place."""
         if self.pool is not None:
-            return self.pool._array
+            return current_array(self.pool)
         assert self.given is not None
         return self.given
 

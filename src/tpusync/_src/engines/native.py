@@ -27,7 +27,13 @@ from tpusync._src.engines.base import DeviceSide, HostSide, Move
 from tpusync._src.engines.devices import device_path
 from tpusync._src.engines.pjrt import engine as pjrt
 from tpusync._src.engines.segments import Region, block_bytes, segments, strided_offsets
-from tpusync._src.memory.device_pool import DevicePool, device_layout, wait_for_readers
+from tpusync._src.memory.device_pool import (
+    DevicePool,
+    current_array,
+    device_layout,
+    engine_notes,
+    wait_for_readers,
+)
 
 __all__ = [
     "ENGINE",
@@ -605,14 +611,14 @@ def pool_unavailable_reason(pool: DevicePool, write: bool = True) -> str | None:
     An updated array keeps the pool's devices and dtype (update() checks), so only its device
     layout can change the answer: the pool keeps the answer while the layout compares equal (a
     cheap read, where the full check is costly right after a step: docs/decisions/0004)."""
-    layout = device_layout(pool._array)
-    if pool._native_reason is None or layout is None or layout != pool._native_layout:
-        pool._native_reason = (
-            unavailable_reason(pool._array),
-            unavailable_reason(pool._array, write=True),
-        )
-        pool._native_layout = layout
-    return pool._native_reason[1 if write else 0]
+    array = current_array(pool)
+    layout = device_layout(array)
+    notes = engine_notes(pool)
+    known = notes.get("native")  # (device layout, (read reason, write reason))
+    if known is None or layout is None or layout != known[0]:
+        known = (layout, (unavailable_reason(array), unavailable_reason(array, write=True)))
+        notes["native"] = known
+    return known[1][1 if write else 0]
 
 
 class NativeEngine:

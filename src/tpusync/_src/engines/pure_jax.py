@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from tpusync._src.engines.base import DeviceSide, HostSide, Move
+from tpusync._src.memory.device_pool import replace_array
 
 __all__ = ["ENGINE", "JaxEngine", "bits_dtype", "bucket", "run"]
 
@@ -184,7 +185,7 @@ def _host_to_pool(move: Move) -> None:
         src_idx = jnp.asarray(_padded(move.src_blocks))
         dst_idx = jnp.asarray(_padded(move.dst_blocks))
         result = _copy_between_fn(move.block_axis)(pool_array, host_array, src_idx, dst_idx)
-    dst.pool._replace(result)
+    replace_array(dst.pool, result)
 
 
 # --- device -> device, host -> host -------------------------------------------------------------
@@ -201,7 +202,7 @@ def _device_to_pool(move: Move) -> None:
         result = _move_within_fn(move.block_axis)(pool_array, src_idx, dst_idx)
     else:
         result = _copy_between_fn(move.block_axis)(pool_array, source, src_idx, dst_idx)
-    dst.pool._replace(result)
+    replace_array(dst.pool, result)
 
 
 def _host_to_host(move: Move) -> None:

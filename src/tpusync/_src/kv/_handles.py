@@ -21,7 +21,7 @@ import warnings
 import weakref
 from collections import deque
 
-from tpusync._src.kv.results import LookupResult
+from tpusync._src.kv.results import LookupResult, handle_id, handle_state, set_handle_state
 
 __all__ = ["OpenHandles"]
 
@@ -46,24 +46,24 @@ class OpenHandles:
 
     def add(self, result: LookupResult) -> None:
         """Watches a new handle."""
-        self._keys[result._id] = result.keys
+        self._keys[handle_id(result)] = result.keys
         watcher = weakref.finalize(
             result,
             _collected,
             self._dropped,
-            result._id,
+            handle_id(result),
             len(result.keys),
             result.cached_tokens,
             result.total_tokens,
         )
         watcher.atexit = False
-        self._watched[result._id] = watcher
+        self._watched[handle_id(result)] = watcher
 
     def remove(self, result: LookupResult) -> None:
         """Stops watching a handle that was loaded or released (its pins are the caller's to
         drop)."""
-        watcher = self._watched.pop(result._id, None)
-        self._keys.pop(result._id, None)
+        watcher = self._watched.pop(handle_id(result), None)
+        self._keys.pop(handle_id(result), None)
         if watcher is not None:
             watcher.detach()
 
@@ -72,9 +72,9 @@ class OpenHandles:
         forgetting those handles."""
         keys: list[bytes] = []
         while self._dropped:
-            handle_id = self._dropped.popleft()
-            self._watched.pop(handle_id, None)
-            keys.extend(self._keys.pop(handle_id, ()))
+            number = self._dropped.popleft()
+            self._watched.pop(number, None)
+            keys.extend(self._keys.pop(number, ()))
         return keys
 
     def close(self) -> tuple[list[bytes], int]:
@@ -83,13 +83,13 @@ class OpenHandles:
         entry per pin), and how many live handles held pins."""
         keys = self.take_dropped()
         holding = 0
-        for handle_id, watcher in self._watched.items():
+        for number, watcher in self._watched.items():
             found = watcher.detach()  # None: collected meanwhile (its pins are still held)
             if found is not None:
                 handle: LookupResult = found[0]
-                holding += handle._state == "open" and bool(handle.keys)
-                handle._state = "closed"
-            keys.extend(self._keys.get(handle_id, ()))
+                holding += handle_state(handle) == "open" and bool(handle.keys)
+                set_handle_state(handle, "closed")
+            keys.extend(self._keys.get(number, ()))
         self._watched.clear()
         self._keys.clear()
         self._dropped.clear()
@@ -110,11 +110,11 @@ def warn_still_open(holding: int) -> None:
 
 
 def _collected(
-    dropped: deque[int], handle_id: int, blocks: int, cached_tokens: int, total_tokens: int
+    dropped: deque[int], number: int, blocks: int, cached_tokens: int, total_tokens: int
 ) -> None:
     """A handle was garbage collected without load() or release(): its pins are queued for the
     store to drop, and it warns (no lock, no I/O here: see the module docstring)."""
-    dropped.append(handle_id)
+    dropped.append(number)
     if blocks:  # a miss pins nothing: dropping it is fine
         warnings.warn(
             f"a KVCacheStore lookup handle was never loaded or released (a hit of {blocks} "

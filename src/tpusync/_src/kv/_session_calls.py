@@ -1,6 +1,6 @@
 """Offloaded sessions of one :class:`~tpusync.kv.KVCacheStore` (an object it holds): offload a
 paused session's KV, every token, out of device memory, keep it from being dropped, restore or
-drop it. The manifests themselves live in :mod:`tpusync._src.kv._sessions`."""
+drop it. The manifests themselves live in :mod:`tpusync._src.kv.sessions`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from tpusync._src.kv._sessions import SessionManifests, SessionRecord
 from tpusync._src.kv._store_calls import StoreCalls
 from tpusync._src.kv._tier_stack import TierStack
 from tpusync._src.kv.config import KVStoreConfig
 from tpusync._src.kv.keys import KeyScheme, Namespace
 from tpusync._src.kv.results import SaveFuture, SessionRestore
+from tpusync._src.kv.sessions import SessionManifests, SessionRecord
 from tpusync._src.kv.tier_specs import DiskTier
 from tpusync._src.tiers.dram import sessions_path
 from tpusync.errors import InvalidArgumentError, SessionNotFoundError

@@ -67,6 +67,29 @@ class LookupResult:
             self._store.release(self)
 
 
+# A handle's lifecycle, kept by the store that made it (its only writer, under its handles lock):
+# "open" -> "loading" -> "loaded" (or back to "open" when the load fails), "open" -> "released",
+# and "closed" when the store closes. These functions are the one place that touches it.
+
+
+def handle_id(result: LookupResult) -> int:
+    """The handle's number, unique in this process (a collected handle's ``id()`` may recur)."""
+    return result._id
+
+
+def handle_state(result: LookupResult) -> str:
+    return result._state
+
+
+def set_handle_state(result: LookupResult, state: str) -> None:
+    result._state = state
+
+
+def made_by(result: LookupResult, owner: HandleOwner) -> bool:
+    """Whether ``owner`` (a store) made this handle."""
+    return result._store is owner
+
+
 @dataclass(frozen=True)
 class LoadResult:
     """What a load put into the device blocks: the first ``loaded_blocks`` blocks

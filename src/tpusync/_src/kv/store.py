@@ -23,7 +23,6 @@ Pins and ownership (the contract, written once):
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -40,7 +39,6 @@ from tpusync._src.kv._handles import OpenHandles, warn_still_open
 from tpusync._src.kv._loads import load_keys
 from tpusync._src.kv._peer_link import PeerLink, watch_removals
 from tpusync._src.kv._session_calls import SessionCalls, session_dir
-from tpusync._src.kv._sessions import SessionManifests
 from tpusync._src.kv._store_calls import BlockPaths, StoreCalls
 from tpusync._src.kv._store_checks import (
     check_block_ids,
@@ -63,12 +61,17 @@ from tpusync._src.kv.results import (
     SaveFuture,
     SaveResult,
     SessionRestore,
+    handle_state,
+    made_by,
     run_layer_load,
+    set_handle_state,
 )
+from tpusync._src.kv.sessions import SessionManifests
 from tpusync._src.memory.device_pool import DevicePool
 from tpusync._src.memory.fork_guard import check_same_process
 from tpusync._src.memory.torch_tensors import TorchPool
 from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.dram.pool import unlink_own_file
 from tpusync._src.tiers.files import check_directory
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.spec import OpenedTier
@@ -180,7 +183,7 @@ class KVCacheStore:
             )
         except BaseException:
             if opened and opened[0].path is not None and not opened[0].attached:
-                _unlink_own_pool(opened[0])  # a refused store leaves no new pool behind
+                unlink_own_file(opened[0])  # a refused store leaves no new pool behind
             for tier in reversed(opened):
                 tier.close()
             raise
@@ -272,11 +275,11 @@ class KVCacheStore:
             raise InvalidArgumentError(
                 f"result: expected the LookupResult of lookup(), got {type(result).__name__}"
             )
-        if result._store is not self:
+        if not made_by(result, self):
             raise StaleHandleError("result: this handle belongs to another KVCacheStore")
-        if result._state != "open":
+        if handle_state(result) != "open":
             raise StaleHandleError(
-                f"result: this handle was already {result._state}; look the tokens up again"
+                f"result: this handle was already {handle_state(result)}; look the tokens up again"
             )
         return result
 
@@ -363,17 +366,18 @@ class KVCacheStore:
         """Marks a handle as being loaded, atomically: a second load or a release of it now
         raises StaleHandleError instead of racing this one."""
         with self._handles_lock:
-            if result._state != "open":
+            state = handle_state(result)
+            if state != "open":
                 raise StaleHandleError(
-                    f"result: this handle was already {result._state}; look the tokens up again"
+                    f"result: this handle was already {state}; look the tokens up again"
                 )
-            result._state = "loading"
+            set_handle_state(result, "loading")
 
     def _finish(self, result: LookupResult, state: str, *, claimed: bool = False) -> None:
         with self._handles_lock:
-            if result._state != ("loading" if claimed else "open"):
-                raise StaleHandleError(f"result: this handle was already {result._state}")
-            result._state = state
+            if handle_state(result) != ("loading" if claimed else "open"):
+                raise StaleHandleError(f"result: this handle was already {handle_state(result)}")
+            set_handle_state(result, state)
             self._handles.remove(result)
         self._stack.unpin(list(result.keys))
 
@@ -430,7 +434,7 @@ class KVCacheStore:
             loaded, promoted = self._load_keys(keys, ids, after_pool, pools)
         except BaseException:
             with self._handles_lock:
-                result._state = "open"  # a failed load leaves the handle and its pins
+                set_handle_state(result, "open")  # a failed load leaves the handle and its pins
             raise
         seconds = time.perf_counter() - start
         self._finish(result, "loaded", claimed=True)
@@ -889,12 +893,3 @@ class KVCacheStore:
             f"KVCacheStore(model_id={self.config.model_id!r}, block_size={self.block_size}, "
             f"tiers=[{tiers}], dram {self.dram.used}/{self.dram.capacity} blocks)"
         )
-
-
-def _unlink_own_pool(pool: HostPool) -> None:
-    """Removes the file of a named pool this process has just created (and still locks), if
-    its name still refers to it."""
-    assert pool.path is not None
-    with contextlib.suppress(OSError):
-        if os.stat(pool.path).st_ino == os.fstat(pool._fd).st_ino:
-            os.unlink(pool.path)

@@ -37,7 +37,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,9 @@ from tpusync.errors import (
     InvalidArgumentError,
     ShapeMismatchError,
 )
+
+if TYPE_CHECKING:
+    from tpusync._src.memory.torch_tensors import TorchPool
 
 __all__ = ["DevicePool", "check_alive", "device_layout", "start_donation", "wait_for_readers"]
 
@@ -119,11 +122,9 @@ class DevicePool:
         self.donated_steps = donated_steps
         self._lock = threading.RLock()
         self._holds = BlockHolds(tuple(int(n) for n in array.shape), name)
-        # Why the native engine cannot move the array (None: it can), kept here for the
-        # engine: found again only when the device layout changes (devices and dtype never
-        # do). See tpusync._src.engines.native.pool_unavailable_reason.
-        self._native_reason: tuple[str | None, str | None] | None = None  # (read, write)
-        self._native_layout: Any = None  # the device layout _native_reason was found for
+        # What an engine found out about the array and keeps for the next transfer (the native
+        # engine: why it cannot move it, per device layout; see engine_notes).
+        self._engine_notes: dict[str, Any] = {}
         # the devices the pool spans: fixed, since update() keeps the sharding
         self._devices = frozenset(array.sharding.device_set)
 
@@ -233,15 +234,41 @@ class DevicePool:
         wait_for_readers([self])
         return self._array
 
-    def _replace(self, array: jax.Array) -> None:
-        """Swaps in the result of a donated pure-JAX write. Call with the lock held."""
-        self._array = array
-
     def __repr__(self) -> str:
         return (
             f"DevicePool(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
             f"sharding={self.sharding})"
         )
+
+
+# What the engines and the transfer layer use of a pool beside its public API; this module is
+# the one place outside the class that touches its fields.
+
+
+def current_array(pool: DevicePool) -> jax.Array:
+    """The pool's array now, without taking its lock (call with the lock held, or where a
+    stale read is harmless)."""
+    return pool._array
+
+
+def replace_array(pool: DevicePool, array: jax.Array) -> None:
+    """Swaps in the result of a donated pure-JAX write. Call with the pool's lock held."""
+    pool._array = array
+
+
+def lock_of(pool: DevicePool | TorchPool) -> threading.RLock:
+    """The lock a transfer that reads or writes the pool holds (one per pool)."""
+    return pool._lock
+
+
+def devices_of(pool: DevicePool) -> frozenset[Any]:
+    """The devices the pool spans (fixed: update() keeps the sharding)."""
+    return pool._devices
+
+
+def engine_notes(pool: DevicePool) -> dict[str, Any]:
+    """What engines keep about the pool's array between transfers (their own keys)."""
+    return pool._engine_notes
 
 
 def device_layout(array: jax.Array) -> Any:

@@ -25,7 +25,7 @@ import numpy as np
 from tpusync._src.kv.config import KVStoreConfig
 from tpusync._src.kv.results import LoadResult
 from tpusync._src.kv.store import KVCacheStore
-from tpusync._src.memory.device_pool import DevicePool, wait_for_readers
+from tpusync._src.memory.device_pool import DevicePool, lock_of, wait_for_readers
 from tpusync._src.testing import model as M
 from tpusync.errors import TierFullError
 
@@ -253,7 +253,7 @@ class ToyEngine:
         else:
             with contextlib.ExitStack() as locks:  # compiles the pools' donated identity step
                 for pool in self.kv:
-                    locks.enter_context(pool._lock)
+                    locks.enter_context(lock_of(pool))
                 wait_for_readers(self.kv)
         if cold:
             self.generate(dummy, n_new, use_cache=False, save=False, boundary=prompt_len - 1)

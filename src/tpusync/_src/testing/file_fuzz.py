@@ -10,7 +10,7 @@ swapped, JSON edits with the digest recomputed), and opens and reads what is the
 * nothing raises but the format's documented error, which the tier turns into a miss or a cold
   start (:class:`~tpusync.errors.PoolFormatError` on open with ``on_mismatch="error"``,
   :class:`~tpusync.errors.BlocksMissingError` from ``get``,
-  :class:`~tpusync._src.kv._sessions.ManifestError` from a manifest); every call returns;
+  :class:`~tpusync._src.kv.sessions.ManifestError` from a manifest); every call returns;
 * every block served under a key that was stored has exactly the bytes stored under it.
 
 A broken rule raises :class:`FuzzFailure` naming the mutation, the iteration and the seed. The
@@ -36,14 +36,14 @@ from typing import Any
 import numpy as np
 
 from tpusync import _core
-from tpusync._src.kv import _sessions
+from tpusync._src.kv import sessions as manifests_module
 from tpusync._src.tiers.disk import DiskPool
-from tpusync._src.tiers.disk import _format as disk_module
+from tpusync._src.tiers.disk import file_format as disk_module
 from tpusync._src.tiers.dram import HostPool
-from tpusync._src.tiers.dram._pool_file import COMMITTED, PAGE, RECORD_DTYPE
+from tpusync._src.tiers.dram.pool_file import COMMITTED, PAGE, RECORD_DTYPE
 from tpusync._src.tiers.layout import ArrayLayout, PoolLayout
 from tpusync._src.tiers.shared_fs import SharedFsPool
-from tpusync._src.tiers.shared_fs import _format as sfs_module
+from tpusync._src.tiers.shared_fs import file_format as sfs_module
 from tpusync.errors import BlocksMissingError, PoolFormatError
 
 __all__ = ["FuzzFailure", "fuzz_disk_pool", "fuzz_manifests", "fuzz_shared_fs"]
@@ -551,8 +551,8 @@ def fuzz_manifests(
     counts: collections.Counter[str] = collections.Counter()
     tokens = np.array([rng.randrange(1 << 32) for _ in range(10)], dtype=np.uint32)
     keys = tuple(key_for(i) for i in range(3))
-    record = _sessions.SessionRecord("agent-7", tokens, keys)
-    pristine = _sessions.encode_manifest(record, owner)
+    record = manifests_module.SessionRecord("agent-7", tokens, keys)
+    pristine = manifests_module.encode_manifest(record, owner)
     sessions_dir = root / "sessions"
 
     for i in _loop(seconds, iterations):
@@ -573,15 +573,15 @@ def fuzz_manifests(
         else:
             document = json.loads(pristine)
             body = json_edit(rng, document["body"]) if rng.random() < 0.9 else document["body"]
-            document = {"body": body, "digest": _sessions._digest(body)}
+            document = {"body": body, "digest": manifests_module.manifest_digest(body)}
             if choice == 5:
                 document = json_edit(rng, document)
             data[:] = json.dumps(document).encode(errors="surrogatepass")
             what = "json-edit+digest" if choice == 4 else "json-edit"
         replay = f"mutation {what}, iteration {i} of fuzz_manifests(seed={seed})"
         try:
-            decoded = _sessions.decode_manifest(bytes(data), owner, block_size)
-        except _sessions.ManifestError:
+            decoded = manifests_module.decode_manifest(bytes(data), owner, block_size)
+        except manifests_module.ManifestError:
             counts["refused"] += 1
         except Exception as exc:
             raise FuzzFailure(f"{type(exc).__name__}: {exc} ({replay})") from exc
@@ -614,12 +614,12 @@ def _load_dir(
     replay: str,
 ) -> None:
     shutil.rmtree(sessions_dir, ignore_errors=True)
-    manifests = _sessions.SessionManifests(sessions_dir, owner, block_size)
+    manifests = manifests_module.SessionManifests(sessions_dir, owner, block_size)
     manifests.put(record)
-    path = manifests._path(record.session_id)
+    path = manifests.path_of(record.session_id)
     path.write_bytes(data)
     try:
-        loaded = _sessions.SessionManifests(sessions_dir, owner, block_size)
+        loaded = manifests_module.SessionManifests(sessions_dir, owner, block_size)
     except Exception as exc:
         raise FuzzFailure(f"{type(exc).__name__} loading: {exc} ({replay})") from exc
     found = loaded.all()

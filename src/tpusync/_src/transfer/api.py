@@ -11,7 +11,7 @@ from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 from tpusync._src.engines.base import DeviceSide, Engine, Move
-from tpusync._src.memory.device_pool import DevicePool, check_alive
+from tpusync._src.memory.device_pool import DevicePool, check_alive, lock_of
 from tpusync._src.transfer.plan import (
     BlockList,
     Transfer,
@@ -215,7 +215,7 @@ def pools_locked(moves: Sequence[Move]) -> contextlib.ExitStack:
             pools[id(pool)] = pool
     stack = contextlib.ExitStack()
     for key in sorted(pools):  # one global order: no lock-order deadlocks
-        stack.enter_context(pools[key]._lock)
+        stack.enter_context(lock_of(pools[key]))
     return stack
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from tpusync._src.engines.base import DeviceSide, HostSide, IndexKey, ShardGroup, Side
 from tpusync._src.memory import fork_guard
-from tpusync._src.memory.device_pool import DevicePool, check_alive
+from tpusync._src.memory.device_pool import DevicePool, check_alive, current_array, lock_of
 from tpusync._src.memory.host_buffer import HostBuffer
 from tpusync._src.memory.torch_tensors import TorchPool, host_view, is_tensor
 from tpusync.errors import (
@@ -77,15 +77,15 @@ def resolve_device(obj: jax.Array | DevicePool, argument: str) -> DeviceSide:
     """
     fork_guard.check_device_use(argument)  # before the pool's lock and any JAX call
     pool = obj if isinstance(obj, DevicePool) else None
-    array = pool._array if pool is not None else obj
+    array = current_array(pool) if pool is not None else obj
     assert isinstance(array, jax.Array)
     if pool is None:
         check_alive(array, argument)
-    elif pool._lock.acquire(blocking=False):  # idle pool: check now; busy: when it runs
+    elif lock_of(pool).acquire(blocking=False):  # idle pool: check now; busy: when it runs
         try:
-            check_alive(pool._array, argument)
+            check_alive(current_array(pool), argument)
         finally:
-            pool._lock.release()
+            lock_of(pool).release()
     shape = tuple(int(n) for n in array.shape)
     try:
         ordered, shard_shape = _shard_groups(array.sharding, shape)

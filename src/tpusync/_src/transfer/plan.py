@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from tpusync._src.engines.base import DeviceSide, HostSide, Move
+from tpusync._src.memory.device_pool import current_array
 from tpusync._src.transfer.endpoints import TRACED, check_pair, resolve
 from tpusync.errors import BlockIndexError, InvalidArgumentError, ShapeMismatchError
 
@@ -180,5 +181,5 @@ def adopt_pool_sources(moves: Sequence[Move]) -> None:
         src = move.src
         if isinstance(src, DeviceSide) and src.pool is None:
             for pool in pools.values():
-                if pool._array is src.array:
+                if current_array(pool) is src.array:
                     src.pool, src.given = pool, None

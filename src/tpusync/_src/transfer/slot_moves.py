@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tpusync._src.engines import native
-from tpusync._src.memory.device_pool import DevicePool, start_donation, wait_for_readers
+from tpusync._src.memory.device_pool import DevicePool, lock_of, start_donation, wait_for_readers
 from tpusync._src.memory.torch_tensors import TorchPool
 from tpusync._src.transfer.api import pools_locked, transfer_batch
 from tpusync._src.transfer.plan import Transfer, plan_move
@@ -47,7 +47,7 @@ class PoolLocks:
     since an ExitStack costs more right after a model step (decision 0004)."""
 
     def __init__(self, pools: Sequence[DevicePool | TorchPool]) -> None:
-        self._locks = [pool._lock for _, pool in sorted({id(p): p for p in pools}.items())]
+        self._locks = [lock_of(pool) for _, pool in sorted({id(p): p for p in pools}.items())]
 
     def __enter__(self) -> None:
         taken = []

@@ -16,6 +16,7 @@ from tpusync._src.cluster.dataplane.deadlines import Deadline
 from tpusync._src.cluster.dataplane.frames import FrameBatch
 from tpusync._src.cluster.dataplane.protocol import StreamError
 from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.dram.pool import populate
 from tpusync.errors import PeerUnavailableError
 
 __all__ = ["push_stripe"]
@@ -49,7 +50,7 @@ def push_stripe(
         present = bool_list(answer, "present", len(keys))
         accepted = True
         assert conn.sock is not None
-        source._ensure_populated(slots)  # pages the batch's views will read
+        populate(source, slots)  # pages the batch's views will read
         batch = FrameBatch(conn.sock, source, deadline)
         try:
             for key, slot, checksum, take in zip(

@@ -172,7 +172,7 @@ class BlockClient:
         self.max_pull_s = check_limit(max_pull_s, "max_pull_s")
         self.max_push_s = check_limit(max_push_s, "max_push_s")
         self.same_host = same_host
-        self._pool_file: PoolFileReader | None = None
+        self.pool_file: PoolFileReader | None = None
         self.local_blocks = 0  # blocks pulled from the server's pool file on this host
         self._timeout = float(timeout_s)
         self._link = Link(self._ensure, self._timeout)
@@ -648,11 +648,11 @@ class BlockClient:
         if not self.same_host:
             return None
         advert = self._conns[0].hello.get("local")
-        reader = self._pool_file
+        reader = self.pool_file
         if reader is None or reader.advert != advert:
             if reader is not None:
                 reader.close()
-            reader = self._pool_file = PoolFileReader(advert, self.fingerprint)
+            reader = self.pool_file = PoolFileReader(advert, self.fingerprint)
             reader.warm()  # its pages mapped before the first pulls need them
         return reader if reader.usable else None
 
@@ -764,8 +764,8 @@ class BlockClient:
         for conn in [*self._conns, self._control, *list(self._holding)]:
             conn.close()
         self._executor.shutdown(wait=False)
-        if self._pool_file is not None:
-            self._pool_file.close()  # after a copy from it in progress
+        if self.pool_file is not None:
+            self.pool_file.close()  # after a copy from it in progress
 
     def __enter__(self) -> BlockClient:
         return self
@@ -787,3 +787,9 @@ def _peer_failed(error: BaseException | None) -> bool:
     if error is None or isinstance(error, AuthenticationError | InvalidArgumentError):
         return False
     return isinstance(error, OSError | EOFError | StreamError | _ProtocolError | FrameError)
+
+
+def call(client: BlockClient, method: str, params: dict[str, Any]) -> Any:
+    """One request on the client's first connection, for the store node's calls beside the
+    block client's own (``delete``, ``keys``)."""
+    return client._call(method, params)

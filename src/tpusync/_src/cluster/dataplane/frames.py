@@ -18,6 +18,7 @@ from tpusync import _core
 from tpusync._src.cluster.dataplane.deadlines import Deadline
 from tpusync._src.tiers.blocks import CHECKSUM_SCHEME
 from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.dram.pool import memory_base, populate
 from tpusync._src.tiers.layout import PoolLayout
 
 __all__ = [
@@ -136,7 +137,7 @@ class FrameBatch:
         if slot is None:
             return
         if self._memory is None:  # one view of the pool's memory: close() refuses meanwhile
-            self._memory = memoryview(self._pool._open_base())
+            self._memory = memoryview(memory_base(self._pool))
             self._base = self._pool.geometry.data_offset
         start = self._base + slot * self._pool.layout.slot_bytes
         self._buffers.append(self._memory[start : start + self._size])
@@ -166,8 +167,8 @@ class FrameBatch:
 def slot_addresses(pool: HostPool, slots: np.ndarray) -> Iterator[np.ndarray]:
     """The payload addresses of ``slots`` (their pages mapped first), valid inside the block: a
     view of the pool's memory is held meanwhile, so the pool refuses to close."""
-    pool._ensure_populated(slots)
-    with memoryview(pool._open_base()) as memory:
+    populate(pool, slots)
+    with memoryview(memory_base(pool)) as memory:
         base = np.frombuffer(memory, np.uint8).ctypes.data + pool.geometry.data_offset
         yield (base + np.asarray(slots, np.int64) * pool.layout.slot_bytes).astype(np.uint64)
 

@@ -28,6 +28,7 @@ from tpusync._src.cluster.dataplane.protocol import (
 from tpusync._src.cluster.supervisor import SupervisedLoop
 from tpusync._src.cluster.tcp_server import AuthenticatedTcpServer, BlockServerOptions, options_of
 from tpusync._src.tiers.dram import HostPool
+from tpusync._src.tiers.dram.pool import populate
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["BlockServer", "Served"]
@@ -275,7 +276,7 @@ class BlockServer(AuthenticatedTcpServer):
         )
         batch = FrameBatch(conn, pool, deadline)
         try:
-            pool._ensure_populated(pinned.slots[pinned.present])  # pages the views will read
+            populate(pool, pinned.slots[pinned.present])  # pages the views will read
             for key, slot, present, checksum in zip(
                 keys,
                 pinned.slots.tolist(),

@@ -7,7 +7,7 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from tpusync._src.cluster.dataplane.client import BlockClient
+from tpusync._src.cluster.dataplane.client import BlockClient, call
 from tpusync._src.cluster.dataplane.protocol import MAX_KEYS_PER_REQUEST
 from tpusync._src.cluster.dataplane.remote_pool import RemotePool
 from tpusync._src.tiers.dram import HostPool
@@ -154,14 +154,14 @@ class StoreNodePool(RemotePool):
         dropped = 0
         for i in range(0, len(keys), MAX_KEYS_PER_REQUEST):
             batch = [k.hex() for k in keys[i : i + MAX_KEYS_PER_REQUEST]]
-            dropped += int(self.client._call("delete", {"keys": batch}))
+            dropped += int(call(self.client, "delete", {"keys": batch}))
         self.stats.add(deletes=dropped)
         return dropped
 
     def keys(self) -> list[bytes]:
         out: list[bytes] = []
         while True:
-            page = self.client._call("keys", {"start": len(out), "limit": MAX_KEYS_PER_REQUEST})
+            page = call(self.client, "keys", {"start": len(out), "limit": MAX_KEYS_PER_REQUEST})
             if not isinstance(page, list):
                 raise InvalidArgumentError(f"keys: malformed answer {page!r:.100}")
             out += [bytes.fromhex(k) for k in page]

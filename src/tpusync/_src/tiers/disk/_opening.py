@@ -18,7 +18,7 @@ import numpy as np
 from tpusync._src.tiers._file_writes import file_error
 from tpusync._src.tiers._files import open_file
 from tpusync._src.tiers.blocks import MAX_KEY_BYTES
-from tpusync._src.tiers.disk._format import (
+from tpusync._src.tiers.disk.file_format import (
     _CRC,
     _NO_SPACE,
     _SLAB_FIXED,

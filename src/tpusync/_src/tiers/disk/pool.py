@@ -86,7 +86,10 @@ from tpusync._src.tiers._files import check_directory
 from tpusync._src.tiers._keys import check_keys
 from tpusync._src.tiers.base import BlockTier, Load, LoadStatus, SlotPool
 from tpusync._src.tiers.blocks import MAX_KEY_BYTES
-from tpusync._src.tiers.disk._format import (
+from tpusync._src.tiers.disk._io_jobs import choose_direct_io, run_jobs
+from tpusync._src.tiers.disk._landing import StagingBuffers, lander, segments_of
+from tpusync._src.tiers.disk._opening import DiskFiles
+from tpusync._src.tiers.disk.file_format import (
     _SLAB_NAME,
     DEFAULT_IO_THREADS,
     HEADER_BYTES,
@@ -98,9 +101,6 @@ from tpusync._src.tiers.disk._format import (
     _is_int,
     _mib,
 )
-from tpusync._src.tiers.disk._io_jobs import choose_direct_io, run_jobs
-from tpusync._src.tiers.disk._landing import StagingBuffers, lander, segments_of
-from tpusync._src.tiers.disk._opening import DiskFiles
 from tpusync._src.tiers.dram import COMMITTED, FREE, RECORD_DTYPE, WRITING
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.room import check_room, check_writable_directory, held_bytes

@@ -32,19 +32,19 @@ from pathlib import Path
 
 from tpusync import _core
 from tpusync._src.tiers._files import check_descriptor, check_shm_dir, open_file
-from tpusync._src.tiers.dram._pool_file import (
+from tpusync._src.tiers.dram._shm_files import (
+    DEFAULT_SHM_DIR,
+    creating,
+    remove_stale_temp_files,
+    temp_path,
+)
+from tpusync._src.tiers.dram.pool_file import (
     HEADER_BYTES,
     PoolGeometry,
     PoolHeader,
     decode_header,
     encode_header,
     read_owner_pid,
-)
-from tpusync._src.tiers.dram._shm_files import (
-    DEFAULT_SHM_DIR,
-    creating,
-    remove_stale_temp_files,
-    temp_path,
 )
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.room import check_room

@@ -14,7 +14,7 @@ import numpy as np
 
 from tpusync import _core
 from tpusync._src.tiers._keys import check_keys
-from tpusync._src.tiers.dram._pool_file import COMMITTED, FREE, WRITING, scan_records
+from tpusync._src.tiers.dram.pool_file import COMMITTED, FREE, WRITING, scan_records
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.slots import Pinned, Reservation
 from tpusync._src.tiers.stats import TierStats

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpusync._src.tiers._files import open_file
-from tpusync._src.tiers.dram._pool_file import HEADER_BYTES, PoolHeader, decode_header
+from tpusync._src.tiers.dram.pool_file import HEADER_BYTES, PoolHeader, decode_header
 from tpusync.errors import UnsafeFileError
 
 __all__ = [

@@ -35,11 +35,10 @@ from tpusync._src.engines import native
 from tpusync._src.engines.pjrt import engine as pjrt
 from tpusync._src.memory import dma, fork_guard, huge_pages
 from tpusync._src.memory.deferred_refs import close_releasing_deferred_views
-from tpusync._src.memory.device_pool import DevicePool
+from tpusync._src.memory.device_pool import DevicePool, current_array, devices_of
 from tpusync._src.memory.torch_tensors import TorchPool
 from tpusync._src.tiers._keys import check_keys
 from tpusync._src.tiers.blocks import slot_checksums
-from tpusync._src.tiers.dram._pool_file import RECORD_DTYPE, PoolGeometry
 from tpusync._src.tiers.dram._pool_open import (
     ON_MISMATCH,
     check_before_opening,
@@ -49,6 +48,7 @@ from tpusync._src.tiers.dram._pool_open import (
 from tpusync._src.tiers.dram._prefault import prefault
 from tpusync._src.tiers.dram._records import SlotRecords
 from tpusync._src.tiers.dram._shm_files import DEFAULT_SHM_DIR, POOL_NAME, pool_path
+from tpusync._src.tiers.dram.pool_file import RECORD_DTYPE, PoolGeometry
 from tpusync._src.tiers.dram.slot_pages import SlotPages
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.slots import Pinned, Reservation
@@ -562,7 +562,7 @@ class HostPool(SlotRecords):
         devices = self._mover.prepare(pools)
         if wait_mapped:
             self.wait_mapped()
-        for device in {d for pool in devices for d in pool._devices}:
+        for device in {d for pool in devices for d in devices_of(pool)}:
             if native.pjrt_device_of(device):  # host memory registered for its DMA, if offered
                 pjrt.prepare_dma(device, self._mapping)
 
@@ -699,5 +699,29 @@ def _copy_slots(
 
 
 def _num_blocks(pool: DevicePool | jax.Array, block_axis: int) -> int:
-    array = pool._array if isinstance(pool, DevicePool) else pool
+    array = current_array(pool) if isinstance(pool, DevicePool) else pool
     return int(array.shape[block_axis])
+
+
+def unlink_own_file(pool: HostPool) -> None:
+    """Removes the file of a named pool this process has just created (and still locks), if
+    its name still refers to it."""
+    assert pool.path is not None
+    with contextlib.suppress(OSError):
+        if os.stat(pool.path).st_ino == os.fstat(pool._fd).st_ino:
+            os.unlink(pool.path)
+
+
+# What the data plane uses of a pool beside its public API (it sends slots' bytes from the
+# pool's memory); this module is the one place outside the class that touches its fields.
+
+
+def populate(pool: HostPool, slots: np.ndarray) -> None:
+    """Maps the pages of ``slots`` not yet mapped (a run of neighbouring slots per call)."""
+    pool._ensure_populated(slots)
+
+
+def memory_base(pool: HostPool) -> Any:
+    """The buffer of the pool's whole memory; the pool refuses to close while a view of it
+    is held."""
+    return pool._open_base()

@@ -16,13 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from tpusync._src.tiers._files import open_file
-from tpusync._src.tiers.dram._pool_file import (
-    HEADER_BYTES,
-    RECORD_DTYPE,
-    decode_header,
-    read_owner_pid,
-    scan_records,
-)
 from tpusync._src.tiers.dram._pool_open import size_text
 from tpusync._src.tiers.dram._shm_files import (
     DEFAULT_SHM_DIR,
@@ -36,6 +29,13 @@ from tpusync._src.tiers.dram._shm_files import (
     remove_sessions_dir,
     remove_stale_temp_files,
     sessions_path,
+)
+from tpusync._src.tiers.dram.pool_file import (
+    HEADER_BYTES,
+    RECORD_DTYPE,
+    decode_header,
+    read_owner_pid,
+    scan_records,
 )
 from tpusync.errors import InvalidArgumentError, PoolBusyError, PoolFormatError, UnsafeFileError
 

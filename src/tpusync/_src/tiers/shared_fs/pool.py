@@ -96,7 +96,7 @@ from tpusync._src.tiers.base import BlockTier, Load, LoadStatus, SlotPool, is_sl
 from tpusync._src.tiers.blocks import MAX_KEY_BYTES
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.mac import MAC_BYTES, MacKey
-from tpusync._src.tiers.shared_fs._format import (
+from tpusync._src.tiers.shared_fs.file_format import (
     _FANOUT,
     _FAST_STAT_S,
     _HOST,

@@ -90,7 +90,7 @@ class SessionManifests:
             elif entry.name.endswith(_SUFFIX):
                 try:
                     record = read_manifest(path, self.owner, self.block_size)
-                    if path.name != self._path(record.session_id).name:
+                    if path.name != self.path_of(record.session_id).name:
                         raise ManifestError(f"holds session {record.session_id!r}, not its own")
                 except ManifestError as exc:
                     # damaged, or left by another model or KV layout (whose tier was recreated
@@ -114,7 +114,7 @@ class SessionManifests:
         with self._lock:
             if self.directory is not None:
                 text = encode_manifest(record, self.owner)
-                path = self._path(record.session_id)
+                path = self.path_of(record.session_id)
                 write_file_atomically(path, text, what="writing the session manifest")
             old = self._records.get(record.session_id)
             self._records[record.session_id] = record
@@ -128,7 +128,7 @@ class SessionManifests:
             if record is None:
                 return None
             if self.directory is not None:
-                path = self._path(session_id)
+                path = self.path_of(session_id)
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
@@ -138,7 +138,7 @@ class SessionManifests:
             del self._records[session_id]
             return record
 
-    def _path(self, session_id: str) -> Path:
+    def path_of(self, session_id: str) -> Path:
         assert self.directory is not None
         name = hashlib.blake2b(session_id.encode(), digest_size=16).hexdigest()
         return self.directory / f"{name}{_SUFFIX}"
@@ -165,7 +165,7 @@ def _body(record: SessionRecord, owner: tuple[str, str]) -> dict[str, object]:
     }
 
 
-def _digest(body: object) -> str:
+def manifest_digest(body: object) -> str:
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -173,7 +173,7 @@ def _digest(body: object) -> str:
 def encode_manifest(record: SessionRecord, owner: tuple[str, str]) -> bytes:
     """A manifest file's bytes."""
     body = _body(record, owner)
-    return json.dumps({"body": body, "digest": _digest(body)}).encode()
+    return json.dumps({"body": body, "digest": manifest_digest(body)}).encode()
 
 
 def read_manifest(path: Path, owner: tuple[str, str], block_size: int | None) -> SessionRecord:
@@ -210,7 +210,11 @@ def decode_manifest(data: bytes, owner: tuple[str, str], block_size: int | None)
         if not isinstance(document, dict) or set(document) != {"body", "digest"}:
             raise ManifestError("not a session manifest (fields)")
         body, digest = document["body"], document["digest"]
-        if not isinstance(body, dict) or not isinstance(digest, str) or digest != _digest(body):
+        if (
+            not isinstance(body, dict)
+            or not isinstance(digest, str)
+            or digest != manifest_digest(body)
+        ):
             raise ManifestError("damaged (digest mismatch)")
     except RecursionError:
         raise ManifestError("not a session manifest (nested too deeply)") from None
