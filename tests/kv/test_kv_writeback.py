@@ -233,3 +233,25 @@ def test_a_failing_shared_fs_neither_stops_eviction_nor_hides_the_lost_write_bac
     assert hit.tiers == ("disk",) * 4
     assert store.load(hit, [20, 21, 22, 23]).loaded_blocks == 4
     kv.check([20, 21, 22, 23], expected_b, "b read back from disk")
+
+
+def test_two_writers_of_the_same_blocks_write_and_announce_them_once(arrays, rng, stores, tmp_path):
+    """Write-back and a demotion of a block still queued for it can both find it absent from a
+    tier (each looks before taking the tier's room lock); whichever gets the lock second writes
+    nothing and announces nothing. White box: two ``_put_down`` calls are what the two writers
+    do then, beside the store's own write-back of the same blocks."""
+    kv = Kv(arrays, rng)
+    store = stores(config(tmp_path, 16, disk=4 * NB), kv.pools)
+    events: list[tuple[str, str, list[bytes]]] = []
+    store.add_block_listener(lambda kind, tier, keys: events.append((kind, tier, list(keys))))
+    tokens = prompt(rng, 3)
+    store.save(tokens, [0, 1, 2])
+    keys = keys_of(store, tokens)
+    stack = store._stack
+    disk = stack.names.index("disk")
+    written = [stack._put_down(disk, keys), stack._put_down(disk, keys)]
+    assert store.flush(TIMEOUT)
+    assert written in ([3, 0], [0, 0])  # [0, 0]: the write-back thread was first
+    announced = [k for kind, tier, ks in events if kind == "stored" and tier == "disk" for k in ks]
+    assert sorted(announced) == sorted(keys)  # each block once
+    assert stack.tiers[disk].contains(keys) == [True] * 3

@@ -530,11 +530,16 @@ class TierStack:
 
     def _put_down(self, tier: int, keys: list[bytes]) -> int:
         """Copies DRAM blocks into lower ``tier`` (making room there); returns blocks written.
-        Blocks DRAM lost meanwhile are skipped."""
+        Blocks DRAM lost meanwhile are skipped, and so are those the tier got meanwhile: two
+        writers of a key (write-back and a demotion of a block still queued for it) both find
+        it absent, and the second must neither write it again nor announce it twice."""
         keys = present(self.dram, keys)
         if not keys:
             return 0
         with self._room_locks[tier]:
+            keys = absent(self.tiers[tier], keys)  # puts into a tier hold its room lock
+            if not keys:
+                return 0
             self._make_room(tier, len(keys))
             try:
                 keys, written = self._put(tier, keys)
