@@ -228,12 +228,6 @@ class DevicePool:
             and getattr(self._array, "_npy_value", self) is None  # unknown: not proven
         )
 
-    def _wait_for_readers(self) -> jax.Array:
-        """Runs the donated identity step (see the module docstring) and returns the array
-        whose memory may now be written raw. Call with the lock held."""
-        wait_for_readers([self])
-        return self._array
-
     def __repr__(self) -> str:
         return (
             f"DevicePool(name={self.name!r}, shape={self.shape}, dtype={self.dtype}, "
