@@ -241,7 +241,8 @@ def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
         answer = produce_serving(
             child, model, {**common, "serve": {"registry": ready["registry"]}}, PROMPT
         )
-        consume = {**common, "registry": {"address": ready["registry"], "timeout_s": 20.0},
+        # a timeout no pull can reach on a loaded machine once the kill has ended it
+        consume = {**common, "registry": {"address": ready["registry"], "timeout_s": 90.0},
                    "remote_wait_s": 1.0}  # fmt: skip
         with engine(
             model, transfer_config(consume, policy="recompute", role="kv_consumer")
@@ -275,7 +276,7 @@ def test_a_producer_killed_in_the_middle_of_a_pull_costs_a_recomputation(
             killer.join(timeout=70)
             assert killed.is_set()
             assert (tokens, cached) == (reference, 0)
-            assert took < 20  # the kill ended the pull, not its timeout
+            assert took < 90  # the kill ended the pull, not its timeout
             stats = settle(worker_of(consumer))
             assert stats["tiers"]["cluster"]["hits"] == 0
         child.wait(timeout=10)
@@ -317,10 +318,17 @@ def test_a_block_damaged_on_the_node_fails_the_request_under_fail(
             )
 
 
-def test_blocks_that_never_arrive_are_computed_after_the_wait(model, reference, tmp_path) -> None:
+def test_blocks_that_never_arrive_are_computed_after_the_wait(
+    model, reference, tmp_path, caplog
+) -> None:
     """A producer that died before its blocks reached the node: the consumer looks for them
     until ``remote_wait_s``, then computes the prompt; params that are not ours, or not
-    valid, stall nothing."""
+    valid, stall nothing (no request waits for blocks: the scheduler's log says when one
+    waited out ``remote_wait_s``, a sign that holds on a loaded machine where a time does not)."""
+
+    def waits_run_out() -> int:
+        return sum("within remote_wait_s" in r.getMessage() for r in caplog.records)
+
     with shared_node(tmp_path) as (_, kv):
         kv["remote_wait_s"] = 1.5
         with engine(model, transfer_config(kv, role="kv_consumer")) as consumer:
@@ -329,15 +337,14 @@ def test_blocks_that_never_arrive_are_computed_after_the_wait(model, reference, 
             ((tokens, cached, _),) = generate_with(consumer, [PROMPT], kv_transfer_params=announced)
             waited = time.monotonic() - started
             assert tokens == reference and cached == 0
-            assert 1.5 <= waited < 15, waited
+            assert waited >= 1.5 and waits_run_out() == 1, waited
             for params in ({"tpusync": "nine"}, {"tpusync": {"blocks": -1}}, {"other": 1}):
                 consumer.reset_prefix_cache()
-                started = time.monotonic()
                 ((tokens, cached, _),) = generate_with(
                     consumer, [PROMPT], kv_transfer_params=params
                 )
                 assert tokens == reference and cached == 0
-                assert time.monotonic() - started < 1.5
+                assert waits_run_out() == 1, params
             settle(worker_of(consumer))
 
 
