@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default=DEFAULT_JSON)
     args = parser.parse_args()
-    from tpusync import _core
+    from tpusync._native import core as _core
 
     block_bytes = args.block_kib << 10
     blocks = (args.total_mib << 20) // block_bytes

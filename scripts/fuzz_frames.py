@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fuzzes the native receiver of a pull's block frames (tpusync._core.FrameReceiver).
+"""Fuzzes the native receiver of a pull's block frames (tpusync._native.net.FrameReceiver).
 
 Usage: python scripts/fuzz_frames.py [ITERATIONS (default 20000)] [SEED]
 
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane import wire
 from tpusync.errors import FrameError
 

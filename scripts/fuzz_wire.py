@@ -20,7 +20,7 @@ import struct
 import sys
 import time
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane import wire
 from tpusync.errors import FrameError
 

@@ -786,7 +786,7 @@ def test_native_receive_fills_the_buffer_times_out_and_sees_eof(rng: np.random.G
     """_core.recv_exact: a payload sent in pieces arrives whole in one call; silence longer than
     the timeout returns what came so far; a closed peer is EOFError; works on a socket in
     Python's timeout (non-blocking) mode."""
-    from tpusync import _core
+    from tpusync._native import core as _core
 
     data = rng.integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
     a, b = socket.socketpair()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paths import REPO
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane.wire import decode_header, encode_header
 from tpusync.errors import FrameError, InvalidArgumentError, TpuSyncError

@@ -26,7 +26,7 @@ from preauth_child import LAYOUT, key_for, payload_for
 from test_peer_isolation import Clock, fill
 from tools import self_signed_tls
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster._handshake import _send_json
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane.deadlines import (

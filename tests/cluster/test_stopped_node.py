@@ -30,7 +30,7 @@ import pytest
 from preauth_child import LAYOUT, key_for
 from test_peer_isolation import Clock, check_bytes, fill, landed_while, pull_aside
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane._connection import Connection
 from tpusync._src.testing.polling import eventually
 from tpusync._src.testing.processes import start_store_node, stop_process

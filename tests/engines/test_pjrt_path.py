@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 from paths import HELPERS, REPO
 
 import tpusync
-from tpusync import _core, options
+from tpusync import options
+from tpusync._native import core as _core
 from tpusync._src.engines.devices import device_path
 from tpusync._src.engines.pjrt import engine as pjrt
 from tpusync.errors import NativePathUnavailableError, TpuSyncError

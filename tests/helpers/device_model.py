@@ -14,7 +14,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpusync import DevicePool, _core
+from tpusync import DevicePool
+from tpusync._native import core as _core
 from tpusync._src.engines import native
 from tpusync.tiers import HostPool, PoolLayout
 

@@ -533,7 +533,7 @@ def test_repr_never_shows_the_secret():
 def test_native_blake2b_equals_hashlib(
     data: bytes, key: bytes, person: bytes, digest_size: int
 ) -> None:
-    from tpusync import _core
+    from tpusync._native import core as _core
 
     expected = hashlib.blake2b(data, key=key, person=person, digest_size=digest_size).digest()
     assert _core.blake2b(data, key, person, digest_size) == expected
@@ -563,7 +563,7 @@ def test_block_keys_equal_the_hashlib_chain(tokens: list, block_size: int, secre
 
 
 def test_native_blake2b_refuses_bad_sizes() -> None:
-    from tpusync import _core
+    from tpusync._native import core as _core
 
     for kwargs in ({"key": b"k" * 65}, {"person": b"p" * 17}, {"digest_size": 0}):
         with pytest.raises(ValueError, match="BLAKE2b"):
@@ -573,7 +573,7 @@ def test_native_blake2b_refuses_bad_sizes() -> None:
 
 
 def test_native_chain_ignores_a_partial_last_piece_and_empty_input() -> None:
-    from tpusync import _core
+    from tpusync._native import core as _core
 
     start, key = b"s" * 16, b"k" * 32
     data = bytes(range(100))

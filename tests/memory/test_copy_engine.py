@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 STREAMING_JOB = 8 << 20  # the engine streams jobs at least this large (copy_engine.c)
 

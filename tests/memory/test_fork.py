@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 
 import tpusync
-from tpusync import DevicePool, HostBuffer, _core, errors, transfer
+from tpusync import DevicePool, HostBuffer, errors, transfer
+from tpusync._native import core as _core
 from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout
 
 pytestmark = [

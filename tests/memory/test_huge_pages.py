@@ -12,7 +12,8 @@ import pytest
 from tools import tools_required
 
 import tpusync
-from tpusync import _core, options
+from tpusync import options
+from tpusync._native import core as _core
 from tpusync._src.memory import huge_pages
 
 HUGE = 2 << 20

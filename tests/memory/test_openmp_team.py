@@ -22,7 +22,7 @@ CHILD_DEADLINE_S = 25.0
 _COMMON = """
 import ctypes, os
 import numpy as np
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.memory.openmp_team import openmp_runtime_loaded, openmp_team
 
 def table(rng, n_blocks, block, src, dst):

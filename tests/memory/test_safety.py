@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tpusync
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.engines import native
 from tpusync._src.memory import device_pool
 from tpusync._src.memory.device_pool import DevicePool

@@ -15,7 +15,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 STREAMING_JOB = 8 << 20
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync import _mac
+from tpusync._native import mac as _mac
 from tpusync._src.tiers.mac import MacKey, mac_key_from_secret
 from tpusync.errors import BlocksMissingError, InvalidArgumentError
 from tpusync.tiers import ArrayLayout, HostPool, PoolLayout, SharedFsPool

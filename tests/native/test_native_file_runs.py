@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.tiers.disk import pool as disk_pool
 from tpusync.errors import InvalidArgumentError
 

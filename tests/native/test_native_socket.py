@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 
 def _piece_table(rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:

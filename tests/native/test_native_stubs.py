@@ -1,5 +1,5 @@
 """The native core's layout: one extension per job in tpusync._native, each with a type stub that
-names what it defines, and tpusync._core answering every one of those names."""
+names what it defines, and tpusync._native.core answering every one of those names."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 PACKAGE = Path(_core.__file__).parent
 JOBS = ["copy", "checksum", "net", "pjrt"]
@@ -50,14 +50,15 @@ def _defined_here(module: ModuleType) -> set[str]:
 @pytest.mark.parametrize("job", JOBS)
 def test_each_job_extension_has_a_stub_naming_its_entry_points(job: str) -> None:
     module = importlib.import_module(f"tpusync._native.{job}")
-    stub = PACKAGE / "_native" / f"{job}.pyi"
+    stub = PACKAGE / f"{job}.pyi"
     assert stub.is_file(), f"{stub} is missing"
     assert _stub_names(stub) == _defined_here(module)
 
 
 @pytest.mark.parametrize("job", JOBS)
 def test_core_reexports_every_name_of_each_job(job: str) -> None:
-    """``tpusync._core`` answers each name with the very object the job's extension defines."""
+    """``tpusync._native.core`` answers each name with the very object its job's extension
+    defines."""
     module = importlib.import_module(f"tpusync._native.{job}")
     for name in _defined_here(module):
         assert name in _core.__all__, name
@@ -65,6 +66,6 @@ def test_core_reexports_every_name_of_each_job(job: str) -> None:
 
 
 def test_core_stub_names_every_name_of_the_core() -> None:
-    stub = _stub_names(PACKAGE / "_core.pyi")
+    stub = _stub_names(PACKAGE / "core.pyi")
     assert stub == set(_core.__all__)
     assert all(hasattr(_core, name) for name in _core.__all__)

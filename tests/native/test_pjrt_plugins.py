@@ -26,7 +26,7 @@ from typing import ClassVar
 import pytest
 from paths import REPO
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.engines.devices import describe_backend
 from tpusync.errors import InvalidArgumentError, TpuSyncError
 
@@ -494,7 +494,7 @@ PLUGINS = {
 _CHILD = textwrap.dedent(
     """
     import json, sys
-    from tpusync import _core
+    from tpusync._native import core as _core
     from tpusync.errors import TpuSyncError
 
     path, backend, platform = sys.argv[1:4]

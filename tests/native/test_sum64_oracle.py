@@ -16,7 +16,7 @@ import sum64_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 # The checksum's code paths (_core._force_portable_checksum): 0 the fastest the CPU has, 3 the
 # 128-bit carry-less multiplication, 2 the CRC instruction only, 1 the portable tables.

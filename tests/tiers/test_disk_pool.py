@@ -37,7 +37,7 @@ from disk_pool_child import (
 from paths import HELPERS
 from tools import skip_or_fail
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.info import check_o_direct
 from tpusync._src.tiers.disk import _io_jobs as disk_io_jobs
 from tpusync._src.tiers.disk import pool as disk_pool_module

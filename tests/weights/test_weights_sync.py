@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tools import self_signed_tls
 
-from tpusync import DevicePool, _core
+from tpusync import DevicePool
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane.local_reads import PoolFileReader, block_regions
 from tpusync._src.testing.weights_procs import leaf_bytes, np_dtype, tree_spec
 from tpusync._src.tiers.blocks import slot_checksums

@@ -26,7 +26,7 @@ from functools import partial
 
 import numpy as np
 
-from tpusync import _mac
+from tpusync._native import mac as _mac
 from tpusync._src.bench.common import (
     Run,
     median,

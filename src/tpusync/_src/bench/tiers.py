@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.bench.common import (
     Run,
     median,

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.bench.common import Run, median, print_table, spread, timed
 from tpusync._src.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
 from tpusync._src.cluster.registry import MemoryRegistry, RegistryServer

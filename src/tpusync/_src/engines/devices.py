@@ -14,7 +14,7 @@ from tpusync import options
 from tpusync._src.engines.pjrt import engine as pjrt
 
 try:
-    from tpusync import _core  # noqa: F401
+    from tpusync._native import core as _core  # noqa: F401
 except ImportError as exc:  # pragma: no cover - only when the build is broken
     _CORE_MISSING: str | None = str(exc)
 else:

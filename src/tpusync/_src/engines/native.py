@@ -22,7 +22,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from tpusync import _core, options
+from tpusync import options
+from tpusync._native import core as _core
 from tpusync._src.engines.base import DeviceSide, HostSide, Move
 from tpusync._src.engines.devices import device_path
 from tpusync._src.engines.pjrt import engine as pjrt

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 __all__ = ["Region", "block_bytes", "c_strides", "segments", "strided_offsets"]
 

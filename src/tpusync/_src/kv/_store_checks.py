@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.kv.config import KVStoreConfig
 from tpusync._src.kv.tier_specs import ExistingTier
 from tpusync._src.memory.device_pool import DevicePool

@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["Blake2bChainKeys", "KeyScheme", "Namespace", "check_engine_hashes", "check_tokens"]

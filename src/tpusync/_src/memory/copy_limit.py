@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync.errors import InvalidArgumentError
 
 __all__ = [

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.memory.deferred_refs import close_releasing_deferred_views
 from tpusync._src.memory.dma import offer_for_dma
 from tpusync.errors import InvalidArgumentError

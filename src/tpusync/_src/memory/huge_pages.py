@@ -22,7 +22,8 @@ import threading
 
 import jax
 
-from tpusync import _core, options
+from tpusync import options
+from tpusync._native import core as _core
 
 log = logging.getLogger("tpusync")
 

@@ -19,7 +19,7 @@ import ctypes
 import threading
 from collections.abc import Iterator
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 __all__ = ["openmp_runtime_loaded", "openmp_team"]
 

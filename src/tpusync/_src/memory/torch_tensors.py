@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.memory.block_holds import BlockHolds
 from tpusync.errors import InvalidArgumentError, UnsupportedTensorError
 

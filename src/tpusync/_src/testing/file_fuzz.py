@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.kv import sessions as manifests_module
 from tpusync._src.tiers.disk import DiskPool
 from tpusync._src.tiers.disk import file_format as disk_module

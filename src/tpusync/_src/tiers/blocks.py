@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 
 __all__ = ["CHECKSUM_SCHEME", "MAX_KEY_BYTES", "slot_checksums"]
 

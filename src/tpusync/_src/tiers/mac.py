@@ -22,7 +22,7 @@ import hmac
 import os
 import struct
 
-from tpusync import _mac
+from tpusync._native import mac as _mac
 from tpusync.errors import InvalidArgumentError
 
 __all__ = ["MAC_BYTES", "MacKey", "mac_key_from_secret"]

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane import BlockServer
 from tpusync._src.cluster.registry import NodeInfo, Registry
 from tpusync._src.cluster.registry_link import RegistryLink

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane import BlockClient, Scatter
 from tpusync._src.cluster.dataplane.deadlines import MAX_LIMIT_S
 from tpusync._src.cluster.registry import Registry

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster._handshake import _ProtocolError, _recv_json
 from tpusync._src.cluster._rpc import RpcConnection
 from tpusync._src.cluster.dataplane import wire

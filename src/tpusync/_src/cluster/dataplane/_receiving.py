@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster._handshake import _ProtocolError
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane._connection import Connection

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane.deadlines import Deadline
 from tpusync._src.tiers.blocks import CHECKSUM_SCHEME
 from tpusync._src.tiers.dram import HostPool

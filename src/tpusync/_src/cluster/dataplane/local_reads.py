@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.engines import native
 from tpusync._src.tiers.blocks import slot_checksums
 from tpusync._src.tiers.dram.shm_admin import header_of_descriptor

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane._connection import Connection
 from tpusync._src.cluster.dataplane.deadlines import Deadline

@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.tiers.blocks import CHECKSUM_SCHEME
 from tpusync.errors import FrameError, InvalidArgumentError
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.cluster._handshake import _error, _send_json
 from tpusync._src.cluster.dataplane import wire
 from tpusync._src.cluster.dataplane.deadlines import Deadline

@@ -20,7 +20,7 @@ except Exception as exc:  # pragma: no cover - another jax
     xla_bridge = None
     _XLA_BRIDGE_ERROR = str(exc)
 try:
-    from tpusync._core import PjrtApi, PjrtError
+    from tpusync._native.core import PjrtApi, PjrtError
 except ImportError as exc:  # pragma: no cover - only when the build is broken
     PjrtApi = PjrtError = None
     _CORE_ERROR = str(exc)

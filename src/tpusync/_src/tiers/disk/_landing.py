@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.tiers.blocks import slot_checksums
 from tpusync._src.tiers.layout import PoolLayout
 from tpusync._src.tiers.scatter import Scatter

@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.memory.fork_guard import check_same_process
 from tpusync._src.tiers._files import check_directory
 from tpusync._src.tiers._keys import check_keys

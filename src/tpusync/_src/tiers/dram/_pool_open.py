@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.tiers._files import check_descriptor, check_shm_dir, open_file
 from tpusync._src.tiers.dram._shm_files import (
     DEFAULT_SHM_DIR,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.memory.progress import Progress
 
 __all__ = ["PROGRESS_MIN_BYTES", "prefault"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.tiers._keys import check_keys
 from tpusync._src.tiers.dram.pool_file import COMMITTED, FREE, WRITING, scan_records
 from tpusync._src.tiers.layout import PoolLayout

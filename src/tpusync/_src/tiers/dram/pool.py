@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.engines import native
 from tpusync._src.engines.pjrt import engine as pjrt
 from tpusync._src.memory import dma, fork_guard, huge_pages

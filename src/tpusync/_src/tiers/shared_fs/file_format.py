@@ -8,7 +8,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from tpusync import _core
+from tpusync._native import core as _core
 from tpusync._src.tiers.blocks import CHECKSUM_SCHEME, MAX_KEY_BYTES
 
 MAGIC = b"TPUSYNCB"

@@ -3,7 +3,7 @@
 
 This module holds the memory (page-aligned mappings, huge pages) and the slot pool's pin and id
 checks, and re-exports the native extensions of each job (tpusync._native: copy, checksum, net,
-fileio, pjrt), so that ``tpusync._core`` answers every name of the native core."""
+fileio, pjrt), so that ``tpusync._native.core`` answers every name of the native core."""
 
 from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.mem cimport PyMem_Free, PyMem_Malloc

@@ -1,4 +1,4 @@
-"""Type stub of the native MAC module (src/tpusync/_mac.pyx)."""
+"""Type stub of the native MAC module (src/tpusync/_native/mac.pyx)."""
 
 import numpy as np
 

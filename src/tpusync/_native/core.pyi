@@ -1,4 +1,4 @@
-"""Type stub of the native core (src/tpusync/_core.pyx): its memory and slot checks, and the
+"""Type stub of the native core (src/tpusync/_native/core.pyx): its memory and slot checks, and the
 names it re-exports from the extensions of tpusync._native."""
 
 from collections.abc import Callable
