@@ -3,12 +3,17 @@ slower than A?
 
 Whole benchmark runs (``benchmarks/ab.py``) differ by 5-25% between two runs of one build on a
 shared 2-core VM: each run is a new process with its own memory placement, page cache and huge
-pages. Here each side is one long-lived worker process (its ``site/`` first on ``PYTHONPATH``)
+pages. Here each side is a long-lived worker process (its ``site/`` first on ``PYTHONPATH``)
 that sets up every fixture once and keeps it; the driver asks the two in turn (A then B, then B
 then A, ...) to run one operation ``--batch`` times (after one untimed run), and takes each
-batch's median. Per round, B's median is divided by A's; a figure is the median of those paired
-ratios over ``--rounds``, with their spread (half the interquartile range). The operations use
-only the public API both builds share, at sizes where fixed costs show:
+batch's median. Per round, B's median is divided by A's. Beside the times, each operation's
+Python function calls in one run (cProfile's count) are compared: a count the machine's load
+does not move. A process keeps its own placement for
+its life, which moves its figures by up to ~8% against another process of the same build, so
+``--pairs`` fresh pairs of processes run ``--rounds`` rounds each (the first started
+alternating). A figure is the median of all the paired ratios, with their spread (half the
+interquartile range) and each pair's own median. The operations use only the public API both
+builds share, at sizes where fixed costs show:
 
 * transfer: D2H and H2D of 64 scattered 256 KiB blocks, and of 16 scattered 16 KiB blocks;
 * DRAM tier: ``HostPool.put_from_device`` / ``get_to_device`` of 8 x 1 MiB blocks;
@@ -22,8 +27,8 @@ only the public API both builds share, at sizes where fixed costs show:
 * controls: the test model's prompt computed without the store, and a 16 MiB ``np.copyto``:
   code neither build changes, so their ratios show this harness's own noise.
 
-    python benchmarks/ab_ops.py --a /work/ab/before --b /work/ab/after [--rounds 15]
-        [--batch 10] [--only prefix,network] [--threshold 0.03] [--json FILE]
+    python benchmarks/ab_ops.py --a /work/ab/before --b /work/ab/after [--pairs 4]
+        [--rounds 6] [--batch 10] [--only prefix,network] [--threshold 0.03] [--json FILE]
 
 ``--a`` / ``--b`` are directories holding ``site/`` (an unpacked wheel), as for ``ab.py``.
 """
@@ -288,8 +293,20 @@ def _fixtures() -> dict[str, Any]:
     return ops
 
 
+def _python_calls(run: Any) -> int:
+    """The Python function calls (and calls into C from Python) of one run: a count that, unlike
+    a time, does not move with the machine's load."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    return pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
+
+
 def worker() -> int:
-    """Answers ``{"op": name, "n": count}`` lines with ``{"figures": {figure: [seconds]}}``."""
+    """Answers ``{"op": name, "n": count}`` lines with ``{"figures": {figure: [seconds]}}``,
+    and ``{"op": name, "calls": true}`` with ``{"calls": count}``."""
     ops = _fixtures()
     close = ops.pop("_close")
     print(json.dumps({"ops": sorted(ops)}), flush=True)
@@ -298,6 +315,9 @@ def worker() -> int:
             ask = json.loads(line)
             run = ops[ask["op"]]
             run()  # untimed: the other process ran last
+            if ask.get("calls"):
+                print(json.dumps({"calls": _python_calls(run)}), flush=True)
+                continue
             figures: dict[str, list[float]] = {}
             for _ in range(ask["n"]):
                 for figure, seconds in run().items():
@@ -343,6 +363,12 @@ class Side:
         self.process.stdin.flush()
         return {k: statistics.median(v) for k, v in self._answer()["figures"].items()}
 
+    def python_calls(self, op: str) -> int:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"op": op, "calls": True}) + "\n")
+        self.process.stdin.flush()
+        return int(self._answer()["calls"])
+
     def close(self) -> None:
         assert self.process.stdin is not None
         self.process.stdin.close()
@@ -361,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--a", type=Path, help="the baseline: a directory holding site/")
     parser.add_argument("--b", type=Path, help="the change: a directory holding site/")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--pairs", type=int, default=4, help="fresh pairs of processes")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per pair")
     parser.add_argument("--batch", type=int, default=10, help="runs of an operation per turn")
     parser.add_argument("--only", default="", help="operations whose name starts so (a,b,...)")
     parser.add_argument("--threshold", type=float, default=0.03)
@@ -374,28 +401,46 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.a is None or args.b is None:
         parser.error("--a and --b are required")
-    if args.rounds < 3 or args.batch < 1:
-        parser.error("--rounds must be at least 3 and --batch at least 1")
-    sides = [Side("A", args.a), Side("B", args.b)]
-    try:
-        prefixes = [p.strip() for p in args.only.split(",") if p.strip()]
-        ops = [o for o in sides[0].ops if o in sides[1].ops]
-        ops = [o for o in ops if not prefixes or any(o.startswith(p) for p in prefixes)]
-        medians: dict[str, dict[str, list[float]]] = {}
-        ratios: dict[str, list[float]] = {}
-        for round_ in range(args.rounds):
-            for op in ops:
-                order = sides if (round_ + ops.index(op)) % 2 == 0 else sides[::-1]
-                got = {side.label: side.run(op, args.batch) for side in order}
-                for figure in got["A"]:
-                    medians.setdefault(figure, {"A": [], "B": []})
-                    for label in ("A", "B"):
-                        medians[figure][label].append(got[label][figure])
-                    ratios.setdefault(figure, []).append(got["B"][figure] / got["A"][figure])
-            print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
-    finally:
-        for side in sides:
-            side.close()
+    if args.pairs < 1 or args.rounds < 1 or args.pairs * args.rounds < 3 or args.batch < 1:
+        parser.error("--pairs x --rounds must be at least 3, and --batch at least 1")
+    prefixes = [p.strip() for p in args.only.split(",") if p.strip()]
+    medians: dict[str, dict[str, list[float]]] = {}
+    ratios: dict[str, list[float]] = {}
+    pair_changes: dict[str, list[float]] = {}  # each pair of processes' own paired median
+    calls: dict[str, dict[str, int]] = {}  # per operation: Python calls of one run, per side
+    for pair in range(args.pairs):
+        # fresh processes, the first started alternating: a process's own placement (its
+        # mappings, its files' pages) can move its figures by several percent for its life
+        started = [Side("A", args.a), Side("B", args.b)][:: 1 if pair % 2 == 0 else -1]
+        sides = sorted(started, key=lambda side: side.label)
+        here: dict[str, list[float]] = {}
+        try:
+            ops = [o for o in sides[0].ops if o in sides[1].ops]
+            ops = [o for o in ops if not prefixes or any(o.startswith(p) for p in prefixes)]
+            for round_ in range(args.rounds):
+                for op in ops:
+                    order = sides if (round_ + ops.index(op)) % 2 == 0 else sides[::-1]
+                    got = {side.label: side.run(op, args.batch) for side in order}
+                    for figure in got["A"]:
+                        medians.setdefault(figure, {"A": [], "B": []})
+                        for label in ("A", "B"):
+                            medians[figure][label].append(got[label][figure])
+                        ratio = got["B"][figure] / got["A"][figure]
+                        ratios.setdefault(figure, []).append(ratio)
+                        here.setdefault(figure, []).append(ratio)
+                print(
+                    f"pair {pair + 1}/{args.pairs}, round {round_ + 1}/{args.rounds}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if pair == 0:
+                for op in ops:
+                    calls[op] = {side.label: side.python_calls(op) for side in sides}
+        finally:
+            for side in started:
+                side.close()
+        for figure, values in here.items():
+            pair_changes.setdefault(figure, []).append(1 - statistics.median(values))
     rows = []
     for figure, per_side in medians.items():
         change = 1 - statistics.median(ratios[figure])  # + : B takes less time
@@ -406,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 "b_ms": 1e3 * statistics.median(per_side["B"]),
                 "b_faster_by": change,
                 "spread": _spread(ratios[figure]),
+                "pair_changes": pair_changes[figure],
                 "worse": change < -args.threshold,
                 "a_ms_runs": [1e3 * s for s in per_side["A"]],
                 "b_ms_runs": [1e3 * s for s in per_side["B"]],
@@ -418,9 +464,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * row['b_faster_by']:+11.1f}% {100 * row['spread']:6.1f}%"
             f"{'  WORSE' if row['worse'] else ''}"
         )
+    print(f"\n{'operation (one run)':44} {'A calls':>9} {'B calls':>9} {'B fewer by':>12}")
+    for op, per_side in calls.items():
+        fewer = 1 - per_side["B"] / per_side["A"]
+        print(f"{op:44} {per_side['A']:9d} {per_side['B']:9d} {100 * fewer:+11.1f}%")
     worse = [r["figure"] for r in rows if r["worse"]]
+    worse += [op for op, n in calls.items() if n["B"] > (1 + args.threshold) * n["A"]]
     print(
-        f"\n{args.rounds} rounds x {args.batch} runs per side, paired medians; "
+        f"\n{args.pairs} pairs of processes x {args.rounds} rounds x {args.batch} runs per side, "
+        "paired medians; "
         + (f"worse by more than {100 * args.threshold:.0f}%: {worse}" if worse else "none worse")
     )
     if args.json:
@@ -432,8 +484,10 @@ def main(argv: list[str] | None = None) -> int:
                 "b": str(args.b),
                 "a_commit": commit_of(args.a / "benchmarks"),
                 "b_commit": commit_of(args.b / "benchmarks"),
+                "pairs": args.pairs,
                 "rounds": args.rounds,
                 "batch": args.batch,
+                "python_calls": calls,
                 "threshold": args.threshold,
                 "rows": rows,
             },
