@@ -13,6 +13,7 @@ import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,6 +413,13 @@ def test_lint_imports_keeps_the_layer_contract() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_layer_contracts_carry_no_exemption() -> None:
+    """No contract ignores an import: an exemption would let a layer reach up unseen."""
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    exempt = [c["id"] for c in contracts["contracts"] if c.get("ignore_imports")]
+    assert len(contracts["contracts"]) >= 6 and exempt == []
 
 
 if __name__ == "__main__":  # a report of everything the checks find
