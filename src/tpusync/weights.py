@@ -1,6 +1,8 @@
 """RL weight sync: a trainer publishes each version of its (sharded) weights once
 (:class:`Publisher`); samplers pull it resharded into their own layouts, verified, and switch to
 it atomically (:class:`Subscriber`). A version is an ``int`` that rises (the training step).
+What a version looks like, for a sampler that builds its target from it:
+:func:`published_structure` (a :class:`PublishedStructure`).
 
 Options, grouped: :class:`WeightsPoolOptions`, :class:`WeightsServerOptions`,
 :class:`WeightsClientOptions` and :class:`TlsOptions`. See docs/weights.md."""
@@ -16,7 +18,8 @@ from tpusync._src.weights.options import (
 )
 from tpusync._src.weights.plan import Box, LeafPlan, Piece, leaf_plan, shard_boxes
 from tpusync._src.weights.publisher import Publisher, PublishReport
-from tpusync._src.weights.subscriber import PullReport, Subscriber
+from tpusync._src.weights.structure import PublishedLeaf, PublishedStructure
+from tpusync._src.weights.subscriber import PullReport, Subscriber, published_structure
 
 __all__ = [
     "Box",
@@ -25,6 +28,8 @@ __all__ = [
     "Manifest",
     "Piece",
     "PublishReport",
+    "PublishedLeaf",
+    "PublishedStructure",
     "Publisher",
     "PullReport",
     "Subscriber",
@@ -33,5 +38,6 @@ __all__ = [
     "WeightsPoolOptions",
     "WeightsServerOptions",
     "leaf_plan",
+    "published_structure",
     "shard_boxes",
 ]

@@ -25,6 +25,12 @@ It takes another form only where a boundary needs one, each made here or in one 
 - a KV store's namespace names the weights by a string: ``Subscriber.commit`` passes
   ``str(version)`` to ``set_weight_version``.
 
+The manifest also says what a subscriber needs to build its own target without being told:
+the tree's skeleton (:func:`tree_skeleton`: dicts with string keys, lists, tuples and None
+around numbered leaves; a tree with any other node has none) and each leaf's sharding as data
+(the publisher's mesh axes and ``PartitionSpec``, :func:`sharding_data`), read back by
+:mod:`tpusync._src.weights.structure`.
+
 The helpers both sides share are here too: the pool layout of a stream's chunks
 (:func:`chunk_layout`) and the leaf paths a manifest names (:func:`tree_paths`).
 """
@@ -57,10 +63,13 @@ __all__ = [
     "chunk_key",
     "chunk_layout",
     "manifest_key",
+    "rebuild_tree",
+    "sharding_data",
     "tree_paths",
+    "tree_skeleton",
 ]
 
-FORMAT = 2  # 2: no pool slots or path (a same-host subscriber asks the lease)
+FORMAT = 3  # 3: the tree's skeleton and each leaf's sharding (2: no pool slots or path)
 STREAM_ALIGNMENT = 64
 _MAX_LEAVES = 1 << 16
 _MAX_DIMS = 16
@@ -68,6 +77,10 @@ _MAX_CHUNKS = 1 << 24
 _MAX_MANIFEST_BYTES = 1 << 30
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_MAX_AXES = 16
+_MAX_DEPTH = 64
+_MAX_KEY = 256
 
 
 def _key(kind: bytes, name: str, version: int, index: int) -> bytes:
@@ -106,16 +119,151 @@ def tree_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     return [jax.tree_util.keystr(p) for p, _ in with_paths], [x for _, x in with_paths], treedef
 
 
+class _NoSkeleton(Exception):
+    """A node :func:`tree_skeleton` cannot write down."""
+
+
+def tree_skeleton(tree: Any, paths: list[str]) -> Any:
+    """``tree``'s structure as JSON data, its leaves numbered in flattening order: a dict with
+    string keys is ``{"d": [[key, child], ...]}`` (keys sorted, as JAX flattens them), a list
+    ``{"l": [...]}``, a tuple ``{"t": [...]}``, None ``null``. None when the tree holds any
+    other node (a NamedTuple, a dataclass, a Flax ``FrozenDict``), or when the skeleton would not
+    give back ``paths``: the manifest then carries the leaves by path only."""
+    numbers = iter(range(len(paths)))
+
+    def walk(node: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise _NoSkeleton
+        if node is None:
+            return None
+        if type(node) is dict:
+            if not all(type(k) is str and len(k) <= _MAX_KEY for k in node):
+                raise _NoSkeleton
+            return {"d": [[k, walk(node[k], depth + 1)] for k in sorted(node)]}
+        if type(node) in (list, tuple):
+            return {"l" if type(node) is list else "t": [walk(x, depth + 1) for x in node]}
+        if isinstance(node, jax.Array | np.ndarray):
+            return next(numbers, -1)
+        raise _NoSkeleton
+
+    try:
+        skeleton = walk(tree, 0)
+    except _NoSkeleton:
+        return None
+    rebuilt = rebuild_tree(skeleton, list(range(len(paths))))
+    return skeleton if tree_paths(rebuilt)[0] == paths else None
+
+
+def rebuild_tree(skeleton: Any, leaves: list[Any]) -> Any:
+    """The tree a (checked) skeleton describes, with ``leaves[i]`` at leaf ``i``."""
+    if skeleton is None:
+        return None
+    if type(skeleton) is int:
+        return leaves[skeleton]
+    if "d" in skeleton:
+        return {k: rebuild_tree(child, leaves) for k, child in skeleton["d"]}
+    if "l" in skeleton:
+        return [rebuild_tree(child, leaves) for child in skeleton["l"]]
+    return tuple(rebuild_tree(child, leaves) for child in skeleton["t"])
+
+
+def _check_skeleton(skeleton: Any, n_leaves: int) -> None:
+    """Raises ValueError unless ``skeleton`` is a skeleton whose leaves are each of
+    ``0 .. n_leaves - 1`` once (a peer's data: bounded in depth and size before it is walked)."""
+    seen: set[int] = set()
+    stack = [(skeleton, 0)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > _MAX_DEPTH or nodes > 4 * _MAX_LEAVES:
+            raise ValueError("tree: too deep or too large")
+        if node is None:
+            continue
+        if type(node) is int:
+            if not 0 <= node < n_leaves or node in seen:
+                raise ValueError(f"tree: leaf {node} out of range or repeated")
+            seen.add(node)
+            continue
+        if not isinstance(node, dict) or len(node) != 1:
+            raise ValueError("tree: a node is not a dict, list, tuple, None or leaf")
+        ((kind, children),) = node.items()
+        if kind not in ("d", "l", "t") or not isinstance(children, list):
+            raise ValueError(f"tree: unknown node {kind!r:.20}")
+        if kind == "d":
+            keys = [item[0] for item in children if isinstance(item, list) and len(item) == 2]
+            if len(keys) != len(children) or not all(
+                type(k) is str and len(k) <= _MAX_KEY for k in keys
+            ):
+                raise ValueError("tree: a dict entry is not [key, child] with a short string key")
+            if keys != sorted(set(keys)):
+                raise ValueError("tree: a dict's keys are repeated or not sorted")
+            children = [item[1] for item in children]
+        stack.extend((child, depth + 1) for child in children)
+    if len(seen) != n_leaves:
+        raise ValueError(f"tree: {len(seen)} leaves, the manifest lists {n_leaves}")
+
+
+def sharding_data(sharding: Any, ndim: int) -> Any:
+    """A leaf's sharding as data a subscriber can rebuild on its own devices: a
+    ``NamedSharding``'s mesh axes (names and sizes, in order) and ``PartitionSpec``
+    (``{"axes": [[name, size], ...], "spec": [None | name | [names]]}``); None for any other
+    sharding (the boxes still say how the bytes were cut)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    axes = [[str(name), int(size)] for name, size in sharding.mesh.shape.items()]
+    spec = [list(e) if isinstance(e, tuple) else e for e in sharding.spec]
+    spec += [None] * (ndim - len(spec))
+    data = {"axes": axes, "spec": spec}
+    try:
+        _check_sharding(data, ndim)
+    except ValueError:  # e.g. PartitionSpec.UNCONSTRAINED: not data a subscriber can use
+        return None
+    return data
+
+
+def _check_sharding(data: Any, ndim: int) -> None:
+    if not isinstance(data, dict) or set(data) != {"axes", "spec"}:
+        raise ValueError("sharding: expected {axes, spec}")
+    axes, spec = data["axes"], data["spec"]
+    if not isinstance(axes, list) or not 1 <= len(axes) <= _MAX_AXES:
+        raise ValueError("sharding.axes: expected 1 to 16 [name, size] pairs")
+    names = []
+    for item in axes:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError("sharding.axes: expected [name, size] pairs")
+        if not _AXIS.fullmatch(item[0]):
+            raise ValueError(f"sharding.axes: {item[0]!r:.80} is not an axis name")
+        _int(item[1], "sharding.axes size", 1, 1 << 20)
+        names.append(item[0])
+    if len(set(names)) != len(names):
+        raise ValueError("sharding.axes: a name is repeated")
+    if not isinstance(spec, list) or len(spec) != ndim:
+        raise ValueError(f"sharding.spec: expected one entry per dimension ({ndim})")
+    used: list[str] = []
+    for entry in spec:
+        for name in entry if isinstance(entry, list) else [entry]:
+            if name is None and not isinstance(entry, list):
+                continue
+            if name not in names:
+                raise ValueError(f"sharding.spec: {name!r:.80} is not one of the mesh's axes")
+            used.append(name)
+    if len(set(used)) != len(used):
+        raise ValueError("sharding.spec: an axis shards two dimensions")
+
+
 @dataclass(frozen=True)
 class LeafEntry:
     """One leaf: its tree path, global shape, dtype name, distinct shard boxes (the
-    publisher's layout) and where each box's bytes start in the version's stream."""
+    publisher's layout), where each box's bytes start in the version's stream, and the
+    publisher's sharding as data (:func:`sharding_data`; None when it has none to give)."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
     boxes: tuple[Box, ...]
     offsets: tuple[int, ...]
+    sharding: Any = None
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -140,7 +288,8 @@ def dtype_of(name: str) -> np.dtype:
 class Manifest:
     """A version's manifest (see the module docstring).
 
-    ``checksums[i]`` is chunk ``i``'s block checksum (the tiers' scheme)."""
+    ``checksums[i]`` is chunk ``i``'s block checksum (the tiers' scheme); ``tree`` is the
+    skeleton of :func:`tree_skeleton` (None: the leaves by path only)."""
 
     name: str
     version: int
@@ -149,6 +298,7 @@ class Manifest:
     total_bytes: int
     leaves: tuple[LeafEntry, ...]
     checksums: np.ndarray
+    tree: Any = None
 
     @property
     def n_chunks(self) -> int:
@@ -169,9 +319,11 @@ class Manifest:
                     "dtype": leaf.dtype,
                     "boxes": [[list(d) for d in box] for box in leaf.boxes],
                     "offsets": list(leaf.offsets),
+                    "sharding": leaf.sharding,
                 }
                 for leaf in self.leaves
             ],
+            "tree": self.tree,
             "checksums": self.checksums.astype("<u8").tobytes().hex(),
         }
         text = json.dumps(body, separators=(",", ":")).encode()
@@ -237,12 +389,18 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
             raise ValueError(f"leaves[{i}]: one offset per box and a path are required")
         if math.prod(shape):
             _check_tiling(shape, dtype.itemsize, boxes)
-        entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets)
+        sharding = item["sharding"]
+        if sharding is not None:
+            _check_sharding(sharding, len(shape))
+        entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets, sharding)
         for b, offset in enumerate(offsets):
             if offset + entry.box_bytes(b) > total:
                 raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")
         leaves.append(entry)
-    return Manifest(name, version, parent, chunk_bytes, total, tuple(leaves), checksums)
+    tree = body["tree"]
+    if tree is not None:
+        _check_skeleton(tree, len(leaves))
+    return Manifest(name, version, parent, chunk_bytes, total, tuple(leaves), checksums, tree)
 
 
 def check_name(name: Any) -> str:

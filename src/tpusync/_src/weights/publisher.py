@@ -44,7 +44,9 @@ from tpusync._src.weights.manifest import (
     chunk_key,
     chunk_layout,
     manifest_key,
+    sharding_data,
     tree_paths,
+    tree_skeleton,
 )
 from tpusync._src.weights.options import (
     TlsOptions,
@@ -135,6 +137,7 @@ class Publisher:
         self._chunks: dict[int, int] = {}  # kept version -> its chunk count
         self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
         self._latest: int | None = None
+        self._skeleton: tuple[Any, Any] | None = None  # (treedef, its skeleton): the last tree
         self.pool: HostPool | None = None
         self.server: BlockServer | None = None
         self._link: RegistryLink | None = None
@@ -229,7 +232,9 @@ class Publisher:
                 "versions must rise (use the training step)"
             )
         start = time.perf_counter()
-        paths, leaves, _ = tree_paths(params)
+        paths, leaves, treedef = tree_paths(params)
+        if self._skeleton is None or self._skeleton[0] != treedef:  # versions repeat their tree
+            self._skeleton = (treedef, tree_skeleton(params, paths))
         entries, sources = self._describe(paths, leaves)
         total = sum(e.box_bytes(b) for e in entries for b in range(len(e.boxes)))
         n_chunks = -(-total // self._chunk_bytes)
@@ -245,6 +250,7 @@ class Publisher:
             total,
             tuple(entries),
             np.zeros(n_chunks, dtype=np.uint64),
+            self._skeleton[1],
         )
         n_parts = -(-len(draft.to_bytes()) // self._chunk_bytes)
         if self.pool is None:
@@ -316,7 +322,10 @@ class Publisher:
             for host in hosts:
                 offsets.append(offset)
                 offset += host.nbytes
-            entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets)))
+            sharding = (
+                sharding_data(leaf.sharding, len(shape)) if isinstance(leaf, jax.Array) else None
+            )
+            entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets), sharding))
             sources.extend(hosts)
         return entries, sources
 

@@ -53,6 +53,7 @@ from tpusync._src.weights.manifest import (
 )
 from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
+from tpusync._src.weights.structure import PublishedStructure, structure_of
 from tpusync.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
@@ -63,7 +64,7 @@ from tpusync.errors import (
     WeightSyncError,
 )
 
-__all__ = ["PullReport", "Subscriber"]
+__all__ = ["PullReport", "Subscriber", "published_structure"]
 
 log = logging.getLogger("tpusync.weights")
 
@@ -337,6 +338,31 @@ class Subscriber:
             if expired.is_set():
                 self._drop_client(client)  # closed: the next pull connects afresh
         return report
+
+    def structure(self, version: int) -> PublishedStructure:
+        """What ``version`` looks like (each leaf's path, shape, dtype and the publisher's
+        sharding, and the tree they sit in), read from its manifest without pulling a chunk:
+        :meth:`PublishedStructure.target` builds a target on this process's mesh from it.
+
+        Raises VersionUnavailableError (not published or no longer kept) or WeightSyncError
+        (the publisher gone, a malformed manifest)."""
+        check_version(version)
+        announce = announcement_key(self.name, version)
+        client = self._client(version, announce)
+        try:
+            with client.hold([announce], ttl_s=max(1.0, self.client_options.timeout_s)) as held:
+                if not held.present[0]:
+                    raise VersionUnavailableError(
+                        f"version: {version} of {self.name!r} is not published by "
+                        f"{client.label} (or no longer kept)"
+                    )
+                manifest = self._read_manifest(client, version, announce)
+        except (PeerUnavailableError, OSError) as error:
+            self._drop_client(client)
+            raise WeightSyncError(
+                f"version {version}: the publisher at {client.label} went away ({error})"
+            ) from error
+        return structure_of(manifest)
 
     def _fail_in_place(self) -> None:
         if self.in_place and self._live is not None and self._shadow is None:
@@ -633,3 +659,23 @@ class Subscriber:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def published_structure(
+    name: str,
+    version: int,
+    *,
+    secret: bytes,
+    address: str | None = None,
+    registry: Registry | None = None,
+    client: WeightsClientOptions | None = None,
+    tls: TlsOptions | None = None,
+) -> PublishedStructure:
+    """:meth:`Subscriber.structure` for a sampler that has no target yet: what ``version`` of
+    the weights ``name`` looks like, asked of its publisher (``address``) or found through
+    ``registry``; ``PublishedStructure.target(mesh)`` then builds the target to subscribe
+    with."""
+    with Subscriber(
+        name, {}, secret=secret, address=address, registry=registry, client=client, tls=tls
+    ) as probe:
+        return probe.structure(version)
