@@ -16,7 +16,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpusync._src.weights.manifest import LeafEntry, Manifest, tree_paths, tree_skeleton
+from tpusync._src.weights.manifest import (
+    LeafEntry,
+    Manifest,
+    rebuild_tree,
+    tree_paths,
+    tree_skeleton,
+)
 from tpusync.cluster import MemoryRegistry
 from tpusync.errors import InvalidArgumentError, VersionUnavailableError, WeightSyncError
 from tpusync.weights import (
@@ -102,6 +108,8 @@ def test_a_mesh_without_the_publishers_axes_is_refused_unless_specs_say_how(publ
         found.target(other)
     with pytest.raises(InvalidArgumentError, match=r"specs: .*not paths"):
         found.target(_mesh((2, 4)), specs={"['nope']": P()})
+    with pytest.raises(InvalidArgumentError, match=r"specs\[.*embed.*\]: expected a jax"):
+        found.target(_mesh((2, 4)), specs={"['embed']": ("data", None)})
     specs = {leaf.path: P() for leaf in found.leaves}  # replicated on the sampler's mesh
     target = found.target(other, specs=specs)
     with Subscriber(publisher.name, target, secret=SECRET, address=publisher.address) as sub:
@@ -123,13 +131,36 @@ def test_a_tree_with_other_nodes_gives_its_leaves_by_path_only(publisher) -> Non
         found.shapes()
 
 
-def test_the_skeleton_gives_back_the_trees_paths() -> None:
+def test_the_skeleton_gives_back_the_tree() -> None:
     params = _params(4)
-    paths, _, _ = tree_paths(params)
+    paths, leaves, treedef = tree_paths(params)
     skeleton = tree_skeleton(params, paths)
-    assert skeleton is not None
+    rebuilt = rebuild_tree(skeleton, leaves)
+    assert jax.tree_util.tree_structure(rebuilt) == treedef
+    assert all(a is b for a, b in zip(jax.tree.leaves(rebuilt), leaves, strict=True))
     assert tree_skeleton({1: np.zeros(1)}, ["[1]"]) is None  # a key that is not a string
     assert tree_skeleton(_Pair(np.zeros(1), np.zeros(1)), [".a", ".b"]) is None
+
+
+def test_a_tree_too_large_to_describe_travels_by_path_only(publisher) -> None:
+    """A skeleton a subscriber would refuse (here: 300,000 None nodes) is not written at all,
+    so the version stays pullable."""
+    params = {"pad": [None] * 300_000, "w": _params(6)["embed"]}
+    publisher.publish(params, 1)
+    found = published_structure(publisher.name, 1, secret=SECRET, address=publisher.address)
+    assert not found.has_tree and [leaf.path for leaf in found.leaves] == ["['w']"]
+    leaf = found.leaves[0]  # the target built by hand, in the trainer's structure
+    w = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=params["w"].sharding)
+    target = {"pad": [None] * 300_000, "w": w}
+    with Subscriber(publisher.name, target, secret=SECRET, address=publisher.address) as sub:
+        _same_bits(sub.update(1)["w"], params["w"])
+
+
+def _nested(depth: int) -> Any:
+    node: Any = {"l": [0, 1]}
+    for _ in range(depth):
+        node = {"l": [node]}
+    return node
 
 
 def _manifest_body() -> dict[str, Any]:
@@ -153,7 +184,11 @@ def _parsed(body: dict[str, Any]) -> Manifest:
         lambda b: b.update(tree={"x": []}),  # an unknown node
         lambda b: b.update(tree={"d": [["b", 0], ["a", 1]]}),  # keys not sorted
         lambda b: b.update(tree={"d": [[1, 0]]}),  # a key that is not a string
-        lambda b: b.update(tree=json.loads("[" * 80 + "]" * 80)),  # too deep, not a node
+        lambda b: b.update(tree=json.loads("[" * 80 + "]" * 80)),  # not a node
+        lambda b: b.update(tree=_nested(70)),  # too deep
+        lambda b: b.update(tree={"l": [0, 1] + [None] * 300_000}),  # too many nodes
+        lambda b: b.update(tree={"l": [1, 0]}),  # leaves out of the paths' order
+        lambda b: b.update(tree={"d": [["a", 0], ["b", 1]]}),  # not the leaves' paths
         lambda b: b["leaves"][0].update(sharding={"axes": [["x", 2]], "spec": ["y", None]}),
         lambda b: b["leaves"][0].update(sharding={"axes": [["x", 0]], "spec": [None, None]}),
         lambda b: b["leaves"][0].update(sharding={"axes": [["x", 2]], "spec": ["x", "x"]}),
@@ -167,3 +202,11 @@ def test_a_malformed_structure_in_a_manifest_is_refused(damage) -> None:
     damage(body)
     with pytest.raises(WeightSyncError, match="malformed"):
         _parsed(body)
+
+
+def test_json_nested_deeper_than_the_parser_goes_is_refused() -> None:
+    body = _manifest_body()
+    body["tree"] = "TREE"
+    text = json.dumps(body).replace('"TREE"', '{"l":' * 5000 + "0" + "}" * 5000).encode()
+    with pytest.raises(WeightSyncError, match="malformed"):
+        Manifest.from_bytes(len(text).to_bytes(8, "little") + text, name="w", version=1)

@@ -148,10 +148,11 @@ def tree_skeleton(tree: Any, paths: list[str]) -> Any:
 
     try:
         skeleton = walk(tree, 0)
-    except _NoSkeleton:
+        _check_skeleton(skeleton, len(paths))  # what a subscriber will accept
+        _check_skeleton_paths(skeleton, paths)
+    except (_NoSkeleton, ValueError):
         return None
-    rebuilt = rebuild_tree(skeleton, list(range(len(paths))))
-    return skeleton if tree_paths(rebuilt)[0] == paths else None
+    return skeleton
 
 
 def rebuild_tree(skeleton: Any, leaves: list[Any]) -> Any:
@@ -165,6 +166,15 @@ def rebuild_tree(skeleton: Any, leaves: list[Any]) -> Any:
     if "l" in skeleton:
         return [rebuild_tree(child, leaves) for child in skeleton["l"]]
     return tuple(rebuild_tree(child, leaves) for child in skeleton["t"])
+
+
+def _check_skeleton_paths(skeleton: Any, paths: list[str]) -> None:
+    """Raises ValueError unless the tree ``skeleton`` describes flattens to ``paths``, its
+    leaves numbered in that order (else a target built from it would put leaves in the wrong
+    places)."""
+    got_paths, got_leaves, _ = tree_paths(rebuild_tree(skeleton, list(range(len(paths)))))
+    if got_paths != paths or got_leaves != list(range(len(paths))):
+        raise ValueError("tree: the skeleton does not give back the leaves' paths in order")
 
 
 def _check_skeleton(skeleton: Any, n_leaves: int) -> None:
@@ -190,6 +200,8 @@ def _check_skeleton(skeleton: Any, n_leaves: int) -> None:
         ((kind, children),) = node.items()
         if kind not in ("d", "l", "t") or not isinstance(children, list):
             raise ValueError(f"tree: unknown node {kind!r:.20}")
+        if nodes + len(stack) + len(children) > 4 * _MAX_LEAVES:
+            raise ValueError("tree: too large")
         if kind == "d":
             keys = [item[0] for item in children if isinstance(item, list) and len(item) == 2]
             if len(keys) != len(children) or not all(
@@ -335,7 +347,14 @@ class Manifest:
         field when one is wrong); it must be the manifest of ``name``'s ``version``."""
         try:
             return _parse(data, name, version)
-        except (KeyError, TypeError, ValueError, OverflowError, InvalidArgumentError) as error:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            OverflowError,
+            RecursionError,  # JSON nested deeper than the parser goes
+            InvalidArgumentError,
+        ) as error:
             raise WeightSyncError(
                 f"the manifest of version {version} of {name!r} is malformed ({error}); "
                 "the publisher and this subscriber may run different tpusync releases"
@@ -400,6 +419,7 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     tree = body["tree"]
     if tree is not None:
         _check_skeleton(tree, len(leaves))
+        _check_skeleton_paths(tree, [leaf.path for leaf in leaves])
     return Manifest(name, version, parent, chunk_bytes, total, tuple(leaves), checksums, tree)
 
 

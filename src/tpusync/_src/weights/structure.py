@@ -71,6 +71,12 @@ class PublishedStructure:
                 f"{type(mesh).__name__}"
             )
         specs = dict(specs or {})
+        for path, spec in specs.items():
+            if not isinstance(spec, PartitionSpec):
+                raise InvalidArgumentError(
+                    f"specs[{path!r}]: expected a jax.sharding.PartitionSpec, got "
+                    f"{type(spec).__name__}"
+                )
         unknown = sorted(set(specs) - {x.path for x in self.leaves})
         if unknown:
             raise InvalidArgumentError(

@@ -339,29 +339,46 @@ class Subscriber:
                 self._drop_client(client)  # closed: the next pull connects afresh
         return report
 
-    def structure(self, version: int) -> PublishedStructure:
+    def structure(self, version: int, *, deadline_s: float | None = None) -> PublishedStructure:
         """What ``version`` looks like (each leaf's path, shape, dtype and the publisher's
         sharding, and the tree they sit in), read from its manifest without pulling a chunk:
         :meth:`PublishedStructure.target` builds a target on this process's mesh from it.
+        ``deadline_s`` bounds it as it bounds a pull (default: the client options').
 
         Raises VersionUnavailableError (not published or no longer kept) or WeightSyncError
-        (the publisher gone, a malformed manifest)."""
+        (the publisher gone, a malformed manifest, the deadline)."""
         check_version(version)
+        limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
         announce = announcement_key(self.name, version)
         client = self._client(version, announce)
+        expired = threading.Event()  # as in pull: closing the client ends whatever it waits on
+        watchdog = threading.Timer(limit, lambda: (expired.set(), client.close()))
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            with client.hold([announce], ttl_s=max(1.0, self.client_options.timeout_s)) as held:
+            with client.hold([announce], ttl_s=max(1.0, min(limit, 60.0))) as held:
                 if not held.present[0]:
                     raise VersionUnavailableError(
                         f"version: {version} of {self.name!r} is not published by "
                         f"{client.label} (or no longer kept)"
                     )
                 manifest = self._read_manifest(client, version, announce)
-        except (PeerUnavailableError, OSError) as error:
-            self._drop_client(client)
-            raise WeightSyncError(
-                f"version {version}: the publisher at {client.label} went away ({error})"
-            ) from error
+        except (TpuSyncError, OSError) as error:
+            if expired.is_set():
+                raise WeightSyncError(
+                    f"version {version}: reading its structure missed the deadline ({limit:g} s) "
+                    f"waiting for {client.label}"
+                ) from error
+            if isinstance(error, PeerUnavailableError | OSError):
+                self._drop_client(client)
+                raise WeightSyncError(
+                    f"version {version}: the publisher at {client.label} went away ({error})"
+                ) from error
+            raise
+        finally:
+            watchdog.cancel()
+            if expired.is_set():
+                self._drop_client(client)
         return structure_of(manifest)
 
     def _fail_in_place(self) -> None:
@@ -670,6 +687,7 @@ def published_structure(
     registry: Registry | None = None,
     client: WeightsClientOptions | None = None,
     tls: TlsOptions | None = None,
+    deadline_s: float | None = None,
 ) -> PublishedStructure:
     """:meth:`Subscriber.structure` for a sampler that has no target yet: what ``version`` of
     the weights ``name`` looks like, asked of its publisher (``address``) or found through
@@ -678,4 +696,4 @@ def published_structure(
     with Subscriber(
         name, {}, secret=secret, address=address, registry=registry, client=client, tls=tls
     ) as probe:
-        return probe.structure(version)
+        return probe.structure(version, deadline_s=deadline_s)
