@@ -51,11 +51,33 @@ HERE = Path(__file__).resolve()
 # --- the worker: one build, every fixture set up once -------------------------------------------
 
 
-def _fixtures() -> dict[str, Any]:
-    """Every operation, by name: a callable returning ``{figure: seconds}``."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+def _fixtures() -> tuple[dict[str, Any], Any]:
+    """Every operation, by name (a callable returning ``{figure: seconds}``), and what closes
+    them all; a setup that fails closes what it made and removes its directories."""
     import shutil
     import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="tpusync-ab-ops-"))
+    shm = Path(tempfile.mkdtemp(prefix="tpusync-ab-ops-", dir="/dev/shm"))
+    closers: list[Any] = []
+
+    def close() -> None:
+        for closer in reversed(closers):
+            closer()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+    try:
+        return _set_up(work, shm, closers), close
+    except BaseException:
+        close()
+        raise
+
+
+def _set_up(work: Path, shm: Path, closers: list[Any]) -> dict[str, Any]:
+    """The fixtures, made in ``work`` and ``shm``; each thing to close is added to
+    ``closers``."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
     import jax
     import numpy as np
@@ -70,12 +92,9 @@ def _fixtures() -> dict[str, Any]:
     from tpusync.tiers import ArrayLayout, DiskPool, HostPool, PoolLayout, SharedFsPool
     from tpusync.weights import Publisher, Subscriber, WeightsClientOptions, WeightsPoolOptions
 
-    work = Path(tempfile.mkdtemp(prefix="tpusync-ab-ops-"))
-    shm = Path(tempfile.mkdtemp(prefix="tpusync-ab-ops-", dir="/dev/shm"))
     secret = bytes(range(32))
     rng = np.random.default_rng(7)
     ops: dict[str, Any] = {}
-    closers: list[Any] = []
 
     def timed(call: Any, figure: str) -> Any:
         def run() -> dict[str, float]:
@@ -284,13 +303,6 @@ def _fixtures() -> dict[str, Any]:
     copy_to = np.empty_like(copy_from)
     ops["control copy"] = timed(lambda: np.copyto(copy_to, copy_from), "control: np.copyto 16 MiB")
 
-    def close() -> None:
-        for closer in reversed(closers):
-            closer()
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
-
-    ops["_close"] = close
     return ops
 
 
@@ -321,8 +333,7 @@ def _python_calls(run: Any) -> int:
 def worker() -> int:
     """Answers ``{"op": name, "n": count}`` lines with ``{"figures": {figure: [seconds]}}``,
     and ``{"op": name, "calls": true}`` with ``{"calls": count}``."""
-    ops = _fixtures()
-    close = ops.pop("_close")
+    ops, close = _fixtures()
     print(json.dumps({"ops": sorted(ops)}), flush=True)
     try:
         for line in sys.stdin:

@@ -24,9 +24,11 @@ is host memory there); elsewhere each shard is staged in host memory and placed 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -294,49 +296,16 @@ class Subscriber:
         start = time.perf_counter()
         limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
         deadline = time.monotonic() + limit
-        announce = announcement_key(self.name, version)
-        client = self._client(version, announce)
-        # At the deadline the client is closed: its sockets shut down, whatever the pull waits
-        # on (the hold, the manifest, a batch of chunks) fails at once.
-        expired = threading.Event()
-        watchdog = threading.Timer(limit, lambda: (expired.set(), client.close()))
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            with client.hold([announce], ttl_s=max(1.0, min(limit, 60.0))) as held:
-                if not held.present[0]:
-                    raise VersionUnavailableError(
-                        f"version: {version} of {self.name!r} is not published by "
-                        f"{client.label} (or no longer kept)"
-                    )
-                manifest = self._read_manifest(client, version, announce)
-                self._check_targets(manifest)
-                report = self._pull_chunks(client, manifest, deadline, start)
-                if held.lapsed:
-                    raise WeightSyncError(
-                        f"version {version}: the hold on it lapsed during the pull; the "
-                        "publisher may have dropped it"
-                    )
-        except (TpuSyncError, OSError) as error:
-            if expired.is_set():
-                self._fail_in_place()
+        with self._manifest_of(
+            version, limit, "the pull", "; the committed version is untouched", self._fail_in_place
+        ) as (client, held, manifest):
+            self._check_targets(manifest)
+            report = self._pull_chunks(client, manifest, deadline, start)
+            if held.lapsed:
                 raise WeightSyncError(
-                    f"version {version}: the pull missed its deadline ({limit:g} s) waiting "
-                    f"for {client.label}; the committed version is untouched"
-                ) from error
-            if isinstance(error, PeerUnavailableError | OSError):
-                self._drop_client(client)
-                self._fail_in_place()
-                raise WeightSyncError(
-                    f"version {version}: the publisher at {client.label} went away ({error})"
-                ) from error
-            if isinstance(error, WeightSyncError):
-                self._fail_in_place()
-            raise
-        finally:
-            watchdog.cancel()
-            if expired.is_set():
-                self._drop_client(client)  # closed: the next pull connects afresh
+                    f"version {version}: the hold on it lapsed during the pull; the "
+                    "publisher may have dropped it"
+                )
         return report
 
     def structure(self, version: int, *, deadline_s: float | None = None) -> PublishedStructure:
@@ -349,9 +318,26 @@ class Subscriber:
         (the publisher gone, a malformed manifest, the deadline)."""
         check_version(version)
         limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
+        with self._manifest_of(version, limit, "reading its structure") as (_, _, manifest):
+            return structure_of(manifest)
+
+    @contextlib.contextmanager
+    def _manifest_of(
+        self,
+        version: int,
+        limit: float,
+        doing: str,
+        untouched: str = "",
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> Iterator[tuple[BlockClient, Any, Manifest]]:
+        """Holds ``version`` at its publisher and yields ``(client, hold, manifest)``. At the
+        deadline (``limit`` s) the client is closed: its sockets shut down, whatever the caller
+        waits on fails at once. A missed deadline and a publisher gone become WeightSyncError
+        naming what was ``doing``; ``on_failure`` runs first on those and on any other
+        WeightSyncError."""
         announce = announcement_key(self.name, version)
         client = self._client(version, announce)
-        expired = threading.Event()  # as in pull: closing the client ends whatever it waits on
+        expired = threading.Event()
         watchdog = threading.Timer(limit, lambda: (expired.set(), client.close()))
         watchdog.daemon = True
         watchdog.start()
@@ -362,24 +348,27 @@ class Subscriber:
                         f"version: {version} of {self.name!r} is not published by "
                         f"{client.label} (or no longer kept)"
                     )
-                manifest = self._read_manifest(client, version, announce)
+                yield client, held, self._read_manifest(client, version, announce)
         except (TpuSyncError, OSError) as error:
             if expired.is_set():
+                on_failure()
                 raise WeightSyncError(
-                    f"version {version}: reading its structure missed the deadline ({limit:g} s) "
-                    f"waiting for {client.label}"
+                    f"version {version}: {doing} missed its deadline ({limit:g} s) waiting "
+                    f"for {client.label}{untouched}"
                 ) from error
             if isinstance(error, PeerUnavailableError | OSError):
                 self._drop_client(client)
+                on_failure()
                 raise WeightSyncError(
                     f"version {version}: the publisher at {client.label} went away ({error})"
                 ) from error
+            if isinstance(error, WeightSyncError):
+                on_failure()
             raise
         finally:
             watchdog.cancel()
             if expired.is_set():
-                self._drop_client(client)
-        return structure_of(manifest)
+                self._drop_client(client)  # closed: the next pull connects afresh
 
     def _fail_in_place(self) -> None:
         if self.in_place and self._live is not None and self._shadow is None:
