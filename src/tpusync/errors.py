@@ -29,6 +29,7 @@ __all__ = [
     "SessionNotFoundError",
     "ShapeMismatchError",
     "StaleHandleError",
+    "StructureChangedError",
     "TierFullError",
     "TierIOError",
     "TpuSyncError",
@@ -228,3 +229,15 @@ class WeightSyncError(TpuSyncError, RuntimeError):
 class VersionUnavailableError(WeightSyncError, LookupError):
     """The asked weights version is not published (yet) or no longer retained; the message
     names the versions the publisher keeps."""
+
+
+class StructureChangedError(WeightSyncError):
+    """A newer weights version has another structure than the subscriber's target (a leaf
+    added, removed, reshaped or of another dtype): ``version`` is that version and
+    ``structure`` what it looks like (a :class:`tpusync.weights.PublishedStructure`, whose
+    ``target(mesh)`` builds the target of a new subscriber)."""
+
+    def __init__(self, message: str, *, version: int, structure: object) -> None:
+        super().__init__(message)
+        self.version = version
+        self.structure = structure

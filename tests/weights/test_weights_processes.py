@@ -3,7 +3,8 @@
 pull each into their own layout through a registry server, bit for bit, while a toy step loop
 stamps every step with the versions of the leaves it read: never two in one step, across a
 SIGKILL of the trainer mid-publish, a registry restart and a late joiner asking for an older
-kept version. The children are tpusync._src.testing.weights_procs."""
+kept version; a follower told only the registry and the name finds and follows every version,
+a tree that gained a leaf included. The children are tpusync._src.testing.weights_procs."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ LEAVES = 100
 MESHES = ("2x4", "4x2", "1x8")
 
 
-def expected(version: int) -> dict[str, str]:
+def expected(version: int, leaves: int = LEAVES) -> dict[str, str]:
     return {
         path: digest(leaf_bytes(0, version, i, shape, dtype))
-        for i, (path, shape, dtype) in enumerate(tree_spec(LEAVES))
+        for i, (path, shape, dtype) in enumerate(tree_spec(leaves))
     }
 
 
@@ -133,3 +134,18 @@ def test_a_registry_restart_and_a_late_joiner(cluster):
         stamps = sampler.ask("stamps")
         assert stamps["mixed"] == 0, f"{mesh}: a step read two versions"
         assert stamps["one"] > 0 and {3, 4, 6, 7} <= set(stamps["seen"]), (mesh, stamps)
+
+
+def test_a_follower_told_only_the_registry_follows_every_version(cluster):
+    follower = cluster.start("follower", cluster.name, cluster.registry.address, "4x2")
+    assert follower.answer(timeout=120)["ready"]
+    first = follower.answer(timeout=120)  # the newest kept, found by itself
+    assert first.get("version") == 8 and first["digests"] == expected(8), first
+    for version in (9, 10):
+        cluster.publish(version)
+        got = follower.answer(timeout=120)
+        assert got.get("version") == version and got["digests"] == expected(version), got
+    assert cluster.trainer.ask("grow 11")["published"] == 11  # the tree gains a leaf
+    got = follower.answer(timeout=120)
+    assert got.get("version") == 11 and got["leaves"] == LEAVES + 1, got
+    assert got["digests"] == expected(11, LEAVES + 1)

@@ -10,6 +10,7 @@ version, so a sampler's step can tell which version each leaf it read belongs to
         [CHUNK_MIB]]]]]
     python -m tpusync._src.testing.weights_procs sampler NAME REGISTRY MESH [LEAVES [SCALE [DTYPE
         [SAME_HOST [WINDOW_MIB]]]]]
+    python -m tpusync._src.testing.weights_procs follower NAME REGISTRY MESH
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -50,8 +51,8 @@ from tpusync._src.weights.options import (
     WeightsServerOptions,
 )
 from tpusync._src.weights.publisher import Publisher
-from tpusync._src.weights.subscriber import Subscriber
-from tpusync.errors import TpuSyncError
+from tpusync._src.weights.subscriber import Subscriber, published_structure
+from tpusync.errors import StructureChangedError, TpuSyncError
 
 DTYPES = ("bfloat16", "float32", "int8", "float16", "int32", "uint8")
 MESHES = {"8x1": (8, 1), "2x4": (2, 4), "4x2": (4, 2), "1x8": (1, 8)}
@@ -126,7 +127,8 @@ def trainer(
     chunk_mib: int = 1,
 ) -> None:
     """Publishes versions on command: ``publish V`` (answers the report), ``again V``
-    (publishes the last tree once more as V: the benchmark's versions), ``stall V`` (stages
+    (publishes the last tree once more as V: the benchmark's versions), ``grow V`` (publishes
+    V with one leaf more, and every later version so), ``stall V`` (stages
     V's chunks, then stops before its manifest: for a SIGKILL mid-publish), ``reshard [N]``
     (times N ``jax.device_put`` of the last tree into the 2x4 layout after a warm-up, in this
     process), ``inproc V...`` (publish -> commit of each version into a 2x4 subscriber in this
@@ -191,6 +193,8 @@ def trainer(
             _say(_in_process(publisher, tree, spec, [int(v) for v in args], secret))
             continue
         version = int(args[0])
+        if command == "grow":
+            spec = tree_spec(len(spec) + 1, scale, dtype)
         if command != "again" or not tree:
             tree = params(version)
         if command == "stall":
@@ -313,6 +317,60 @@ def sampler(
     if worker.is_alive():  # a daemon thread inside JAX at exit aborts the interpreter
         worker.join(timeout=10)
     subscriber.close()
+    registry.close()
+
+
+def follower(name: str, registry_address: str, secret: bytes, mesh_name: str) -> None:
+    """A sampler told nothing but the registry, the weights' name and its own mesh: builds its
+    target from the newest version's published structure, then follows every newer version
+    (``wait_for_newer``), answering each commit's version, leaf count and digests unasked; a
+    changed structure makes it subscribe again with a target built from the new one. ``quit``
+    on stdin stops it."""
+    _setup()
+
+    mesh = _mesh(mesh_name)
+    registry = RemoteRegistry(registry_address, secret=secret)
+    options = WeightsClientOptions(timeout_s=5.0, deadline_s=120.0, poll_s=0.02)
+    stop = threading.Event()
+
+    def subscribe(version: int | None) -> tuple[Subscriber, int]:
+        structure = published_structure(
+            name, version, secret=secret, registry=registry, client=options, wait_s=120
+        )
+        target = structure.target(mesh)
+        made = Subscriber(name, target, secret=secret, registry=registry, client=options)
+        return made, structure.version
+
+    def follow() -> None:
+        subscriber, first = subscribe(None)
+        version: int | None = first
+        try:
+            while not stop.is_set():
+                if version is not None:
+                    try:
+                        params = subscriber.update(version)
+                    except TpuSyncError as error:
+                        _say({"error": type(error).__name__, "message": str(error)})
+                    else:
+                        _say({"version": version, "leaves": len(params),
+                              "digests": {p: digest(np.asarray(params[p]).tobytes())
+                                          for p in params}})  # fmt: skip
+                try:
+                    version = subscriber.wait_for_newer(timeout_s=1.0)
+                except StructureChangedError as change:
+                    subscriber.close()
+                    subscriber, version = subscribe(change.version)
+        finally:
+            subscriber.close()
+
+    worker = threading.Thread(target=follow, daemon=True)
+    worker.start()
+    _say({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        if line.split() == ["quit"]:
+            break
+    stop.set()
+    worker.join(timeout=30)
     registry.close()
 
 
@@ -467,6 +525,8 @@ def main(argv: list[str]) -> None:
             name, registry_address, secret, rest[0], *counts, *rest[3:4],
             *(int(x) for x in rest[4:]),
         )  # fmt: skip
+    elif role == "follower":
+        follower(name, registry_address, secret, rest[0])
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -63,8 +63,10 @@ __all__ = [
     "chunk_key",
     "chunk_layout",
     "manifest_key",
+    "publisher_node_id",
     "rebuild_tree",
     "sharding_data",
+    "structure_digest",
     "tree_paths",
     "tree_skeleton",
 ]
@@ -103,6 +105,20 @@ def announcement_key(name: str, version: int) -> bytes:
     """The key the registry lists for ``version`` (its manifest's first part, which a
     subscriber holds for its whole pull)."""
     return manifest_key(name, version, 0)
+
+
+def structure_digest(leaves: list[tuple[str, tuple[int, ...], str]]) -> str:
+    """What a target must match in a version, as 32 hex digits: each leaf's (path, shape,
+    dtype name) in order. The publisher lists it per version in its head; a subscriber compares
+    it with its target's to tell a changed structure without reading a manifest."""
+    text = json.dumps([[path, list(shape), dtype] for path, shape, dtype in leaves])
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"tpusync-w-struct").hexdigest()
+
+
+def publisher_node_id(name: str) -> str:
+    """The node id the publisher of the weights ``name`` registers (the registry lists its
+    address under it)."""
+    return f"weights-{name}"
 
 
 def chunk_layout(name: str, chunk_bytes: int) -> PoolLayout:

@@ -26,7 +26,6 @@ import jax
 import numpy as np
 
 from tpusync._native import core as _core
-from tpusync._src.cluster.dataplane import BlockServer
 from tpusync._src.cluster.registry import NodeInfo, Registry
 from tpusync._src.cluster.registry_link import RegistryLink
 from tpusync._src.cluster.tcp_server import BlockServerOptions
@@ -35,6 +34,7 @@ from tpusync._src.tiers.blocks import slot_checksums
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.tiers.dram.shm_admin import remove_pool, size_text
 from tpusync._src.weights._stream import Rows, split_at_chunks
+from tpusync._src.weights.head import Head, WeightsServer
 from tpusync._src.weights.manifest import (
     LeafEntry,
     Manifest,
@@ -44,7 +44,9 @@ from tpusync._src.weights.manifest import (
     chunk_key,
     chunk_layout,
     manifest_key,
+    publisher_node_id,
     sharding_data,
+    structure_digest,
     tree_paths,
     tree_skeleton,
 )
@@ -135,11 +137,12 @@ class Publisher:
         # the versions' books, by version (an int); keys are the pool's names of its pieces
         self._versions: dict[int, list[bytes]] = {}  # kept version -> its manifest keys
         self._chunks: dict[int, int] = {}  # kept version -> its chunk count
+        self._digests: dict[int, str] = {}  # kept version -> its structure's digest
         self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
         self._latest: int | None = None
         self._skeleton: tuple[Any, Any] | None = None  # (treedef, its skeleton): the last tree
         self.pool: HostPool | None = None
-        self.server: BlockServer | None = None
+        self.server: WeightsServer | None = None
         self._link: RegistryLink | None = None
         self._closed = False
         self._executor = ThreadPoolExecutor(
@@ -167,13 +170,13 @@ class Publisher:
             stale = pool.keys()
             if stale:  # a restarted publisher: versions of a previous life are not announced
                 pool.delete(stale)
-            server = BlockServer(pool, options=self._block_server_options)
+            server = WeightsServer(pool, options=self._block_server_options)
         except BaseException:
             pool.close()
             raise
         self.pool, self.server = pool, server
         if self._registry is not None:
-            node = NodeInfo(f"weights-{self.name}", (server.address,), group="weights")
+            node = NodeInfo(publisher_node_id(self.name), (server.address,), group="weights")
             try:
                 self._link = RegistryLink(
                     self._registry,
@@ -275,8 +278,10 @@ class Publisher:
         with self._lock:
             self._versions[version] = manifest_keys
             self._chunks[version] = n_chunks
+            self._digests[version] = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
             self._latest = version
         self._drop_beyond_keep()
+        self._update_head()
         if self._link is not None:
             self._link.added([announcement_key(self.name, version)])  # last: the announcement
             try:  # announced before publish() returns, unless the registry is unreachable
@@ -456,6 +461,7 @@ class Publisher:
             with self._lock:
                 manifest_keys = self._versions.pop(version)
                 n_chunks = self._chunks.pop(version)
+                del self._digests[version]
             if self._link is not None:
                 self._link.removed([announcement_key(self.name, version)])
             self._dropping[version] = [
@@ -463,6 +469,12 @@ class Publisher:
                 *(chunk_key(self.name, version, i) for i in range(n_chunks)),
             ]
         self._retry_drops()
+
+    def _update_head(self) -> None:
+        """Tells subscribers the versions kept now (the server's head, replaced whole)."""
+        assert self.server is not None
+        with self._lock:
+            self.server.head = Head(tuple((v, self._digests[v]) for v in sorted(self._versions)))
 
     def _retry_drops(self) -> None:
         """Drops the versions beyond ``keep`` that no subscriber holds: the manifest's first

@@ -43,6 +43,7 @@ from tpusync._src.cluster.registry import Registry
 from tpusync._src.engines import native
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.weights._stream import Rows, piece_rows, scatter_runs, split_at_chunks
+from tpusync._src.weights.head import Head, read_head
 from tpusync._src.weights.manifest import (
     Manifest,
     announcement_key,
@@ -51,6 +52,8 @@ from tpusync._src.weights.manifest import (
     chunk_key,
     chunk_layout,
     manifest_key,
+    publisher_node_id,
+    structure_digest,
     tree_paths,
 )
 from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
@@ -60,7 +63,9 @@ from tpusync.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
     PeerUnavailableError,
+    RemoteOperationUnsupportedError,
     ShapeMismatchError,
+    StructureChangedError,
     TpuSyncError,
     VersionUnavailableError,
     WeightSyncError,
@@ -199,6 +204,7 @@ class Subscriber:
         self.tls = options_or_default(TlsOptions, tls, "tls")
         paths, leaves, self._treedef = tree_paths(target)
         self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
+        self._digest = structure_digest([(t.path, t.shape, t.dtype.name) for t in self._targets])
         self._secret = secret
         self._address, self._registry = address, registry
         self.in_place = bool(in_place)
@@ -210,6 +216,8 @@ class Subscriber:
                     f"{type(store).__name__}"
                 )
         self._clients: dict[str, BlockClient] = {}
+        # a wait_for_newer in another thread may connect while close() runs
+        self._clients_lock = threading.Lock()
         self._manifest_staging: HostPool | None = None
         self._rows_cache: dict[Any, Rows] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpusync-weights")
@@ -221,6 +229,7 @@ class Subscriber:
         self._spare_job: Future[tuple[_Buffers, Any]] | None = None
         self.torn = False
         self.last_commit_seconds = 0.0
+        self._closing = threading.Event()  # wakes a wait_for_newer at close()
 
     # --- what is committed ---------------------------------------------------------------------
 
@@ -274,6 +283,109 @@ class Subscriber:
         """:meth:`pull` then :meth:`commit`."""
         self.pull(version, deadline_s=deadline_s)
         return self.commit()
+
+    # --- finding versions ---------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest version the publisher keeps (None when it has published none yet, or
+        when ``registry`` lists no publisher of this name): one small request to it, bounded
+        by the client options' ``timeout_s``.
+
+        Raises WeightSyncError (the publisher cannot be reached or the registry read)."""
+        return self._head().latest
+
+    def wait_for_newer(self, after: int | None = None, *, timeout_s: float) -> int | None:
+        """Waits until the publisher keeps a version above ``after`` (default: the committed
+        version; before the first commit, any version) and returns the newest, or None when
+        ``timeout_s`` passes first. Asks the publisher every ``poll_s`` of the client options;
+        a publisher that cannot be reached (restarting) is asked again until the timeout.
+
+        Raises StructureChangedError when that version's structure is not the target's (its
+        ``structure`` builds a new target), WeightSyncError when the publisher could not be
+        reached at the last attempt before the timeout, or when :meth:`close` is called
+        meanwhile."""
+        if after is None:
+            after = -1 if self.version is None else self.version
+        elif type(after) is not int:
+            raise InvalidArgumentError(f"after: expected a version (an int), got {after!r}")
+        head = self._wait_for_head(after, timeout_s)
+        if head is None:
+            return None
+        newest = head.latest
+        assert newest is not None
+        self._check_structure(newest, head.digest_of(newest))
+        return newest
+
+    def _wait_for_head(self, after: int, timeout_s: float) -> Head | None:
+        """The publisher's head once it keeps a version above ``after``; None at the
+        timeout (see :meth:`wait_for_newer`)."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            raise InvalidArgumentError(f"timeout_s: expected seconds >= 0, got {timeout_s!r}")
+        if not timeout_s >= 0:
+            raise InvalidArgumentError(f"timeout_s: expected seconds >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + float(timeout_s)
+        while True:
+            failure: WeightSyncError | None = None
+            try:
+                head = self._head()
+            except WeightSyncError as error:
+                failure, head = error, Head()
+            newest = head.latest
+            if newest is not None and newest > after:
+                return head
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if failure is not None:
+                    raise failure
+                return None
+            if self._closing.wait(min(self.client_options.poll_s, left)):
+                raise WeightSyncError("this Subscriber was closed while waiting for a version")
+
+    def _check_structure(self, version: int, digest: str | None) -> None:
+        if digest == self._digest:
+            return
+        structure = self.structure(version)
+        raise StructureChangedError(
+            f"version {version} of {self.name!r} has another structure than this "
+            f"subscriber's target ({len(structure.leaves)} leaves, {len(self._targets)} in the "
+            "target, or a leaf of another shape or dtype): build a new target from the "
+            "error's structure (structure.target(mesh)) and subscribe with it",
+            version=version,
+            structure=structure,
+        )
+
+    def _head(self) -> Head:
+        """The publisher's head (an empty one when the registry lists no publisher)."""
+        address = self._publisher_address()
+        if address is None:
+            return Head()
+        client = self._connect(address, "its versions")
+        try:
+            return read_head(client)
+        except (PeerUnavailableError, OSError) as error:
+            self._drop_client(client)
+            raise WeightSyncError(
+                f"the publisher at {client.label} cannot be reached ({error})"
+            ) from error
+        except RemoteOperationUnsupportedError as error:
+            raise WeightSyncError(
+                f"{client.label} is not a weights publisher: it keeps no list of versions ({error})"
+            ) from error
+
+    def _publisher_address(self) -> str | None:
+        """The publisher's address: given, or its node in the registry (None: not listed)."""
+        if self._address is not None:
+            return self._address
+        assert self._registry is not None
+        try:
+            nodes = self._registry.nodes()
+        except TpuSyncError as error:
+            raise WeightSyncError(f"the registry cannot be read ({error})") from error
+        node_id = publisher_node_id(self.name)
+        for node in nodes:
+            if node.node_id == node_id and node.addresses:
+                return node.addresses[0]
+        return None
 
     # --- pull -----------------------------------------------------------------------------------
 
@@ -387,15 +499,26 @@ class Subscriber:
             except TpuSyncError as error:
                 raise WeightSyncError(f"the registry cannot be read ({error})") from error
             found = [nodes[h.node_id] for h in holders if h.node_id in nodes]
-            found = [n for n in found if n.addresses]
-            if not found:
+            found = [n.addresses[0] for n in found if n.addresses]
+            # else the publisher's own node: its head may list a version a moment before the
+            # registry does, and its pool says whether it has it
+            address = found[0] if found else self._publisher_address()
+            if address is None:
                 raise VersionUnavailableError(
                     f"version: {version} of {self.name!r} is not announced in the registry "
                     "(not published yet, or no longer kept)"
                 )
-            address = found[0].addresses[0]
-        client = self._clients.get(address)
-        if client is None:
+        return self._connect(address, f"version {version}")
+
+    def _connect(self, address: str, what: str) -> BlockClient:
+        """This subscriber's client of the publisher at ``address`` (made on first use);
+        WeightSyncError starting with ``what`` when it cannot be reached."""
+        with self._clients_lock:
+            if self._closing.is_set():
+                raise WeightSyncError(f"{what}: this Subscriber is closed")
+            client = self._clients.get(address)
+            if client is not None:
+                return client
             try:  # an AuthenticationError (a wrong secret) goes to the caller as it is
                 options = self.client_options
                 client = BlockClient(
@@ -412,15 +535,16 @@ class Subscriber:
                 )
             except PeerUnavailableError as error:
                 raise WeightSyncError(
-                    f"version {version}: the publisher at {address} cannot be reached ({error})"
+                    f"{what}: the publisher at {address} cannot be reached ({error})"
                 ) from error
             self._clients[address] = client
         return client
 
     def _drop_client(self, client: BlockClient) -> None:
-        for address, known in list(self._clients.items()):
-            if known is client:
-                del self._clients[address]
+        with self._clients_lock:
+            for address, known in list(self._clients.items()):
+                if known is client:
+                    del self._clients[address]
         client.close()
 
     def _manifest_pool(self, chunk_bytes: int) -> HostPool:
@@ -651,10 +775,13 @@ class Subscriber:
     def close(self) -> None:
         """Closes the connections and the manifest's staging pool (committed arrays stay
         usable)."""
+        with self._clients_lock:
+            self._closing.set()
+            clients = list(self._clients.values())
+            self._clients.clear()
         self._spare_job = None
-        for client in self._clients.values():
+        for client in clients:
             client.close()
-        self._clients.clear()
         if self._manifest_staging is not None:
             self._manifest_staging.close()
             self._manifest_staging = None
@@ -669,7 +796,7 @@ class Subscriber:
 
 def published_structure(
     name: str,
-    version: int,
+    version: int | None = None,
     *,
     secret: bytes,
     address: str | None = None,
@@ -677,12 +804,25 @@ def published_structure(
     client: WeightsClientOptions | None = None,
     tls: TlsOptions | None = None,
     deadline_s: float | None = None,
+    wait_s: float = 0.0,
 ) -> PublishedStructure:
-    """:meth:`Subscriber.structure` for a sampler that has no target yet: what ``version`` of
-    the weights ``name`` looks like, asked of its publisher (``address``) or found through
-    ``registry``; ``PublishedStructure.target(mesh)`` then builds the target to subscribe
-    with."""
+    """:meth:`Subscriber.structure` for a sampler that has no target yet: what ``version``
+    (default: the newest kept, waiting up to ``wait_s`` for a first one) of the weights
+    ``name`` looks like, asked of its publisher (``address``) or found through ``registry``;
+    ``PublishedStructure.target(mesh)`` then builds the target to subscribe with, and
+    ``PublishedStructure.version`` says which version it describes.
+
+    Raises VersionUnavailableError when that version (or, by default, any within ``wait_s``)
+    is not published, or WeightSyncError (the publisher cannot be reached, the deadline)."""
     with Subscriber(
         name, {}, secret=secret, address=address, registry=registry, client=client, tls=tls
     ) as probe:
+        if version is None:
+            head = probe._wait_for_head(-1, wait_s)
+            if head is None:
+                raise VersionUnavailableError(
+                    f"name: no version of {name!r} was published within wait_s={wait_s:g} s"
+                )
+            version = head.latest
+            assert version is not None
         return probe.structure(version, deadline_s=deadline_s)

@@ -1,0 +1,85 @@
+"""A publisher's head: the versions it keeps, newest last, each with its structure's digest
+(:func:`~tpusync._src.weights.manifest.structure_digest`), so that a subscriber finds the
+newest version and tells a changed tree without being told, and without reading a manifest.
+
+The head is a few hundred bytes of JSON answered by the publisher's block server
+(:class:`WeightsServer`, the ``head`` request beside the data plane's own), not a pool block:
+asking it costs one small round trip, where a block would move a whole chunk, so a subscriber
+may ask it every few tens of milliseconds while it waits for a newer version. It is read
+after the handshake (the deployment secret), and bounded and checked when parsed
+(:func:`head_of`): it comes from a peer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tpusync._src.cluster.dataplane import BlockClient, BlockServer, Served
+from tpusync._src.cluster.dataplane.client import call
+from tpusync._src.weights.manifest import check_version
+from tpusync.errors import InvalidArgumentError, WeightSyncError
+
+__all__ = ["Head", "WeightsServer", "head_of", "read_head"]
+
+MAX_LISTED = 1024  # versions a head lists (the newest ones when more are kept)
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class Head:
+    """The versions a publisher keeps, oldest first, each ``(version, structure digest)``."""
+
+    versions: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def latest(self) -> int | None:
+        return self.versions[-1][0] if self.versions else None
+
+    def digest_of(self, version: int) -> str | None:
+        return dict(self.versions).get(version)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"versions": [[v, d] for v, d in self.versions[-MAX_LISTED:]]}
+
+
+def head_of(answer: Any, source: str) -> Head:
+    """The head in a peer's ``answer``, checked; WeightSyncError naming ``source`` if it is
+    malformed."""
+    try:
+        listed = answer["versions"] if isinstance(answer, dict) else None
+        if not isinstance(listed, list) or len(listed) > MAX_LISTED:
+            raise ValueError(f"versions: expected a list of at most {MAX_LISTED}")
+        versions = []
+        for item in listed:
+            if not isinstance(item, list) or len(item) != 2:
+                raise ValueError("a version entry is not [version, digest]")
+            version = check_version(item[0])
+            if not isinstance(item[1], str) or not _DIGEST.fullmatch(item[1]):
+                raise ValueError(f"version {version}: a malformed structure digest")
+            if versions and version <= versions[-1][0]:
+                raise ValueError("versions do not rise")
+            versions.append((version, item[1]))
+    except (ValueError, InvalidArgumentError) as error:
+        raise WeightSyncError(f"a malformed head from {source}: {error}") from None
+    return Head(tuple(versions))
+
+
+def read_head(client: BlockClient) -> Head:
+    """The head of the publisher ``client`` is connected to."""
+    return head_of(call(client, "head", {}), client.label)
+
+
+class WeightsServer(BlockServer):
+    """A publisher's block server: its pool's chunks, and its :attr:`head` (replaced whole by
+    the publisher at each change; read by the connection threads as it stands)."""
+
+    _thread_name = "tpusync-weights-server"
+    head: Head = Head()
+
+    def _handlers(self, served: Served) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        handlers = super()._handlers(served)
+        handlers["head"] = lambda p: self.head.to_json()
+        return handlers
