@@ -121,7 +121,7 @@ def test_a_changed_tree_is_a_typed_event_carrying_the_new_structure(publisher, c
     new = {
         "a leaf added": _params(2, extra=True),
         "a leaf reshaped": {"w": _params(2)["w"][:8]},
-        "a leaf of another dtype": {"w": _params(2)["w"].astype(jax.numpy.bfloat16)},
+        "a leaf of another dtype": {"w": _params(2)["w"].astype(jax.numpy.int8)},
     }[change]
     with Subscriber(
         publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
@@ -135,6 +135,21 @@ def test_a_changed_tree_is_a_typed_event_carrying_the_new_structure(publisher, c
     target = caught.value.structure.target(_mesh())  # the new tree, on the sampler's mesh
     with Subscriber(publisher.name, target, secret=SECRET, address=publisher.address) as sub:
         _same_bits(sub.update(2), new)
+
+
+def test_a_float_leaf_in_another_float_dtype_is_no_change_of_structure(publisher) -> None:
+    """The target's float32 takes a bfloat16 version, converted as it lands."""
+    publisher.publish(_params(1), 1)
+    with Subscriber(
+        publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
+    ) as sub:
+        sub.update(1)
+        halved = {"w": _params(2)["w"].astype(jax.numpy.bfloat16)}
+        publisher.publish(halved, 2)
+        assert sub.wait_for_newer(timeout_s=60) == 2
+        got = sub.update(2)["w"]
+        assert got.dtype == np.float32
+        assert np.asarray(got).tobytes() == np.asarray(halved["w"].astype(np.float32)).tobytes()
 
 
 def test_a_sampler_told_only_the_registry_waits_for_the_first_version(shm_names) -> None:

@@ -17,6 +17,8 @@ from tpusync._native.checksum import sum64_regions as sum64_regions
 from tpusync._native.checksum import xxh64 as xxh64
 from tpusync._native.checksum import xxh64_gathered as xxh64_gathered
 from tpusync._native.checksum import xxh64_rows as xxh64_rows
+from tpusync._native.convert import channel_amax as channel_amax
+from tpusync._native.convert import convert as convert
 from tpusync._native.copy import BlockRows as BlockRows
 from tpusync._native.copy import CopyEngine as CopyEngine
 from tpusync._native.copy import block_segments as block_segments

@@ -3,7 +3,7 @@
 
 This module holds the memory (page-aligned mappings, huge pages) and the slot pool's pin and id
 checks, and re-exports the native extensions of each job (tpusync._native: copy, checksum, net,
-fileio, pjrt), so that ``tpusync._native.core`` answers every name of the native core."""
+fileio, pjrt, convert), so that ``tpusync._native.core`` answers every name of the native core."""
 
 from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -27,6 +27,7 @@ from tpusync._native.checksum import (
     _checksum_kernel, _crc32c_shift, _force_portable_checksum, blake2b, blake2b_chain, copy_sum64_streams, crc32c, sum64,
     sum64_regions, xxh64, xxh64_gathered, xxh64_rows,
 )
+from tpusync._native.convert import channel_amax, convert
 from tpusync._native.copy import (
     BlockRows, CopyEngine, block_segments, openmp_here, openmp_install, openmp_installed,
     table_bounds,
@@ -46,6 +47,7 @@ from tpusync._native.pjrt import (
 __all__ = [
     "FRAMES_DONE", "FRAMES_HEADER", "MAX_IOVS_PER_RUN", "FRAMES_SILENT", "FRAMES_TIMEOUT", "FRAME_HEADER_BYTES",
     "PAGE_SIZE", "PJRT_EXTENSION_TYPE_RAW_BUFFER", "BlockRows", "CopyEngine", "FrameReceiver",
+    "channel_amax", "convert",
     "Mapping", "PieceHasher", "PjrtApi", "PjrtError", "_checksum_kernel", "_crc32c_shift", "_force_portable_checksum",
     "_set_rcvlowat_max", "_set_recv_step", "_slot_offsets", "_struct_sizes", "blake2b",
     "blake2b_chain", "block_frame_headers", "block_ids_status", "block_segments",

@@ -54,10 +54,12 @@ from tpusync._src.weights.plan import Box, leaf_plan
 from tpusync.errors import InvalidArgumentError, WeightSyncError
 
 __all__ = [
+    "AMAX_DTYPES",
     "FORMAT",
     "LeafEntry",
     "Manifest",
     "announcement_key",
+    "channels_of",
     "check_name",
     "check_version",
     "chunk_key",
@@ -71,7 +73,7 @@ __all__ = [
     "tree_skeleton",
 ]
 
-FORMAT = 3  # 3: the tree's skeleton and each leaf's sharding (2: no pool slots or path)
+FORMAT = 4  # 4: per-channel absolute maxima (3: the tree's skeleton and each leaf's sharding)
 STREAM_ALIGNMENT = 64
 _MAX_LEAVES = 1 << 16
 _MAX_DIMS = 16
@@ -107,12 +109,25 @@ def announcement_key(name: str, version: int) -> bytes:
     return manifest_key(name, version, 0)
 
 
+AMAX_DTYPES = ("float32", "bfloat16")  # the leaves a publisher gives maxima of
+
+
+def channels_of(shape: tuple[int, ...]) -> int:
+    """A leaf's channels (its scales' count per channel): its last axis, or 1 below 2-D."""
+    return int(shape[-1]) if len(shape) >= 2 else 1
+
+
 def structure_digest(leaves: list[tuple[str, tuple[int, ...], str]]) -> str:
-    """What a target must match in a version, as 32 hex digits: each leaf's (path, shape,
-    dtype name) in order. The publisher lists it per version in its head; a subscriber compares
+    """What a target must match in a version, as 32 hex digits: each leaf's path, shape and
+    dtype in order, every float dtype counted as one (a subscriber may take a float leaf in
+    another float dtype). The publisher lists it per version in its head; a subscriber compares
     it with its target's to tell a changed structure without reading a manifest."""
-    text = json.dumps([[path, list(shape), dtype] for path, shape, dtype in leaves])
+    text = json.dumps([[path, list(shape), _dtype_family(dtype)] for path, shape, dtype in leaves])
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"tpusync-w-struct").hexdigest()
+
+
+def _dtype_family(name: str) -> str:
+    return "float" if name.startswith(("float", "bfloat")) else name  # ml_dtypes' floats too
 
 
 def publisher_node_id(name: str) -> str:
@@ -283,8 +298,10 @@ def _check_sharding(data: Any, ndim: int) -> None:
 @dataclass(frozen=True)
 class LeafEntry:
     """One leaf: its tree path, global shape, dtype name, distinct shard boxes (the
-    publisher's layout), where each box's bytes start in the version's stream, and the
-    publisher's sharding as data (:func:`sharding_data`; None when it has none to give)."""
+    publisher's layout), where each box's bytes start in the version's stream, the
+    publisher's sharding as data (:func:`sharding_data`; None when it has none to give), and
+    where its per-channel absolute maxima start in the stream (float32, one per
+    :attr:`channels`; None when the publisher gives none)."""
 
     path: str
     shape: tuple[int, ...]
@@ -292,6 +309,12 @@ class LeafEntry:
     boxes: tuple[Box, ...]
     offsets: tuple[int, ...]
     sharding: Any = None
+    amax: int | None = None
+
+    @property
+    def channels(self) -> int:
+        """The leaf's channels: its last axis (a leaf of fewer than 2 dimensions has one)."""
+        return channels_of(self.shape)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -348,6 +371,7 @@ class Manifest:
                     "boxes": [[list(d) for d in box] for box in leaf.boxes],
                     "offsets": list(leaf.offsets),
                     "sharding": leaf.sharding,
+                    **({} if leaf.amax is None else {"amax": leaf.amax}),
                 }
                 for leaf in self.leaves
             ],
@@ -427,7 +451,12 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
         sharding = item["sharding"]
         if sharding is not None:
             _check_sharding(sharding, len(shape))
-        entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets, sharding)
+        amax = item.get("amax")
+        if amax is not None:
+            amax = _int(amax, f"leaves[{i}].amax", 0, total - 4 * channels_of(shape))
+            if item["dtype"] not in AMAX_DTYPES:
+                raise ValueError(f"leaves[{i}]: maxima of a {item['dtype']} leaf")
+        entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets, sharding, amax)
         for b, offset in enumerate(offsets):
             if offset + entry.box_bytes(b) > total:
                 raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")

@@ -36,6 +36,7 @@ from tpusync._src.tiers.dram.shm_admin import remove_pool, size_text
 from tpusync._src.weights._stream import Rows, split_at_chunks
 from tpusync._src.weights.head import Head, WeightsServer
 from tpusync._src.weights.manifest import (
+    AMAX_DTYPES,
     LeafEntry,
     Manifest,
     announcement_key,
@@ -76,6 +77,21 @@ class PublishReport:
     kept: list[int] = field(default_factory=list)
 
 
+def _channel_amax(entry: LeafEntry, hosts: list[np.ndarray]) -> np.ndarray:
+    """The leaf's absolute maxima per channel (its last axis; one below 2-D), from its
+    distinct shards ``hosts`` (C order, one per box): float32, NaN where a NaN is."""
+    maxima = np.zeros(entry.channels, dtype=np.float32)
+    for box, host in zip(entry.boxes, hosts, strict=True):
+        if not host.size:
+            continue
+        if len(entry.shape) >= 2:
+            (a, b) = box[-1]
+            _core.channel_amax(host.reshape(-1, b - a), maxima[a:b])
+        else:
+            _core.channel_amax(host.reshape(-1, 1), maxima)
+    return maxima
+
+
 def _shard_source(data: Any) -> np.ndarray:
     """One shard's bytes in C order on the host: the device buffer itself where it is host
     memory (CPU), else a copy."""
@@ -99,6 +115,9 @@ class Publisher:
         (:class:`~tpusync.weights.WeightsServerOptions`; default: loopback, a free port).
       tls: the block server's TLS (:class:`~tpusync.weights.TlsOptions` with a server
         context); required off loopback unless it says ``insecure``.
+      amax: each version also carries every float32 and bfloat16 leaf's absolute maxima per
+        channel (its last axis), from which a subscriber taking the leaf as fp8 makes its
+        scales; costs one more read of those leaves per publish (default False).
     """
 
     def __init__(
@@ -110,8 +129,12 @@ class Publisher:
         pool: WeightsPoolOptions | None = None,
         server: WeightsServerOptions | None = None,
         tls: TlsOptions | None = None,
+        amax: bool = False,
     ) -> None:
         self.name = check_name(name)
+        if not isinstance(amax, bool):
+            raise InvalidArgumentError(f"amax: expected True or False, got {amax!r}")
+        self.amax = amax
         self.pool_options = options_or_default(WeightsPoolOptions, pool, "pool")
         self.server_options = options_or_default(WeightsServerOptions, server, "server")
         self.tls = options_or_default(TlsOptions, tls, "tls")
@@ -239,7 +262,7 @@ class Publisher:
         if self._skeleton is None or self._skeleton[0] != treedef:  # versions repeat their tree
             self._skeleton = (treedef, tree_skeleton(params, paths))
         entries, sources = self._describe(paths, leaves)
-        total = sum(e.box_bytes(b) for e in entries for b in range(len(e.boxes)))
+        total = sum(s.nbytes for s in sources)
         n_chunks = -(-total // self._chunk_bytes)
         parent = self._latest if parent is None else parent
         # The manifest's size is known before any byte moves (its checksums are fixed-width
@@ -332,6 +355,14 @@ class Publisher:
             )
             entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets), sharding))
             sources.extend(hosts)
+        if self.amax:  # after every leaf's shards: each float leaf's maxima, float32
+            for i, entry in enumerate(entries):
+                if entry.dtype in AMAX_DTYPES:
+                    first = sum(len(e.boxes) for e in entries[:i])
+                    maxima = _channel_amax(entry, sources[first : first + len(entry.boxes)])
+                    entries[i] = dataclasses.replace(entry, amax=offset)
+                    sources.append(maxima)
+                    offset += maxima.nbytes
         return entries, sources
 
     def _reserve(self, version: int, keys: list[bytes], n_chunks: int, total: int) -> Any:

@@ -59,8 +59,8 @@ from tpusync._src.weights.manifest import (
 from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
 from tpusync._src.weights.structure import PublishedStructure, structure_of
+from tpusync._src.weights.transforms import FP8, Landing, check_scales, converts, fp8_scales
 from tpusync.errors import (
-    DtypeMismatchError,
     InvalidArgumentError,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
@@ -157,6 +157,10 @@ class _Pulled:
     tree: Any
     buffers: _Buffers | None
     zero_copy: bool  # the arrays are the buffers (CPU): in-place writes reach them
+    scales: dict[str, np.ndarray]  # of the leaves taken as fp8, by path
+
+
+_LANDED = 1 << 56  # a row's relative address at or past it: in the landing area
 
 
 class Subscriber:
@@ -178,6 +182,11 @@ class Subscriber:
       in_place: write into the committed arrays (see the module docstring).
       kv_stores: :class:`tpusync.kv.KVCacheStore` objects whose ``weight_version`` follows each
         commit (KV of other weights is never served again).
+      fp8_scales: how a target leaf of an fp8 dtype is scaled: ``"tensor"`` (one scale per
+        leaf, the default) or ``"channel"`` (one per channel of its last axis); see
+        :attr:`scales`. A target leaf of another float dtype than the published one is
+        converted as it lands (float32 and bfloat16 to float32, bfloat16, float8_e4m3fn or
+        float8_e5m2; fp8 needs ``Publisher(amax=True)``), bit for bit ``jnp.astype``.
     """
 
     def __init__(
@@ -192,8 +201,10 @@ class Subscriber:
         tls: TlsOptions | None = None,
         in_place: bool = False,
         kv_stores: Any = (),
+        fp8_scales: str = "tensor",
     ) -> None:
         self.name = check_name(name)
+        self.fp8_scales = check_scales(fp8_scales)
         if (address is None) == (registry is None):
             raise InvalidArgumentError("address, registry: give exactly one of them")
         if registry is not None and not isinstance(registry, Registry):
@@ -219,8 +230,10 @@ class Subscriber:
         # a wait_for_newer in another thread may connect while close() runs
         self._clients_lock = threading.Lock()
         self._manifest_staging: HostPool | None = None
-        self._rows_cache: dict[Any, Rows] = {}
+        self._rows_cache: dict[Any, tuple[Rows, Landing, tuple[int, ...]]] = {}
+        self._landing: _core.Mapping | None = None  # converted leaves land here first
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpusync-weights")
+        self._converters: ThreadPoolExecutor | None = None  # made at the first conversion
         # a thread made now: commit() hands it the next buffers, never waits for one to start
         self._executor.submit(int)
         self._live: _Pulled | None = None
@@ -248,6 +261,15 @@ class Subscriber:
         if self._live is None:
             raise InvalidArgumentError("no version committed yet: pull(version), then commit()")
         return self._live.tree
+
+    @property
+    def scales(self) -> dict[str, np.ndarray]:
+        """The committed version's fp8 scales, by leaf path (``jax.tree_util.keystr``): float32,
+        shape ``()`` per tensor or ``(channels,)`` per channel; a leaf ``q`` stands for
+        ``q * scale`` (channels: the last axis). Empty when no leaf is taken as fp8."""
+        if self._live is None:
+            raise InvalidArgumentError("no version committed yet: pull(version), then commit()")
+        return dict(self._live.scales)
 
     def commit(self) -> Any:
         """Switches to the last pulled version and returns its arrays (only references move;
@@ -597,39 +619,122 @@ class Subscriber:
                 raise ShapeMismatchError(
                     f"target{t.path}: shape {t.shape}, published {entry.shape}"
                 )
-            if entry.np_dtype != t.dtype:
-                raise DtypeMismatchError(
-                    f"target{t.path}: dtype {t.dtype}, published {entry.dtype} (dtype changes "
-                    "on the way in come in a later part)"
-                )
+            converts(t.path, entry, t.dtype)  # DtypeMismatchError where it cannot
 
     # --- moving the chunks ----------------------------------------------------------------------
 
-    def _rows(self, manifest: Manifest, buffers: _Buffers) -> Rows:
+    def _rows(self, manifest: Manifest, buffers: _Buffers) -> tuple[Rows, Landing, tuple[int, ...]]:
         """Every run the target shards need (first replica of each box), sorted by stream
-        offset and cut at chunk ends; addresses relative to the buffers' base. Cached per pair
-        of layouts."""
+        offset and cut at chunk ends, addresses relative to the buffers' base (or, at
+        ``_LANDED`` and past it, to the landing area's); the landing area's plan and the leaves
+        it converts. Cached per pair of layouts."""
         key = (
             manifest.chunk_bytes,
-            tuple((e.shape, e.dtype, e.boxes, e.offsets) for e in manifest.leaves),
+            tuple((e.shape, e.dtype, e.boxes, e.offsets, e.amax) for e in manifest.leaves),
         )
-        rows = self._rows_cache.get(key)
-        if rows is None:
-            parts: list[Rows] = []
-            for i, (entry, t) in enumerate(zip(manifest.leaves, self._targets, strict=True)):
-                if not int(np.prod(t.shape)):
-                    continue
-                plan = leaf_plan(t.shape, t.dtype.itemsize, entry.boxes, t.boxes)
-                first_device: dict[int, int] = {}
-                for d, box in enumerate(t.box_of):
-                    first_device.setdefault(box, d)
-                for box, d in first_device.items():
+        cached = self._rows_cache.get(key)
+        if cached is not None:
+            return cached
+        converted = tuple(
+            i
+            for i, (e, t) in enumerate(zip(manifest.leaves, self._targets, strict=True))
+            if converts(t.path, e, t.dtype)
+        )
+        firsts: list[dict[int, int]] = []  # per leaf: box -> its first device
+        for t in self._targets:
+            first_device: dict[int, int] = {}
+            for d, box in enumerate(t.box_of):
+                first_device.setdefault(box, d)
+            firsts.append(first_device)
+        landing = Landing.plan(
+            manifest.leaves,
+            {
+                (i, d): int(np.prod(self._targets[i].shard_shape(box)))
+                * manifest.leaves[i].np_dtype.itemsize
+                for i in converted
+                for box, d in firsts[i].items()
+            },
+            {i for i in converted if self._targets[i].dtype.name in FP8},
+        )
+        parts: list[Rows] = []
+        for i, (entry, t) in enumerate(zip(manifest.leaves, self._targets, strict=True)):
+            if not int(np.prod(t.shape)):
+                continue
+            itemsize = entry.np_dtype.itemsize  # the published dtype's: what travels
+            plan = leaf_plan(t.shape, itemsize, entry.boxes, t.boxes)
+            for box, d in firsts[i].items():
+                if (i, d) in landing.shards:
+                    at = _LANDED + landing.shards[(i, d)]
+                else:
                     at = buffers.offsets[i][d]
-                    for piece in plan.pieces[box]:
-                        parts.append(piece_rows(piece, entry.offsets[piece.source], at))
-            rows = split_at_chunks(Rows.join(parts).sorted(), manifest.chunk_bytes)
-            self._rows_cache = {key: rows}  # one layout pair at a time
-        return rows
+                for piece in plan.pieces[box]:
+                    parts.append(piece_rows(piece, entry.offsets[piece.source], at))
+            if i in landing.maxima:
+                assert entry.amax is not None
+                parts.append(
+                    Rows([entry.amax], [_LANDED + landing.maxima[i]], [4 * entry.channels])
+                )
+        rows = split_at_chunks(Rows.join(parts).sorted(), manifest.chunk_bytes)
+        cached = (rows, landing, converted)
+        self._rows_cache = {key: cached}  # one layout pair at a time
+        return cached
+
+    def _landing_area(self, nbytes: int) -> np.ndarray:
+        """The landing area's bytes (made, or made larger, for ``nbytes``)."""
+        if self._landing is None or self._landing.size < nbytes:
+            self._landing = _core.Mapping(max(nbytes, _PAGE), populate=True, huge_pages=True)
+        return np.frombuffer(self._landing, dtype=np.uint8)
+
+    def _convert(
+        self,
+        manifest: Manifest,
+        buffers: _Buffers,
+        landing: Landing,
+        converted: tuple[int, ...],
+        landed: np.ndarray,
+    ) -> dict[str, np.ndarray]:
+        """Converts each converted leaf's landed (verified) first replicas into its target
+        shards; returns the fp8 leaves' scales by path."""
+        scales: dict[str, np.ndarray] = {}
+        jobs = []
+        for i in converted:
+            entry, t = manifest.leaves[i], self._targets[i]
+            factor = np.float32(1).reshape(())  # no scale: a float-to-float conversion
+            if i in landing.maxima:
+                at = landing.maxima[i]
+                amax = landed[at : at + 4 * entry.channels].view(np.float32)
+                scale, factor = fp8_scales(t.path, amax, t.dtype, self.fp8_scales)
+                scales[t.path] = scale
+            for d in sorted({d for (leaf, d) in landing.shards if leaf == i}):
+                shape = t.shard_shape(t.box_of[d])
+                at = landing.shards[(i, d)]
+                nbytes = int(np.prod(shape)) * entry.np_dtype.itemsize
+                source = landed[at : at + nbytes].view(entry.np_dtype).reshape(shape)
+                if factor.ndim and len(t.shape) >= 2:  # one per channel: this box's
+                    a, b = t.boxes[t.box_of[d]][-1]
+                    factors = factor[a:b]
+                else:
+                    factors = factor.reshape(-1)
+                jobs.append((source, buffers.view(t, i, d), np.ascontiguousarray(factors)))
+        # cut along the first axis (C order: each part contiguous) to share the cores
+        parts = max(1, native.copy_threads())
+        cut = [
+            (s, t, factors)
+            for source, target, factors in jobs
+            for s, t in zip(
+                np.array_split(source, min(parts, len(source)) if source.ndim else 1),
+                np.array_split(target, min(parts, len(target)) if target.ndim else 1),
+                strict=True,
+            )
+            if s.size
+        ]
+        if len(cut) > 1:
+            if self._converters is None:
+                self._converters = ThreadPoolExecutor(parts, thread_name_prefix="tpusync-convert")
+            list(self._converters.map(lambda job: _core.convert(*job), cut))
+        elif cut:
+            _core.convert(*cut[0])
+        return scales
 
     def _pull_chunks(
         self, client: BlockClient, manifest: Manifest, deadline: float, start: float
@@ -640,8 +745,13 @@ class Subscriber:
             buffers = live.buffers
         else:
             buffers, made = self._take_spare()
-        relative = self._rows(manifest, buffers)
-        rows = Rows(relative.offset, relative.address + buffers.base, relative.nbytes)
+        relative, landing, converted = self._rows(manifest, buffers)
+        landed = self._landing_area(landing.nbytes) if converted else None
+        base = np.int64(buffers.base)
+        if landed is not None:
+            at_landing = relative.address >= _LANDED
+            base = np.where(at_landing, int(landed.ctypes.data) - _LANDED, buffers.base)
+        rows = Rows(relative.offset, relative.address + base, relative.nbytes)
         C = manifest.chunk_bytes
         row_chunk = rows.offset // C
         # the rows are sorted: each chunk's first row starts a run of equal chunk numbers
@@ -653,9 +763,12 @@ class Subscriber:
         # counts the verified blocks it read from the file)
         report.chunks_local = client.local_blocks - read_locally
         report.chunks_network = len(chunks) - report.chunks_local
+        scales = {}
+        if landed is not None:
+            scales = self._convert(manifest, buffers, landing, converted, landed)
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
-        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy)
+        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy, scales)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -786,6 +899,8 @@ class Subscriber:
             self._manifest_staging.close()
             self._manifest_staging = None
         self._executor.shutdown(wait=True)
+        if self._converters is not None:
+            self._converters.shutdown(wait=True)
 
     def __enter__(self) -> Subscriber:
         return self
