@@ -42,7 +42,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -73,11 +73,12 @@ __all__ = [
     "tree_skeleton",
 ]
 
-FORMAT = 4  # 4: per-channel absolute maxima (3: the tree's skeleton and each leaf's sharding)
+FORMAT = 5  # 5: partial versions (4: per-channel maxima; 3: the skeleton and shardings)
 STREAM_ALIGNMENT = 64
 _MAX_LEAVES = 1 << 16
 _MAX_DIMS = 16
 _MAX_CHUNKS = 1 << 24
+_MAX_ORIGINS = 64
 _MAX_MANIFEST_BYTES = 1 << 30
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -310,6 +311,7 @@ class LeafEntry:
     offsets: tuple[int, ...]
     sharding: Any = None
     amax: int | None = None
+    origin: int | None = None  # the version whose stream holds its bytes (None: this one)
 
     @property
     def channels(self) -> int:
@@ -340,7 +342,10 @@ class Manifest:
     """A version's manifest (see the module docstring).
 
     ``checksums[i]`` is chunk ``i``'s block checksum (the tiers' scheme); ``tree`` is the
-    skeleton of :func:`tree_skeleton` (None: the leaves by path only)."""
+    skeleton of :func:`tree_skeleton` (None: the leaves by path only). A partial version
+    (``base``: the version it changes leaves of) has only its changed leaves in its own
+    stream; every other leaf names the version whose stream holds it (``LeafEntry.origin``),
+    and ``origins`` holds those streams' chunk checksums."""
 
     name: str
     version: int
@@ -350,10 +355,46 @@ class Manifest:
     leaves: tuple[LeafEntry, ...]
     checksums: np.ndarray
     tree: Any = None
+    base: int | None = None
+    origins: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_chunks(self) -> int:
         return len(self.checksums)
+
+    def origin_of(self, leaf: LeafEntry) -> int:
+        """The version whose stream holds ``leaf``'s bytes."""
+        return self.version if leaf.origin is None else leaf.origin
+
+    @functools.cached_property
+    def streams(self) -> tuple[tuple[int, int], ...]:
+        """``(version, first chunk)`` of each stream a pull reads, this version's first: one
+        run of chunk numbers across them all (a version's chunk ``i`` is number ``first +
+        i``)."""
+        out, first = [], 0
+        for version in [self.version, *sorted(self.origins)]:
+            out.append((version, first))
+            first += len(self.checksums if version == self.version else self.origins[version])
+        return tuple(out)
+
+    def stream_start(self, version: int) -> int:
+        """Where ``version``'s stream starts in the run of all streams, in bytes."""
+        return dict(self.streams)[version] * self.chunk_bytes
+
+    @functools.cached_property
+    def all_checksums(self) -> np.ndarray:
+        """Every stream's chunk checksums, in the order of :attr:`streams`."""
+        return np.concatenate([self.checksums, *(self.origins[v] for v in sorted(self.origins))])
+
+    def chunk_keys(self, name: str, numbers: np.ndarray) -> list[bytes]:
+        """The pool keys of chunks numbered across all streams (see :attr:`streams`)."""
+        starts = np.array([first for _, first in self.streams])
+        versions = [v for v, _ in self.streams]
+        which = np.searchsorted(starts, numbers, side="right") - 1
+        return [
+            chunk_key(name, versions[w], int(n - starts[w]))
+            for w, n in zip(which.tolist(), numbers.tolist(), strict=True)
+        ]
 
     def to_bytes(self) -> bytes:
         body = {
@@ -372,11 +413,14 @@ class Manifest:
                     "offsets": list(leaf.offsets),
                     "sharding": leaf.sharding,
                     **({} if leaf.amax is None else {"amax": leaf.amax}),
+                    **({} if leaf.origin is None else {"origin": leaf.origin}),
                 }
                 for leaf in self.leaves
             ],
             "tree": self.tree,
             "checksums": self.checksums.astype("<u8").tobytes().hex(),
+            "base": self.base,
+            "origins": {str(v): c.astype("<u8").tobytes().hex() for v, c in self.origins.items()},
         }
         text = json.dumps(body, separators=(",", ":")).encode()
         return len(text).to_bytes(8, "little") + text
@@ -433,17 +477,36 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     checksums = np.frombuffer(bytes.fromhex(body["checksums"]), dtype="<u8").astype(np.uint64)
     if len(checksums) != n_chunks:
         raise ValueError(f"checksums: expected {n_chunks}")
+    base = body["base"]
+    if base is not None:
+        _int(base, "base", 0, version - 1)
+    origins_in = body["origins"]
+    if not isinstance(origins_in, dict) or len(origins_in) > _MAX_ORIGINS:
+        raise ValueError(f"origins: expected at most {_MAX_ORIGINS}")
+    origins: dict[int, np.ndarray] = {}
+    for key, text in origins_in.items():
+        origin = _int(
+            int(key) if key.isdigit() and len(key) < 20 else -1, "origins", 0, version - 1
+        )
+        origins[origin] = np.frombuffer(bytes.fromhex(text), dtype="<u8").astype(np.uint64)
+    if n_chunks + sum(len(c) for c in origins.values()) > _MAX_CHUNKS:
+        raise ValueError("origins: too many chunks")
+    stream_bytes = {version: total, **{v: len(c) * chunk_bytes for v, c in origins.items()}}
     leaves_in = body["leaves"]
     if not isinstance(leaves_in, list) or len(leaves_in) > _MAX_LEAVES:
         raise ValueError("leaves: expected a list")
     leaves = []
     for i, item in enumerate(leaves_in):
+        origin = item.get("origin")
+        if origin is not None and origin not in origins:
+            raise ValueError(f"leaves[{i}].origin: {origin!r:.40} is not one of the origins")
+        end = stream_bytes[version if origin is None else origin]  # its stream's bytes
         shape = tuple(_int(d, f"leaves[{i}].shape", 0, 1 << 40) for d in item["shape"])
         if len(shape) > _MAX_DIMS or not _DTYPE.fullmatch(item["dtype"]):
             raise ValueError(f"leaves[{i}]: a shape or dtype out of bounds")
         dtype = dtype_of(item["dtype"])
         boxes = tuple(tuple((int(a), int(b)) for a, b in box) for box in item["boxes"])
-        offsets = tuple(_int(o, f"leaves[{i}].offsets", 0, total) for o in item["offsets"])
+        offsets = tuple(_int(o, f"leaves[{i}].offsets", 0, end) for o in item["offsets"])
         if len(boxes) != len(offsets) or not isinstance(item["path"], str):
             raise ValueError(f"leaves[{i}]: one offset per box and a path are required")
         if math.prod(shape):
@@ -453,19 +516,23 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
             _check_sharding(sharding, len(shape))
         amax = item.get("amax")
         if amax is not None:
-            amax = _int(amax, f"leaves[{i}].amax", 0, total - 4 * channels_of(shape))
+            amax = _int(amax, f"leaves[{i}].amax", 0, end - 4 * channels_of(shape))
             if item["dtype"] not in AMAX_DTYPES:
                 raise ValueError(f"leaves[{i}]: maxima of a {item['dtype']} leaf")
-        entry = LeafEntry(item["path"], shape, item["dtype"], boxes, offsets, sharding, amax)
+        entry = LeafEntry(
+            item["path"], shape, item["dtype"], boxes, offsets, sharding, amax, origin
+        )
         for b, offset in enumerate(offsets):
-            if offset + entry.box_bytes(b) > total:
+            if offset + entry.box_bytes(b) > end:
                 raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")
         leaves.append(entry)
     tree = body["tree"]
     if tree is not None:
         _check_skeleton(tree, len(leaves))
         _check_skeleton_paths(tree, [leaf.path for leaf in leaves])
-    return Manifest(name, version, parent, chunk_bytes, total, tuple(leaves), checksums, tree)
+    return Manifest(
+        name, version, parent, chunk_bytes, total, tuple(leaves), checksums, tree, base, origins
+    )
 
 
 def check_name(name: Any) -> str:

@@ -161,6 +161,12 @@ class Publisher:
         self._versions: dict[int, list[bytes]] = {}  # kept version -> its manifest keys
         self._chunks: dict[int, int] = {}  # kept version -> its chunk count
         self._digests: dict[int, str] = {}  # kept version -> its structure's digest
+        self._entries: dict[int, tuple[tuple[LeafEntry, ...], Any]] = {}  # kept: leaves, tree
+        # every version whose chunks are in the pool -> their checksums (a partial version's
+        # manifest names them); the streams each kept or held version reads besides its own
+        self._streams: dict[int, np.ndarray] = {}
+        self._origins: dict[int, set[int]] = {}
+        self._released: set[int] = set()  # dropped, their chunks kept while read
         self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
         self._latest: int | None = None
         self._skeleton: tuple[Any, Any] | None = None  # (treedef, its skeleton): the last tree
@@ -229,12 +235,21 @@ class Publisher:
 
     # --- publish ------------------------------------------------------------------------------
 
-    def publish(self, params: Any, version: int, *, parent: int | None = None) -> PublishReport:
+    def publish(
+        self, params: Any, version: int, *, parent: int | None = None, base: int | None = None
+    ) -> PublishReport:
         """Stages ``params`` (a pytree of ``jax.Array`` / numpy arrays) as ``version`` (an
         integer above every earlier one, e.g. the training step) and announces it; returns once
         the bytes are staged, so the arrays may be changed or donated at once.
 
-        Raises InvalidArgumentError (a version not above the last, a leaf that is no array),
+        With ``base`` (a version kept), ``version`` is a partial one: ``params`` holds only
+        the leaves it changes (the base's tree with the others left out or None, e.g. an
+        adapter), each of the base's path, shape and dtype; every other leaf is the base's,
+        read by subscribers from the base's chunks, which stay while a version kept reads
+        them. A subscriber that holds the base's leaves pulls only the changed ones.
+
+        Raises InvalidArgumentError (a version not above the last, a leaf that is no array; a
+        base not kept, or a partial leaf the base does not have with its shape and dtype),
         TierFullError (the pool cannot hold this version beside those kept and held: the
         message says how many chunks it needs, how many are free and what holds the rest) or
         ServerFailedError (its block server stopped accepting subscribers: a loop of it kept
@@ -259,9 +274,14 @@ class Publisher:
             )
         start = time.perf_counter()
         paths, leaves, treedef = tree_paths(params)
-        if self._skeleton is None or self._skeleton[0] != treedef:  # versions repeat their tree
-            self._skeleton = (treedef, tree_skeleton(params, paths))
-        entries, sources = self._describe(paths, leaves)
+        origins: dict[int, np.ndarray] = {}
+        if base is None:
+            if self._skeleton is None or self._skeleton[0] != treedef:  # versions repeat it
+                self._skeleton = (treedef, tree_skeleton(params, paths))
+            skeleton = self._skeleton[1]
+            entries, sources = self._describe(paths, leaves)
+        else:
+            entries, sources, skeleton, origins = self._partial(paths, leaves, base)
         total = sum(s.nbytes for s in sources)
         n_chunks = -(-total // self._chunk_bytes)
         parent = self._latest if parent is None else parent
@@ -276,7 +296,9 @@ class Publisher:
             total,
             tuple(entries),
             np.zeros(n_chunks, dtype=np.uint64),
-            self._skeleton[1],
+            skeleton,
+            base,
+            origins,
         )
         n_parts = -(-len(draft.to_bytes()) // self._chunk_bytes)
         if self.pool is None:
@@ -302,6 +324,9 @@ class Publisher:
             self._versions[version] = manifest_keys
             self._chunks[version] = n_chunks
             self._digests[version] = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
+            self._entries[version] = (tuple(entries), skeleton)
+            self._streams[version] = checksums
+            self._origins[version] = set(origins)
             self._latest = version
         self._drop_beyond_keep()
         self._update_head()
@@ -491,14 +516,10 @@ class Publisher:
         for version in old:
             with self._lock:
                 manifest_keys = self._versions.pop(version)
-                n_chunks = self._chunks.pop(version)
-                del self._digests[version]
+                del self._chunks[version], self._digests[version], self._entries[version]
             if self._link is not None:
                 self._link.removed([announcement_key(self.name, version)])
-            self._dropping[version] = [
-                *manifest_keys,
-                *(chunk_key(self.name, version, i) for i in range(n_chunks)),
-            ]
+            self._dropping[version] = manifest_keys  # its chunks: see _retry_drops
         self._retry_drops()
 
     def _update_head(self) -> None:
@@ -509,13 +530,64 @@ class Publisher:
 
     def _retry_drops(self) -> None:
         """Drops the versions beyond ``keep`` that no subscriber holds: the manifest's first
-        part goes first (a subscriber holds it for its whole pull), then the rest."""
+        part goes first (a subscriber holds it for its whole pull), then the rest; a dropped
+        version's chunks go once no version kept or held reads them (a partial version reads
+        its base's)."""
         assert self.pool is not None
         for version, keys in list(self._dropping.items()):
             if self.pool.contains(keys[:1])[0] and not self.pool.delete(keys[:1]):
                 continue  # held by a subscriber: dropped at a later publish
             self.pool.delete(keys[1:])
             del self._dropping[version]
+            self._origins.pop(version, None)
+            self._released.add(version)
+        live = [*self._versions, *self._dropping]
+        read = set().union(*(self._origins.get(v, set()) for v in live))
+        for version in sorted(self._released - read):
+            n_chunks = len(self._streams.pop(version))
+            self.pool.delete([chunk_key(self.name, version, i) for i in range(n_chunks)])
+            self._released.discard(version)
+
+    def _partial(
+        self, paths: list[str], leaves: list[Any], base: int
+    ) -> tuple[list[LeafEntry], list[np.ndarray], Any, dict[int, np.ndarray]]:
+        """The entries of a partial version on ``base`` changing the leaves at ``paths``, the
+        changed leaves' sources, the base's tree and the streams its other leaves are read
+        from."""
+        check_version(base, "base")
+        with self._lock:
+            kept = self._entries.get(base)
+            versions = sorted(self._versions)
+        if kept is None:
+            raise InvalidArgumentError(
+                f"base: version {base} is not kept (kept: {versions}); a partial version "
+                "changes leaves of a kept version"
+            )
+        base_entries, skeleton = kept
+        if not paths:
+            raise InvalidArgumentError("params: a partial version changes at least one leaf")
+        changed, sources = self._describe(paths, leaves)
+        by_path = {e.path: e for e in base_entries}
+        for entry in changed:
+            was = by_path.get(entry.path)
+            if was is None:
+                raise InvalidArgumentError(
+                    f"params{entry.path}: not a leaf of version {base}; a partial version "
+                    "changes leaves of its base and adds none: publish a full version"
+                )
+            if (was.shape, was.dtype) != (entry.shape, entry.dtype):
+                raise InvalidArgumentError(
+                    f"params{entry.path}: {entry.dtype}{list(entry.shape)}, but version {base} "
+                    f"has {was.dtype}{list(was.shape)}; a partial version keeps its base's "
+                    "shapes and dtypes: publish a full version"
+                )
+        new = {e.path: e for e in changed}
+        entries = [
+            new.get(e.path) or dataclasses.replace(e, origin=base if e.origin is None else e.origin)
+            for e in base_entries
+        ]
+        read = {e.origin for e in entries if e.origin is not None}
+        return entries, sources, skeleton, {v: self._streams[v] for v in sorted(read)}
 
     # --- closing ------------------------------------------------------------------------------
 

@@ -49,7 +49,6 @@ from tpusync._src.weights.manifest import (
     announcement_key,
     check_name,
     check_version,
-    chunk_key,
     chunk_layout,
     manifest_key,
     publisher_node_id,
@@ -90,6 +89,7 @@ class PullReport:
     chunks_network: int
     chunks_retried: int
     seconds: float
+    leaves_kept: int = 0  # of a partial version: leaves copied from the committed version
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ class _Pulled:
     buffers: _Buffers | None
     zero_copy: bool  # the arrays are the buffers (CPU): in-place writes reach them
     scales: dict[str, np.ndarray]  # of the leaves taken as fp8, by path
+    origins: tuple[int, ...] = ()  # per leaf: the version whose stream its bytes came from
 
 
 _LANDED = 1 << 56  # a row's relative address at or past it: in the landing area
@@ -623,14 +624,21 @@ class Subscriber:
 
     # --- moving the chunks ----------------------------------------------------------------------
 
-    def _rows(self, manifest: Manifest, buffers: _Buffers) -> tuple[Rows, Landing, tuple[int, ...]]:
-        """Every run the target shards need (first replica of each box), sorted by stream
-        offset and cut at chunk ends, addresses relative to the buffers' base (or, at
-        ``_LANDED`` and past it, to the landing area's); the landing area's plan and the leaves
-        it converts. Cached per pair of layouts."""
+    def _rows(
+        self, manifest: Manifest, buffers: _Buffers, kept: frozenset[int]
+    ) -> tuple[Rows, Landing, tuple[int, ...]]:
+        """Every run the target shards need (first replica of each box; none for the leaves
+        ``kept`` from the committed version), sorted by offset in the run of all the streams
+        the version reads (:attr:`Manifest.streams`) and cut at chunk ends, addresses relative
+        to the buffers' base (or, at ``_LANDED`` and past it, to the landing area's); the
+        landing area's plan and the leaves it converts. Cached per pair of layouts."""
         key = (
             manifest.chunk_bytes,
-            tuple((e.shape, e.dtype, e.boxes, e.offsets, e.amax) for e in manifest.leaves),
+            manifest.streams,
+            kept,
+            tuple(
+                (e.shape, e.dtype, e.boxes, e.offsets, e.amax, e.origin) for e in manifest.leaves
+            ),
         )
         cached = self._rows_cache.get(key)
         if cached is not None:
@@ -638,7 +646,7 @@ class Subscriber:
         converted = tuple(
             i
             for i, (e, t) in enumerate(zip(manifest.leaves, self._targets, strict=True))
-            if converts(t.path, e, t.dtype)
+            if i not in kept and converts(t.path, e, t.dtype)
         )
         firsts: list[dict[int, int]] = []  # per leaf: box -> its first device
         for t in self._targets:
@@ -658,8 +666,9 @@ class Subscriber:
         )
         parts: list[Rows] = []
         for i, (entry, t) in enumerate(zip(manifest.leaves, self._targets, strict=True)):
-            if not int(np.prod(t.shape)):
+            if not int(np.prod(t.shape)) or i in kept:
                 continue
+            start = manifest.stream_start(manifest.origin_of(entry))
             itemsize = entry.np_dtype.itemsize  # the published dtype's: what travels
             plan = leaf_plan(t.shape, itemsize, entry.boxes, t.boxes)
             for box, d in firsts[i].items():
@@ -668,11 +677,11 @@ class Subscriber:
                 else:
                     at = buffers.offsets[i][d]
                 for piece in plan.pieces[box]:
-                    parts.append(piece_rows(piece, entry.offsets[piece.source], at))
+                    parts.append(piece_rows(piece, start + entry.offsets[piece.source], at))
             if i in landing.maxima:
                 assert entry.amax is not None
                 parts.append(
-                    Rows([entry.amax], [_LANDED + landing.maxima[i]], [4 * entry.channels])
+                    Rows([start + entry.amax], [_LANDED + landing.maxima[i]], [4 * entry.channels])
                 )
         rows = split_at_chunks(Rows.join(parts).sorted(), manifest.chunk_bytes)
         cached = (rows, landing, converted)
@@ -745,7 +754,9 @@ class Subscriber:
             buffers = live.buffers
         else:
             buffers, made = self._take_spare()
-        relative, landing, converted = self._rows(manifest, buffers)
+        origins = tuple(manifest.origin_of(e) for e in manifest.leaves)
+        kept = self._kept_leaves(origins)
+        relative, landing, converted = self._rows(manifest, buffers, kept)
         landed = self._landing_area(landing.nbytes) if converted else None
         base = np.int64(buffers.base)
         if landed is not None:
@@ -758,17 +769,25 @@ class Subscriber:
         chunks = row_chunk[np.flatnonzero(np.diff(row_chunk, prepend=-1))]
         report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
         read_locally = client.local_blocks
-        report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks, deadline)
+        if len(chunks):
+            report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks, deadline)
         # every chunk landed verified once, from the file or over the network (the client
         # counts the verified blocks it read from the file)
         report.chunks_local = client.local_blocks - read_locally
         report.chunks_network = len(chunks) - report.chunks_local
         scales = {}
+        if kept:
+            assert live is not None
+            if live.buffers is not buffers:
+                self._copy_leaves(live.buffers, buffers, kept)
+            paths = {self._targets[i].path for i in kept}
+            scales = {p: s for p, s in live.scales.items() if p in paths}
+            report.leaves_kept = len(kept)
         if landed is not None:
-            scales = self._convert(manifest, buffers, landing, converted, landed)
+            scales.update(self._convert(manifest, buffers, landing, converted, landed))
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
-        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy, scales)
+        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy, scales, origins)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -796,9 +815,12 @@ class Subscriber:
                     f"{len(todo)} chunks to go"
                 )
             first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
-            keys = [chunk_key(self.name, manifest.version, int(c)) for c in todo]
+            keys = manifest.chunk_keys(self.name, todo)
             loaded = client.pull_scattered(
-                keys, layout, Scatter(first, offsets, targets), checksums=manifest.checksums[todo]
+                keys,
+                layout,
+                Scatter(first, offsets, targets),
+                checksums=manifest.all_checksums[todo],
             )
             todo = todo[~np.asarray(loaded, dtype=bool)]
             if not len(todo):
@@ -821,6 +843,36 @@ class Subscriber:
             f"verified from {client.label} twice (damaged, or the publisher dropped the "
             f"version or stopped serving); {kept}"
         )
+
+    def _kept_leaves(self, origins: tuple[int, ...]) -> frozenset[int]:
+        """The leaves whose bytes the committed version already holds: read from the same
+        version's stream (a partial version's unchanged leaves, on the base this subscriber
+        holds), verified then, and untouched since."""
+        live = self._live
+        if live is None or self.torn or len(live.origins) != len(origins):
+            return frozenset()
+        return frozenset(i for i, o in enumerate(origins) if live.origins[i] == o)
+
+    def _copy_leaves(
+        self, source: _Buffers | None, target: _Buffers, leaves: frozenset[int]
+    ) -> None:
+        """Copies ``leaves``' shards (every device's) from ``source``'s buffers to ``target``'s."""
+        assert source is not None
+        rows = []
+        for i in sorted(leaves):
+            t = self._targets[i]
+            for d, box in enumerate(t.box_of):
+                nbytes = int(np.prod(t.shard_shape(box))) * t.dtype.itemsize
+                if nbytes:
+                    rows.append(
+                        (
+                            source.base + source.offsets[i][d],
+                            target.base + target.offsets[i][d],
+                            nbytes,
+                        )
+                    )
+        if rows:
+            native.engine().copy(np.array(rows, dtype=np.uint64))
 
     def _replicate(self, buffers: _Buffers) -> None:
         """Copies each box's first replica to its other devices (after it was verified)."""
