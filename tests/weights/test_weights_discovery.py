@@ -70,6 +70,23 @@ def publisher(shm_names: Any) -> Iterator[Publisher]:
         yield pub
 
 
+def _asking(sub: Subscriber) -> threading.Event:
+    """An event set once ``sub`` has asked its publisher for its versions twice: a wait that
+    is under way, so what the test does next happens while it waits."""
+    asked = threading.Event()
+    count = [0]
+    ask = sub._head
+
+    def counted() -> Any:
+        count[0] += 1
+        if count[0] >= 2:
+            asked.set()
+        return ask()
+
+    sub._head = counted  # type: ignore[method-assign]
+    return asked
+
+
 def _in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
     """Runs ``call`` in a thread; its result or exception lands in the list."""
     out: list[Any] = []
@@ -108,20 +125,26 @@ def test_a_waiting_sampler_wakes_when_the_version_is_published(publisher) -> Non
         publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
     ) as sub:
         sub.update(1)
+        asked = _asking(sub)
         thread, out = _in_thread(lambda: sub.wait_for_newer(timeout_s=120))
+        assert asked.wait(60)
         publisher.publish(_params(2), 2)
         thread.join(timeout=120)
         assert out == [2]
         _same_bits(sub.update(2), _params(2))
 
 
-@pytest.mark.parametrize("change", ["a leaf added", "a leaf reshaped", "a leaf of another dtype"])
+@pytest.mark.parametrize(
+    "change",
+    ["a leaf added", "a leaf reshaped", "a leaf of another dtype", "a float it cannot convert"],
+)
 def test_a_changed_tree_is_a_typed_event_carrying_the_new_structure(publisher, change) -> None:
     publisher.publish(_params(1), 1)
     new = {
         "a leaf added": _params(2, extra=True),
         "a leaf reshaped": {"w": _params(2)["w"][:8]},
         "a leaf of another dtype": {"w": _params(2)["w"].astype(jax.numpy.int8)},
+        "a float it cannot convert": {"w": _params(2)["w"].astype(jax.numpy.float16)},
     }[change]
     with Subscriber(
         publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
@@ -208,7 +231,9 @@ def test_close_ends_a_wait(publisher) -> None:
     sub = Subscriber(
         publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
     )
+    asked = _asking(sub)
     thread, out = _in_thread(lambda: sub.wait_for_newer(timeout_s=120))
+    assert asked.wait(60)
     sub.close()
     thread.join(timeout=120)
     assert len(out) == 1 and isinstance(out[0], WeightSyncError) and "closed" in str(out[0])
@@ -231,6 +256,7 @@ def test_a_server_that_keeps_no_head_is_named() -> None:
         None,
         [],
         {"versions": {}},
+        {},
         {"versions": [[1]]},
         {"versions": [[-1, "0" * 32]]},
         {"versions": [[True, "0" * 32]]},

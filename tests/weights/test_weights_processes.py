@@ -38,6 +38,7 @@ class Cluster:
         self.name = run_name("w")
         self.registry = RegistryServer(MemoryRegistry(), secret=SECRET)
         self.children: list[Child] = []
+        self.latest: int | None = None  # the last version published
         self.trainer = self.start("trainer", self.name, self.registry.address, str(LEAVES))
         self.samplers = {
             mesh: self.start("sampler", self.name, self.registry.address, mesh, str(LEAVES))
@@ -54,6 +55,7 @@ class Cluster:
     def publish(self, version: int) -> dict[str, Any]:
         answer = self.trainer.ask(f"publish {version}")
         assert answer["published"] == version, answer
+        self.latest = version
         return answer
 
     def pull_everywhere(self, version: int) -> None:
@@ -139,13 +141,18 @@ def test_a_registry_restart_and_a_late_joiner(cluster):
 def test_a_follower_told_only_the_registry_follows_every_version(cluster):
     follower = cluster.start("follower", cluster.name, cluster.registry.address, "4x2")
     assert follower.answer(timeout=120)["ready"]
+    if cluster.latest is None:  # run alone: a first version to find
+        cluster.publish(1)
+    newest = cluster.latest
+    assert newest is not None
     first = follower.answer(timeout=120)  # the newest kept, found by itself
-    assert first.get("version") == 8 and first["digests"] == expected(8), first
-    for version in (9, 10):
+    assert first.get("version") == newest and first["digests"] == expected(newest), first
+    for version in (newest + 1, newest + 2):
         cluster.publish(version)
         got = follower.answer(timeout=120)
         assert got.get("version") == version and got["digests"] == expected(version), got
-    assert cluster.trainer.ask("grow 11")["published"] == 11  # the tree gains a leaf
+    grown = newest + 3
+    assert cluster.trainer.ask(f"grow {grown}")["published"] == grown  # the tree gains a leaf
     got = follower.answer(timeout=120)
-    assert got.get("version") == 11 and got["leaves"] == LEAVES + 1, got
-    assert got["digests"] == expected(11, LEAVES + 1)
+    assert got.get("version") == grown and got["leaves"] == LEAVES + 1, got
+    assert got["digests"] == expected(grown, LEAVES + 1)

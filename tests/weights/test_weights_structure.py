@@ -194,6 +194,7 @@ def _parsed(body: dict[str, Any]) -> Manifest:
         lambda b: b["leaves"][0].update(sharding={"axes": [["x", 2]], "spec": ["x", "x"]}),
         lambda b: b["leaves"][0].update(sharding={"axes": [["x y", 2]], "spec": [None, None]}),
         lambda b: b["leaves"][0].update(sharding={"axes": [["x", 2]], "spec": [None]}),
+        lambda b: b["leaves"][1].update(offsets=[32]),  # overlaps leaf 0's bytes
     ],
 )
 def test_a_malformed_structure_in_a_manifest_is_refused(damage) -> None:

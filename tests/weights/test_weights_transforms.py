@@ -246,6 +246,30 @@ def test_a_leaf_that_is_not_finite_has_no_fp8_scale(publisher) -> None:
         assert sub.version == 1 and sub.params["proj"].dtype == E4M3
 
 
+def test_scalars_empty_leaves_and_tiny_maxima_convert(publisher) -> None:
+    """A 0-d leaf, a leaf with no elements, and a leaf whose largest value is so small that
+    max / amax overflows float32 (its factor is then float32's largest, its scale the
+    inverse): every value finite, and q * scale gives the value back within fp8's step."""
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = {
+        "scalar": jax.device_put(np.float32(3.5), cpu),
+        "empty": jax.device_put(np.zeros((0, 8), np.float32), cpu),
+        "tiny": jax.device_put(np.array([[1e-37, -5e-38], [0.0, 2e-38]], np.float32), cpu),
+    }
+    dtypes = {"scalar": BF16, "empty": BF16, "tiny": E4M3}
+    publisher.publish(params, 1)
+    target = {p: jax.ShapeDtypeStruct(x.shape, dtypes[p], sharding=cpu) for p, x in params.items()}
+    with Subscriber(publisher.name, target, secret=SECRET, address=publisher.address) as sub:
+        got = sub.update(1)
+        assert float(got["scalar"]) == 3.5 and got["empty"].shape == (0, 8)
+        scale = sub.scales["['tiny']"]
+        assert scale == np.float32(1) / np.finfo(np.float32).max
+        q = np.asarray(got["tiny"]).astype(np.float32)
+        assert np.isfinite(q).all() and q[0, 0] == 36  # 1e-37 * 3.4e38 = 34.03: 36 in e4m3
+        want = np.asarray(params["tiny"])
+        assert np.allclose(q * scale, want, rtol=0.07, atol=0)
+
+
 def test_bad_options_are_named() -> None:
     with pytest.raises(InvalidArgumentError, match="amax"):
         Publisher("x", secret=SECRET, amax="yes")  # type: ignore[arg-type]
@@ -264,9 +288,16 @@ def _manifest_with(amax: Any, dtype: str = "float32") -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("amax", "dtype"), [(65, "float32"), (-1, "float32"), ("0", "float32"), (64, "int32")]
+    ("amax", "dtype"),
+    [
+        (65, "float32"),  # past the stream's end
+        (-1, "float32"),
+        ("0", "float32"),
+        (64, "int32"),  # maxima of an int leaf
+        (8, "float32"),  # inside the leaf's own bytes
+    ],
 )
 def test_malformed_maxima_in_a_manifest_are_refused(amax, dtype) -> None:
-    assert Manifest.from_bytes(_manifest_with(64 - 16), name="w", version=1).leaves[0].amax == 48
+    assert Manifest.from_bytes(_manifest_with(64), name="w", version=1).leaves[0].amax == 64
     with pytest.raises(WeightSyncError, match="malformed"):
         Manifest.from_bytes(_manifest_with(amax, dtype), name="w", version=1)

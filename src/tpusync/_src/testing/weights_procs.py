@@ -360,6 +360,10 @@ def follower(name: str, registry_address: str, secret: bytes, mesh_name: str) ->
                 except StructureChangedError as change:
                     subscriber.close()
                     subscriber, version = subscribe(change.version)
+                except TpuSyncError as error:  # said, then waited on again
+                    _say({"error": type(error).__name__, "message": str(error)})
+                    version = None
+                    stop.wait(1.0)
         finally:
             subscriber.close()
 

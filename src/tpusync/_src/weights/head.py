@@ -49,7 +49,7 @@ def head_of(answer: Any, source: str) -> Head:
     """The head in a peer's ``answer``, checked; WeightSyncError naming ``source`` if it is
     malformed."""
     try:
-        listed = answer["versions"] if isinstance(answer, dict) else None
+        listed = answer.get("versions") if isinstance(answer, dict) else None
         if not isinstance(listed, list) or len(listed) > MAX_LISTED:
             raise ValueError(f"versions: expected a list of at most {MAX_LISTED}")
         versions = []

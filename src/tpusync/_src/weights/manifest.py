@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -119,16 +120,11 @@ def channels_of(shape: tuple[int, ...]) -> int:
 
 
 def structure_digest(leaves: list[tuple[str, tuple[int, ...], str]]) -> str:
-    """What a target must match in a version, as 32 hex digits: each leaf's path, shape and
-    dtype in order, every float dtype counted as one (a subscriber may take a float leaf in
-    another float dtype). The publisher lists it per version in its head; a subscriber compares
-    it with its target's to tell a changed structure without reading a manifest."""
-    text = json.dumps([[path, list(shape), _dtype_family(dtype)] for path, shape, dtype in leaves])
+    """A version's structure as 32 hex digits: each leaf's path, shape and dtype name, in
+    order. The publisher lists it per version in its head; a subscriber tells a structure it
+    already knows fits its target from it without reading a manifest."""
+    text = json.dumps([[path, list(shape), dtype] for path, shape, dtype in leaves])
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"tpusync-w-struct").hexdigest()
-
-
-def _dtype_family(name: str) -> str:
-    return "float" if name.startswith(("float", "bfloat")) else name  # ml_dtypes' floats too
 
 
 def publisher_node_id(name: str) -> str:
@@ -526,6 +522,7 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
             if offset + entry.box_bytes(b) > end:
                 raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")
         leaves.append(entry)
+    _check_disjoint(leaves, version)
     tree = body["tree"]
     if tree is not None:
         _check_skeleton(tree, len(leaves))
@@ -533,6 +530,23 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     return Manifest(
         name, version, parent, chunk_bytes, total, tuple(leaves), checksums, tree, base, origins
     )
+
+
+def _check_disjoint(leaves: list[LeafEntry], version: int) -> None:
+    """Raises ValueError unless no two regions of one stream overlap (boxes and maxima): a
+    subscriber's scatter takes each run's length from where the next starts, so overlapping
+    regions would leave target bytes unwritten under a checksum that passes."""
+    regions = []
+    for leaf in leaves:
+        stream = version if leaf.origin is None else leaf.origin
+        for b, offset in enumerate(leaf.offsets):
+            regions.append((stream, offset, offset + leaf.box_bytes(b)))
+        if leaf.amax is not None:
+            regions.append((stream, leaf.amax, leaf.amax + 4 * leaf.channels))
+    regions = sorted(r for r in regions if r[2] > r[1])
+    for (s1, _, end), (s2, start, _) in itertools.pairwise(regions):
+        if s1 == s2 and start < end:
+            raise ValueError(f"two regions of version {s1}'s stream overlap at byte {start}")
 
 
 def check_name(name: Any) -> str:

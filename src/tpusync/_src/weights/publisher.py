@@ -381,13 +381,14 @@ class Publisher:
             entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets), sharding))
             sources.extend(hosts)
         if self.amax:  # after every leaf's shards: each float leaf's maxima, float32
-            for i, entry in enumerate(entries):
+            first = 0  # the leaf's first source
+            for i, entry in enumerate(list(entries)):
                 if entry.dtype in AMAX_DTYPES:
-                    first = sum(len(e.boxes) for e in entries[:i])
                     maxima = _channel_amax(entry, sources[first : first + len(entry.boxes)])
                     entries[i] = dataclasses.replace(entry, amax=offset)
                     sources.append(maxima)
                     offset += maxima.nbytes
+                first += len(entry.boxes)
         return entries, sources
 
     def _reserve(self, version: int, keys: list[bytes], n_chunks: int, total: int) -> Any:

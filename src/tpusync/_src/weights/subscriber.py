@@ -60,6 +60,7 @@ from tpusync._src.weights.plan import leaf_plan, shard_boxes
 from tpusync._src.weights.structure import PublishedStructure, structure_of
 from tpusync._src.weights.transforms import FP8, Landing, check_scales, converts, fp8_scales
 from tpusync.errors import (
+    DtypeMismatchError,
     InvalidArgumentError,
     PeerUnavailableError,
     RemoteOperationUnsupportedError,
@@ -216,7 +217,8 @@ class Subscriber:
         self.tls = options_or_default(TlsOptions, tls, "tls")
         paths, leaves, self._treedef = tree_paths(target)
         self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
-        self._digest = structure_digest([(t.path, t.shape, t.dtype.name) for t in self._targets])
+        # structures known to fit the target: its own, and those a check found it can take
+        self._fits = {structure_digest([(t.path, t.shape, t.dtype.name) for t in self._targets])}
         self._secret = secret
         self._address, self._registry = address, registry
         self.in_place = bool(in_place)
@@ -267,7 +269,13 @@ class Subscriber:
     def scales(self) -> dict[str, np.ndarray]:
         """The committed version's fp8 scales, by leaf path (``jax.tree_util.keystr``): float32,
         shape ``()`` per tensor or ``(channels,)`` per channel; a leaf ``q`` stands for
-        ``q * scale`` (channels: the last axis). Empty when no leaf is taken as fp8."""
+        ``q * scale`` (channels: the last axis). Empty when no leaf is taken as fp8. In place
+        (``in_place=True``) the arrays change during a pull and the scales at its commit:
+        run no step between the two."""
+        if self.torn:
+            raise WeightSyncError(
+                "an in-place pull failed: the arrays hold a mix of versions; pull again"
+            )
         if self._live is None:
             raise InvalidArgumentError("no version committed yet: pull(version), then commit()")
         return dict(self._live.scales)
@@ -323,10 +331,15 @@ class Subscriber:
         ``timeout_s`` passes first. Asks the publisher every ``poll_s`` of the client options;
         a publisher that cannot be reached (restarting) is asked again until the timeout.
 
-        Raises StructureChangedError when that version's structure is not the target's (its
-        ``structure`` builds a new target), WeightSyncError when the publisher could not be
-        reached at the last attempt before the timeout, or when :meth:`close` is called
-        meanwhile."""
+        A structure not seen before is checked against the target by reading that version's
+        manifest (bounded by the client options' ``deadline_s``, past ``timeout_s``); one
+        Subscriber is used from one thread (a wait and a pull share its connection), but
+        :meth:`close` from another ends a wait.
+
+        Raises StructureChangedError when that version's structure does not fit the target
+        (its ``structure`` builds a new target), VersionUnavailableError when it was dropped
+        before its manifest was read, WeightSyncError when the publisher could not be reached
+        at the last attempt before the timeout, or when :meth:`close` is called meanwhile."""
         if after is None:
             after = -1 if self.version is None else self.version
         elif type(after) is not int:
@@ -339,13 +352,17 @@ class Subscriber:
         self._check_structure(newest, head.digest_of(newest))
         return newest
 
-    def _wait_for_head(self, after: int, timeout_s: float) -> Head | None:
+    def _wait_for_head(
+        self, after: int, timeout_s: float, argument: str = "timeout_s"
+    ) -> Head | None:
         """The publisher's head once it keeps a version above ``after``; None at the
-        timeout (see :meth:`wait_for_newer`)."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-            raise InvalidArgumentError(f"timeout_s: expected seconds >= 0, got {timeout_s!r}")
-        if not timeout_s >= 0:
-            raise InvalidArgumentError(f"timeout_s: expected seconds >= 0, got {timeout_s!r}")
+        timeout ``timeout_s`` (given as ``argument``; see :meth:`wait_for_newer`)."""
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not timeout_s >= 0
+        ):
+            raise InvalidArgumentError(f"{argument}: expected seconds >= 0, got {timeout_s!r}")
         deadline = time.monotonic() + float(timeout_s)
         while True:
             failure: WeightSyncError | None = None
@@ -365,17 +382,26 @@ class Subscriber:
                 raise WeightSyncError("this Subscriber was closed while waiting for a version")
 
     def _check_structure(self, version: int, digest: str | None) -> None:
-        if digest == self._digest:
+        """StructureChangedError unless ``version`` (its structure's ``digest``) fits the
+        target: the same structure, or one a pull takes (other float dtypes it converts),
+        found by reading its manifest once per structure."""
+        if digest in self._fits:
             return
-        structure = self.structure(version)
-        raise StructureChangedError(
-            f"version {version} of {self.name!r} has another structure than this "
-            f"subscriber's target ({len(structure.leaves)} leaves, {len(self._targets)} in the "
-            "target, or a leaf of another shape or dtype): build a new target from the "
-            "error's structure (structure.target(mesh)) and subscribe with it",
-            version=version,
-            structure=structure,
-        )
+        limit = self.client_options.deadline_s
+        with self._manifest_of(version, limit, "reading its structure") as (_, _, manifest):
+            try:
+                self._check_targets(manifest)
+            except (InvalidArgumentError, ShapeMismatchError, DtypeMismatchError) as error:
+                structure = structure_of(manifest)
+                raise StructureChangedError(
+                    f"version {version} of {self.name!r} has another structure than this "
+                    f"subscriber's target ({error}): build a new target from the error's "
+                    "structure (structure.target(mesh)) and subscribe with it",
+                    version=version,
+                    structure=structure,
+                ) from None
+        if digest is not None:
+            self._fits.add(digest)
 
     def _head(self) -> Head:
         """The publisher's head (an empty one when the registry lists no publisher)."""
@@ -394,6 +420,8 @@ class Subscriber:
             raise WeightSyncError(
                 f"{client.label} is not a weights publisher: it keeps no list of versions ({error})"
             ) from error
+        except InvalidArgumentError as error:  # closed by close() or a pull's watchdog meanwhile
+            raise WeightSyncError(f"asking {client.label} for its versions: {error}") from error
 
     def _publisher_address(self) -> str | None:
         """The publisher's address: given, or its node in the registry (None: not listed)."""
@@ -535,33 +563,40 @@ class Subscriber:
 
     def _connect(self, address: str, what: str) -> BlockClient:
         """This subscriber's client of the publisher at ``address`` (made on first use);
-        WeightSyncError starting with ``what`` when it cannot be reached."""
+        WeightSyncError starting with ``what`` when it cannot be reached. Connects outside the
+        lock, so that close() does not wait for a handshake."""
         with self._clients_lock:
             if self._closing.is_set():
                 raise WeightSyncError(f"{what}: this Subscriber is closed")
             client = self._clients.get(address)
-            if client is not None:
-                return client
-            try:  # an AuthenticationError (a wrong secret) goes to the caller as it is
-                options = self.client_options
-                client = BlockClient(
-                    address,
-                    secret=self._secret,
-                    connections=options.connections,
-                    timeout_s=options.timeout_s,
-                    tls=self.tls.context,
-                    insecure=self.tls.insecure,
-                    same_host=options.same_host,
-                    # a pull's absolute limit is this subscriber's deadline_s (its watchdog
-                    # closes the client then), not the client's default scaled from the bytes
-                    max_pull_s=MAX_LIMIT_S,
-                )
-            except PeerUnavailableError as error:
-                raise WeightSyncError(
-                    f"{what}: the publisher at {address} cannot be reached ({error})"
-                ) from error
-            self._clients[address] = client
-        return client
+        if client is not None:
+            return client
+        try:  # an AuthenticationError (a wrong secret) goes to the caller as it is
+            options = self.client_options
+            client = BlockClient(
+                address,
+                secret=self._secret,
+                connections=options.connections,
+                timeout_s=options.timeout_s,
+                tls=self.tls.context,
+                insecure=self.tls.insecure,
+                same_host=options.same_host,
+                # a pull's absolute limit is this subscriber's deadline_s (its watchdog
+                # closes the client then), not the client's default scaled from the bytes
+                max_pull_s=MAX_LIMIT_S,
+            )
+        except PeerUnavailableError as error:
+            raise WeightSyncError(
+                f"{what}: the publisher at {address} cannot be reached ({error})"
+            ) from error
+        with self._clients_lock:
+            closing = self._closing.is_set()
+            known = None if closing else self._clients.setdefault(address, client)
+        if known is not client:  # closed meanwhile, or another thread connected first
+            client.close()
+            if known is None:
+                raise WeightSyncError(f"{what}: this Subscriber is closed")
+        return known
 
     def _drop_client(self, client: BlockClient) -> None:
         with self._clients_lock:
@@ -620,7 +655,7 @@ class Subscriber:
                 raise ShapeMismatchError(
                     f"target{t.path}: shape {t.shape}, published {entry.shape}"
                 )
-            converts(t.path, entry, t.dtype)  # DtypeMismatchError where it cannot
+            converts(t.path, entry, t.dtype, manifest.version)  # DtypeMismatchError if not
 
     # --- moving the chunks ----------------------------------------------------------------------
 
@@ -646,7 +681,7 @@ class Subscriber:
         converted = tuple(
             i
             for i, (e, t) in enumerate(zip(manifest.leaves, self._targets, strict=True))
-            if i not in kept and converts(t.path, e, t.dtype)
+            if i not in kept and converts(t.path, e, t.dtype, manifest.version)
         )
         firsts: list[dict[int, int]] = []  # per leaf: box -> its first device
         for t in self._targets:
@@ -724,15 +759,18 @@ class Subscriber:
                     factors = factor[a:b]
                 else:
                     factors = factor.reshape(-1)
-                jobs.append((source, buffers.view(t, i, d), np.ascontiguousarray(factors)))
+                target = buffers.view(t, i, d)
+                if not source.ndim:  # a scalar: one row of one
+                    source, target = source.reshape(1), target.reshape(1)
+                jobs.append((source, target, np.ascontiguousarray(factors)))
         # cut along the first axis (C order: each part contiguous) to share the cores
         parts = max(1, native.copy_threads())
         cut = [
             (s, t, factors)
             for source, target, factors in jobs
             for s, t in zip(
-                np.array_split(source, min(parts, len(source)) if source.ndim else 1),
-                np.array_split(target, min(parts, len(target)) if target.ndim else 1),
+                np.array_split(source, max(1, min(parts, len(source)))),
+                np.array_split(target, max(1, min(parts, len(target)))),
                 strict=True,
             )
             if s.size
@@ -985,7 +1023,7 @@ def published_structure(
         name, {}, secret=secret, address=address, registry=registry, client=client, tls=tls
     ) as probe:
         if version is None:
-            head = probe._wait_for_head(-1, wait_s)
+            head = probe._wait_for_head(-1, wait_s, "wait_s")
             if head is None:
                 raise VersionUnavailableError(
                     f"name: no version of {name!r} was published within wait_s={wait_s:g} s"

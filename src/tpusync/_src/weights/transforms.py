@@ -7,15 +7,17 @@ XLA's convert (``jnp.astype``): float32 and bfloat16 to each other, and to fp8 (
 
 An fp8 leaf needs a scale: the publisher sends each float leaf's absolute maxima per channel
 (its last axis; ``Publisher(amax=True)``), and the subscriber makes, per tensor (the maximum of
-them) or per channel, ``scale = amax / max`` and ``factor = max / amax`` (``max``: the fp8
-type's largest finite value; both 1 where ``amax`` is 0), in float32. The leaf is
-``astype(x.astype(float32) * factor, fp8)`` — a multiplication, because XLA divides by
-multiplying with the reciprocal, so a quotient would not be bit for bit its own — and
-``scale`` is what dequantizes it (``x ~ q * scale``; :attr:`Subscriber.scales`).
+them) or per channel, in float32, ``scale = amax / max`` and ``factor = max / amax`` (``max``:
+the fp8 type's largest finite value; both 1 where ``amax`` is 0; where the quotient
+overflows, for a tiny ``amax``, ``factor`` is float32's largest and ``scale = 1 / factor``).
+The leaf is ``astype(x.astype(float32) * factor, fp8)`` — a multiplication, because XLA
+divides by multiplying with the reciprocal, so a quotient would not be bit for bit its own —
+and ``scale`` is what dequantizes it (``x ~ q * scale``; :attr:`Subscriber.scales`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -41,9 +43,10 @@ def check_scales(value: object) -> str:
     return str(value)
 
 
-def converts(path: str, entry: LeafEntry, target: np.dtype) -> bool:
-    """Whether ``entry`` lands converted in a target leaf of dtype ``target`` (False: as it
-    is); DtypeMismatchError naming the leaf and what would work when it cannot."""
+def converts(path: str, entry: LeafEntry, target: np.dtype, version: int) -> bool:
+    """Whether ``entry`` (of ``version``) lands converted in a target leaf of dtype ``target``
+    (False: as it is, or it has no bytes); DtypeMismatchError naming the leaf and what would
+    work when it cannot."""
     if entry.np_dtype == target:
         return False
     if entry.dtype not in SOURCES or target.name not in KINDS:
@@ -54,11 +57,11 @@ def converts(path: str, entry: LeafEntry, target: np.dtype) -> bool:
         )
     if target.name in FP8 and entry.amax is None:
         raise DtypeMismatchError(
-            f"target{path}: {target.name} needs a scale, and version's publisher sends no "
-            "maxima to make it from: publish with Publisher(amax=True), or take the leaf as "
-            f"{entry.dtype}"
+            f"target{path}: {target.name} needs a scale, and version {version}'s publisher "
+            "sends no maxima to make it from: publish with Publisher(amax=True), or take the "
+            f"leaf as {entry.dtype}"
         )
-    return True
+    return math.prod(entry.shape) > 0
 
 
 def fp8_scales(
@@ -75,8 +78,13 @@ def fp8_scales(
     amax = np.asarray(amax.max() if per == "tensor" else amax, dtype=np.float32)
     held = np.where(amax > 0, amax, np.float32(1))
     scale = np.where(amax > 0, held / top, np.float32(1)).astype(np.float32)
-    factor = np.where(amax > 0, top / held, np.float32(1)).astype(np.float32)
-    return scale, factor
+    with np.errstate(over="ignore", divide="ignore"):
+        factor = (top / held).astype(np.float32)
+        # a tiny amax: the largest factor float32 has, and the scale that undoes it
+        clamped = ~np.isfinite(factor)
+        factor = np.where(clamped, np.finfo(np.float32).max, factor).astype(np.float32)
+        scale = np.where(clamped, np.float32(1) / factor, scale).astype(np.float32)
+    return scale, np.where(amax > 0, factor, np.float32(1)).astype(np.float32)
 
 
 @dataclass(frozen=True)
