@@ -135,6 +135,52 @@ def test_a_bases_chunks_stay_while_read_and_go_after(shm_names) -> None:
             assert _same(sub.update(4), _model(4))
 
 
+def test_in_place_keeps_only_what_its_buffers_hold(publisher) -> None:
+    """In place, the buffers hold what the last pull wrote, committed or not: after an
+    uncommitted pull of one adapter, an adapter on the same base brings back every leaf the
+    first changed."""
+    base = _model(1)
+    publisher.publish(base, 1)
+    with Subscriber(
+        publisher.name, _target(base), secret=SECRET, address=publisher.address, in_place=True
+    ) as sub:
+        sub.update(1)
+        publisher.publish({"lora": {"a": _adapter(20)["lora"]["a"]}}, 2, base=1)
+        sub.pull(2)  # not committed: the buffers hold version 2's lora.a
+        publisher.publish({"lora": {"b": _adapter(30)["lora"]["b"]}}, 3, base=1)
+        report = sub.pull(3)
+        assert report.leaves_kept == 4  # lora.a is pulled again: version 3 has version 1's
+        want = _on(base, {"lora": {"a": base["lora"]["a"], "b": _adapter(30)["lora"]["b"]}})
+        assert _same(sub.commit(), want)
+        publisher.publish(_adapter(40), 4, base=3)  # on the committed version: all kept
+        assert sub.pull(4).leaves_kept == 4
+        assert _same(sub.commit(), _on(base, _adapter(40)))
+
+
+def test_a_number_a_restarted_publisher_reuses_keeps_nothing(shm_names) -> None:
+    name = shm_names()
+    with Publisher(name, secret=SECRET, pool=POOL) as first:
+        first.publish(_model(1), 10)
+        sub = Subscriber(name, _target(_model(1)), secret=SECRET, address=first.address)
+        sub.update(10)
+    with Publisher(name, secret=SECRET, pool=POOL) as second:  # from an older checkpoint
+        sub._address = second.address  # the sampler finds it where the registry says
+        second.publish(_model(2), 10)
+        second.publish(_adapter(30), 11, base=10)
+        report = sub.pull(11)
+        assert report.leaves_kept == 0  # version 10 again, but other bytes
+        assert _same(sub.commit(), _on(_model(2), _adapter(30)))
+        sub.close()
+
+
+def test_a_list_shorter_than_the_bases_is_refused(publisher) -> None:
+    publisher.publish(_model(1), 1)
+    norm = _leaf(np.random.default_rng(5), (64,))
+    with pytest.raises(InvalidArgumentError, match=r"params\['layers'\]: a list of 1.*put None"):
+        publisher.publish({"layers": [{"norm": norm}]}, 2, base=1)  # which layer?
+    publisher.publish({"layers": [None, {"norm": norm}]}, 2, base=1)  # the second
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -170,7 +216,8 @@ def _manifest_body() -> dict[str, Any]:
 
 def _parsed(body: dict[str, Any]) -> Manifest:
     text = json.dumps(body).encode()
-    return Manifest.from_bytes(len(text).to_bytes(8, "little") + text, name="w", version=2)
+    version = body["version"]
+    return Manifest.from_bytes(len(text).to_bytes(8, "little") + text, name="w", version=version)
 
 
 @pytest.mark.parametrize(
@@ -180,14 +227,17 @@ def _parsed(body: dict[str, Any]) -> Manifest:
         lambda b: b["leaves"][1].update(origin=2),  # itself
         lambda b: b.update(origins={"2": "00" * 8}),  # not below the version
         lambda b: b.update(origins={"x": "00" * 8}),  # not a number
-        lambda b: b.update(origins={"1": "00" * 8, **{str(i): "" for i in range(3, 80)}}),
+        lambda b: b.update(
+            version=100, origins={"1": "00" * 8, **{str(i): "" for i in range(3, 80)}}
+        ),  # more origins than a version may read
         lambda b: b["leaves"][1].update(offsets=[4096 - 32]),  # past the origin's stream
         lambda b: b.update(base=2),  # not below the version
     ],
 )
 def test_a_malformed_partial_manifest_is_refused(damage) -> None:
     parsed = _parsed(_manifest_body())
-    assert parsed.leaves[1].origin == 1 and parsed.streams == ((2, 0), (1, 1))
+    assert parsed.leaves[1].origin == 1
+    assert [s[:2] for s in parsed.streams] == [(("v", 2), 0), (("v", 1), 1)]
     body = _manifest_body()
     damage(body)
     with pytest.raises(WeightSyncError, match="malformed"):

@@ -11,6 +11,8 @@ version, so a sampler's step can tell which version each leaf it read belongs to
     python -m tpusync._src.testing.weights_procs sampler NAME REGISTRY MESH [LEAVES [SCALE [DTYPE
         [SAME_HOST [WINDOW_MIB]]]]]
     python -m tpusync._src.testing.weights_procs follower NAME REGISTRY MESH
+    python -m tpusync._src.testing.weights_procs multitrainer NAME REGISTRY COORDINATOR INDEX
+        COUNT LEAVES
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -320,6 +322,52 @@ def sampler(
     registry.close()
 
 
+def multi_trainer(
+    name: str, registry_address: str, secret: bytes, coordinator: str, index: int, count: int,
+    leaves: int,
+) -> None:  # fmt: skip
+    """One process of a trainer of ``count`` ``jax.distributed`` processes, 8 CPU devices
+    across them, holding each version of the test tree sharded 8x1 over all of them (each
+    process only its own shards): ``publish V`` on every process publishes V (answers the
+    report or the error), ``quit``."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8 // count)
+    jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
+    mesh = Mesh(np.array(jax.devices()).reshape(8, 1), ("x", "y"))
+    spec = tree_spec(leaves)
+    registry = RemoteRegistry(registry_address, secret=secret)
+    publisher = Publisher(
+        name, secret=secret, registry=registry, pool=WeightsPoolOptions(chunk_bytes=1 << 20),
+        server=WeightsServerOptions(registry_ttl_s=3.0, parts_timeout_s=10.0),
+    )  # fmt: skip
+
+    def params(version: int) -> dict[str, Any]:
+        out = {}
+        for i, (path, shape, dtype) in enumerate(spec):
+            whole = np.frombuffer(leaf_bytes(0, version, i, shape, dtype), np_dtype(dtype))
+            whole = whole.reshape(shape)
+            sharding = NamedSharding(mesh, _spec(shape, "8x1"))
+            out[path] = jax.make_array_from_callback(shape, sharding, lambda at, w=whole: w[at])
+        return out
+
+    _say({"ready": True, "pid": os.getpid(), "process": jax.process_index()})
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "quit":
+            break
+        version = int(args[0])
+        try:
+            report = publisher.publish(params(version), version)
+        except TpuSyncError as error:
+            _say({"error": type(error).__name__, "message": str(error)})
+            continue
+        _say({"published": version, "chunks": report.chunks, "nbytes": report.nbytes,
+              "address": publisher.address})  # fmt: skip
+    publisher.close()
+    registry.close()
+    jax.distributed.shutdown()
+
+
 def follower(name: str, registry_address: str, secret: bytes, mesh_name: str) -> None:
     """A sampler told nothing but the registry, the weights' name and its own mesh: builds its
     target from the newest version's published structure, then follows every newer version
@@ -531,6 +579,8 @@ def main(argv: list[str]) -> None:
         )  # fmt: skip
     elif role == "follower":
         follower(name, registry_address, secret, rest[0])
+    elif role == "multitrainer":
+        multi_trainer(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:4]))
     else:
         raise SystemExit(f"unknown role {role!r}")
 

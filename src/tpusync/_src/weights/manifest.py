@@ -57,6 +57,7 @@ from tpusync.errors import InvalidArgumentError, WeightSyncError
 __all__ = [
     "AMAX_DTYPES",
     "FORMAT",
+    "MAX_ORIGINS",
     "LeafEntry",
     "Manifest",
     "announcement_key",
@@ -79,7 +80,8 @@ STREAM_ALIGNMENT = 64
 _MAX_LEAVES = 1 << 16
 _MAX_DIMS = 16
 _MAX_CHUNKS = 1 << 24
-_MAX_ORIGINS = 64
+MAX_ORIGINS = 64  # the earlier versions a partial one reads
+_MAX_PARTS = 1 << 12  # trainer processes
 _MAX_MANIFEST_BYTES = 1 << 30
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _DTYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -308,6 +310,7 @@ class LeafEntry:
     sharding: Any = None
     amax: int | None = None
     origin: int | None = None  # the version whose stream holds its bytes (None: this one)
+    parts: tuple[int, ...] | None = None  # per box, the trainer process holding it (None: 0)
 
     @property
     def channels(self) -> int:
@@ -341,7 +344,10 @@ class Manifest:
     skeleton of :func:`tree_skeleton` (None: the leaves by path only). A partial version
     (``base``: the version it changes leaves of) has only its changed leaves in its own
     stream; every other leaf names the version whose stream holds it (``LeafEntry.origin``),
-    and ``origins`` holds those streams' chunk checksums."""
+    and ``origins`` holds those streams' chunk checksums. A version of a multi-controller
+    trainer has a stream per process (``parts``: the address and chunk checksums of each
+    process's after the first, whose stream is this manifest's own); each box of a leaf names
+    the process holding it (``LeafEntry.parts``)."""
 
     name: str
     version: int
@@ -353,6 +359,7 @@ class Manifest:
     tree: Any = None
     base: int | None = None
     origins: dict[int, np.ndarray] = field(default_factory=dict)
+    parts: tuple[tuple[str, np.ndarray], ...] = ()
 
     @property
     def n_chunks(self) -> int:
@@ -362,35 +369,94 @@ class Manifest:
         """The version whose stream holds ``leaf``'s bytes."""
         return self.version if leaf.origin is None else leaf.origin
 
+    def stream_of(self, leaf: LeafEntry, box: int) -> tuple[str, int]:
+        """The stream holding box ``box`` of ``leaf``: ``("v", version)`` (this publisher's
+        stream of that version) or ``("p", process)`` (a trainer process's part)."""
+        if leaf.parts is not None and leaf.parts[box]:
+            return ("p", leaf.parts[box])
+        return ("v", self.origin_of(leaf))
+
     @functools.cached_property
-    def streams(self) -> tuple[tuple[int, int], ...]:
-        """``(version, first chunk)`` of each stream a pull reads, this version's first: one
-        run of chunk numbers across them all (a version's chunk ``i`` is number ``first +
-        i``)."""
-        out, first = [], 0
-        for version in [self.version, *sorted(self.origins)]:
-            out.append((version, first))
-            first += len(self.checksums if version == self.version else self.origins[version])
+    def streams(self) -> tuple[tuple[tuple[str, int], int, str | None, int, np.ndarray], ...]:
+        """Each stream a pull may read, this version's own first: ``(stream, first chunk,
+        address (None: this manifest's publisher), version, checksums)``, numbered as one run
+        of chunks across them all (a stream's chunk ``i`` is number ``first + i``)."""
+        out = []
+        first = 0
+        listed = [(("v", self.version), None, self.version, self.checksums)]
+        listed += [(("v", v), None, v, self.origins[v]) for v in sorted(self.origins)]
+        listed += [(("p", p), a, self.version, c) for p, (a, c) in enumerate(self.parts, start=1)]
+        for stream, address, version, checksums in listed:
+            out.append((stream, first, address, version, checksums))
+            first += len(checksums)
         return tuple(out)
 
-    def stream_start(self, version: int) -> int:
-        """Where ``version``'s stream starts in the run of all streams, in bytes."""
-        return dict(self.streams)[version] * self.chunk_bytes
+    def stream_start(self, stream: tuple[str, int]) -> int:
+        """Where ``stream`` starts in the run of all streams, in bytes."""
+        for known, first, *_ in self.streams:
+            if known == stream:
+                return first * self.chunk_bytes
+        raise KeyError(stream)
 
     @functools.cached_property
     def all_checksums(self) -> np.ndarray:
         """Every stream's chunk checksums, in the order of :attr:`streams`."""
-        return np.concatenate([self.checksums, *(self.origins[v] for v in sorted(self.origins))])
+        return np.concatenate([s[4] for s in self.streams])
 
-    def chunk_keys(self, name: str, numbers: np.ndarray) -> list[bytes]:
-        """The pool keys of chunks numbered across all streams (see :attr:`streams`)."""
-        starts = np.array([first for _, first in self.streams])
-        versions = [v for v, _ in self.streams]
+    @functools.cached_property
+    def layout_key(self) -> tuple[Any, ...]:
+        """What a subscriber's plan of this version depends on, without its number: the
+        streams' sizes and places, and each leaf's shape, dtype, boxes, offsets, maxima and
+        stream (by its place among the streams). Versions of one layout share one plan."""
+        index = {s[0]: k for k, s in enumerate(self.streams)}
+        return (
+            self.chunk_bytes,
+            tuple((s[1], s[2], len(s[4])) for s in self.streams),
+            tuple(
+                (
+                    e.shape,
+                    e.dtype,
+                    e.boxes,
+                    e.offsets,
+                    e.amax,
+                    tuple(index[self.stream_of(e, b)] for b in range(len(e.boxes))),
+                )
+                for e in self.leaves
+            ),
+        )
+
+    def leaf_sources(self) -> tuple[tuple[Any, ...], ...]:
+        """Per leaf, what its bytes are: the version its stream belongs to, a digest of that
+        stream's chunk checksums and where the leaf lies in it. Equal for two manifests only
+        when the leaf's bytes are the same (a number a restarted publisher reuses included)."""
+        digests = {
+            s[0]: hashlib.blake2b(s[4].tobytes(), digest_size=16).digest() for s in self.streams
+        }
+        return tuple(
+            (
+                tuple(
+                    (self.stream_of(e, b), digests[self.stream_of(e, b)])
+                    for b in range(len(e.boxes))
+                ),
+                self.origin_of(e),
+                e.dtype,
+                e.boxes,
+                e.offsets,
+                e.amax,
+            )
+            for e in self.leaves
+        )
+
+    def chunk_sources(self, name: str, numbers: np.ndarray) -> list[tuple[str | None, bytes]]:
+        """Where each chunk numbered across all streams is: the address of the publisher that
+        holds it (None: this manifest's) and its key there."""
+        starts = np.array([s[1] for s in self.streams])
         which = np.searchsorted(starts, numbers, side="right") - 1
-        return [
-            chunk_key(name, versions[w], int(n - starts[w]))
-            for w, n in zip(which.tolist(), numbers.tolist(), strict=True)
-        ]
+        out = []
+        for w, n in zip(which.tolist(), numbers.tolist(), strict=True):
+            _, first, address, version, _ = self.streams[w]
+            out.append((address, chunk_key(name, version, n - first)))
+        return out
 
     def to_bytes(self) -> bytes:
         body = {
@@ -410,6 +476,7 @@ class Manifest:
                     "sharding": leaf.sharding,
                     **({} if leaf.amax is None else {"amax": leaf.amax}),
                     **({} if leaf.origin is None else {"origin": leaf.origin}),
+                    **({} if leaf.parts is None else {"parts": list(leaf.parts)}),
                 }
                 for leaf in self.leaves
             ],
@@ -417,6 +484,7 @@ class Manifest:
             "checksums": self.checksums.astype("<u8").tobytes().hex(),
             "base": self.base,
             "origins": {str(v): c.astype("<u8").tobytes().hex() for v, c in self.origins.items()},
+            "parts": [[a, c.astype("<u8").tobytes().hex()] for a, c in self.parts],
         }
         text = json.dumps(body, separators=(",", ":")).encode()
         return len(text).to_bytes(8, "little") + text
@@ -477,24 +545,40 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     if base is not None:
         _int(base, "base", 0, version - 1)
     origins_in = body["origins"]
-    if not isinstance(origins_in, dict) or len(origins_in) > _MAX_ORIGINS:
-        raise ValueError(f"origins: expected at most {_MAX_ORIGINS}")
+    if not isinstance(origins_in, dict) or len(origins_in) > MAX_ORIGINS:
+        raise ValueError(f"origins: expected at most {MAX_ORIGINS}")
     origins: dict[int, np.ndarray] = {}
     for key, text in origins_in.items():
         origin = _int(
             int(key) if key.isdigit() and len(key) < 20 else -1, "origins", 0, version - 1
         )
         origins[origin] = np.frombuffer(bytes.fromhex(text), dtype="<u8").astype(np.uint64)
-    if n_chunks + sum(len(c) for c in origins.values()) > _MAX_CHUNKS:
-        raise ValueError("origins: too many chunks")
+    parts_in = body["parts"]
+    if not isinstance(parts_in, list) or len(parts_in) > _MAX_PARTS:
+        raise ValueError(f"parts: expected a list of at most {_MAX_PARTS}")
+    parts = []
+    for p, part in enumerate(parts_in, start=1):
+        if not isinstance(part, list) or len(part) != 2 or not isinstance(part[0], str):
+            raise ValueError(f"parts[{p}]: expected [address, checksums]")
+        if not 0 < len(part[0]) <= 256 or ":" not in part[0]:
+            raise ValueError(f"parts[{p}]: {part[0]!r:.80} is not a host:port")
+        parts.append(
+            (part[0], np.frombuffer(bytes.fromhex(part[1]), dtype="<u8").astype(np.uint64))
+        )
+    listed = [*origins.values(), *(c for _, c in parts)]
+    if n_chunks + sum(len(c) for c in listed) > _MAX_CHUNKS:
+        raise ValueError("origins, parts: too many chunks")
     stream_bytes = {version: total, **{v: len(c) * chunk_bytes for v, c in origins.items()}}
+    part_bytes = [total] + [len(c) * chunk_bytes for _, c in parts]
     leaves_in = body["leaves"]
     if not isinstance(leaves_in, list) or len(leaves_in) > _MAX_LEAVES:
         raise ValueError("leaves: expected a list")
     leaves = []
     for i, item in enumerate(leaves_in):
+        if not isinstance(item, dict):
+            raise ValueError(f"leaves[{i}]: expected an object")
         origin = item.get("origin")
-        if origin is not None and origin not in origins:
+        if origin is not None and (type(origin) is not int or origin not in origins):
             raise ValueError(f"leaves[{i}].origin: {origin!r:.40} is not one of the origins")
         end = stream_bytes[version if origin is None else origin]  # its stream's bytes
         shape = tuple(_int(d, f"leaves[{i}].shape", 0, 1 << 40) for d in item["shape"])
@@ -510,16 +594,23 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
         sharding = item["sharding"]
         if sharding is not None:
             _check_sharding(sharding, len(shape))
+        held_by = item.get("parts")
+        if held_by is not None:
+            if origin is not None or not isinstance(held_by, list) or len(held_by) != len(boxes):
+                raise ValueError(f"leaves[{i}].parts: one process per box, and no origin")
+            held_by = tuple(_int(p, f"leaves[{i}].parts", 0, len(parts)) for p in held_by)
+            if item.get("amax") is not None:
+                raise ValueError(f"leaves[{i}]: maxima of a leaf held in parts")
         amax = item.get("amax")
         if amax is not None:
             amax = _int(amax, f"leaves[{i}].amax", 0, end - 4 * channels_of(shape))
             if item["dtype"] not in AMAX_DTYPES:
                 raise ValueError(f"leaves[{i}]: maxima of a {item['dtype']} leaf")
         entry = LeafEntry(
-            item["path"], shape, item["dtype"], boxes, offsets, sharding, amax, origin
+            item["path"], shape, item["dtype"], boxes, offsets, sharding, amax, origin, held_by
         )
         for b, offset in enumerate(offsets):
-            if offset + entry.box_bytes(b) > end:
+            if offset + entry.box_bytes(b) > (part_bytes[held_by[b]] if held_by else end):
                 raise ValueError(f"leaves[{i}]: box {b} runs past the stream's end")
         leaves.append(entry)
     _check_disjoint(leaves, version)
@@ -528,7 +619,17 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
         _check_skeleton(tree, len(leaves))
         _check_skeleton_paths(tree, [leaf.path for leaf in leaves])
     return Manifest(
-        name, version, parent, chunk_bytes, total, tuple(leaves), checksums, tree, base, origins
+        name,
+        version,
+        parent,
+        chunk_bytes,
+        total,
+        tuple(leaves),
+        checksums,
+        tree,
+        base,
+        origins,
+        tuple(parts),
     )
 
 
@@ -538,15 +639,16 @@ def _check_disjoint(leaves: list[LeafEntry], version: int) -> None:
     regions would leave target bytes unwritten under a checksum that passes."""
     regions = []
     for leaf in leaves:
-        stream = version if leaf.origin is None else leaf.origin
+        stream = (0, version if leaf.origin is None else leaf.origin)
         for b, offset in enumerate(leaf.offsets):
-            regions.append((stream, offset, offset + leaf.box_bytes(b)))
+            held = (1, leaf.parts[b]) if leaf.parts is not None and leaf.parts[b] else stream
+            regions.append((held, offset, offset + leaf.box_bytes(b)))
         if leaf.amax is not None:
             regions.append((stream, leaf.amax, leaf.amax + 4 * leaf.channels))
     regions = sorted(r for r in regions if r[2] > r[1])
     for (s1, _, end), (s2, start, _) in itertools.pairwise(regions):
         if s1 == s2 and start < end:
-            raise ValueError(f"two regions of version {s1}'s stream overlap at byte {start}")
+            raise ValueError(f"two regions of one stream {s1} overlap at byte {start}")
 
 
 def check_name(name: Any) -> str:

@@ -112,6 +112,9 @@ class WeightsServerOptions:
         subscriber that keeps renewing pins nothing for ever (default None: the block
         server's, 600 s or ``lease_ttl_s`` if longer; at most a week); raise it where one pull
         can take longer (a big tree over a slow link).
+      parts_timeout_s: for a trainer of several ``jax.distributed`` processes, how long a
+        publish waits for every process's part, and for the first process's commit (default
+        120 s); past it nothing of the version is visible.
     """
 
     host: str = "127.0.0.1"
@@ -119,6 +122,7 @@ class WeightsServerOptions:
     lease_ttl_s: float = 10.0
     registry_ttl_s: float = 10.0
     lease_max_s: float | None = None
+    parts_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -127,6 +131,7 @@ class WeightsServerOptions:
             raise InvalidArgumentError(f"port: expected 0 to 65535, got {self.port!r}")
         _seconds(self.lease_ttl_s, "lease_ttl_s", 3600)
         _seconds(self.registry_ttl_s, "registry_ttl_s")
+        _seconds(self.parts_timeout_s, "parts_timeout_s")
         if self.lease_max_s is not None:
             _seconds(self.lease_max_s, "lease_max_s", 7 * 86400)  # the block server's bound
             if self.lease_max_s < self.lease_ttl_s:

@@ -37,6 +37,7 @@ from tpusync._src.weights._stream import Rows, split_at_chunks
 from tpusync._src.weights.head import Head, WeightsServer
 from tpusync._src.weights.manifest import (
     AMAX_DTYPES,
+    MAX_ORIGINS,
     LeafEntry,
     Manifest,
     announcement_key,
@@ -51,6 +52,7 @@ from tpusync._src.weights.manifest import (
     tree_paths,
     tree_skeleton,
 )
+from tpusync._src.weights.multi import box_owners, controller
 from tpusync._src.weights.options import (
     TlsOptions,
     WeightsPoolOptions,
@@ -58,7 +60,13 @@ from tpusync._src.weights.options import (
     options_or_default,
 )
 from tpusync._src.weights.plan import shard_boxes
-from tpusync.errors import InvalidArgumentError, ServerFailedError, TierFullError, TpuSyncError
+from tpusync.errors import (
+    InvalidArgumentError,
+    ServerFailedError,
+    TierFullError,
+    TpuSyncError,
+    WeightSyncError,
+)
 
 __all__ = ["PublishReport", "Publisher"]
 
@@ -75,6 +83,30 @@ class PublishReport:
     chunks: int
     seconds: float
     kept: list[int] = field(default_factory=list)
+
+
+def _check_sequences(changes: Any, skeleton: Any, base: int, path: str = "") -> None:
+    """Raises InvalidArgumentError where ``changes`` has a list or tuple of another length than
+    the base's (``skeleton``; None: not known): leaves are matched by path, and a list with an
+    element left out would move the next ones onto other leaves."""
+    if skeleton is None or changes is None:
+        return
+    if isinstance(changes, list | tuple):
+        kind = "l" if isinstance(changes, list) else "t"
+        children = skeleton.get(kind) if isinstance(skeleton, dict) else None
+        if children is None or len(children) != len(changes):
+            raise InvalidArgumentError(
+                f"params{path}: a {type(changes).__name__} of {len(changes)}, not the "
+                f"{'list' if kind == 'l' else 'tuple'} of version {base} at this place; put None "
+                "for each element a partial version does not change"
+            )
+        for i, (change, child) in enumerate(zip(changes, children, strict=True)):
+            _check_sequences(change, child, base, f"{path}[{i}]")
+    elif isinstance(changes, dict) and isinstance(skeleton, dict) and "d" in skeleton:
+        known = dict(skeleton["d"])
+        for key, change in changes.items():
+            if key in known:
+                _check_sequences(change, known[key], base, f"{path}[{key!r}]")
 
 
 def _channel_amax(entry: LeafEntry, hosts: list[np.ndarray]) -> np.ndarray:
@@ -166,7 +198,7 @@ class Publisher:
         # manifest names them); the streams each kept or held version reads besides its own
         self._streams: dict[int, np.ndarray] = {}
         self._origins: dict[int, set[int]] = {}
-        self._released: set[int] = set()  # dropped, their chunks kept while read
+        self._released: dict[int, list[bytes]] = {}  # dropped: chunks kept while read
         self._dropping: dict[int, list[bytes]] = {}  # held when dropped: retried later
         self._latest: int | None = None
         self._skeleton: tuple[Any, Any] | None = None  # (treedef, its skeleton): the last tree
@@ -174,6 +206,10 @@ class Publisher:
         self.server: WeightsServer | None = None
         self._link: RegistryLink | None = None
         self._closed = False
+        self._controller = controller()  # None unless a process of a multi-controller job
+        self._pool_name = f"weights-{self.name}" + (
+            "" if self._controller is None else f"-p{self._controller.index}"
+        )
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, native.copy_threads() - 1), thread_name_prefix="tpusync-publish"
         )
@@ -188,7 +224,7 @@ class Publisher:
         pool = HostPool(
             self.layout,
             slots,
-            name=f"weights-{self.name}",
+            name=self._pool_name,
             shm_dir=self.pool_options.shm_dir,
             on_mismatch="recreate",
             # staged and read in whole chunks, where huge pages gain nothing; samplers map the
@@ -204,7 +240,7 @@ class Publisher:
             pool.close()
             raise
         self.pool, self.server = pool, server
-        if self._registry is not None:
+        if self._registry is not None and (self._controller is None or not self._controller.index):
             node = NodeInfo(publisher_node_id(self.name), (server.address,), group="weights")
             try:
                 self._link = RegistryLink(
@@ -272,6 +308,11 @@ class Publisher:
                 f"version: {version} is not above the last one published ({self._latest}); "
                 "versions must rise (use the training step)"
             )
+        if self._controller is not None and (base is not None or self.amax):
+            raise InvalidArgumentError(
+                "base, amax: a trainer of several processes publishes full versions without "
+                "maxima (partial versions and fp8 maxima of one come in a later part)"
+            )
         start = time.perf_counter()
         paths, leaves, treedef = tree_paths(params)
         origins: dict[int, np.ndarray] = {}
@@ -280,8 +321,10 @@ class Publisher:
                 self._skeleton = (treedef, tree_skeleton(params, paths))
             skeleton = self._skeleton[1]
             entries, sources = self._describe(paths, leaves)
+            if self._controller is not None:
+                return self._publish_part(version, parent, entries, sources, skeleton, start)
         else:
-            entries, sources, skeleton, origins = self._partial(paths, leaves, base)
+            entries, sources, skeleton, origins = self._partial(params, version, base)
         total = sum(s.nbytes for s in sources)
         n_chunks = -(-total // self._chunk_bytes)
         parent = self._latest if parent is None else parent
@@ -330,8 +373,13 @@ class Publisher:
             self._latest = version
         self._drop_beyond_keep()
         self._update_head()
+        self._announce(version)
+        return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
+
+    def _announce(self, version: int) -> None:
+        """Lists ``version`` in the registry: the last step of a publish."""
         if self._link is not None:
-            self._link.added([announcement_key(self.name, version)])  # last: the announcement
+            self._link.added([announcement_key(self.name, version)])
             try:  # announced before publish() returns, unless the registry is unreachable
                 self._link.flush_changes()
             except (TpuSyncError, OSError) as error:
@@ -341,9 +389,161 @@ class Publisher:
                     version,
                     error,
                 )
+
+    def _publish_part(
+        self,
+        version: int,
+        parent: int | None,
+        entries: list[LeafEntry],
+        sources: list[np.ndarray],
+        skeleton: Any,
+        start: float,
+    ) -> PublishReport:
+        """``publish`` in a process of a multi-controller trainer (see
+        :mod:`~tpusync._src.weights.multi`): stages this process's boxes; the first process
+        gathers every part and commits the version, the others wait for its commit."""
+        ctl = self._controller
+        assert ctl is not None
+        C, timeout = self._chunk_bytes, self.server_options.parts_timeout_s
+        total = sum(s.nbytes for s in sources)
+        n_chunks = -(-total // C)
+        parent = self._latest if parent is None else parent
+        if self.pool is None:  # the manifest (first process): about a chunk's checksum each
+            whole = n_chunks * ctl.count
+            manifest_chunks = 0 if ctl.index else 2 + (len(entries) * 400 + whole * 40) // C
+            self._open((self._keep + 2) * (n_chunks + manifest_chunks + 1))
+        assert self.pool is not None and self.server is not None
+        self._retry_drops()
+        keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
+        prefix = f"tpusync/weights/{self.name}/{version}"
+        checksums = np.zeros(0, dtype=np.uint64)
+        if n_chunks:
+            reservation = self._reserve(version, keys, n_chunks, total)
+            try:
+                checksums = self._stage(reservation.slots, sources, total)
+            except BaseException:
+                self.pool.abort(reservation)
+                raise
+            self.pool.commit(reservation, checksums)  # not reachable before the manifest names it
+        del sources
+        manifest_keys: list[bytes] = []
+        try:
+            mine = {
+                "address": self.server.address,
+                "checksums": checksums.astype("<u8").tobytes().hex(),
+                "offsets": [
+                    [i, b, e.offsets[b]]
+                    for i, e in enumerate(entries)
+                    for b in range(len(e.boxes))
+                    if e.parts is not None and e.parts[b] == ctl.index
+                ],
+            }
+            if ctl.index:
+                ctl.share(f"{prefix}/part/{ctl.index}", mine)
+                said = ctl.wait(f"{prefix}/committed", timeout, f"version {version}'s commit")
+                if said.get("committed") is not True:
+                    raise WeightSyncError(
+                        f"version {version}: the trainer's first process did not commit it "
+                        f"({str(said.get('error'))[:300]}); nothing of it is visible"
+                    )
+            else:
+                deadline = time.monotonic() + timeout
+                parts = [
+                    ctl.wait(
+                        f"{prefix}/part/{p}",
+                        max(0.001, deadline - time.monotonic()),
+                        f"version {version}: process {p}'s part",
+                    )
+                    for p in range(1, ctl.count)
+                ]
+                manifest = self._merged(version, parent, total, entries, checksums, skeleton, parts)
+                manifest_keys = self._commit_manifest(version, manifest.to_bytes())
+                entries = list(manifest.leaves)
+        except BaseException as error:
+            self.pool.delete(keys)  # nothing of this version stays
+            if not ctl.index:
+                ctl.share(f"{prefix}/committed", {"committed": False, "error": repr(error)[:500]})
+            raise
+        with self._lock:
+            self._versions[version] = manifest_keys
+            self._chunks[version] = n_chunks
+            self._digests[version] = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
+            self._entries[version] = (tuple(entries), skeleton)
+            self._streams[version] = checksums
+            self._origins[version] = set()
+            self._latest = version
+        self._drop_beyond_keep()
+        self._update_head()
+        if not ctl.index:
+            self._announce(version)
+            ctl.share(f"{prefix}/committed", {"committed": True})
+            for p in range(1, ctl.count):
+                ctl.forget(f"{prefix}/part/{p}")
         return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
 
+    def _merged(
+        self,
+        version: int,
+        parent: int | None,
+        total: int,
+        entries: list[LeafEntry],
+        checksums: np.ndarray,
+        skeleton: Any,
+        parts: list[dict[str, Any]],
+    ) -> Manifest:
+        """The version's manifest from the first process's entries and the other processes'
+        parts: where each box another process holds starts in that process's stream."""
+        offsets = [list(e.offsets) for e in entries]
+        listed = []
+        for p, part in enumerate(parts, start=1):
+            try:
+                sums = np.frombuffer(bytes.fromhex(part["checksums"]), dtype="<u8")
+                for i, b, offset in part["offsets"]:
+                    parts_of = entries[i].parts
+                    if parts_of is None or parts_of[b] != p or type(offset) is not int:
+                        raise ValueError(f"box {b} of leaf {i} is not process {p}'s")
+                    offsets[i][b] = offset
+                listed.append((str(part["address"]), sums.astype(np.uint64)))
+            except (KeyError, TypeError, ValueError, IndexError) as error:
+                raise WeightSyncError(
+                    f"version {version}: process {p}'s part is malformed ({error}); every "
+                    "process of the trainer must run this tpusync"
+                ) from None
+        merged = [
+            dataclasses.replace(e, offsets=tuple(o)) for e, o in zip(entries, offsets, strict=True)
+        ]
+        return Manifest(
+            self.name,
+            version,
+            parent,
+            self._chunk_bytes,
+            total,
+            tuple(merged),
+            checksums,
+            skeleton,
+            parts=tuple(listed),
+        )
+
+    def _commit_manifest(self, version: int, data: bytes) -> list[bytes]:
+        """Writes and commits a manifest alone (its chunks committed before); its keys."""
+        assert self.pool is not None
+        n_parts = -(-len(data) // self._chunk_bytes)
+        keys = [manifest_key(self.name, version, p) for p in range(n_parts)]
+        reservation = self._reserve(version, keys, 0, 0)
+        try:
+            self._write_manifest(reservation.slots, data)
+            sums = self.pool.hash_slots(reservation.slots)
+        except BaseException:
+            self.pool.abort(reservation)
+            raise
+        self.pool.commit(reservation, sums)
+        return keys
+
     def _describe(self, paths: list[str], leaves: list[Any]) -> tuple[list[LeafEntry], list[Any]]:
+        """Each leaf's entry and the host sources of the boxes this process stages (all of
+        them, unless a process of a multi-controller trainer: those it owns, see
+        :mod:`~tpusync._src.weights.multi`), in stream order."""
+        me = 0 if self._controller is None else self._controller.index
         entries: list[LeafEntry] = []
         sources: list[np.ndarray] = []
         offset = 0
@@ -351,35 +551,45 @@ class Publisher:
             if isinstance(leaf, jax.Array):
                 shape = tuple(leaf.shape)
                 boxes, of_device = shard_boxes(leaf.sharding, shape)
+                owners = (
+                    [0] * len(boxes)
+                    if self._controller is None
+                    else box_owners(leaf.sharding, shape, of_device)
+                )
                 data: list[Any] = [None] * len(boxes)
                 for shard in leaf.addressable_shards:
                     if data[of_device[shard.device]] is None:
                         data[of_device[shard.device]] = shard.data
-                if any(d is None for d in data):
+                if any(d is None and owners[b] == me for b, d in enumerate(data)):
                     raise InvalidArgumentError(
-                        f"params{path}: not every shard is addressable in this process "
-                        "(multi-controller publishing comes in a later part)"
+                        f"params{path}: not every shard is addressable in this process; a "
+                        "trainer of several processes publishes from each of them (start "
+                        "jax.distributed before the Publisher)"
                     )
-                hosts = [_shard_source(d) for d in data]
+                hosts = [_shard_source(d) if owners[b] == me else None for b, d in enumerate(data)]
                 dtype = np.dtype(leaf.dtype)
             elif isinstance(leaf, np.ndarray):
                 shape = leaf.shape
                 boxes = (tuple((0, d) for d in shape),)
-                hosts = [np.ascontiguousarray(leaf)]
+                owners = [0]
+                hosts = [np.ascontiguousarray(leaf) if me == 0 else None]
                 dtype = leaf.dtype
             else:
                 raise InvalidArgumentError(
                     f"params{path}: expected a jax.Array or numpy array, got {type(leaf).__name__}"
                 )
             offsets = []
-            for host in hosts:
-                offsets.append(offset)
-                offset += host.nbytes
+            for host in hosts:  # another process's box: its offset comes from that process
+                offsets.append(offset if host is not None else 0)
+                offset += 0 if host is None else host.nbytes
             sharding = (
                 sharding_data(leaf.sharding, len(shape)) if isinstance(leaf, jax.Array) else None
             )
-            entries.append(LeafEntry(path, shape, dtype.name, boxes, tuple(offsets), sharding))
-            sources.extend(hosts)
+            parts = None if self._controller is None else tuple(owners)
+            entries.append(
+                LeafEntry(path, shape, dtype.name, boxes, tuple(offsets), sharding, parts=parts)
+            )
+            sources.extend(h for h in hosts if h is not None)
         if self.amax:  # after every leaf's shards: each float leaf's maxima, float32
             first = 0  # the leaf's first source
             for i, entry in enumerate(list(entries)):
@@ -427,6 +637,12 @@ class Publisher:
                     f"; {sum(held.values())} the versions beyond keep that subscribers still "
                     f"hold, {sorted(held)}, dropped once released"
                     if held
+                    else ""
+                )
+                + (
+                    f"; {sum(len(k) for k in self._released.values())} those of dropped versions "
+                    f"{sorted(self._released)} that kept partial versions read"
+                    if self._released
                     else ""
                 )
                 + ")"
@@ -536,25 +752,31 @@ class Publisher:
         its base's)."""
         assert self.pool is not None
         for version, keys in list(self._dropping.items()):
-            if self.pool.contains(keys[:1])[0] and not self.pool.delete(keys[:1]):
+            if keys and self.pool.contains(keys[:1])[0] and not self.pool.delete(keys[:1]):
                 continue  # held by a subscriber: dropped at a later publish
             self.pool.delete(keys[1:])
             del self._dropping[version]
             self._origins.pop(version, None)
-            self._released.add(version)
+            n_chunks = len(self._streams[version])  # its checksums stay while it is read
+            self._released[version] = [chunk_key(self.name, version, i) for i in range(n_chunks)]
         live = [*self._versions, *self._dropping]
         read = set().union(*(self._origins.get(v, set()) for v in live))
-        for version in sorted(self._released - read):
-            n_chunks = len(self._streams.pop(version))
-            self.pool.delete([chunk_key(self.name, version, i) for i in range(n_chunks)])
-            self._released.discard(version)
+        for version in sorted(set(self._released) - read):
+            keys = self._released[version]
+            self.pool.delete(keys)
+            left = [k for k, held in zip(keys, self.pool.contains(keys), strict=True) if held]
+            if left:  # pinned by a reader this moment: deleted at a later publish
+                self._released[version] = left
+            else:
+                del self._released[version], self._streams[version]
 
     def _partial(
-        self, paths: list[str], leaves: list[Any], base: int
+        self, params: Any, version: int, base: int
     ) -> tuple[list[LeafEntry], list[np.ndarray], Any, dict[int, np.ndarray]]:
-        """The entries of a partial version on ``base`` changing the leaves at ``paths``, the
-        changed leaves' sources, the base's tree and the streams its other leaves are read
+        """The entries of ``version``, partial on ``base``, changing the leaves of ``params``;
+        the changed leaves' sources, the base's tree and the streams its other leaves are read
         from."""
+        paths, leaves, _ = tree_paths(params)
         check_version(base, "base")
         with self._lock:
             kept = self._entries.get(base)
@@ -567,6 +789,7 @@ class Publisher:
         base_entries, skeleton = kept
         if not paths:
             raise InvalidArgumentError("params: a partial version changes at least one leaf")
+        _check_sequences(params, skeleton, base)
         changed, sources = self._describe(paths, leaves)
         by_path = {e.path: e for e in base_entries}
         for entry in changed:
@@ -588,6 +811,11 @@ class Publisher:
             for e in base_entries
         ]
         read = {e.origin for e in entries if e.origin is not None}
+        if len(read) > MAX_ORIGINS:
+            raise InvalidArgumentError(
+                f"base: version {version} would read the chunks of {len(read)} earlier versions "
+                f"(at most {MAX_ORIGINS}); publish a full version"
+            )
         return entries, sources, skeleton, {v: self._streams[v] for v in sorted(read)}
 
     # --- closing ------------------------------------------------------------------------------
@@ -605,7 +833,7 @@ class Publisher:
         if self.pool is not None:
             self.pool.close()
             with contextlib.suppress(InvalidArgumentError):  # removed by hand meanwhile
-                remove_pool(f"weights-{self.name}", shm_dir=self.pool_options.shm_dir)
+                remove_pool(self._pool_name, shm_dir=self.pool_options.shm_dir)
 
     def __enter__(self) -> Publisher:
         return self

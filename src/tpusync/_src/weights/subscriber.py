@@ -144,6 +144,10 @@ class _Buffers:
         self.mapping = _core.Mapping(max(total, _PAGE), populate=True, huge_pages=True)
         self.bytes = np.frombuffer(self.mapping, dtype=np.uint8)
         self.base = int(self.bytes.ctypes.data)
+        # per leaf, what its bytes here are (Manifest.leaf_sources) after a pull that
+        # succeeded; None while a pull writes them, or after one failed
+        self.sources: tuple[Any, ...] | None = None
+        self.scales: dict[str, np.ndarray] = {}  # of the fp8 leaves, with the sources
 
     def view(self, t: _Target, leaf: int, device: int) -> np.ndarray:
         shape = t.shard_shape(t.box_of[device])
@@ -159,7 +163,6 @@ class _Pulled:
     buffers: _Buffers | None
     zero_copy: bool  # the arrays are the buffers (CPU): in-place writes reach them
     scales: dict[str, np.ndarray]  # of the leaves taken as fp8, by path
-    origins: tuple[int, ...] = ()  # per leaf: the version whose stream its bytes came from
 
 
 _LANDED = 1 << 56  # a row's relative address at or past it: in the landing area
@@ -501,7 +504,8 @@ class Subscriber:
         announce = announcement_key(self.name, version)
         client = self._client(version, announce)
         expired = threading.Event()
-        watchdog = threading.Timer(limit, lambda: (expired.set(), client.close()))
+        # at the deadline every client closes: the publisher's and its trainer parts'
+        watchdog = threading.Timer(limit, lambda: (expired.set(), self._close_clients(False)))
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -531,7 +535,7 @@ class Subscriber:
         finally:
             watchdog.cancel()
             if expired.is_set():
-                self._drop_client(client)  # closed: the next pull connects afresh
+                self._close_clients(False)  # closed: the next pull connects afresh
 
     def _fail_in_place(self) -> None:
         if self.in_place and self._live is not None and self._shadow is None:
@@ -597,6 +601,16 @@ class Subscriber:
             if known is None:
                 raise WeightSyncError(f"{what}: this Subscriber is closed")
         return known
+
+    def _close_clients(self, closing: bool) -> None:
+        """Closes every client (and, ``closing``, this subscriber to new ones)."""
+        with self._clients_lock:
+            if closing:
+                self._closing.set()
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
+            client.close()
 
     def _drop_client(self, client: BlockClient) -> None:
         with self._clients_lock:
@@ -667,14 +681,7 @@ class Subscriber:
         the version reads (:attr:`Manifest.streams`) and cut at chunk ends, addresses relative
         to the buffers' base (or, at ``_LANDED`` and past it, to the landing area's); the
         landing area's plan and the leaves it converts. Cached per pair of layouts."""
-        key = (
-            manifest.chunk_bytes,
-            manifest.streams,
-            kept,
-            tuple(
-                (e.shape, e.dtype, e.boxes, e.offsets, e.amax, e.origin) for e in manifest.leaves
-            ),
-        )
+        key = (manifest.layout_key, kept)
         cached = self._rows_cache.get(key)
         if cached is not None:
             return cached
@@ -703,7 +710,6 @@ class Subscriber:
         for i, (entry, t) in enumerate(zip(manifest.leaves, self._targets, strict=True)):
             if not int(np.prod(t.shape)) or i in kept:
                 continue
-            start = manifest.stream_start(manifest.origin_of(entry))
             itemsize = entry.np_dtype.itemsize  # the published dtype's: what travels
             plan = leaf_plan(t.shape, itemsize, entry.boxes, t.boxes)
             for box, d in firsts[i].items():
@@ -712,11 +718,16 @@ class Subscriber:
                 else:
                     at = buffers.offsets[i][d]
                 for piece in plan.pieces[box]:
+                    start = manifest.stream_start(manifest.stream_of(entry, piece.source))
                     parts.append(piece_rows(piece, start + entry.offsets[piece.source], at))
             if i in landing.maxima:
                 assert entry.amax is not None
                 parts.append(
-                    Rows([start + entry.amax], [_LANDED + landing.maxima[i]], [4 * entry.channels])
+                    Rows(
+                        [manifest.stream_start(("v", manifest.origin_of(entry))) + entry.amax],
+                        [_LANDED + landing.maxima[i]],
+                        [4 * entry.channels],
+                    )
                 )
         rows = split_at_chunks(Rows.join(parts).sorted(), manifest.chunk_bytes)
         cached = (rows, landing, converted)
@@ -792,8 +803,10 @@ class Subscriber:
             buffers = live.buffers
         else:
             buffers, made = self._take_spare()
-        origins = tuple(manifest.origin_of(e) for e in manifest.leaves)
-        kept = self._kept_leaves(origins)
+        sources = manifest.leaf_sources()
+        kept = self._kept_leaves(sources)
+        if live is not None and buffers is live.buffers:  # in place: written from here on
+            buffers.sources = None
         relative, landing, converted = self._rows(manifest, buffers, kept)
         landed = self._landing_area(landing.nbytes) if converted else None
         base = np.int64(buffers.base)
@@ -818,14 +831,16 @@ class Subscriber:
             assert live is not None
             if live.buffers is not buffers:
                 self._copy_leaves(live.buffers, buffers, kept)
+            assert live.buffers is not None
             paths = {self._targets[i].path for i in kept}
-            scales = {p: s for p, s in live.scales.items() if p in paths}
+            scales = {p: s for p, s in live.buffers.scales.items() if p in paths}
             report.leaves_kept = len(kept)
         if landed is not None:
             scales.update(self._convert(manifest, buffers, landing, converted, landed))
         self._replicate(buffers)
         tree, zero_copy = (made, True) if made is not None else self._arrays(buffers)
-        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy, scales, origins)
+        buffers.sources, buffers.scales = sources, scales
+        self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy, scales)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -853,14 +868,19 @@ class Subscriber:
                     f"{len(todo)} chunks to go"
                 )
             first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
-            keys = manifest.chunk_keys(self.name, todo)
-            loaded = client.pull_scattered(
-                keys,
-                layout,
-                Scatter(first, offsets, targets),
-                checksums=manifest.all_checksums[todo],
-            )
-            todo = todo[~np.asarray(loaded, dtype=bool)]
+            sources = manifest.chunk_sources(self.name, todo)
+            loaded = np.zeros(len(todo), dtype=bool)
+            for address in dict.fromkeys(a for a, _ in sources):  # a trainer process each
+                mine = np.array([a == address for a, _ in sources], dtype=bool)
+                source = client if address is None else self._connect(address, "a trainer part")
+                first, offsets, targets = scatter_runs(rows, todo[mine], manifest.chunk_bytes)
+                loaded[mine] = source.pull_scattered(
+                    [key for (a, key) in sources if a == address],
+                    layout,
+                    Scatter(first, offsets, targets),
+                    checksums=manifest.all_checksums[todo[mine]],
+                )
+            todo = todo[~loaded]
             if not len(todo):
                 return retried
             if not attempt:
@@ -882,14 +902,16 @@ class Subscriber:
             f"version or stopped serving); {kept}"
         )
 
-    def _kept_leaves(self, origins: tuple[int, ...]) -> frozenset[int]:
-        """The leaves whose bytes the committed version already holds: read from the same
-        version's stream (a partial version's unchanged leaves, on the base this subscriber
-        holds), verified then, and untouched since."""
+    def _kept_leaves(self, sources: tuple[Any, ...]) -> frozenset[int]:
+        """The leaves whose bytes the committed version's buffers hold already (a partial
+        version's unchanged leaves, on the base they hold): the same stream, the same place,
+        verified when they landed. Their bytes are what the last pull that succeeded into
+        those buffers wrote (in place: committed or not); none after one failed."""
         live = self._live
-        if live is None or self.torn or len(live.origins) != len(origins):
+        held = None if live is None or live.buffers is None else live.buffers.sources
+        if self.torn or held is None or len(held) != len(sources):
             return frozenset()
-        return frozenset(i for i, o in enumerate(origins) if live.origins[i] == o)
+        return frozenset(i for i, source in enumerate(sources) if held[i] == source)
 
     def _copy_leaves(
         self, source: _Buffers | None, target: _Buffers, leaves: frozenset[int]
@@ -978,13 +1000,8 @@ class Subscriber:
     def close(self) -> None:
         """Closes the connections and the manifest's staging pool (committed arrays stay
         usable)."""
-        with self._clients_lock:
-            self._closing.set()
-            clients = list(self._clients.values())
-            self._clients.clear()
+        self._close_clients(True)
         self._spare_job = None
-        for client in clients:
-            client.close()
         if self._manifest_staging is not None:
             self._manifest_staging.close()
             self._manifest_staging = None

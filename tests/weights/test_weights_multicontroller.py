@@ -1,0 +1,143 @@
+"""A trainer of several ``jax.distributed`` processes (2 x 4 and 4 x 2 CPU devices, one global
+array per leaf, each process holding only its shards) publishes each version from every
+process without gathering; a sampler in another process (this one, 8 devices) pulls it into its
+own meshes bit for bit, each box from the process holding it; a trainer process killed
+mid-publish leaves nothing visible and the sampler on its version. The trainer's processes are
+tpusync._src.testing.weights_procs children."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from run_names import run_name
+
+from tpusync._src.testing.weights_procs import Child, leaf_bytes, np_dtype, tree_spec
+from tpusync._src.tiers.dram.shm_admin import remove_pool
+from tpusync.cluster import MemoryRegistry, RegistryServer, RemoteRegistry
+from tpusync.errors import VersionUnavailableError, WeightSyncError
+from tpusync.weights import Subscriber, WeightsClientOptions
+
+SECRET = secrets.token_bytes(32)
+LEAVES = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Trainer:
+    """``count`` trainer processes of one jax.distributed job."""
+
+    def __init__(self, registry: str, count: int) -> None:
+        self.name, self.count = run_name("mc"), count
+        coordinator = f"127.0.0.1:{_free_port()}"
+        self.children = [
+            Child(
+                ["multitrainer", self.name, registry, coordinator, str(i), str(count), str(LEAVES)],
+                {"TPUSYNC_TEST_SECRET": SECRET.hex()},
+            )
+            for i in range(count)
+        ]
+        for child in self.children:
+            assert child.answer(timeout=120)["ready"]
+
+    def publish(self, version: int) -> list[dict[str, Any]]:
+        for child in self.children:
+            child.send(f"publish {version}")
+        return [child.answer(timeout=120) for child in self.children]
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+        for i in range(self.count):
+            with contextlib.suppress(Exception):
+                remove_pool(f"weights-{self.name}-p{i}", force=True)
+
+
+def _expected(version: int) -> dict[str, np.ndarray]:
+    return {
+        path: np.frombuffer(leaf_bytes(0, version, i, shape, dtype), np_dtype(dtype)).reshape(shape)
+        for i, (path, shape, dtype) in enumerate(tree_spec(LEAVES))
+    }
+
+
+def _target(mesh_shape: tuple[int, int]) -> dict[str, Any]:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("x", "y"))
+    return {
+        path: jax.ShapeDtypeStruct(
+            shape,
+            np_dtype(dtype),
+            sharding=NamedSharding(mesh, P("y", "x") if len(shape) == 2 else P("x")),
+        )
+        for path, shape, dtype in tree_spec(LEAVES)
+    }
+
+
+@pytest.fixture(scope="module")
+def registry() -> Iterator[RegistryServer]:
+    with RegistryServer(MemoryRegistry(), secret=SECRET) as server:
+        yield server
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_every_process_publishes_its_shards_and_a_sampler_pulls_them_all(registry, count) -> None:
+    trainer = Trainer(registry.address, count)
+    client = RemoteRegistry(registry.address, secret=SECRET)
+    try:
+        answers = trainer.publish(1)
+        assert all(a.get("published") == 1 for a in answers), answers
+        # each process staged only its own boxes: together the version once
+        assert sum(a["nbytes"] for a in answers) == sum(x.nbytes for x in _expected(1).values())
+        assert all(a["nbytes"] > 0 for a in answers)
+        options = WeightsClientOptions(timeout_s=5.0, deadline_s=60.0)
+        for mesh in ((2, 4), (1, 8)):
+            with Subscriber(
+                trainer.name, _target(mesh), secret=SECRET, registry=client, client=options
+            ) as sub:
+                for version in (1, 2):
+                    if version == 2 and mesh == (2, 4):
+                        assert all(a.get("published") == 2 for a in trainer.publish(2))
+                    if version == 2 and mesh == (1, 8):
+                        continue
+                    got = sub.update(version)
+                    for path, want in _expected(version).items():
+                        assert np.asarray(got[path]).tobytes() == want.tobytes(), (mesh, path)
+                        assert got[path].sharding == _target(mesh)[path].sharding
+    finally:
+        client.close()
+        trainer.close()
+
+
+def test_a_trainer_process_killed_mid_publish_leaves_nothing_visible(registry) -> None:
+    trainer = Trainer(registry.address, 2)
+    client = RemoteRegistry(registry.address, secret=SECRET)
+    options = WeightsClientOptions(timeout_s=5.0, deadline_s=60.0)
+    try:
+        assert all(a.get("published") == 1 for a in trainer.publish(1))
+        with Subscriber(
+            trainer.name, _target((2, 4)), secret=SECRET, registry=client, client=options
+        ) as sub:
+            sub.update(1)
+            trainer.children[1].kill()  # the second process dies before it publishes 2
+            trainer.children[0].send("publish 2")
+            answer = trainer.children[0].answer(timeout=120)  # the first gives up on its part
+            assert answer.get("error") == "WeightSyncError" and "process 1" in answer["message"]
+            with pytest.raises((VersionUnavailableError, WeightSyncError)):
+                sub.pull(2)
+            assert sub.version == 1
+            for path, want in _expected(1).items():
+                assert np.asarray(sub.params[path]).tobytes() == want.tobytes()
+    finally:
+        client.close()
+        trainer.close()
