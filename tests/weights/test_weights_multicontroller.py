@@ -3,7 +3,8 @@ array per leaf, each process holding only its shards) publishes each version fro
 process without gathering; a sampler in another process (this one, 8 devices) pulls it into its
 own meshes bit for bit, each box from the process holding it; a trainer process killed
 mid-publish leaves nothing visible and the sampler on its version. The trainer's processes are
-tpusync._src.testing.weights_procs children."""
+tpusync._src.testing.weights_procs children. A manifest naming processes it cannot tell apart
+or reach is refused, and the first process checks every part before it commits."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from run_names import run_name
 
 from tpusync._src.testing.weights_procs import Child, leaf_bytes, np_dtype, tree_spec
 from tpusync._src.tiers.dram.shm_admin import remove_pool
+from tpusync._src.weights.manifest import LeafEntry, Manifest, structure_digest
 from tpusync.cluster import MemoryRegistry, RegistryServer, RemoteRegistry
 from tpusync.errors import VersionUnavailableError, WeightSyncError
-from tpusync.weights import Subscriber, WeightsClientOptions
+from tpusync.weights import Publisher, Subscriber, WeightsClientOptions
 
 SECRET = secrets.token_bytes(32)
 LEAVES = 24
@@ -141,3 +143,59 @@ def test_a_trainer_process_killed_mid_publish_leaves_nothing_visible(registry) -
     finally:
         client.close()
         trainer.close()
+
+
+def _parts_manifest(addresses: list[str]) -> bytes:
+    boxes = (((0, 4), (0, 4)), ((4, 8), (0, 4)))
+    leaf = LeafEntry("[0]", (8, 4), "float32", boxes, (0, 0), parts=(0, len(addresses)))
+    parts = tuple((a, np.zeros(1, np.uint64)) for a in addresses)
+    manifest = Manifest("w", 1, None, 4096, 64, (leaf,), np.zeros(1, np.uint64), {"l": [0]},
+                        parts=parts)  # fmt: skip
+    return manifest.to_bytes()
+
+
+@pytest.mark.parametrize(
+    "addresses",
+    [
+        ["127.0.0.1:7200", "127.0.0.1:7200"],  # two processes at one address
+        ["0.0.0.0:7200"],  # no address to reach
+        ["127.0.0.1:0"],
+        ["127.0.0.1:99999"],
+        ["host name:7200"],
+        ["127.0.0.1"],
+    ],
+)
+def test_a_manifest_whose_processes_cannot_be_told_apart_or_reached_is_refused(addresses) -> None:
+    parsed = Manifest.from_bytes(_parts_manifest(["127.0.0.1:7201"]), name="w", version=1)
+    assert [s[2] for s in parsed.streams] == [None, "127.0.0.1:7201"]
+    with pytest.raises(WeightSyncError, match="malformed"):
+        Manifest.from_bytes(_parts_manifest(addresses), name="w", version=1)
+
+
+@pytest.mark.parametrize(
+    ("part", "match"),
+    [
+        ({"error": "TierFullError('no room')"}, "process 1 failed to stage its part"),
+        ({"digest": "0" * 32, "chunk_bytes": 4096}, "another tree or chunk size"),
+        ({"offsets": []}, "1 of its boxes are missing"),
+        ({"offsets": [[0, 1, 0], [0, 1, 0]]}, "twice"),
+        ({"offsets": [[0, 0, 0]]}, "not process 1's"),
+    ],
+)
+def test_the_first_process_checks_every_part(shm_names, part, match) -> None:
+    """A part another process shares is checked before the version is committed: an error it
+    met, another tree, a box missing, twice or not its own."""
+    box = ((0, 4), (0, 4))
+    entries = [LeafEntry("[0]", (8, 4), "float32", (box, ((4, 8), (0, 4))), (0, 0), parts=(0, 1))]
+    with Publisher(shm_names(), secret=SECRET) as pub:
+        whole = {
+            "address": "127.0.0.1:7201",
+            "checksums": "00" * 8,
+            "digest": structure_digest([("[0]", (8, 4), "float32")]),
+            "chunk_bytes": pub.pool_options.chunk_bytes,
+            "offsets": [[0, 1, 0]],
+        }
+        merged = pub._merged(1, None, 64, entries, np.zeros(1, np.uint64), None, [whole])
+        assert merged.leaves[0].offsets == (0, 0) and merged.parts[0][0] == "127.0.0.1:7201"
+        with pytest.raises(WeightSyncError, match=match):
+            pub._merged(1, None, 64, entries, np.zeros(1, np.uint64), None, [{**whole, **part}])

@@ -447,15 +447,16 @@ class Manifest:
             for e in self.leaves
         )
 
-    def chunk_sources(self, name: str, numbers: np.ndarray) -> list[tuple[str | None, bytes]]:
-        """Where each chunk numbered across all streams is: the address of the publisher that
-        holds it (None: this manifest's) and its key there."""
+    def chunk_sources(self, name: str, numbers: np.ndarray) -> list[tuple[int, str | None, bytes]]:
+        """Where each chunk numbered across all streams is: its stream (the place in
+        :attr:`streams`), the address of the publisher that holds it (None: this manifest's)
+        and its key there."""
         starts = np.array([s[1] for s in self.streams])
         which = np.searchsorted(starts, numbers, side="right") - 1
         out = []
         for w, n in zip(which.tolist(), numbers.tolist(), strict=True):
             _, first, address, version, _ = self.streams[w]
-            out.append((address, chunk_key(name, version, n - first)))
+            out.append((w, address, chunk_key(name, version, n - first)))
         return out
 
     def to_bytes(self) -> bytes:
@@ -560,8 +561,21 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     for p, part in enumerate(parts_in, start=1):
         if not isinstance(part, list) or len(part) != 2 or not isinstance(part[0], str):
             raise ValueError(f"parts[{p}]: expected [address, checksums]")
-        if not 0 < len(part[0]) <= 256 or ":" not in part[0]:
+        host, _, port = part[0].rpartition(":")
+        if (
+            not 0 < len(part[0]) <= 256
+            or not host
+            or not port.isdigit()
+            or not 0 < int(port) < 65536
+            or not part[0].isprintable()
+            or " " in part[0]
+        ):
             raise ValueError(f"parts[{p}]: {part[0]!r:.80} is not a host:port")
+        if any(part[0] == known for known, _ in parts) or host in ("0.0.0.0", "::", "[::]"):
+            raise ValueError(
+                f"parts[{p}]: {part[0]!r:.80} is another process's address too, or no address "
+                "to reach (give each trainer process's WeightsServerOptions its own host)"
+            )
         parts.append(
             (part[0], np.frombuffer(bytes.fromhex(part[1]), dtype="<u8").astype(np.uint64))
         )

@@ -53,6 +53,15 @@ class Controller:
             raise WeightSyncError(f"{what}: a malformed value")
         return value
 
+    def claim(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        """Sets ``key`` to ``value`` unless it is set: the value that holds, whoever set it
+        first (the service refuses to overwrite a key)."""
+        try:
+            self._client.key_value_set(key, json.dumps(value))
+            return value
+        except Exception:  # set already: the first decision holds
+            return self.wait(key, 10.0, f"the decision at {key}")
+
     def forget(self, key: str) -> None:
         with contextlib.suppress(Exception):  # a key already gone, or the service going away
             self._client.key_value_delete(key)
@@ -61,10 +70,10 @@ class Controller:
 def controller() -> Controller | None:
     """This process's :class:`Controller` in a ``jax.distributed`` job of several processes;
     None in a job of one."""
-    if jax.process_count() == 1:
-        return None
     client = distributed.global_state.client  # the service jax.distributed.initialize started
-    if client is None:  # pragma: no cover - process_count() > 1 only once initialized
+    if client is None:  # checked first: jax.process_count() would start the backend
+        return None
+    if jax.process_count() == 1:
         return None
     return Controller(jax.process_index(), jax.process_count(), client)
 

@@ -85,6 +85,16 @@ class PublishReport:
     kept: list[int] = field(default_factory=list)
 
 
+_INSTANCES: dict[str, int] = {}
+
+
+def _instance_number(name: str) -> int:
+    """How many Publishers of ``name`` this process made before (each process of a job makes
+    them in the same order, so the number names one publisher across the job)."""
+    _INSTANCES[name] = _INSTANCES.get(name, 0) + 1
+    return _INSTANCES[name]
+
+
 def _check_sequences(changes: Any, skeleton: Any, base: int, path: str = "") -> None:
     """Raises InvalidArgumentError where ``changes`` has a list or tuple of another length than
     the base's (``skeleton``; None: not known): leaves are matched by path, and a list with an
@@ -207,6 +217,12 @@ class Publisher:
         self._link: RegistryLink | None = None
         self._closed = False
         self._controller = controller()  # None unless a process of a multi-controller job
+        if self._controller is not None and amax:
+            raise InvalidArgumentError(
+                "amax: a trainer of several processes publishes no maxima yet (a later part)"
+            )
+        self._instance = _instance_number(self.name)  # the same in every process of a job
+        self._attempts = 0
         self._pool_name = f"weights-{self.name}" + (
             "" if self._controller is None else f"-p{self._controller.index}"
         )
@@ -408,29 +424,41 @@ class Publisher:
         total = sum(s.nbytes for s in sources)
         n_chunks = -(-total // C)
         parent = self._latest if parent is None else parent
-        if self.pool is None:  # the manifest (first process): about a chunk's checksum each
-            whole = n_chunks * ctl.count
-            manifest_chunks = 0 if ctl.index else 2 + (len(entries) * 400 + whole * 40) // C
-            self._open((self._keep + 2) * (n_chunks + manifest_chunks + 1))
-        assert self.pool is not None and self.server is not None
-        self._retry_drops()
+        # this attempt's keys: a failed version may be published again, and another Publisher
+        # of the name made later in the job (every process makes them in the same order)
+        self._attempts += 1
+        prefix = f"tpusync/weights/{self.name}/{self._instance}/{self._attempts}"
+        said = f"timeout {timeout:g} s: WeightsServerOptions.parts_timeout_s"
         keys = [chunk_key(self.name, version, i) for i in range(n_chunks)]
-        prefix = f"tpusync/weights/{self.name}/{version}"
         checksums = np.zeros(0, dtype=np.uint64)
-        if n_chunks:
-            reservation = self._reserve(version, keys, n_chunks, total)
-            try:
-                checksums = self._stage(reservation.slots, sources, total)
-            except BaseException:
-                self.pool.abort(reservation)
-                raise
-            self.pool.commit(reservation, checksums)  # not reachable before the manifest names it
-        del sources
+        digest = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
         manifest_keys: list[bytes] = []
         try:
+            try:
+                if self.pool is None:  # the first process's manifest: ~ a checksum per chunk
+                    whole = n_chunks * ctl.count
+                    extra = 0 if ctl.index else 2 + (len(entries) * 400 + whole * 40) // C
+                    self._open((self._keep + 2) * (n_chunks + extra + 1))
+                assert self.pool is not None and self.server is not None
+                self._retry_drops()
+                if n_chunks:
+                    reservation = self._reserve(version, keys, n_chunks, total)
+                    try:
+                        checksums = self._stage(reservation.slots, sources, total)
+                    except BaseException:
+                        self.pool.abort(reservation)
+                        raise
+                    self.pool.commit(reservation, checksums)  # unreachable until named
+            except BaseException as error:
+                if ctl.index:  # the first process stops waiting for this part at once
+                    ctl.share(f"{prefix}/part/{ctl.index}", {"error": repr(error)[:500]})
+                raise
+            del sources
             mine = {
                 "address": self.server.address,
                 "checksums": checksums.astype("<u8").tobytes().hex(),
+                "digest": digest,
+                "chunk_bytes": C,
                 "offsets": [
                     [i, b, e.offsets[b]]
                     for i, e in enumerate(entries)
@@ -440,11 +468,16 @@ class Publisher:
             }
             if ctl.index:
                 ctl.share(f"{prefix}/part/{ctl.index}", mine)
-                said = ctl.wait(f"{prefix}/committed", timeout, f"version {version}'s commit")
-                if said.get("committed") is not True:
+                try:
+                    decision = ctl.wait(
+                        f"{prefix}/decision", timeout, f"version {version}'s commit"
+                    )
+                except WeightSyncError:  # too late for the first process, unless it decided
+                    decision = ctl.claim(f"{prefix}/decision", {"committed": False, "error": said})
+                if decision.get("committed") is not True:
                     raise WeightSyncError(
                         f"version {version}: the trainer's first process did not commit it "
-                        f"({str(said.get('error'))[:300]}); nothing of it is visible"
+                        f"({str(decision.get('error'))[:300]}); nothing of it is visible"
                     )
             else:
                 deadline = time.monotonic() + timeout
@@ -452,22 +485,36 @@ class Publisher:
                     ctl.wait(
                         f"{prefix}/part/{p}",
                         max(0.001, deadline - time.monotonic()),
-                        f"version {version}: process {p}'s part",
+                        f"version {version}: process {p}'s part ({said})",
                     )
                     for p in range(1, ctl.count)
                 ]
                 manifest = self._merged(version, parent, total, entries, checksums, skeleton, parts)
-                manifest_keys = self._commit_manifest(version, manifest.to_bytes())
+                data = manifest.to_bytes()
+                Manifest.from_bytes(data, name=self.name, version=version)  # what subscribers see
+                # decided before it is visible: a process that gave up first makes it fail here
+                decision = ctl.claim(f"{prefix}/decision", {"committed": True})
+                if decision.get("committed") is not True:
+                    raise WeightSyncError(
+                        f"version {version}: a process of the trainer gave up waiting "
+                        f"({decision.get('error')}); nothing of it is visible"
+                    )
+                manifest_keys = self._commit_manifest(version, data)
                 entries = list(manifest.leaves)
         except BaseException as error:
-            self.pool.delete(keys)  # nothing of this version stays
+            if self.pool is not None:
+                self.pool.delete(keys)  # nothing of this version stays
             if not ctl.index:
-                ctl.share(f"{prefix}/committed", {"committed": False, "error": repr(error)[:500]})
+                ctl.claim(f"{prefix}/decision", {"committed": False, "error": repr(error)[:500]})
             raise
+        finally:
+            if not ctl.index:
+                for p in range(1, ctl.count):
+                    ctl.forget(f"{prefix}/part/{p}")
         with self._lock:
             self._versions[version] = manifest_keys
             self._chunks[version] = n_chunks
-            self._digests[version] = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
+            self._digests[version] = digest
             self._entries[version] = (tuple(entries), skeleton)
             self._streams[version] = checksums
             self._origins[version] = set()
@@ -476,9 +523,6 @@ class Publisher:
         self._update_head()
         if not ctl.index:
             self._announce(version)
-            ctl.share(f"{prefix}/committed", {"committed": True})
-            for p in range(1, ctl.count):
-                ctl.forget(f"{prefix}/part/{p}")
         return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
 
     def _merged(
@@ -494,20 +538,40 @@ class Publisher:
         """The version's manifest from the first process's entries and the other processes'
         parts: where each box another process holds starts in that process's stream."""
         offsets = [list(e.offsets) for e in entries]
+        digest = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
         listed = []
         for p, part in enumerate(parts, start=1):
+            if "error" in part:
+                raise WeightSyncError(
+                    f"version {version}: process {p} failed to stage its part "
+                    f"({str(part['error'])[:300]})"
+                )
+            if part.get("digest") != digest or part.get("chunk_bytes") != self._chunk_bytes:
+                raise WeightSyncError(
+                    f"version {version}: process {p} published another tree or chunk size "
+                    "than the first; every process publishes the same tree (its own shards) "
+                    "with the same WeightsPoolOptions"
+                )
+            owned = {
+                (i, b)
+                for i, e in enumerate(entries)
+                for b in range(len(e.boxes))
+                if e.parts is not None and e.parts[b] == p
+            }
             try:
                 sums = np.frombuffer(bytes.fromhex(part["checksums"]), dtype="<u8")
+                given = set()
                 for i, b, offset in part["offsets"]:
-                    parts_of = entries[i].parts
-                    if parts_of is None or parts_of[b] != p or type(offset) is not int:
-                        raise ValueError(f"box {b} of leaf {i} is not process {p}'s")
+                    if (i, b) not in owned or (i, b) in given or type(offset) is not int:
+                        raise ValueError(f"box {b} of leaf {i} is not process {p}'s, or twice")
+                    given.add((i, b))
                     offsets[i][b] = offset
+                if given != owned:
+                    raise ValueError(f"{len(owned - given)} of its boxes are missing")
                 listed.append((str(part["address"]), sums.astype(np.uint64)))
             except (KeyError, TypeError, ValueError, IndexError) as error:
                 raise WeightSyncError(
-                    f"version {version}: process {p}'s part is malformed ({error}); every "
-                    "process of the trainer must run this tpusync"
+                    f"version {version}: process {p}'s part is malformed ({error})"
                 ) from None
         merged = [
             dataclasses.replace(e, offsets=tuple(o)) for e, o in zip(entries, offsets, strict=True)

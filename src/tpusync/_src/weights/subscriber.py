@@ -807,6 +807,26 @@ class Subscriber:
         kept = self._kept_leaves(sources)
         if live is not None and buffers is live.buffers:  # in place: written from here on
             buffers.sources = None
+            try:
+                return self._pull_into(client, manifest, deadline, start, buffers, made, kept)
+            except BaseException:
+                self.torn, self._shadow = True, None  # the live arrays hold a mix now
+                raise
+        return self._pull_into(client, manifest, deadline, start, buffers, made, kept)
+
+    def _pull_into(
+        self,
+        client: BlockClient,
+        manifest: Manifest,
+        deadline: float,
+        start: float,
+        buffers: _Buffers,
+        made: Any,
+        kept: frozenset[int],
+    ) -> PullReport:
+        """The pull of ``manifest`` into ``buffers`` (see :meth:`_pull_chunks`)."""
+        live = self._live
+        sources = manifest.leaf_sources()
         relative, landing, converted = self._rows(manifest, buffers, kept)
         landed = self._landing_area(landing.nbytes) if converted else None
         base = np.int64(buffers.base)
@@ -869,17 +889,31 @@ class Subscriber:
                 )
             first, offsets, targets = scatter_runs(rows, todo, manifest.chunk_bytes)
             sources = manifest.chunk_sources(self.name, todo)
+            stream_of = np.array([w for w, _, _ in sources], dtype=np.int64)
             loaded = np.zeros(len(todo), dtype=bool)
-            for address in dict.fromkeys(a for a, _ in sources):  # a trainer process each
-                mine = np.array([a == address for a, _ in sources], dtype=bool)
-                source = client if address is None else self._connect(address, "a trainer part")
+            for w in np.unique(stream_of).tolist():  # a stream each: a version, or a process
+                mine = stream_of == w
+                address = manifest.streams[w][2]
                 first, offsets, targets = scatter_runs(rows, todo[mine], manifest.chunk_bytes)
-                loaded[mine] = source.pull_scattered(
-                    [key for (a, key) in sources if a == address],
-                    layout,
-                    Scatter(first, offsets, targets),
-                    checksums=manifest.all_checksums[todo[mine]],
-                )
+                keys = [key for (v, _, key) in sources if v == w]
+                sums = manifest.all_checksums[todo[mine]]
+                if address is None:
+                    loaded[mine] = client.pull_scattered(
+                        keys, layout, Scatter(first, offsets, targets), checksums=sums
+                    )
+                    continue
+                part = self._connect(address, f"version {manifest.version}: a trainer process")
+                try:
+                    loaded[mine] = part.pull_scattered(
+                        keys, layout, Scatter(first, offsets, targets), checksums=sums
+                    )
+                except (TpuSyncError, OSError) as error:
+                    if isinstance(error, PeerUnavailableError | OSError):
+                        self._drop_client(part)
+                    raise WeightSyncError(
+                        f"version {manifest.version}: the trainer process at {address} "
+                        f"failed ({error})"
+                    ) from error
             todo = todo[~loaded]
             if not len(todo):
                 return retried
