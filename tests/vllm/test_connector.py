@@ -28,7 +28,7 @@ from engines import (
     transfer_config,
     worker_of,
 )
-from fronts import line_before, serve_once_front
+from fronts import ANSWER_S, line_before, serve_once_front
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -497,10 +497,10 @@ def test_a_new_process_in_vllms_multi_process_mode_serves_it_again(
         {"model": str(models["main"]), "kv": kv, "prompt": PROMPT, "executor": "mp"}
     )
     child = multi_process_front
-    deadline = time.monotonic() + 110
+    deadline = time.monotonic() + ANSWER_S
     while (line := line_before(child, deadline)) != "ready":  # vLLM logs to stdout too
         assert line is not None, "serve_once.py ended or hung before it was ready"
-    out, _ = child.communicate(request + "\n", timeout=110)
+    out, _ = child.communicate(request + "\n", timeout=ANSWER_S)
     assert child.returncode == 0
     # the answer line, among vLLM's own (it logs to stdout too, also while shutting down)
     answer = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])

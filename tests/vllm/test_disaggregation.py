@@ -34,6 +34,7 @@ from engines import (
     worker_of,
 )
 from fronts import (
+    ANSWER_S,
     ask_front,
     finish_front,
     kv_common,
@@ -154,7 +155,7 @@ def test_a_producer_in_other_processes_feeds_a_consumer_here(
     with shared_node(tmp_path) as (_, kv):
         request = {"model": str(model), "kv": kv, "prompt": PROMPT, "executor": "mp",
                    "role": "kv_producer", "max_tokens": 1}  # fmt: skip
-        answer = ask_front(child, request, time.monotonic() + 110)
+        answer = ask_front(child, request, time.monotonic() + ANSWER_S)
         assert child.stdin is not None
         assert answer["tokens"] == reference[:1]
         assert answer["params"] == {"tpusync": {"blocks": FULL // BLOCK}}
