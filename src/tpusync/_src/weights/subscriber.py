@@ -63,7 +63,6 @@ from tpusync.errors import (
     DtypeMismatchError,
     InvalidArgumentError,
     PeerUnavailableError,
-    RemoteOperationUnsupportedError,
     ShapeMismatchError,
     StructureChangedError,
     TpuSyncError,
@@ -417,11 +416,8 @@ class Subscriber:
         except (PeerUnavailableError, OSError) as error:
             self._drop_client(client)
             raise WeightSyncError(
-                f"the publisher at {client.label} cannot be reached ({error})"
-            ) from error
-        except RemoteOperationUnsupportedError as error:
-            raise WeightSyncError(
-                f"{client.label} is not a weights publisher: it keeps no list of versions ({error})"
+                f"the publisher at {client.label} cannot be reached, or is not a weights "
+                f"publisher ({error})"
             ) from error
         except InvalidArgumentError as error:  # closed by close() or a pull's watchdog meanwhile
             raise WeightSyncError(f"asking {client.label} for its versions: {error}") from error

@@ -24,7 +24,7 @@ from tpusync._src.cluster.dataplane.protocol import (
     ConnectionLost,
     StreamError,
 )
-from tpusync.errors import PeerUnavailableError, RemoteOperationUnsupportedError
+from tpusync.errors import PeerUnavailableError
 
 __all__ = ["Connection"]
 
@@ -52,8 +52,6 @@ class Connection(RpcConnection):
             tls=tls,
             local=local,
             unavailable=PeerUnavailableError,
-            # a server of another kind (a plain block server asked for a publisher's head)
-            unknown_method=RemoteOperationUnsupportedError,
             lost=ConnectionLost,
             refusal_prefix=f"{label}: ",
             probe=True,
