@@ -5,6 +5,7 @@ and a server that keeps none are refused, naming them."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import threading
@@ -87,6 +88,17 @@ def _asking(sub: Subscriber) -> threading.Event:
     return asked
 
 
+@contextlib.contextmanager
+def _on_version_1(publisher: Publisher) -> Iterator[Subscriber]:
+    """A subscriber that committed version 1 (published here) of ``publisher``."""
+    publisher.publish(_params(1), 1)
+    with Subscriber(
+        publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
+    ) as sub:
+        sub.update(1)
+        yield sub
+
+
 def _in_thread(call: Any) -> tuple[threading.Thread, list[Any]]:
     """Runs ``call`` in a thread; its result or exception lands in the list."""
     out: list[Any] = []
@@ -120,11 +132,7 @@ def test_latest_and_the_wait_follow_the_publishers_versions(publisher) -> None:
 
 
 def test_a_waiting_sampler_wakes_when_the_version_is_published(publisher) -> None:
-    publisher.publish(_params(1), 1)
-    with Subscriber(
-        publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
-    ) as sub:
-        sub.update(1)
+    with _on_version_1(publisher) as sub:
         asked = _asking(sub)
         thread, out = _in_thread(lambda: sub.wait_for_newer(timeout_s=120))
         assert asked.wait(60)
@@ -162,11 +170,7 @@ def test_a_changed_tree_is_a_typed_event_carrying_the_new_structure(publisher, c
 
 def test_a_float_leaf_in_another_float_dtype_is_no_change_of_structure(publisher) -> None:
     """The target's float32 takes a bfloat16 version, converted as it lands."""
-    publisher.publish(_params(1), 1)
-    with Subscriber(
-        publisher.name, _target(_params(0)), secret=SECRET, address=publisher.address, client=FAST
-    ) as sub:
-        sub.update(1)
+    with _on_version_1(publisher) as sub:
         halved = {"w": _params(2)["w"].astype(jax.numpy.bfloat16)}
         publisher.publish(halved, 2)
         assert sub.wait_for_newer(timeout_s=60) == 2

@@ -804,11 +804,13 @@ class Subscriber:
         if live is not None and buffers is live.buffers:  # in place: written from here on
             buffers.sources = None
             try:
-                return self._pull_into(client, manifest, deadline, start, buffers, made, kept)
+                return self._pull_into(
+                    client, manifest, deadline, start, buffers, made, kept, sources
+                )
             except BaseException:
                 self.torn, self._shadow = True, None  # the live arrays hold a mix now
                 raise
-        return self._pull_into(client, manifest, deadline, start, buffers, made, kept)
+        return self._pull_into(client, manifest, deadline, start, buffers, made, kept, sources)
 
     def _pull_into(
         self,
@@ -819,10 +821,11 @@ class Subscriber:
         buffers: _Buffers,
         made: Any,
         kept: frozenset[int],
+        sources: tuple[Any, ...],
     ) -> PullReport:
-        """The pull of ``manifest`` into ``buffers`` (see :meth:`_pull_chunks`)."""
+        """The pull of ``manifest`` into ``buffers`` (see :meth:`_pull_chunks`), whose leaves
+        are ``sources`` (:meth:`Manifest.leaf_sources`)."""
         live = self._live
-        sources = manifest.leaf_sources()
         relative, landing, converted = self._rows(manifest, buffers, kept)
         landed = self._landing_area(landing.nbytes) if converted else None
         base = np.int64(buffers.base)
