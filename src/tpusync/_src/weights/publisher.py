@@ -379,18 +379,32 @@ class Publisher:
             raise
         # one commit: the chunks and the manifest become visible together, under the pool's lock
         self.pool.commit(reservation, all_checksums)
+        self._record(version, manifest_keys, entries, skeleton, checksums, set(origins))
+        self._announce(version)
+        return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
+
+    def _record(
+        self,
+        version: int,
+        manifest_keys: list[bytes],
+        entries: list[LeafEntry],
+        skeleton: Any,
+        checksums: np.ndarray,
+        origins: set[int],
+    ) -> None:
+        """Books a committed ``version`` (its manifest's keys, leaves, tree, chunks' checksums
+        and the earlier versions it reads), drops the versions beyond ``keep`` and updates the
+        head."""
         with self._lock:
             self._versions[version] = manifest_keys
-            self._chunks[version] = n_chunks
+            self._chunks[version] = len(checksums)
             self._digests[version] = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
             self._entries[version] = (tuple(entries), skeleton)
             self._streams[version] = checksums
-            self._origins[version] = set(origins)
+            self._origins[version] = origins
             self._latest = version
         self._drop_beyond_keep()
         self._update_head()
-        self._announce(version)
-        return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
 
     def _announce(self, version: int) -> None:
         """Lists ``version`` in the registry: the last step of a publish."""
@@ -511,16 +525,7 @@ class Publisher:
             if not ctl.index:
                 for p in range(1, ctl.count):
                     ctl.forget(f"{prefix}/part/{p}")
-        with self._lock:
-            self._versions[version] = manifest_keys
-            self._chunks[version] = n_chunks
-            self._digests[version] = digest
-            self._entries[version] = (tuple(entries), skeleton)
-            self._streams[version] = checksums
-            self._origins[version] = set()
-            self._latest = version
-        self._drop_beyond_keep()
-        self._update_head()
+        self._record(version, manifest_keys, entries, skeleton, checksums, set())
         if not ctl.index:
             self._announce(version)
         return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
