@@ -2,7 +2,9 @@
 array per leaf, each process holding only its shards) publishes each version from every
 process without gathering; a sampler in another process (this one, 8 devices) pulls it into its
 own meshes bit for bit, each box from the process holding it; a trainer process killed
-mid-publish leaves nothing visible and the sampler on its version. The trainer's processes are
+mid-publish leaves nothing visible and the sampler on its version. A sampler of two processes
+(a 2x4 mesh over both) pulls each its own shards and commits every version all or none: a
+process failing, pulling another version or killed mid-pull leaves both on the last. The trainer's processes are
 tpusync._src.testing.weights_procs children. A manifest naming processes it cannot tell apart
 or reach is refused, and the first process checks every part before it commits."""
 
@@ -26,7 +28,7 @@ from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync._src.weights.manifest import LeafEntry, Manifest, structure_digest
 from tpusync.cluster import MemoryRegistry, RegistryServer, RemoteRegistry
 from tpusync.errors import VersionUnavailableError, WeightSyncError
-from tpusync.weights import Publisher, Subscriber, WeightsClientOptions
+from tpusync.weights import Publisher, Subscriber, WeightsClientOptions, WeightsPoolOptions
 
 SECRET = secrets.token_bytes(32)
 LEAVES = 24
@@ -143,6 +145,92 @@ def test_a_trainer_process_killed_mid_publish_leaves_nothing_visible(registry) -
     finally:
         client.close()
         trainer.close()
+
+
+class Sampler:
+    """``count`` sampler processes of one jax.distributed job, pulling ``name``."""
+
+    def __init__(self, name: str, registry: str, count: int) -> None:
+        coordinator = f"127.0.0.1:{_free_port()}"
+        self.children = [
+            Child(
+                ["multisampler", name, registry, coordinator, str(i), str(count), str(LEAVES)],
+                {"TPUSYNC_TEST_SECRET": SECRET.hex()},
+            )
+            for i in range(count)
+        ]
+        for child in self.children:
+            assert child.answer(timeout=120)["ready"]
+
+    def each(self, *commands: str) -> list[dict[str, Any]]:
+        """Sends each child its command (one for all when one is given); their answers."""
+        commands = commands * len(self.children) if len(commands) == 1 else commands
+        for child, command in zip(self.children, commands, strict=True):
+            child.send(command)
+        return [child.answer(timeout=60) for child in self.children]
+
+    def pull(self, *commands: str) -> list[dict[str, Any]]:
+        assert all("pulling" in a for a in self.each(*commands))
+        return [child.answer(timeout=60) for child in self.children]
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stop()
+
+
+def _publish(publisher: Publisher, version: int) -> None:
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("x", "y"))
+    sharding = NamedSharding(mesh, P("x"))
+    publisher.publish(
+        {p: jax.device_put(x, sharding) for p, x in _expected(version).items()}, version
+    )
+
+
+def test_a_sampler_of_two_processes_commits_every_version_all_or_none(registry) -> None:
+    name = run_name("ms")
+    client = RemoteRegistry(registry.address, secret=SECRET)
+    publisher = Publisher(name, secret=SECRET, registry=client, pool=WeightsPoolOptions(keep=3))
+    sampler = Sampler(name, registry.address, 2)
+    try:
+        _publish(publisher, 1)
+        assert sampler.each("latest") == [{"latest": 1}] * 2
+        for version in (1, 2):
+            if version == 2:  # both wait for it and are told the same version
+                for child in sampler.children:
+                    child.send("wait 1 60")
+                _publish(publisher, 2)
+                assert [c.answer(timeout=90) for c in sampler.children] == [{"newer": 2}] * 2
+            pulled = sampler.pull(f"pull {version}")
+            assert [a.get("pulled") for a in pulled] == [version] * 2, pulled
+            assert all(a["nbytes"] > 0 for a in pulled)  # each its own shards
+            assert sampler.each("commit") == [{"committed": version}] * 2
+            assert sampler.each(f"check {version}") == [{"version": version, "exact": True}] * 2
+
+        _publish(publisher, 3)
+        # process 1 misses its deadline: neither commits version 3
+        answers = sampler.pull("pull 3", "pull 3 0 0.000001")
+        assert [a.get("error") for a in answers] == ["WeightSyncError"] * 2, answers
+        assert "process 1" in answers[0]["message"] and "none of them" in answers[0]["message"]
+        # the two pull different versions: neither commits either
+        _publish(publisher, 4)
+        answers = sampler.pull("pull 4", "pull 3")
+        assert [a.get("error") for a in answers] == ["WeightSyncError"] * 2, answers
+        assert "pulled version" in answers[0]["message"]
+        assert sampler.each("commit")[0].get("error") == "InvalidArgumentError"  # nothing to
+        assert sampler.each("check 2") == [{"version": 2, "exact": True}] * 2
+
+        # process 1 killed mid-pull: process 0 gives up on its part and keeps version 2
+        for child, command in zip(sampler.children, ("pull 4", "pull 4 30"), strict=True):
+            child.send(command)
+        assert [c.answer(timeout=60) for c in sampler.children] == [{"pulling": 4}] * 2
+        sampler.children[1].kill()
+        answer = sampler.children[0].answer(timeout=60)
+        assert answer.get("error") == "WeightSyncError" and "process 1" in answer["message"]
+        assert sampler.children[0].ask("check 2") == {"version": 2, "exact": True}
+    finally:
+        sampler.close()
+        publisher.close()
+        client.close()
 
 
 def _parts_manifest(addresses: list[str]) -> bytes:

@@ -13,6 +13,8 @@ version, so a sampler's step can tell which version each leaf it read belongs to
     python -m tpusync._src.testing.weights_procs follower NAME REGISTRY MESH
     python -m tpusync._src.testing.weights_procs multitrainer NAME REGISTRY COORDINATOR INDEX
         COUNT LEAVES
+    python -m tpusync._src.testing.weights_procs multisampler NAME REGISTRY COORDINATOR INDEX
+        COUNT LEAVES
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -368,6 +370,67 @@ def multi_trainer(
     jax.distributed.shutdown()
 
 
+def multi_sampler(
+    name: str, registry_address: str, secret: bytes, coordinator: str, index: int, count: int,
+    leaves: int,
+) -> None:  # fmt: skip
+    """One process of a sampler of ``count`` ``jax.distributed`` processes, 8 CPU devices
+    across them, its target the test tree on a 2x4 mesh over all of them: ``pull V [DELAY_S
+    [DEADLINE_S]]`` (says ``pulling`` first, then waits DELAY_S), ``commit``, ``latest``,
+    ``wait AFTER TIMEOUT_S``, ``check V`` (whether this process's shards of the committed
+    version are V's bytes), ``quit``; each answers its result or the error."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8 // count)
+    jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    spec = tree_spec(leaves)
+    target = {
+        path: jax.ShapeDtypeStruct(
+            shape, np_dtype(dtype), sharding=NamedSharding(mesh, _spec(shape, "2x4"))
+        )
+        for path, shape, dtype in spec
+    }
+    registry = RemoteRegistry(registry_address, secret=secret)
+    options = WeightsClientOptions(timeout_s=5.0, deadline_s=10.0)
+    subscriber = Subscriber(name, target, secret=secret, registry=registry, client=options)
+
+    def exact(version: int) -> bool:
+        for i, (path, shape, dtype) in enumerate(spec):
+            whole = np.frombuffer(leaf_bytes(0, version, i, shape, dtype), np_dtype(dtype))
+            whole = whole.reshape(shape)
+            for shard in subscriber.params[path].addressable_shards:
+                if np.asarray(shard.data).tobytes() != whole[shard.index].tobytes():
+                    return False
+        return True
+
+    _say({"ready": True, "pid": os.getpid(), "process": jax.process_index()})
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "quit":
+            break
+        try:
+            if command == "pull":
+                _say({"pulling": int(args[0])})
+                time.sleep(float(args[1]) if len(args) > 1 else 0.0)
+                deadline = float(args[2]) if len(args) > 2 else None
+                report = subscriber.pull(int(args[0]), deadline_s=deadline)
+                _say({"pulled": report.version, "nbytes": report.nbytes})
+            elif command == "commit":
+                subscriber.commit()
+                _say({"committed": subscriber.version})
+            elif command == "latest":
+                _say({"latest": subscriber.latest()})
+            elif command == "wait":
+                _say({"newer": subscriber.wait_for_newer(int(args[0]), timeout_s=float(args[1]))})
+            elif command == "check":
+                _say({"version": subscriber.version, "exact": exact(int(args[0]))})
+        except TpuSyncError as error:
+            _say({"error": type(error).__name__, "message": str(error)})
+    subscriber.close()
+    registry.close()
+    jax.distributed.shutdown()
+
+
 def follower(name: str, registry_address: str, secret: bytes, mesh_name: str) -> None:
     """A sampler told nothing but the registry, the weights' name and its own mesh: builds its
     target from the newest version's published structure, then follows every newer version
@@ -581,6 +644,8 @@ def main(argv: list[str]) -> None:
         follower(name, registry_address, secret, rest[0])
     elif role == "multitrainer":
         multi_trainer(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:4]))
+    elif role == "multisampler":
+        multi_sampler(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:4]))
     else:
         raise SystemExit(f"unknown role {role!r}")
 

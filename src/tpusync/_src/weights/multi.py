@@ -1,5 +1,6 @@
-"""A trainer that spans processes (multi-controller JAX, ``jax.distributed``): every process
-publishes the shards it holds, and the first commits the version.
+"""Trainers and samplers that span processes (multi-controller JAX, ``jax.distributed``):
+every trainer process publishes the shards it holds and the first commits the version; every
+sampler process pulls its own shards and the sampler's processes commit a version all or none.
 
 Each process runs a :class:`~tpusync.weights.Publisher` of the same name and calls ``publish``
 with the same version (a collective, like a training step). A box (a distinct shard) is staged
@@ -11,12 +12,19 @@ part, writes the version's manifest once, naming the process that holds each box
 it, and says so; the others wait for that. A process that dies mid-publish leaves nothing
 visible: the first times out waiting for its part (``WeightsServerOptions.parts_timeout_s``),
 and every process removes what it staged.
+
+A sampler whose target spans processes pulls each version in every process (a collective,
+like a step) into that process's own devices; at the end of its pull each process shares
+whether its part landed verified (:class:`SamplerGroup`), and the first to see every part,
+or a failed one, or the deadline pass, records the decision once: every process then has
+the version to commit, or none has.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +33,7 @@ from jax._src import distributed  # the coordination service's client: no public
 
 from tpusync.errors import WeightSyncError
 
-__all__ = ["Controller", "box_owners", "controller"]
+__all__ = ["Controller", "SamplerGroup", "box_owners", "controller"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,118 @@ class Controller:
     def forget(self, key: str) -> None:
         with contextlib.suppress(Exception):  # a key already gone, or the service going away
             self._client.key_value_delete(key)
+
+    def counted(self, key: str) -> int:
+        """Adds one to the counter at ``key``; its new value."""
+        return int(self._client.key_value_increment(key, 1))
+
+    def shared_under(self, directory: str) -> dict[str, Any]:
+        """Every value shared under ``directory`` (none when it cannot be read now), by key."""
+        try:
+            pairs = self._client.key_value_dir_get(directory)
+        except Exception:  # the service unreachable for a moment: asked again by the caller
+            return {}
+        found = {}
+        for key, text in pairs:
+            with contextlib.suppress(ValueError):
+                found[key] = json.loads(text)
+        return found
+
+
+class SamplerGroup:
+    """The processes of one sampler whose target spans them: each pull's outcome agreed."""
+
+    _POLL_S = (0.002, 0.05)  # the first and the longest pause between looks at the parts
+
+    def __init__(self, ctl: Controller, name: str) -> None:
+        self._ctl = ctl
+        self._prefix = f"tpusync/weights-sampler/{name}"
+        self._pulls = 0  # pulls are collective: the same count in every process
+        self._asks = 0
+
+    def agree(self, version: int, failure: str | None, timeout_s: float) -> None:
+        """Shares this process's outcome of pulling ``version`` (``failure``: what went wrong,
+        None: its part landed verified) and returns once every process's part landed;
+        WeightSyncError when one did not (failed, another version, not within ``timeout_s``),
+        in every process alike."""
+        ctl, pull = self._ctl, self._pulls
+        self._pulls += 1
+        directory = f"{self._prefix}/pull/{pull}"
+        self._forget(pull - 4)  # every process is past it: each shared a later part since
+        ctl.share(f"{directory}/part/{ctl.index}", {"version": version, "failure": failure})
+        decision = None
+        if failure is not None:
+            decision = self._decide(directory, f"process {ctl.index}: {failure}")
+        deadline = time.monotonic() + timeout_s
+        pause = self._POLL_S[0]
+        while decision is None:
+            shared = ctl.shared_under(directory + "/")
+            decision = shared.get(f"{directory}/decision")
+            if decision is not None:
+                break
+            parts = {p: shared.get(f"{directory}/part/{p}") for p in range(ctl.count)}
+            for p, part in parts.items():
+                if isinstance(part, dict) and part.get("failure") is not None:
+                    decision = self._decide(directory, f"process {p}: {part['failure']}")
+                    break
+                if isinstance(part, dict) and part.get("version") != version:
+                    decision = self._decide(
+                        directory, f"process {p} pulled version {part.get('version')}, "
+                        f"process {ctl.index} version {version}"
+                    )  # fmt: skip
+                    break
+            else:
+                missing = [p for p, part in parts.items() if part is None]
+                if not missing:
+                    decision = self._decide(directory, None)
+                elif time.monotonic() >= deadline:
+                    decision = self._decide(
+                        directory, f"process {missing[0]}'s part did not land within "
+                        f"{timeout_s:g} s (it stopped, or is slower)"
+                    )  # fmt: skip
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, self._POLL_S[1])
+        if not decision.get("committed"):
+            raise WeightSyncError(
+                f"version {version}: not every process of this sampler has it "
+                f"({decision.get('why')}); none of them commits it"
+            )
+
+    def _decide(self, directory: str, why: str | None) -> dict[str, Any]:
+        """The decision of a pull: committed when ``why`` (what failed) is None; the first
+        process to record one decides for all."""
+        return self._ctl.claim(f"{directory}/decision", {"committed": why is None, "why": why})
+
+    def _forget(self, pull: int) -> None:
+        if pull < 0:
+            return
+        # the parts first: a process still looking at this pull then never sees all of them
+        self._ctl.forget(f"{self._prefix}/pull/{pull}/part/{self._ctl.index}")
+        if self._ctl.index == 0:
+            self._ctl.forget(f"{self._prefix}/pull/{pull}/decision")
+
+    def newest(self, find: Any, timeout_s: float) -> Any:
+        """What ``find()`` returns in process 0 (within ``timeout_s``), in every process (its
+        WeightSyncError too, naming it)."""
+        ctl, ask = self._ctl, self._asks
+        self._asks += 1
+        key = f"{self._prefix}/ask/{ask}"
+        if ctl.index == 0:
+            try:
+                value = find()
+            except WeightSyncError as error:
+                ctl.share(key, {"error": str(error)})
+                raise
+            ctl.share(key, {"value": value})
+            return value
+        answer = ctl.wait(key, timeout_s, "process 0's answer")
+        if ctl.counted(f"{key}/read") == ctl.count - 1:  # the last to read it
+            ctl.forget(key)
+            ctl.forget(f"{key}/read")
+        if "error" in answer:
+            raise WeightSyncError(f"process 0: {answer['error']}")
+        return answer.get("value")
 
 
 def controller() -> Controller | None:

@@ -55,6 +55,7 @@ from tpusync._src.weights.manifest import (
     structure_digest,
     tree_paths,
 )
+from tpusync._src.weights.multi import SamplerGroup, controller
 from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
 from tpusync._src.weights.structure import PublishedStructure, structure_of
@@ -219,6 +220,10 @@ class Subscriber:
         self.tls = options_or_default(TlsOptions, tls, "tls")
         paths, leaves, self._treedef = tree_paths(target)
         self._targets = [_target(p, x) for p, x in zip(paths, leaves, strict=True)]
+        spans = any(not t.sharding.is_fully_addressable for t in self._targets)
+        ctl = controller() if spans else None
+        # a target over several processes' devices: they pull and commit together
+        self._group = None if ctl is None else SamplerGroup(ctl, self.name)
         # structures known to fit the target: its own, and those a check found it can take
         self._fits = {structure_digest([(t.path, t.shape, t.dtype.name) for t in self._targets])}
         self._secret = secret
@@ -324,7 +329,13 @@ class Subscriber:
         when ``registry`` lists no publisher of this name): one small request to it, bounded
         by the client options' ``timeout_s``.
 
+        In a multi-controller sampler (see :meth:`pull`) every process calls it and gets
+        process 0's answer.
+
         Raises WeightSyncError (the publisher cannot be reached or the registry read)."""
+        if self._group is not None:
+            limit = self.client_options.deadline_s
+            return self._group.newest(lambda: self._head().latest, limit)
         return self._head().latest
 
     def wait_for_newer(self, after: int | None = None, *, timeout_s: float) -> int | None:
@@ -341,17 +352,26 @@ class Subscriber:
         Raises StructureChangedError when that version's structure does not fit the target
         (its ``structure`` builds a new target), VersionUnavailableError when it was dropped
         before its manifest was read, WeightSyncError when the publisher could not be reached
-        at the last attempt before the timeout, or when :meth:`close` is called meanwhile."""
+        at the last attempt before the timeout, or when :meth:`close` is called meanwhile.
+        In a multi-controller sampler (see :meth:`pull`) every process calls it and gets
+        process 0's answer."""
         if after is None:
             after = -1 if self.version is None else self.version
         elif type(after) is not int:
             raise InvalidArgumentError(f"after: expected a version (an int), got {after!r}")
-        head = self._wait_for_head(after, timeout_s)
-        if head is None:
+
+        def find() -> list[Any] | None:
+            head = self._wait_for_head(after, timeout_s)
+            return None if head is None else [head.latest, head.digest_of(head.latest)]
+
+        if self._group is None:
+            found = find()
+        else:
+            found = self._group.newest(find, timeout_s + self.client_options.deadline_s)
+        if found is None:
             return None
-        newest = head.latest
-        assert newest is not None
-        self._check_structure(newest, head.digest_of(newest))
+        newest, digest = found
+        self._check_structure(newest, digest)
         return newest
 
     def _wait_for_head(
@@ -442,12 +462,39 @@ class Subscriber:
     def pull(self, version: int, *, deadline_s: float | None = None) -> PullReport:
         """Pulls ``version`` into shadow buffers (or in place); :meth:`commit` switches to it.
 
+        A target that spans the processes of a ``jax.distributed`` job (a multi-controller
+        sampler) makes the pull a collective: every process calls it with the same version,
+        pulls its own devices' shards, and it returns once every process's part landed
+        verified; else it raises WeightSyncError in every process and none commits. Then
+        every process calls :meth:`commit` at the same step.
+
         Raises InvalidArgumentError (a version not above the committed one),
         VersionUnavailableError (not published or no longer kept), ShapeMismatchError /
         DtypeMismatchError / InvalidArgumentError (the target does not match the version's
         tree; before any chunk moves), AuthenticationError (a wrong secret) or
         WeightSyncError (what failed: a chunk failing its checksum twice, the publisher gone,
         the deadline). The committed version is untouched by a failure (but see in-place)."""
+        if self._group is None:
+            return self._pull(version, deadline_s)
+        limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
+        try:
+            report = self._pull(version, deadline_s)
+        except TpuSyncError as error:
+            with contextlib.suppress(WeightSyncError):  # the others wait for it otherwise
+                self._group.agree(version, f"{type(error).__name__}: {error}", limit)
+            raise
+        try:
+            self._group.agree(version, None, limit)
+        except WeightSyncError:
+            shadow, self._shadow = self._shadow, None
+            live = self._live
+            if shadow is not None and live is not None and shadow.buffers is live.buffers:
+                self.torn = True  # in place: this process's shards hold the version
+                shadow.buffers.sources = None
+            raise
+        return report
+
+    def _pull(self, version: int, deadline_s: float | None) -> PullReport:
         check_version(version)
         current = self.version
         if current is not None and version <= current:
