@@ -4,8 +4,8 @@ process without gathering; a sampler in another process (this one, 8 devices) pu
 own meshes bit for bit, each box from the process holding it; a trainer process killed
 mid-publish leaves nothing visible and the sampler on its version. A sampler of two processes
 (a 2x4 mesh over both) pulls each its own shards and commits every version all or none: a
-process failing, pulling another version or killed mid-pull leaves both on the last. The trainer's processes are
-tpusync._src.testing.weights_procs children. A manifest naming processes it cannot tell apart
+process failing, pulling another version or killed mid-pull leaves both on the last. The
+trainer's and sampler's processes are tpusync._src.testing.weights_procs children. A manifest naming processes it cannot tell apart
 or reach is refused, and the first process checks every part before it commits."""
 
 from __future__ import annotations
