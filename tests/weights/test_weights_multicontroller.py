@@ -5,8 +5,9 @@ own meshes bit for bit, each box from the process holding it; a trainer process 
 mid-publish leaves nothing visible and the sampler on its version. A sampler of two processes
 (a 2x4 mesh over both) pulls each its own shards and commits every version all or none: a
 process failing, pulling another version or killed mid-pull leaves both on the last. The
-trainer's and sampler's processes are tpusync._src.testing.weights_procs children. A manifest naming processes it cannot tell apart
-or reach is refused, and the first process checks every part before it commits."""
+trainer's and sampler's processes are tpusync._src.testing.weights_procs children. A
+manifest naming processes it cannot tell apart or reach is refused, and the first process
+checks every part before it commits."""
 
 from __future__ import annotations
 
