@@ -2,7 +2,8 @@
 (:class:`Publisher`); samplers pull it resharded into their own layouts, verified, and switch to
 it atomically (:class:`Subscriber`). A version is an ``int`` that rises (the training step).
 What a version looks like, for a sampler that builds its target from it:
-:func:`published_structure` (a :class:`PublishedStructure`).
+:func:`published_structure` (a :class:`PublishedStructure`). Many samplers: :class:`Relay`
+nodes serve each version's chunks, so the trainer's link carries one copy per relay.
 
 Options, grouped: :class:`WeightsPoolOptions`, :class:`WeightsServerOptions`,
 :class:`WeightsClientOptions` and :class:`TlsOptions`. See docs/weights.md."""
@@ -18,6 +19,7 @@ from tpusync._src.weights.options import (
 )
 from tpusync._src.weights.plan import Box, LeafPlan, Piece, leaf_plan, shard_boxes
 from tpusync._src.weights.publisher import Publisher, PublishReport
+from tpusync._src.weights.relay import Relay
 from tpusync._src.weights.structure import PublishedLeaf, PublishedStructure
 from tpusync._src.weights.subscriber import PullReport, Subscriber, published_structure
 
@@ -32,6 +34,7 @@ __all__ = [
     "PublishedStructure",
     "Publisher",
     "PullReport",
+    "Relay",
     "Subscriber",
     "TlsOptions",
     "WeightsClientOptions",

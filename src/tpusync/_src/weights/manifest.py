@@ -113,6 +113,19 @@ def announcement_key(name: str, version: int) -> bytes:
     return manifest_key(name, version, 0)
 
 
+def relay_key(name: str, version: int) -> bytes:
+    """The key a relay lists in the registry while it holds every chunk of ``version``."""
+    return _key(b"relay", name, version, 0)
+
+
+def relay_node_id(name: str, address: str) -> str:
+    """The node id of the relay of the weights ``name`` serving at ``address``."""
+    return f"weights-relay-{name}-{address}"
+
+
+DIGEST_BYTES = 32  # a chunk's SHA-256, for the chunks relays serve
+
+
 AMAX_DTYPES = ("float32", "bfloat16")  # the leaves a publisher gives maxima of
 
 
@@ -347,7 +360,9 @@ class Manifest:
     and ``origins`` holds those streams' chunk checksums. A version of a multi-controller
     trainer has a stream per process (``parts``: the address and chunk checksums of each
     process's after the first, whose stream is this manifest's own); each box of a leaf names
-    the process holding it (``LeafEntry.parts``)."""
+    the process holding it (``LeafEntry.parts``). ``digests`` (a publisher's ``relays=True``)
+    holds the SHA-256 of each chunk of this version's own stream: what a chunk served by a
+    relay, which may know the secret, is checked against."""
 
     name: str
     version: int
@@ -360,6 +375,7 @@ class Manifest:
     base: int | None = None
     origins: dict[int, np.ndarray] = field(default_factory=dict)
     parts: tuple[tuple[str, np.ndarray], ...] = ()
+    digests: bytes | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -486,6 +502,7 @@ class Manifest:
             "base": self.base,
             "origins": {str(v): c.astype("<u8").tobytes().hex() for v, c in self.origins.items()},
             "parts": [[a, c.astype("<u8").tobytes().hex()] for a, c in self.parts],
+            "digests": None if self.digests is None else self.digests.hex(),
         }
         text = json.dumps(body, separators=(",", ":")).encode()
         return len(text).to_bytes(8, "little") + text
@@ -542,6 +559,11 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
     checksums = np.frombuffer(bytes.fromhex(body["checksums"]), dtype="<u8").astype(np.uint64)
     if len(checksums) != n_chunks:
         raise ValueError(f"checksums: expected {n_chunks}")
+    digests = body.get("digests")
+    if digests is not None:
+        digests = bytes.fromhex(digests)
+        if len(digests) != DIGEST_BYTES * n_chunks:
+            raise ValueError(f"digests: expected {n_chunks}")
     base = body["base"]
     if base is not None:
         _int(base, "base", 0, version - 1)
@@ -644,6 +666,7 @@ def _parse(data: bytes, name: str, version: int) -> Manifest:
         base,
         origins,
         tuple(parts),
+        digests,
     )
 
 

@@ -154,6 +154,9 @@ class WeightsClientOptions:
         (the same boot and user; default True), else over the data plane.
       poll_s: how often ``Subscriber.wait_for_newer`` asks the publisher for its newest
         version (default 0.05 s: one round trip of a few hundred bytes each time).
+      relay_wait_s: with relays (``Subscriber(relays=True)``, a relay's ``upstream``), how
+        long a pull waits for a relay to list the version before it takes the chunks from
+        the publisher (default 30 s).
     """
 
     connections: int = 2
@@ -161,6 +164,7 @@ class WeightsClientOptions:
     deadline_s: float = 120.0
     same_host: bool = True
     poll_s: float = 0.05
+    relay_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if type(self.connections) is not int or not 1 <= self.connections <= 64:
@@ -170,6 +174,7 @@ class WeightsClientOptions:
         if not isinstance(self.same_host, bool):
             raise InvalidArgumentError(f"same_host: expected True or False, got {self.same_host!r}")
         _seconds(self.poll_s, "poll_s", most=60.0)
+        _seconds(self.relay_wait_s, "relay_wait_s")
 
 
 OptionsT = TypeVar("OptionsT")

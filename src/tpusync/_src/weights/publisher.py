@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from tpusync._src.weights._stream import Rows, split_at_chunks
 from tpusync._src.weights.head import Head, WeightsServer
 from tpusync._src.weights.manifest import (
     AMAX_DTYPES,
+    DIGEST_BYTES,
     MAX_ORIGINS,
     LeafEntry,
     Manifest,
@@ -160,6 +162,9 @@ class Publisher:
       amax: each version also carries every float32 and bfloat16 leaf's absolute maxima per
         channel (its last axis), from which a subscriber taking the leaf as fp8 makes its
         scales; costs one more read of those leaves per publish (default False).
+      relays: each version also carries the SHA-256 of every chunk, so that subscribers may
+        take chunks from :class:`~tpusync.weights.Relay` nodes, which they check against it;
+        costs one more read of the version per publish, on every core (default False).
     """
 
     def __init__(
@@ -172,11 +177,13 @@ class Publisher:
         server: WeightsServerOptions | None = None,
         tls: TlsOptions | None = None,
         amax: bool = False,
+        relays: bool = False,
     ) -> None:
         self.name = check_name(name)
-        if not isinstance(amax, bool):
-            raise InvalidArgumentError(f"amax: expected True or False, got {amax!r}")
-        self.amax = amax
+        for argument, value in (("amax", amax), ("relays", relays)):
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(f"{argument}: expected True or False, got {value!r}")
+        self.amax, self.relays = amax, relays
         self.pool_options = options_or_default(WeightsPoolOptions, pool, "pool")
         self.server_options = options_or_default(WeightsServerOptions, server, "server")
         self.tls = options_or_default(TlsOptions, tls, "tls")
@@ -217,9 +224,10 @@ class Publisher:
         self._link: RegistryLink | None = None
         self._closed = False
         self._controller = controller()  # None unless a process of a multi-controller job
-        if self._controller is not None and amax:
+        if self._controller is not None and (amax or relays):
             raise InvalidArgumentError(
-                "amax: a trainer of several processes publishes no maxima yet (a later part)"
+                "amax, relays: a trainer of several processes publishes no maxima and no "
+                "chunk digests yet (a later part)"
             )
         self._instance = _instance_number(self.name)  # the same in every process of a job
         self._attempts = 0
@@ -229,6 +237,7 @@ class Publisher:
         self._executor = ThreadPoolExecutor(
             max_workers=max(1, native.copy_threads() - 1), thread_name_prefix="tpusync-publish"
         )
+        self._hashers: ThreadPoolExecutor | None = None  # made at the first digests (relays)
         capacity_bytes = self.pool_options.capacity_bytes
         self._sized_by_caller = capacity_bytes is not None
         if capacity_bytes is not None:
@@ -358,6 +367,7 @@ class Publisher:
             skeleton,
             base,
             origins,
+            digests=bytes(DIGEST_BYTES * n_chunks) if self.relays else None,
         )
         n_parts = -(-len(draft.to_bytes()) // self._chunk_bytes)
         if self.pool is None:
@@ -369,7 +379,8 @@ class Publisher:
         reservation = self._reserve(version, keys + manifest_keys, n_chunks, total)
         try:
             checksums = self._stage(reservation.slots[:n_chunks], sources, total)
-            manifest = dataclasses.replace(draft, checksums=checksums)
+            digests = self._digests_of(reservation.slots[:n_chunks]) if self.relays else None
+            manifest = dataclasses.replace(draft, checksums=checksums, digests=digests)
             self._write_manifest(reservation.slots[n_chunks:], manifest.to_bytes())
             all_checksums = np.concatenate(
                 [checksums, self.pool.hash_slots(reservation.slots[n_chunks:])]
@@ -731,6 +742,22 @@ class Publisher:
             f"capacity_bytes={enough}) (keep + 2 versions of it), or a smaller keep"
         )
 
+    def _digests_of(self, slots: np.ndarray) -> bytes:
+        """The SHA-256 of each staged chunk, in order, on every core (hashlib lets go of the
+        GIL while it hashes)."""
+        assert self.pool is not None
+        pool = self.pool
+
+        def digest(slot: int) -> bytes:
+            with pool.slot_memory(slot) as memory:
+                return hashlib.sha256(memory[: self._chunk_bytes]).digest()
+
+        if self._hashers is None:
+            self._hashers = ThreadPoolExecutor(
+                max_workers=native.copy_threads(), thread_name_prefix="tpusync-digest"
+            )
+        return b"".join(self._hashers.map(digest, slots.tolist()))
+
     def _stage(self, slots: np.ndarray, sources: list[np.ndarray], total: int) -> np.ndarray:
         """Copies every shard into the reserved chunks and checksums each chunk as it is
         written, in one pass on every core; the last chunk's tail is zeros."""
@@ -895,6 +922,8 @@ class Publisher:
             return
         self._closed = True
         self._executor.shutdown(wait=True)
+        if self._hashers is not None:
+            self._hashers.shutdown(wait=True)
         if self._link is not None:
             self._link.close()
         if self.server is not None:

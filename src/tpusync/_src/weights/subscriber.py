@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,7 @@ from tpusync._src.weights.manifest import (
     announcement_key,
     check_name,
     check_version,
+    chunk_key,
     chunk_layout,
     manifest_key,
     publisher_node_id,
@@ -58,6 +60,7 @@ from tpusync._src.weights.manifest import (
 from tpusync._src.weights.multi import SamplerGroup, controller
 from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
+from tpusync._src.weights.relayed import relay_addresses, take_verified
 from tpusync._src.weights.structure import PublishedStructure, structure_of
 from tpusync._src.weights.transforms import FP8, Landing, check_scales, converts, fp8_scales
 from tpusync.errors import (
@@ -91,6 +94,7 @@ class PullReport:
     chunks_retried: int
     seconds: float
     leaves_kept: int = 0  # of a partial version: leaves copied from the committed version
+    chunks_relayed: int = 0  # taken from relays (not counted in chunks_network)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,10 @@ class Subscriber:
         :attr:`scales`. A target leaf of another float dtype than the published one is
         converted as it lands (float32 and bfloat16 to float32, bfloat16, float8_e4m3fn or
         float8_e5m2; fp8 needs ``Publisher(amax=True)``), bit for bit ``jnp.astype``.
+      relays: take chunks from the :class:`~tpusync.weights.Relay` nodes that list a version
+        in ``registry`` (a pull waits up to the client options' ``relay_wait_s`` for one), each
+        checked against the SHA-256 in the publisher's manifest (``Publisher(relays=True)``);
+        a chunk a relay lacks or fails comes from the publisher (default False).
     """
 
     def __init__(
@@ -207,8 +215,17 @@ class Subscriber:
         in_place: bool = False,
         kv_stores: Any = (),
         fp8_scales: str = "tensor",
+        relays: bool = False,
     ) -> None:
         self.name = check_name(name)
+        if not isinstance(relays, bool):
+            raise InvalidArgumentError(f"relays: expected True or False, got {relays!r}")
+        if relays and registry is None:
+            raise InvalidArgumentError("relays: relays are found in a registry; give registry=")
+        self.relays = relays
+        self._relay_pick = secrets.randbelow(1 << 30)  # spreads subscribers over relays
+        self._relay_staging: HostPool | None = None
+        self._hashers: ThreadPoolExecutor | None = None
         self.fp8_scales = check_scales(fp8_scales)
         if (address is None) == (registry is None):
             raise InvalidArgumentError("address, registry: give exactly one of them")
@@ -886,6 +903,10 @@ class Subscriber:
         chunks = row_chunk[np.flatnonzero(np.diff(row_chunk, prepend=-1))]
         report = PullReport(manifest.version, int(rows.nbytes.sum()), 0, 0, 0, 0.0)
         read_locally = client.local_blocks
+        if len(chunks) and self.relays:
+            relayed = len(chunks)
+            chunks = self._pull_relayed(manifest, rows, chunks, deadline)
+            report.chunks_relayed = relayed - len(chunks)
         if len(chunks):
             report.chunks_retried = self._pull_chunk_rows(client, manifest, rows, chunks, deadline)
         # every chunk landed verified once, from the file or over the network (the client
@@ -909,6 +930,105 @@ class Subscriber:
         self._shadow = _Pulled(manifest.version, tree, buffers, zero_copy, scales)
         report.seconds = time.perf_counter() - start
         return report
+
+    def _pull_relayed(
+        self, manifest: Manifest, rows: Rows, chunks: np.ndarray, deadline: float
+    ) -> np.ndarray:
+        """Takes the chunks of ``chunks`` in the version's own stream from the relays that list
+        it (see :mod:`~tpusync._src.weights.relay`), each checked against its SHA-256 in a
+        staging slot and then copied to its rows' places; the chunks left for the publisher
+        (all of them when the version has no digests or no relay lists it in time)."""
+        own = chunks[chunks < manifest.n_chunks]
+        if manifest.digests is None or not len(own):
+            return chunks
+        assert self._registry is not None
+        version, C = manifest.version, manifest.chunk_bytes
+        wait_until = min(deadline, time.monotonic() + self.client_options.relay_wait_s)
+        addresses = relay_addresses(self._registry, self.name, version)
+        while not addresses and time.monotonic() < wait_until:
+            if self._closing.wait(self.client_options.poll_s):
+                return chunks
+            addresses = relay_addresses(self._registry, self.name, version)
+        if not addresses:
+            return chunks
+        pick = self._relay_pick % len(addresses)
+        staging = self._relay_pool(C)
+        if self._hashers is None:
+            self._hashers = ThreadPoolExecutor(
+                max_workers=native.copy_threads(), thread_name_prefix="tpusync-weights-digest"
+            )
+        row_chunk = rows.offset // C
+        done: set[int] = set()
+        todo = own
+        for address in addresses[pick:] + addresses[:pick]:
+            try:
+                client = self._connect(address, f"version {version}: a relay")
+            except (WeightSyncError, TpuSyncError) as error:
+                log.warning("tpusync weights: relay %s: %s", address, error)
+                continue
+            for start in range(0, len(todo), staging.capacity):
+                if time.monotonic() > deadline:
+                    break
+                batch = todo[start : start + staging.capacity]
+                keys = [chunk_key(self.name, version, c) for c in batch.tolist()]
+                try:
+                    ok = take_verified(
+                        client, keys, batch, manifest.digests, staging, self._hashers
+                    )
+                except (PeerUnavailableError, OSError) as error:
+                    log.warning("tpusync weights: relay %s failed: %s", address, error)
+                    self._drop_client(client)
+                    break
+                self._copy_from_staging(staging, keys, batch[ok], ok, rows, row_chunk, C)
+                staging.delete(keys)
+                done.update(batch[ok].tolist())
+            todo = np.array([c for c in todo.tolist() if c not in done], dtype=own.dtype)
+            if not len(todo):
+                break
+        return np.array([c for c in chunks.tolist() if c not in done], dtype=chunks.dtype)
+
+    def _copy_from_staging(
+        self,
+        staging: HostPool,
+        keys: list[bytes],
+        numbers: np.ndarray,
+        ok: np.ndarray,
+        rows: Rows,
+        row_chunk: np.ndarray,
+        C: int,
+    ) -> None:
+        """Copies each checked chunk (``numbers``, the ``keys`` marked ``ok``) from its staging
+        slot to its rows' places."""
+        good = [k for k, flag in zip(keys, ok.tolist(), strict=True) if flag]
+        if not good:
+            return
+        slots = np.array([staging.slot_of(k) for k in good], dtype=np.int64)
+        with staging.slot_addresses(slots) as addresses:
+            copies = []
+            for c, address in zip(numbers.tolist(), addresses.tolist(), strict=True):
+                lo, hi = np.searchsorted(row_chunk, [c, c + 1])
+                offsets = rows.offset[lo:hi]
+                copies.append(
+                    np.stack(
+                        [address + offsets - c * C, rows.address[lo:hi], rows.nbytes[lo:hi]],
+                        axis=1,
+                    )
+                )
+            table = np.concatenate(copies).astype(np.uint64)
+            table = table[table[:, 2] > 0]
+            if len(table):
+                native.engine().copy(table)
+
+    def _relay_pool(self, chunk_bytes: int) -> HostPool:
+        """The slots relayed chunks land in to be checked (made again for another size)."""
+        pool = self._relay_staging
+        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
+            pool.close()
+            pool = None
+        if pool is None:
+            slots = max(2, (64 << 20) // chunk_bytes)
+            pool = self._relay_staging = HostPool(chunk_layout(self.name, chunk_bytes), slots)
+        return pool
 
     def _pull_chunk_rows(
         self,
@@ -1088,6 +1208,11 @@ class Subscriber:
         self._executor.shutdown(wait=True)
         if self._converters is not None:
             self._converters.shutdown(wait=True)
+        if self._hashers is not None:
+            self._hashers.shutdown(wait=True)
+        if self._relay_staging is not None:
+            self._relay_staging.close()
+            self._relay_staging = None
 
     def __enter__(self) -> Subscriber:
         return self
