@@ -187,3 +187,33 @@ def test_relays_bad_arguments_are_refused() -> None:
         Relay("fan", secret=SECRET, registry=None)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="relay_wait_s"):
         WeightsClientOptions(relay_wait_s=0)
+
+
+def test_relayed_chunks_land_converted_and_a_partial_versions_own_chunks_are_relayed() -> None:
+    """Relayed chunks go through the same rows as direct ones: a leaf converted on the way in
+    (bf16 -> f32) and a partial version (its changed leaf relayed, the other kept)."""
+    registry = MemoryRegistry()
+    with (
+        Publisher("fan", secret=SECRET, registry=registry, pool=POOL, relays=True) as pub,
+        Relay("fan", secret=SECRET, registry=registry, client=CLIENT) as relay,
+    ):
+        v1 = _params(1)
+        pub.publish(v1, 1)
+        target = _target(v1)
+        target["b"] = jax.ShapeDtypeStruct((256, 64), np.float32, sharding=target["b"].sharding)
+        with Subscriber(
+            "fan", target, secret=SECRET, registry=registry, client=CLIENT, relays=True
+        ) as sub:
+            assert sub.pull(1).chunks_relayed > 0
+            got = sub.commit()
+            assert np.asarray(got["w"]).tobytes() == np.asarray(v1["w"]).tobytes()
+            want = np.asarray(v1["b"].astype(np.float32))
+            assert np.asarray(got["b"]).tobytes() == want.tobytes()
+            v2 = {"w": _params(2)["w"]}
+            report = pub.publish(v2, 2, base=1)
+            assert relay.wait_for(2, 30)
+            pulled = sub.pull(2)
+            assert pulled.chunks_relayed == report.chunks
+            got = sub.commit()
+            assert np.asarray(got["w"]).tobytes() == np.asarray(v2["w"]).tobytes()
+            assert np.asarray(got["b"]).tobytes() == want.tobytes()

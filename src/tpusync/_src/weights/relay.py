@@ -39,9 +39,14 @@ from tpusync._src.weights.options import (
     WeightsServerOptions,
     options_or_default,
 )
-from tpusync._src.weights.relayed import relay_addresses, take_verified
+from tpusync._src.weights.relayed import Waits, relay_addresses, take_all
 from tpusync._src.weights.subscriber import Subscriber
-from tpusync.errors import InvalidArgumentError, PeerUnavailableError, TpuSyncError
+from tpusync.errors import (
+    InvalidArgumentError,
+    PeerUnavailableError,
+    TpuSyncError,
+    WeightSyncError,
+)
 
 __all__ = ["Relay"]
 
@@ -124,7 +129,7 @@ class Relay:
 
     @property
     def versions(self) -> list[int]:
-        """The versions this relay holds whole and lists, oldest first."""
+        """The versions this relay lists (the newest may still be filling), oldest first."""
         with self._lock:
             return sorted(self._held)
 
@@ -134,8 +139,16 @@ class Relay:
         return None if self.server is None else self.server.address
 
     def wait_for(self, version: int, timeout_s: float) -> bool:
-        """Whether this relay holds ``version`` (or a later one) within ``timeout_s``."""
-        return self._wait(lambda: any(v >= version for v in self.versions), timeout_s)
+        """Whether this relay holds every chunk of ``version`` (or lists a later one) within
+        ``timeout_s``."""
+        return self._wait(lambda: self._whole(version), timeout_s)
+
+    def _whole(self, version: int) -> bool:
+        with self._lock:
+            if any(v > version for v in self._held):
+                return True
+            keys = self._held.get(version)
+        return keys is not None and self.pool is not None and all(self.pool.contains(keys))
 
     def _wait(self, condition: Any, timeout_s: float) -> bool:
         """Whether ``condition()`` holds within ``timeout_s`` (asked every ``poll_s``)."""
@@ -174,62 +187,54 @@ class Relay:
             last = version
 
     def _relay(self, version: int) -> None:
+        """Copies ``version``, listed from its start: a subscriber or relay below takes each
+        chunk as it lands here (a chain passes chunks on as they arrive)."""
         probe = self._probe
         limit = self.client_options.deadline_s
         with probe._manifest_of(version, limit, "relaying it") as (publisher, _, manifest):
-            if manifest.digests is None:
+            digests = manifest.digests
+            if digests is None:
                 raise InvalidArgumentError(
                     f"version {version} carries no chunk digests: publish with "
                     "Publisher(relays=True) for relays to serve it"
                 )
             self._open(manifest)
             self._drop_beyond(self.pool_options.keep - 1)
+            assert self.pool is not None and self._link is not None
             keys = [chunk_key(self.name, version, i) for i in range(manifest.n_chunks)]
-            todo = np.arange(manifest.n_chunks)
-            upstream = self._upstream(version, limit)
-            if upstream is not None:
-                todo = self._take(upstream, manifest, keys, todo)
-            todo = self._take(publisher, manifest, keys, todo)
-            if len(todo):
-                raise TpuSyncError(
-                    f"chunks {todo.tolist()[:8]} of version {version} failed their digests "
-                    "from the publisher too"
-                )
-        with self._lock:
-            self._held[version] = keys
-        assert self._link is not None
-        self._link.added([relay_key(self.name, version)])
-        with contextlib.suppress(TpuSyncError, OSError):  # else listed at the next heartbeat
-            self._link.flush_changes()
-
-    def _take(
-        self, client: BlockClient, manifest: Manifest, keys: list[bytes], todo: np.ndarray
-    ) -> np.ndarray:
-        """Takes chunks ``todo`` from ``client`` checked; those still missing."""
-        assert self.pool is not None and manifest.digests is not None
-        missing = []
-        for start in range(0, len(todo), _BATCH):
-            batch = todo[start : start + _BATCH]
+            with self._lock:
+                self._held[version] = keys
+            self._link.added([relay_key(self.name, version)])
+            with contextlib.suppress(TpuSyncError, OSError):  # else listed at the next heartbeat
+                self._link.flush_changes()
             try:
-                ok = take_verified(
-                    client,
-                    [keys[i] for i in batch.tolist()],
-                    batch,
-                    manifest.digests,
-                    self.pool,
-                    self._hashers,
+                todo = np.arange(manifest.n_chunks)
+                waits = Waits(
+                    self.client_options.poll_s,
+                    self.client_options.relay_wait_s,
+                    time.monotonic() + limit,
+                    self._stop,
                 )
-            except (PeerUnavailableError, OSError) as error:
-                if client is not self._upstream_client:
-                    raise
-                log.warning("tpusync relay %s: upstream %s failed: %s", self.name, client, error)
-                self._close_upstream()
-                missing.extend(todo[start:].tolist())
-                break
-            missing.extend(batch[~ok].tolist())
-        return np.array(missing, dtype=np.int64)
+                for source in (self._upstream(version), publisher):
+                    if source is None or not len(todo):
+                        continue
+                    taken = take_all(
+                        source, [keys[i] for i in todo.tolist()], todo, digests, self.pool,
+                        self._hashers, waits, None,
+                    )  # fmt: skip
+                    todo = todo[~taken]
+                    if len(todo) and source is self._upstream_client:
+                        self._close_upstream()  # stalled or failed: connected afresh next time
+                if len(todo):
+                    raise WeightSyncError(
+                        f"chunks {todo.tolist()[:8]} of version {version} could not be taken "
+                        "checked, from the publisher either"
+                    )
+            except BaseException:
+                self._drop(version)
+                raise
 
-    def _upstream(self, version: int, limit: float) -> BlockClient | None:
+    def _upstream(self, version: int) -> BlockClient | None:
         """The upstream relay's client once it lists ``version`` (None: no upstream, or it
         did not list it within the client options' ``relay_wait_s``)."""
         if self.upstream is None:
@@ -304,15 +309,20 @@ class Relay:
         """Drops the oldest versions until ``keep`` are held."""
         with self._lock:
             old = sorted(self._held)[: max(0, len(self._held) - keep)]
-            dropped = {v: self._held.pop(v) for v in old}
-        if not dropped:
+        for version in old:
+            self._drop(version)
+
+    def _drop(self, version: int) -> None:
+        """Withdraws ``version`` from the registry, then frees its chunks."""
+        with self._lock:
+            keys = self._held.pop(version, None)
+        if keys is None:
             return
         assert self._link is not None and self.pool is not None
-        self._link.removed([relay_key(self.name, v) for v in dropped])
+        self._link.removed([relay_key(self.name, version)])
         with contextlib.suppress(TpuSyncError, OSError):
             self._link.flush_changes()
-        for keys in dropped.values():
-            self.pool.delete(keys)
+        self.pool.delete(keys)
 
     # --- closing ------------------------------------------------------------------------------
 

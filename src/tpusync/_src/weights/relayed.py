@@ -5,8 +5,12 @@ authentication nor the block checksums it sends can vouch for its bytes)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,9 +18,18 @@ from tpusync._src.cluster.dataplane import BlockClient
 from tpusync._src.cluster.registry import Registry
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.weights.manifest import DIGEST_BYTES, relay_key
-from tpusync.errors import TpuSyncError
+from tpusync.errors import PeerUnavailableError, TpuSyncError
 
-__all__ = ["relay_addresses", "take_verified"]
+__all__ = ["Waits", "relay_addresses", "take_all", "take_verified"]
+
+log = logging.getLogger("tpusync.weights")
+
+
+class DamagedChunksError(TpuSyncError):
+    """A relay sent chunks that failed their block checksum."""
+
+
+_BATCH = 16  # chunks a request
 
 
 def relay_addresses(registry: Registry, name: str, version: int) -> list[str]:
@@ -38,12 +51,20 @@ def take_verified(
     digests: bytes,
     pool: HostPool,
     hashers: ThreadPoolExecutor,
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Pulls ``keys`` (chunks ``numbers`` of a version whose manifest holds ``digests``) from
-    ``client`` into ``pool``; which landed with their digest. Those that did not are not left
-    in the pool. Raises what the client raises (the peer gone)."""
+    ``client`` into ``pool``: which landed, and which of those match their digest (those that
+    do not are not left in the pool). Raises DamagedChunksError when a chunk failed its block
+    checksum, PeerUnavailableError when the peer is gone."""
     pool.delete(list(keys))
-    landed = np.array(client.pull(list(keys), pool), dtype=bool)
+    result = client.pull_result(list(keys), pool)
+    if result.error is not None:
+        pool.delete(list(keys))
+        raise PeerUnavailableError(f"{client.label}: {result.error}")
+    landed = np.array(result.loaded, dtype=bool)
+    if result.corrupt:  # damaged on its way or at the relay: none of it is taken
+        pool.delete(list(keys))
+        raise DamagedChunksError(f"{client.label} sent {result.corrupt} damaged chunks")
     chunk_bytes = pool.layout.payload_bytes
 
     def matches(k: int) -> bool:
@@ -61,4 +82,70 @@ def take_verified(
     bad = [keys[k] for k in np.flatnonzero(landed & ~checked).tolist()]
     if bad:
         pool.delete(bad)
-    return checked
+    return landed, checked
+
+
+@dataclass(frozen=True)
+class Waits:
+    """How a take from a relay still filling waits: ``poll_s`` between rounds without a new
+    chunk, giving up after ``stall_s`` of them or at ``deadline`` (monotonic) or ``stop``."""
+
+    poll_s: float
+    stall_s: float
+    deadline: float
+    stop: threading.Event
+
+
+def take_all(
+    client: BlockClient,
+    keys: Sequence[bytes],
+    numbers: np.ndarray,
+    digests: bytes,
+    pool: HostPool,
+    hashers: ThreadPoolExecutor,
+    waits: Waits,
+    landed: Callable[[list[bytes], np.ndarray], None] | None,
+) -> np.ndarray:
+    """Takes chunks ``numbers`` (under ``keys``) from a relay that may still be filling: in
+    order, in batches of the pool's room, each checked (:func:`take_verified`) and handed to
+    ``landed(keys, numbers)`` (None: they stay in ``pool``); a chunk the relay does not have
+    yet is asked again each round (so a chain of relays passes chunks on as they arrive).
+    Which were taken; the rest are left for the publisher: a relay that sends a chunk that
+    fails its block checksum or digest, stalls or goes away is not asked again."""
+    taken = np.zeros(len(keys), dtype=bool)
+    pending = np.arange(len(keys))
+    batch = max(1, min(pool.capacity, _BATCH))
+    last_new = time.monotonic()
+    while len(pending):
+        new = False
+        for start in range(0, len(pending), batch):
+            if time.monotonic() > waits.deadline or waits.stop.is_set():
+                return taken
+            at = pending[start : start + batch]
+            its_keys = [keys[k] for k in at.tolist()]
+            try:
+                arrived, good = take_verified(client, its_keys, numbers[at], digests, pool, hashers)
+            except (PeerUnavailableError, OSError, DamagedChunksError) as error:
+                log.warning("tpusync weights: relay %s failed: %s", client.label, error)
+                return taken
+            if (arrived & ~good).any():
+                log.warning(
+                    "tpusync weights: relay %s sent chunks unlike their digests", client.label
+                )
+                return taken
+            taken[at[good]] = True
+            new = new or bool(good.any())
+            if good.any() and landed is not None:
+                landed(
+                    [k for k, g in zip(its_keys, good.tolist(), strict=True) if g],
+                    numbers[at[good]],
+                )
+        pending = pending[~taken[pending]]
+        now = time.monotonic()
+        if new:
+            last_new = now
+        elif now - last_new > waits.stall_s:
+            break
+        elif len(pending):
+            waits.stop.wait(waits.poll_s)
+    return taken

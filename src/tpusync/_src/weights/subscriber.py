@@ -60,7 +60,7 @@ from tpusync._src.weights.manifest import (
 from tpusync._src.weights.multi import SamplerGroup, controller
 from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
-from tpusync._src.weights.relayed import relay_addresses, take_verified
+from tpusync._src.weights.relayed import Waits, relay_addresses, take_all
 from tpusync._src.weights.structure import PublishedStructure, structure_of
 from tpusync._src.weights.transforms import FP8, Landing, check_scales, converts, fp8_scales
 from tpusync.errors import (
@@ -199,7 +199,8 @@ class Subscriber:
       relays: take chunks from the :class:`~tpusync.weights.Relay` nodes that list a version
         in ``registry`` (a pull waits up to the client options' ``relay_wait_s`` for one), each
         checked against the SHA-256 in the publisher's manifest (``Publisher(relays=True)``);
-        a chunk a relay lacks or fails comes from the publisher (default False).
+        a chunk a relay lacks or fails comes from the publisher; a relay's ``host:port`` (the
+        one on this host): that relay first (default False).
     """
 
     def __init__(
@@ -215,11 +216,13 @@ class Subscriber:
         in_place: bool = False,
         kv_stores: Any = (),
         fp8_scales: str = "tensor",
-        relays: bool = False,
+        relays: bool | str = False,
     ) -> None:
         self.name = check_name(name)
-        if not isinstance(relays, bool):
-            raise InvalidArgumentError(f"relays: expected True or False, got {relays!r}")
+        if not isinstance(relays, bool | str) or (isinstance(relays, str) and ":" not in relays):
+            raise InvalidArgumentError(
+                f"relays: expected True, False or a relay's 'host:port', got {relays!r}"
+            )
         if relays and registry is None:
             raise InvalidArgumentError("relays: relays are found in a registry; give registry=")
         self.relays = relays
@@ -943,66 +946,64 @@ class Subscriber:
             return chunks
         assert self._registry is not None
         version, C = manifest.version, manifest.chunk_bytes
-        wait_until = min(deadline, time.monotonic() + self.client_options.relay_wait_s)
+        options = self.client_options
+        wait_until = min(deadline, time.monotonic() + options.relay_wait_s)
         addresses = relay_addresses(self._registry, self.name, version)
         while not addresses and time.monotonic() < wait_until:
-            if self._closing.wait(self.client_options.poll_s):
+            if self._closing.wait(options.poll_s):
                 return chunks
             addresses = relay_addresses(self._registry, self.name, version)
         if not addresses:
             return chunks
         pick = self._relay_pick % len(addresses)
+        order = addresses[pick:] + addresses[:pick]
+        if isinstance(self.relays, str) and self.relays in order:  # this host's relay first
+            order.remove(self.relays)
+            order.insert(0, self.relays)
         staging = self._relay_pool(C)
         if self._hashers is None:
             self._hashers = ThreadPoolExecutor(
                 max_workers=native.copy_threads(), thread_name_prefix="tpusync-weights-digest"
             )
         row_chunk = rows.offset // C
-        done: set[int] = set()
+
+        def landed(keys: list[bytes], numbers: np.ndarray) -> None:
+            self._copy_from_staging(staging, keys, numbers, rows, row_chunk, C)
+            staging.delete(keys)
+
+        waits = Waits(options.poll_s, options.relay_wait_s, deadline, self._closing)
         todo = own
-        for address in addresses[pick:] + addresses[:pick]:
+        for address in order:
             try:
                 client = self._connect(address, f"version {version}: a relay")
-            except (WeightSyncError, TpuSyncError) as error:
+            except TpuSyncError as error:
                 log.warning("tpusync weights: relay %s: %s", address, error)
                 continue
-            for start in range(0, len(todo), staging.capacity):
-                if time.monotonic() > deadline:
-                    break
-                batch = todo[start : start + staging.capacity]
-                keys = [chunk_key(self.name, version, c) for c in batch.tolist()]
-                try:
-                    ok = take_verified(
-                        client, keys, batch, manifest.digests, staging, self._hashers
-                    )
-                except (PeerUnavailableError, OSError) as error:
-                    log.warning("tpusync weights: relay %s failed: %s", address, error)
-                    self._drop_client(client)
-                    break
-                self._copy_from_staging(staging, keys, batch[ok], ok, rows, row_chunk, C)
-                staging.delete(keys)
-                done.update(batch[ok].tolist())
-            todo = np.array([c for c in todo.tolist() if c not in done], dtype=own.dtype)
+            keys = [chunk_key(self.name, version, c) for c in todo.tolist()]
+            taken = take_all(
+                client, keys, todo, manifest.digests, staging, self._hashers, waits, landed
+            )
+            if not taken.all():
+                self._drop_client(client)  # stalled or failed: connected afresh next time
+            todo = todo[~taken]
             if not len(todo):
                 break
-        return np.array([c for c in chunks.tolist() if c not in done], dtype=chunks.dtype)
+        left = set(todo.tolist())
+        return np.array([c for c in chunks.tolist() if c >= len(manifest.checksums) or c in left],
+                        dtype=chunks.dtype)  # fmt: skip
 
     def _copy_from_staging(
         self,
         staging: HostPool,
         keys: list[bytes],
         numbers: np.ndarray,
-        ok: np.ndarray,
         rows: Rows,
         row_chunk: np.ndarray,
         C: int,
     ) -> None:
-        """Copies each checked chunk (``numbers``, the ``keys`` marked ``ok``) from its staging
-        slot to its rows' places."""
-        good = [k for k, flag in zip(keys, ok.tolist(), strict=True) if flag]
-        if not good:
-            return
-        slots = np.array([staging.slot_of(k) for k in good], dtype=np.int64)
+        """Copies checked chunks ``numbers`` (under ``keys``) from their staging slots to
+        their rows' places."""
+        slots = np.array([staging.slot_of(k) for k in keys], dtype=np.int64)
         with staging.slot_addresses(slots) as addresses:
             copies = []
             for c, address in zip(numbers.tolist(), addresses.tolist(), strict=True):
