@@ -15,6 +15,8 @@ version, so a sampler's step can tell which version each leaf it read belongs to
         COUNT LEAVES
     python -m tpusync._src.testing.weights_procs multisampler NAME REGISTRY COORDINATOR INDEX
         COUNT LEAVES
+    python -m tpusync._src.testing.weights_procs fanouttrainer NAME REGISTRY HOST MIB
+    python -m tpusync._src.testing.weights_procs fanoutsampler NAME REGISTRY HOST UPSTREAM MIB
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -23,6 +25,7 @@ command line where every user sees it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -50,11 +53,13 @@ from tpusync._src.cluster.registry import RemoteRegistry
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.weights.manifest import chunk_key, chunk_layout
 from tpusync._src.weights.options import (
+    TlsOptions,
     WeightsClientOptions,
     WeightsPoolOptions,
     WeightsServerOptions,
 )
 from tpusync._src.weights.publisher import Publisher
+from tpusync._src.weights.relay import Relay
 from tpusync._src.weights.subscriber import Subscriber, published_structure
 from tpusync.errors import StructureChangedError, TpuSyncError
 
@@ -431,6 +436,122 @@ def multi_sampler(
     jax.distributed.shutdown()
 
 
+def fanout_spec(mib: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """The fan-out tree: 8 float32 leaves, ``mib`` MiB in all."""
+    return [(f"layer{i}", (mib * 32, 1024), "float32") for i in range(8)]
+
+
+def _fanout_leaves(version: int, mib: int) -> dict[str, np.ndarray]:
+    return {
+        path: np.frombuffer(leaf_bytes(0, version, i, shape, dtype), np_dtype(dtype)).reshape(shape)
+        for i, (path, shape, dtype) in enumerate(fanout_spec(mib))
+    }
+
+
+def _fanout_registry(address: str, secret: bytes) -> RemoteRegistry:
+    return RemoteRegistry(address, secret=secret, insecure=True)  # hosts of one test's switch
+
+
+def fanout_trainer(name: str, registry_address: str, secret: bytes, host: str, mib: int) -> None:
+    """A trainer on host ``host`` publishing the fan-out tree with chunk digests: ``publish
+    V``, ``quit``."""
+    registry = _fanout_registry(registry_address, secret)
+    publisher = Publisher(
+        name, secret=secret, registry=registry, relays=True,
+        pool=WeightsPoolOptions(chunk_bytes=1 << 20, keep=2),
+        server=WeightsServerOptions(host=host, registry_ttl_s=3.0),
+        tls=TlsOptions(insecure=True),
+    )  # fmt: skip
+    _say({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "quit":
+            break
+        version = int(args[0])
+        report = publisher.publish(_fanout_leaves(version, mib), version)
+        _say({"published": version, "nbytes": report.nbytes, "seconds": report.seconds})
+    publisher.close()
+    registry.close()
+
+
+def fanout_sampler(
+    name: str, registry_address: str, secret: bytes, host: str, upstream: str, mib: int
+) -> None:
+    """A sampler on host ``host`` (2 CPU devices) beside a relay at ``host:7400`` taking chunks
+    from ``upstream`` (a relay's address, or ``-``: the publisher); its subscriber takes them
+    from that relay first. ``pull V`` (pulls and commits V: its seconds, where its chunks came
+    from, whether every byte is V's), ``flip`` (from now on its relay damages each chunk it
+    holds, a byte each, as memory gone bad would), ``quit``."""
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 2)
+    registry = _fanout_registry(registry_address, secret)
+    tls = TlsOptions(insecure=True)
+    client = WeightsClientOptions(
+        same_host=False, timeout_s=5.0, deadline_s=60.0, poll_s=0.01, relay_wait_s=10.0
+    )
+    flipping = threading.Event()
+
+    class DamagingRelay(Relay):
+        """A relay whose memory goes bad once told to (``flip``): each chunk that lands has a
+        byte flipped right after, so it is served unlike its block checksum."""
+
+        def _landed(self, keys: list[bytes], numbers: np.ndarray) -> None:
+            pool = self.pool
+            if not flipping.is_set() or pool is None:
+                return
+            for key in keys:
+                slot = pool.slot_of(key)
+                if slot is not None:
+                    with pool.slot_memory(slot) as memory:
+                        memory[1000] ^= 0x01
+
+    relay = DamagingRelay(
+        name, secret=secret, registry=registry, upstream=None if upstream == "-" else upstream,
+        server=WeightsServerOptions(host=host, port=7400, registry_ttl_s=3.0), client=client,
+        tls=tls, pool=WeightsPoolOptions(chunk_bytes=1 << 20, keep=2),
+    )  # fmt: skip
+    mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("x", "y"))
+    target = {
+        path: jax.ShapeDtypeStruct(
+            shape, np_dtype(dtype), sharding=NamedSharding(mesh, P("x", "y"))
+        )
+        for path, shape, dtype in fanout_spec(mib)
+    }
+    subscriber = Subscriber(
+        name, target, secret=secret, registry=registry, client=client, tls=tls,
+        relays=f"{host}:7400",
+    )  # fmt: skip
+    _say({"ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "quit":
+            break
+        if command == "flip":
+            flipping.set()
+            _say({"flipping": True})
+            continue
+        version = int(args[0])
+        try:
+            report = subscriber.pull(version)
+            tree = subscriber.commit()
+        except TpuSyncError as error:
+            _say({"error": type(error).__name__, "message": str(error)})
+            continue
+        want = _fanout_leaves(version, mib)
+        exact = all(np.asarray(tree[p]).tobytes() == want[p].tobytes() for p in want)
+        waited = time.monotonic() + 10.0  # its relay books the copy a moment after its end
+        while (relay.last is None or relay.last.version < version) and time.monotonic() < waited:
+            time.sleep(0.01)
+        last = relay.last
+        copied = None if last is None else dataclasses.asdict(last)
+        _say({"version": version, "seconds": report.seconds, "exact": exact,
+              "relayed": report.chunks_relayed, "direct": report.chunks_network,
+              "relay": copied})  # fmt: skip
+    subscriber.close()
+    relay.close()
+    registry.close()
+
+
 def follower(name: str, registry_address: str, secret: bytes, mesh_name: str) -> None:
     """A sampler told nothing but the registry, the weights' name and its own mesh: builds its
     target from the newest version's published structure, then follows every newer version
@@ -578,9 +699,10 @@ class Child:
     """A child of this module, driven from another process: one command a line in, one JSON
     line out, each answer awaited with a timeout; stopped by its pid."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], host: Any = None) -> None:
+        argv = [sys.executable, "-m", "tpusync._src.testing.weights_procs", *args]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tpusync._src.testing.weights_procs", *args],
+            argv if host is None else host.command(argv),  # a testing.hosts.Host
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -644,6 +766,10 @@ def main(argv: list[str]) -> None:
         follower(name, registry_address, secret, rest[0])
     elif role == "multitrainer":
         multi_trainer(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:4]))
+    elif role == "fanouttrainer":
+        fanout_trainer(name, registry_address, secret, rest[0], int(rest[1]))
+    elif role == "fanoutsampler":
+        fanout_sampler(name, registry_address, secret, rest[0], rest[1], int(rest[2]))
     elif role == "multisampler":
         multi_sampler(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:4]))
     else:

@@ -12,6 +12,8 @@ after the handshake (the deployment secret), and bounded and checked when parsed
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +24,10 @@ from tpusync._src.cluster.dataplane.client import call
 from tpusync._src.weights.manifest import check_version
 from tpusync.errors import InvalidArgumentError, WeightSyncError
 
-__all__ = ["Head", "WeightsServer", "head_of", "read_head"]
+__all__ = ["Head", "WeightsServer", "head_of", "read_head", "read_manifest"]
 
 MAX_LISTED = 1024  # versions a head lists (the newest ones when more are kept)
+MANIFEST_ANSWER_BYTES = 8 << 20  # longer manifests are read as pool blocks (a frame's bound)
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
@@ -72,14 +75,42 @@ def read_head(client: BlockClient) -> Head:
     return head_of(call(client, "head", {}), client.label)
 
 
+def read_manifest(client: BlockClient, version: int) -> bytes | None:
+    """The manifest of ``version`` as its publisher wrote it (length field first), answered
+    whole: a pool block would move a whole chunk for a few kilobytes. None when the publisher
+    has it only as pool blocks (too long for one answer)."""
+    answer = call(client, "manifest", {"version": version})
+    text = answer.get("manifest") if isinstance(answer, dict) else None
+    if text is None:
+        return None
+    try:
+        if not isinstance(text, str) or len(text) > 2 * MANIFEST_ANSWER_BYTES:
+            raise ValueError("too long, or not text")
+        return base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error) as error:
+        raise WeightSyncError(f"a malformed manifest from {client.label}: {error}") from None
+
+
 class WeightsServer(BlockServer):
-    """A publisher's block server: its pool's chunks, and its :attr:`head` (replaced whole by
-    the publisher at each change; read by the connection threads as it stands)."""
+    """A publisher's block server: its pool's chunks, its :attr:`head` (replaced whole by the
+    publisher at each change; read by the connection threads as it stands) and the manifests
+    of the versions it keeps or a subscriber still holds (:attr:`manifests`)."""
 
     _thread_name = "tpusync-weights-server"
     head: Head = Head()
 
+    def __init__(self, *args: Any, **keywords: Any) -> None:
+        self.manifests: dict[int, bytes] = {}  # set and dropped by the publisher
+        super().__init__(*args, **keywords)
+
     def _handlers(self, served: Served) -> dict[str, Callable[[dict[str, Any]], Any]]:
         handlers = super()._handlers(served)
         handlers["head"] = lambda p: self.head.to_json()
+        handlers["manifest"] = self._manifest
         return handlers
+
+    def _manifest(self, params: dict[str, Any]) -> dict[str, Any]:
+        data = self.manifests.get(check_version(params.get("version")))
+        if data is None or len(data) > MANIFEST_ANSWER_BYTES:
+            return {"manifest": None}
+        return {"manifest": base64.b64encode(data).decode()}

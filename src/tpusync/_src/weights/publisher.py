@@ -381,7 +381,8 @@ class Publisher:
             checksums = self._stage(reservation.slots[:n_chunks], sources, total)
             digests = self._digests_of(reservation.slots[:n_chunks]) if self.relays else None
             manifest = dataclasses.replace(draft, checksums=checksums, digests=digests)
-            self._write_manifest(reservation.slots[n_chunks:], manifest.to_bytes())
+            manifest_bytes = manifest.to_bytes()
+            self._write_manifest(reservation.slots[n_chunks:], manifest_bytes)
             all_checksums = np.concatenate(
                 [checksums, self.pool.hash_slots(reservation.slots[n_chunks:])]
             )
@@ -390,7 +391,9 @@ class Publisher:
             raise
         # one commit: the chunks and the manifest become visible together, under the pool's lock
         self.pool.commit(reservation, all_checksums)
-        self._record(version, manifest_keys, entries, skeleton, checksums, set(origins))
+        self._record(
+            version, manifest_keys, manifest_bytes, entries, skeleton, checksums, set(origins)
+        )
         self._announce(version)
         return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
 
@@ -398,6 +401,7 @@ class Publisher:
         self,
         version: int,
         manifest_keys: list[bytes],
+        manifest_bytes: bytes,
         entries: list[LeafEntry],
         skeleton: Any,
         checksums: np.ndarray,
@@ -406,6 +410,9 @@ class Publisher:
         """Books a committed ``version`` (its manifest's keys, leaves, tree, chunks' checksums
         and the earlier versions it reads), drops the versions beyond ``keep`` and updates the
         head."""
+        assert self.server is not None
+        if manifest_bytes:  # served whole (a multi-controller trainer's first process only)
+            self.server.manifests[version] = manifest_bytes
         with self._lock:
             self._versions[version] = manifest_keys
             self._chunks[version] = len(checksums)
@@ -458,6 +465,7 @@ class Publisher:
         checksums = np.zeros(0, dtype=np.uint64)
         digest = structure_digest([(e.path, e.shape, e.dtype) for e in entries])
         manifest_keys: list[bytes] = []
+        data = b""  # the manifest: the first process writes it
         try:
             try:
                 if self.pool is None:  # the first process's manifest: ~ a checksum per chunk
@@ -536,7 +544,7 @@ class Publisher:
             if not ctl.index:
                 for p in range(1, ctl.count):
                     ctl.forget(f"{prefix}/part/{p}")
-        self._record(version, manifest_keys, entries, skeleton, checksums, set())
+        self._record(version, manifest_keys, data, entries, skeleton, checksums, set())
         if not ctl.index:
             self._announce(version)
         return PublishReport(version, total, n_chunks, time.perf_counter() - start, self.versions)
@@ -852,6 +860,8 @@ class Publisher:
                 continue  # held by a subscriber: dropped at a later publish
             self.pool.delete(keys[1:])
             del self._dropping[version]
+            if self.server is not None:
+                self.server.manifests.pop(version, None)
             self._origins.pop(version, None)
             n_chunks = len(self._streams[version])  # its checksums stay while it is read
             self._released[version] = [chunk_key(self.name, version, i) for i in range(n_chunks)]

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,11 +49,22 @@ from tpusync.errors import (
     WeightSyncError,
 )
 
-__all__ = ["Relay"]
+__all__ = ["Relay", "RelayReport"]
 
 log = logging.getLogger("tpusync.weights")
 
 _BATCH = 16  # chunks a request
+
+
+@dataclass(frozen=True)
+class RelayReport:
+    """One version a relay copied: the chunks it took from its upstream relay and from the
+    publisher, and the seconds from its manifest to its last chunk."""
+
+    version: int
+    chunks_upstream: int
+    chunks_publisher: int
+    seconds: float
 
 
 class Relay:
@@ -117,11 +129,13 @@ class Relay:
         self.server: BlockServer | None = None
         self._link: RegistryLink | None = None
         self._upstream_client: BlockClient | None = None
+        self._upstream_seen = False  # the upstream relay was in the registry once
         self._hashers = ThreadPoolExecutor(
             max_workers=native.copy_threads(), thread_name_prefix="tpusync-relay-digest"
         )
         self._stop = threading.Event()
         self.failures = 0  # versions that could not be relayed (logged)
+        self.last: RelayReport | None = None  # the last version copied whole
         self._thread = threading.Thread(
             target=self._follow, name=f"tpusync-relay-{name}", daemon=True
         )
@@ -207,6 +221,8 @@ class Relay:
             self._link.added([relay_key(self.name, version)])
             with contextlib.suppress(TpuSyncError, OSError):  # else listed at the next heartbeat
                 self._link.flush_changes()
+            start = time.perf_counter()
+            from_upstream = 0
             try:
                 todo = np.arange(manifest.n_chunks)
                 waits = Waits(
@@ -218,12 +234,14 @@ class Relay:
                 for source in (self._upstream(version), publisher):
                     if source is None or not len(todo):
                         continue
+                    upstream = source is not publisher
                     taken = take_all(
                         source, [keys[i] for i in todo.tolist()], todo, digests, self.pool,
-                        self._hashers, waits, None,
+                        self._hashers, waits, self._landed,
                     )  # fmt: skip
                     todo = todo[~taken]
-                    if len(todo) and source is self._upstream_client:
+                    from_upstream += int(taken.sum()) if upstream else 0
+                    if len(todo) and upstream:
                         self._close_upstream()  # stalled or failed: connected afresh next time
                 if len(todo):
                     raise WeightSyncError(
@@ -233,17 +251,35 @@ class Relay:
             except BaseException:
                 self._drop(version)
                 raise
+            self.last = RelayReport(
+                version, from_upstream, manifest.n_chunks - from_upstream,
+                time.perf_counter() - start,
+            )  # fmt: skip
+
+    def _landed(self, keys: list[bytes], numbers: np.ndarray) -> None:
+        """Called with the chunks of each batch once they landed checked (served from now)."""
 
     def _upstream(self, version: int) -> BlockClient | None:
         """The upstream relay's client once it lists ``version`` (None: no upstream, or it
-        did not list it within the client options' ``relay_wait_s``)."""
+        did not list it within the client options' ``relay_wait_s``, or it left the registry
+        after it had been in it: stopped)."""
         if self.upstream is None:
             return None
-        listed = self._wait(
-            lambda: self.upstream in relay_addresses(self._registry, self.name, version),
-            self.client_options.relay_wait_s,
-        )
-        if not listed:
+        gone = threading.Event()
+
+        def listed() -> bool:
+            try:
+                nodes = self._registry.nodes()
+            except TpuSyncError:
+                return False
+            if any(self.upstream in n.addresses for n in nodes):
+                self._upstream_seen = True
+                return self.upstream in relay_addresses(self._registry, self.name, version)
+            if self._upstream_seen:
+                gone.set()
+            return gone.is_set()
+
+        if not self._wait(listed, self.client_options.relay_wait_s) or gone.is_set():
             return None
         if self._upstream_client is None:
             try:

@@ -44,7 +44,7 @@ from tpusync._src.cluster.registry import Registry
 from tpusync._src.engines import native
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.weights._stream import Rows, piece_rows, scatter_runs, split_at_chunks
-from tpusync._src.weights.head import Head, read_head
+from tpusync._src.weights.head import Head, read_head, read_manifest
 from tpusync._src.weights.manifest import (
     Manifest,
     announcement_key,
@@ -694,7 +694,10 @@ class Subscriber:
 
     def _read_manifest(self, client: BlockClient, version: int, announce: bytes) -> Manifest:
         """The manifest of ``version``, whose first part is its announcement ``announce``."""
-        chunk_bytes = client.payload_bytes
+        data = read_manifest(client, version)
+        if data is not None:
+            return Manifest.from_bytes(data, name=self.name, version=version)
+        chunk_bytes = client.payload_bytes  # a manifest too long for one answer: its blocks
         staging = self._manifest_pool(chunk_bytes)
         parts = [self._pull_one(client, staging, announce)]
         length = int.from_bytes(parts[0][:8], "little")
