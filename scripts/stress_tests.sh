@@ -12,6 +12,7 @@ main_tests=(
     tests/cluster/test_cluster_faults.py tests/cluster/test_cluster_tls.py tests/cluster/test_preauth.py
     tests/memory/test_fork.py tests/tiers/test_crash.py tests/weights/test_weights_processes.py
     tests/cluster/test_server_loops.py tests/cluster/test_peer_isolation.py
+    tests/weights/test_weights_fanout_netns.py
 )
 # the vLLM connector's tests of lookup deadlines and background loads (its engine tests take
 # minutes each under load: CI's 30 minutes do not hold them a second time)

@@ -459,7 +459,7 @@ def fanout_trainer(name: str, registry_address: str, secret: bytes, host: str, m
     publisher = Publisher(
         name, secret=secret, registry=registry, relays=True,
         pool=WeightsPoolOptions(chunk_bytes=1 << 20, keep=2),
-        server=WeightsServerOptions(host=host, registry_ttl_s=3.0),
+        server=WeightsServerOptions(host=host),
         tls=TlsOptions(insecure=True),
     )  # fmt: skip
     _say({"ready": True, "pid": os.getpid()})
@@ -507,7 +507,7 @@ def fanout_sampler(
 
     relay = DamagingRelay(
         name, secret=secret, registry=registry, upstream=None if upstream == "-" else upstream,
-        server=WeightsServerOptions(host=host, port=7400, registry_ttl_s=3.0), client=client,
+        server=WeightsServerOptions(host=host, port=7400), client=client,
         tls=tls, pool=WeightsPoolOptions(chunk_bytes=1 << 20, keep=2),
     )  # fmt: skip
     mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("x", "y"))

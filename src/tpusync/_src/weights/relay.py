@@ -260,9 +260,10 @@ class Relay:
         """Called with the chunks of each batch once they landed checked (served from now)."""
 
     def _upstream(self, version: int) -> BlockClient | None:
-        """The upstream relay's client once it lists ``version`` (None: no upstream, or it
-        did not list it within the client options' ``relay_wait_s``, or it left the registry
-        after it had been in it: stopped)."""
+        """The upstream relay's client once it lists ``version``; None when there is no
+        upstream, when it did not list the version within the client options'
+        ``relay_wait_s``, or when it stopped (it refuses connections, or left the registry
+        after it had been in it)."""
         if self.upstream is None:
             return None
         gone = threading.Event()
@@ -272,16 +273,24 @@ class Relay:
                 nodes = self._registry.nodes()
             except TpuSyncError:
                 return False
-            if any(self.upstream in n.addresses for n in nodes):
-                self._upstream_seen = True
-                return self.upstream in relay_addresses(self._registry, self.name, version)
-            if self._upstream_seen:
+            if not any(self.upstream in n.addresses for n in nodes):
+                if self._upstream_seen:
+                    gone.set()
+                return gone.is_set()
+            self._upstream_seen = True
+            if self._connect_upstream() is None:  # listed still, but stopped
                 gone.set()
-            return gone.is_set()
+                return True
+            return self.upstream in relay_addresses(self._registry, self.name, version)
 
         if not self._wait(listed, self.client_options.relay_wait_s) or gone.is_set():
             return None
+        return self._upstream_client
+
+    def _connect_upstream(self) -> BlockClient | None:
+        """The upstream relay's client (connected now if need be); None if it cannot be."""
         if self._upstream_client is None:
+            assert self.upstream is not None
             try:
                 self._upstream_client = BlockClient(
                     self.upstream,
