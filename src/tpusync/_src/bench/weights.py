@@ -19,7 +19,12 @@ else.
 in the sampler's (the commands between processes are not counted); compilation is excluded
 (the first version is a warm-up).
 
-    python benchmarks/weights.py [--scale 1100] [--repeats 5] [--json PATH]
+Then the fan-out part (:mod:`tpusync._src.bench.weights_fanout`): 1, 2, 4 and 8 samplers on
+hosts with shaped links, through chained relays, beside one sampler alone and N sequential
+pulls (needs root, iproute2 and iperf3; else it says why it is skipped).
+
+    python benchmarks/weights.py [--scale 1100] [--repeats 5] [--fanout-mib 128]
+        [--fanout-counts 1,2,4,8] [--rate-mbit 1000] [--skip-fanout] [--json PATH]
 """
 
 from __future__ import annotations
@@ -40,13 +45,15 @@ import numpy as np
 from tpusync._native import core as _core
 from tpusync._src.bench.common import Run, median, print_table, spread, timed
 from tpusync._src.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
+from tpusync._src.bench.weights_fanout import HEADERS as FANOUT_HEADERS
+from tpusync._src.bench.weights_fanout import fanout, fanout_rows
 from tpusync._src.cluster.registry import MemoryRegistry, RegistryServer
 from tpusync._src.testing.weights_procs import Child, tree_spec
 from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync._src.weights.plan import leaf_plan
 from tpusync.errors import TpuSyncError
 
-QUICK = ["--scale", "64", "--repeats", "2"]
+QUICK = ["--scale", "64", "--repeats", "2", "--fanout-mib", "16", "--fanout-counts", "1,2"]
 LEAVES = 100
 
 
@@ -55,8 +62,23 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", type=int, default=1100, help="last-axis multiplier")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-mib", type=int, default=4, help="the publisher's chunk")
+    parser.add_argument("--fanout-mib", type=int, default=128, help="the fan-out part's tree")
+    parser.add_argument("--fanout-counts", default="1,2,4,8", help="samplers in each fan-out run")
+    parser.add_argument("--rate-mbit", type=int, default=1000, help="each host's link, shaped")
+    parser.add_argument("--skip-fanout", action="store_true", help="skip the fan-out part")
     parser.add_argument("--json", default=None, help="default: the results scheme")
     return parser
+
+
+def _fanout_unavailable(args: argparse.Namespace) -> str | None:
+    if args.skip_fanout:
+        return "skipped (--skip-fanout)"
+    if os.geteuid() != 0:
+        return "skipped: needs root (network namespaces, veth, tc)"
+    missing = [tool for tool in ("ip", "tc", "iperf3") if shutil.which(tool) is None]
+    if missing:
+        return f"skipped: {' and '.join(missing)} not installed (apt-get install iproute2 iperf3)"
+    return None
 
 
 def _grid_boxes(
@@ -280,9 +302,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"on average, hashed one by one at {unit['hash_per_range_gbps']:.2f} GB/s a core "
         f"beside {unit['hash_per_chunk_gbps']:.2f} GB/s per chunk"
     )
+    why = _fanout_unavailable(args)
+    fanned: dict[str, Any] | None = None
+    if why is None:
+        counts = [int(c) for c in args.fanout_counts.split(",")]
+        print(f"fan-out: {args.fanout_mib} MiB, samplers {counts}, {args.rate_mbit} Mbit/s "
+              "links ...", flush=True)  # fmt: skip
+        fanned = fanout(args.fanout_mib, counts, args.repeats, args.rate_mbit)
+        print_table(FANOUT_HEADERS, fanout_rows(fanned), limit_columns=(2,))
+    else:
+        print(f"fan-out: {why}")
     run.write(
         args.json,
         {
+            "fanout": fanned if fanned is not None else {"skipped": why},
             "verified_unit": unit,
             "nbytes": nbytes,
             "leaves": LEAVES,

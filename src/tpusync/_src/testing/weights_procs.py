@@ -16,7 +16,8 @@ version, so a sampler's step can tell which version each leaf it read belongs to
     python -m tpusync._src.testing.weights_procs multisampler NAME REGISTRY COORDINATOR INDEX
         COUNT LEAVES
     python -m tpusync._src.testing.weights_procs fanouttrainer NAME REGISTRY HOST MIB
-    python -m tpusync._src.testing.weights_procs fanoutsampler NAME REGISTRY HOST UPSTREAM MIB
+    python -m tpusync._src.testing.weights_procs fanoutsampler NAME REGISTRY HOST UPSTREAM|-|none
+        MIB
 
 with the deployment secret in hex in the environment (``TPUSYNC_TEST_SECRET``), not on the
 command line where every user sees it.
@@ -479,9 +480,10 @@ def fanout_sampler(
 ) -> None:
     """A sampler on host ``host`` (2 CPU devices) beside a relay at ``host:7400`` taking chunks
     from ``upstream`` (a relay's address, or ``-``: the publisher); its subscriber takes them
-    from that relay first. ``pull V`` (pulls and commits V: its seconds, where its chunks came
-    from, whether every byte is V's), ``flip`` (from now on its relay damages each chunk it
-    holds, a byte each, as memory gone bad would), ``quit``."""
+    from that relay first (``none``: no relay, every chunk from the publisher). ``pull V``
+    (pulls and commits V: its seconds, where its chunks came from, whether every byte is
+    V's), ``flip`` (from now on its relay damages each chunk that lands in it, a byte each,
+    as memory gone bad would), ``quit``."""
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 2)
     registry = _fanout_registry(registry_address, secret)
@@ -505,7 +507,7 @@ def fanout_sampler(
                     with pool.slot_memory(slot) as memory:
                         memory[1000] ^= 0x01
 
-    relay = DamagingRelay(
+    relay = None if upstream == "none" else DamagingRelay(
         name, secret=secret, registry=registry, upstream=None if upstream == "-" else upstream,
         server=WeightsServerOptions(host=host, port=7400), client=client,
         tls=tls, pool=WeightsPoolOptions(chunk_bytes=1 << 20, keep=2),
@@ -519,7 +521,7 @@ def fanout_sampler(
     }
     subscriber = Subscriber(
         name, target, secret=secret, registry=registry, client=client, tls=tls,
-        relays=f"{host}:7400",
+        relays=False if relay is None else f"{host}:7400",
     )  # fmt: skip
     _say({"ready": True, "pid": os.getpid()})
     for line in sys.stdin:
@@ -540,15 +542,18 @@ def fanout_sampler(
         want = _fanout_leaves(version, mib)
         exact = all(np.asarray(tree[p]).tobytes() == want[p].tobytes() for p in want)
         waited = time.monotonic() + 10.0  # its relay books the copy a moment after its end
-        while (relay.last is None or relay.last.version < version) and time.monotonic() < waited:
+        while relay is not None and time.monotonic() < waited:
+            if relay.last is not None and relay.last.version >= version:
+                break
             time.sleep(0.01)
-        last = relay.last
+        last = None if relay is None else relay.last
         copied = None if last is None else dataclasses.asdict(last)
         _say({"version": version, "seconds": report.seconds, "exact": exact,
               "relayed": report.chunks_relayed, "direct": report.chunks_network,
               "relay": copied})  # fmt: skip
     subscriber.close()
-    relay.close()
+    if relay is not None:
+        relay.close()
     registry.close()
 
 
