@@ -19,7 +19,7 @@ from tpusync._src.weights.options import (
 )
 from tpusync._src.weights.plan import Box, LeafPlan, Piece, leaf_plan, shard_boxes
 from tpusync._src.weights.publisher import Publisher, PublishReport
-from tpusync._src.weights.relay import Relay
+from tpusync._src.weights.relay import Relay, RelayReport
 from tpusync._src.weights.structure import PublishedLeaf, PublishedStructure
 from tpusync._src.weights.subscriber import PullReport, Subscriber, published_structure
 
@@ -35,6 +35,7 @@ __all__ = [
     "Publisher",
     "PullReport",
     "Relay",
+    "RelayReport",
     "Subscriber",
     "TlsOptions",
     "WeightsClientOptions",
