@@ -35,6 +35,7 @@ import importlib.util
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Sequence
@@ -147,6 +148,54 @@ def verified_unit(scale: int, chunk_bytes: int) -> dict[str, float]:
         "hash_per_range_gbps": float(lengths.sum()) / per_range / 1e9,
         "hash_per_chunk_gbps": sample / per_chunk / 1e9,
     }
+
+
+def trainer_processes(counts: list[int], scale: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each ``publish`` (the slowest process's: it is a collective) of the
+    benchmark's tree by a trainer of each of ``counts`` ``jax.distributed`` processes, 8 CPU
+    devices across them, the tree sharded 8x1 over all of them (after a warm-up version)."""
+    secret = secrets.token_bytes(32)
+    env = {"TPUSYNC_TEST_SECRET": secret.hex()}
+    found: dict[str, list[float]] = {}
+    with RegistryServer(MemoryRegistry(), secret=secret) as server:
+        for count in counts:
+            found[str(count)] = _trainer_run(count, scale, repeats, env, server.address)
+    return found
+
+
+def _trainer_run(
+    count: int, scale: int, repeats: int, env: dict[str, str], registry: str
+) -> list[float]:
+    """:func:`trainer_processes` for one count."""
+    name = f"bench-mc-{uuid.uuid4().hex[:8]}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
+    common = [name, registry, coordinator]
+    args = [str(LEAVES), str(scale), "bfloat16"]
+    children = [
+        Child(["multitrainer", *common, str(i), str(count), *args], env) for i in range(count)
+    ]
+    try:
+        for child in children:
+            child.answer(timeout=300)
+        times = []
+        for version in range(repeats + 1):  # version 0: the warm-up
+            for command in ("make", "publish"):  # the arrays made before the timed publish
+                for child in children:
+                    child.send(f"{command} {version}")
+                answers = [child.answer(timeout=600) for child in children]
+                if any("error" in a for a in answers):
+                    raise RuntimeError(f"a trainer process of {count}: {answers}")
+            if version:
+                times.append(max(a["seconds"] for a in answers))
+        return times
+    finally:
+        for child in children:
+            child.stop()
+        for i in range(count):
+            with contextlib.suppress(TpuSyncError):
+                remove_pool(f"weights-{name}" + (f"-p{i}" if count > 1 else ""), force=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,6 +351,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"on average, hashed one by one at {unit['hash_per_range_gbps']:.2f} GB/s a core "
         f"beside {unit['hash_per_chunk_gbps']:.2f} GB/s per chunk"
     )
+    print(
+        "trainer of 1, 2 and 4 jax.distributed processes publishing the same tree ...", flush=True
+    )
+    processes = trainer_processes([1, 2, 4], args.scale, min(args.repeats, 3))
+    one = median(processes["1"])
+    print_table(
+        ["trainer processes (8 CPU devices in all)", "publish GB/s (runs)", "x 1 process"],
+        [[f"{c} process{'es' if c != '1' else ''}", spread([nbytes / t / 1e9 for t in v]),
+          one / median(v)] for c, v in processes.items()],
+    )  # fmt: skip
     why = _fanout_unavailable(args)
     fanned: dict[str, Any] | None = None
     if why is None:
@@ -316,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json,
         {
             "fanout": fanned if fanned is not None else {"skipped": why},
+            "trainer_processes_publish_seconds": processes,
             "verified_unit": unit,
             "nbytes": nbytes,
             "leaves": LEAVES,

@@ -12,7 +12,7 @@ version, so a sampler's step can tell which version each leaf it read belongs to
         [SAME_HOST [WINDOW_MIB]]]]]
     python -m tpusync._src.testing.weights_procs follower NAME REGISTRY MESH
     python -m tpusync._src.testing.weights_procs multitrainer NAME REGISTRY COORDINATOR INDEX
-        COUNT LEAVES
+        COUNT LEAVES [SCALE [DTYPE]]
     python -m tpusync._src.testing.weights_procs multisampler NAME REGISTRY COORDINATOR INDEX
         COUNT LEAVES
     python -m tpusync._src.testing.weights_procs fanouttrainer NAME REGISTRY HOST MIB
@@ -332,17 +332,17 @@ def sampler(
 
 def multi_trainer(
     name: str, registry_address: str, secret: bytes, coordinator: str, index: int, count: int,
-    leaves: int,
+    leaves: int, scale: int = 1, dtype: str | None = None,
 ) -> None:  # fmt: skip
     """One process of a trainer of ``count`` ``jax.distributed`` processes, 8 CPU devices
     across them, holding each version of the test tree sharded 8x1 over all of them (each
-    process only its own shards): ``publish V`` on every process publishes V (answers the
-    report or the error), ``quit``."""
+    process only its own shards): ``make V`` makes V's arrays, ``publish V`` on every process
+    publishes V (answers the report or the error), ``quit``."""
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8 // count)
     jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
     mesh = Mesh(np.array(jax.devices()).reshape(8, 1), ("x", "y"))
-    spec = tree_spec(leaves)
+    spec = tree_spec(leaves, scale, dtype)
     registry = RemoteRegistry(registry_address, secret=secret)
     publisher = Publisher(
         name, secret=secret, registry=registry, pool=WeightsPoolOptions(chunk_bytes=1 << 20),
@@ -359,18 +359,25 @@ def multi_trainer(
         return out
 
     _say({"ready": True, "pid": os.getpid(), "process": jax.process_index()})
+    made: tuple[int, dict[str, Any]] | None = None
     for line in sys.stdin:
         command, *args = line.split()
         if command == "quit":
             break
         version = int(args[0])
+        if command == "make":  # the arrays of V, made before a timed publish
+            made = (version, params(version))
+            _say({"made": version})
+            continue
+        tree = made[1] if made is not None and made[0] == version else params(version)
+        made = None
         try:
-            report = publisher.publish(params(version), version)
+            report = publisher.publish(tree, version)
         except TpuSyncError as error:
             _say({"error": type(error).__name__, "message": str(error)})
             continue
         _say({"published": version, "chunks": report.chunks, "nbytes": report.nbytes,
-              "address": publisher.address})  # fmt: skip
+              "address": publisher.address, "seconds": report.seconds})  # fmt: skip
     publisher.close()
     registry.close()
     jax.distributed.shutdown()
@@ -770,7 +777,9 @@ def main(argv: list[str]) -> None:
     elif role == "follower":
         follower(name, registry_address, secret, rest[0])
     elif role == "multitrainer":
-        multi_trainer(name, registry_address, secret, rest[0], *(int(x) for x in rest[1:4]))
+        multi_trainer(
+            name, registry_address, secret, rest[0], *(int(x) for x in rest[1:5]), *rest[5:6]
+        )
     elif role == "fanouttrainer":
         fanout_trainer(name, registry_address, secret, rest[0], int(rest[1]))
     elif role == "fanoutsampler":
