@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpusync._src.cluster.dataplane import BlockServer
 from tpusync._src.tiers.dram import HostPool
-from tpusync._src.weights.manifest import chunk_key, chunk_layout, relay_key
+from tpusync._src.weights.manifest import announcement_key, chunk_key, chunk_layout, relay_key
 from tpusync.cluster import MemoryRegistry, NodeInfo
 from tpusync.errors import InvalidArgumentError
 from tpusync.weights import (
@@ -217,3 +217,25 @@ def test_relayed_chunks_land_converted_and_a_partial_versions_own_chunks_are_rel
             got = sub.commit()
             assert np.asarray(got["w"]).tobytes() == np.asarray(v2["w"]).tobytes()
             assert np.asarray(got["b"]).tobytes() == want.tobytes()
+
+
+def test_a_node_listing_the_announcement_is_not_taken_for_the_publisher() -> None:
+    """Manifests come from the publisher's own node alone: another node (a relay that knows
+    the secret) listing a version's announcement is not asked for it."""
+    registry = MemoryRegistry()
+    with Publisher("fan", secret=SECRET, registry=registry, pool=POOL, relays=True) as pub:
+        v1 = _params(1)
+        pub.publish(v1, 1)
+        pool = HostPool(chunk_layout("fan", CHUNK), 4)
+        server = BlockServer(pool, secret=SECRET)  # holds nothing: asked, it would fail
+        try:
+            registry.register(NodeInfo("aaa-impostor", (server.address,)), 60.0)
+            registry.publish("aaa-impostor", [announcement_key("fan", 1)], "dram")
+            with Subscriber(
+                "fan", _target(v1), secret=SECRET, registry=registry, client=CLIENT
+            ) as sub:
+                sub.pull(1)
+                assert _same(sub.commit(), v1)
+        finally:
+            server.close()
+            pool.close()

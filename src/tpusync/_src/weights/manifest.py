@@ -118,11 +118,6 @@ def relay_key(name: str, version: int) -> bytes:
     return _key(b"relay", name, version, 0)
 
 
-def relay_node_id(name: str, address: str) -> str:
-    """The node id of the relay of the weights ``name`` serving at ``address``."""
-    return f"weights-relay-{name}-{address}"
-
-
 DIGEST_BYTES = 32  # a chunk's SHA-256, for the chunks relays serve
 
 

@@ -33,7 +33,17 @@ from jax._src import distributed  # the coordination service's client: no public
 
 from tpusync.errors import WeightSyncError
 
-__all__ = ["Controller", "SamplerGroup", "box_owners", "controller"]
+__all__ = ["Controller", "SamplerGroup", "box_owners", "controller", "instance_number"]
+
+_INSTANCES: dict[tuple[str, str], int] = {}
+
+
+def instance_number(kind: str, name: str) -> int:
+    """How many ``kind`` objects (publishers, samplers) of ``name`` this process made before
+    this one: each process of a job makes them in the same order, so the number names one of
+    them across the job (and its coordination keys apart from an earlier one's)."""
+    _INSTANCES[kind, name] = _INSTANCES.get((kind, name), 0) + 1
+    return _INSTANCES[kind, name]
 
 
 @dataclass(frozen=True)
@@ -98,7 +108,7 @@ class SamplerGroup:
 
     def __init__(self, ctl: Controller, name: str) -> None:
         self._ctl = ctl
-        self._prefix = f"tpusync/weights-sampler/{name}"
+        self._prefix = f"tpusync/weights-sampler/{name}/{instance_number('sampler', name)}"
         self._pulls = 0  # pulls are collective: the same count in every process
         self._asks = 0
 
@@ -110,7 +120,6 @@ class SamplerGroup:
         ctl, pull = self._ctl, self._pulls
         self._pulls += 1
         directory = f"{self._prefix}/pull/{pull}"
-        self._forget(pull - 4)  # every process is past it: each shared a later part since
         ctl.share(f"{directory}/part/{ctl.index}", {"version": version, "failure": failure})
         decision = None
         if failure is not None:
@@ -145,6 +154,11 @@ class SamplerGroup:
                 else:
                     time.sleep(pause)
                     pause = min(pause * 2, self._POLL_S[1])
+        if ctl.counted(f"{directory}/read") == ctl.count:  # the last to read the decision
+            for p in range(ctl.count):
+                ctl.forget(f"{directory}/part/{p}")
+            ctl.forget(f"{directory}/decision")
+            ctl.forget(f"{directory}/read")
         if not decision.get("committed"):
             raise WeightSyncError(
                 f"version {version}: not every process of this sampler has it "
@@ -156,14 +170,6 @@ class SamplerGroup:
         process to record one decides for all."""
         return self._ctl.claim(f"{directory}/decision", {"committed": why is None, "why": why})
 
-    def _forget(self, pull: int) -> None:
-        if pull < 0:
-            return
-        # the parts first: a process still looking at this pull then never sees all of them
-        self._ctl.forget(f"{self._prefix}/pull/{pull}/part/{self._ctl.index}")
-        if self._ctl.index == 0:
-            self._ctl.forget(f"{self._prefix}/pull/{pull}/decision")
-
     def newest(self, find: Any, timeout_s: float) -> Any:
         """What ``find()`` returns in process 0 (within ``timeout_s``), in every process (its
         WeightSyncError too, naming it)."""
@@ -173,8 +179,8 @@ class SamplerGroup:
         if ctl.index == 0:
             try:
                 value = find()
-            except WeightSyncError as error:
-                ctl.share(key, {"error": str(error)})
+            except BaseException as error:  # the others stop waiting for it at once
+                ctl.share(key, {"error": f"{type(error).__name__}: {error}"})
                 raise
             ctl.share(key, {"value": value})
             return value

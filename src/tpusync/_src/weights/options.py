@@ -155,8 +155,9 @@ class WeightsClientOptions:
       poll_s: how often ``Subscriber.wait_for_newer`` asks the publisher for its newest
         version (default 0.05 s: one round trip of a few hundred bytes each time).
       relay_wait_s: with relays (``Subscriber(relays=True)``, a relay's ``upstream``), how
-        long a pull waits for a relay to list the version before it takes the chunks from
-        the publisher (default 30 s).
+        long a pull waits for a relay to list the version, and for a relay listing it to
+        send a chunk it has not sent yet, before it takes the chunks from the next relay or
+        the publisher (default 30 s; a pull gives relays half of its deadline at most).
     """
 
     connections: int = 2

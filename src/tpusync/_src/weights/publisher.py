@@ -54,7 +54,7 @@ from tpusync._src.weights.manifest import (
     tree_paths,
     tree_skeleton,
 )
-from tpusync._src.weights.multi import box_owners, controller
+from tpusync._src.weights.multi import box_owners, controller, instance_number
 from tpusync._src.weights.options import (
     TlsOptions,
     WeightsPoolOptions,
@@ -85,16 +85,6 @@ class PublishReport:
     chunks: int
     seconds: float
     kept: list[int] = field(default_factory=list)
-
-
-_INSTANCES: dict[str, int] = {}
-
-
-def _instance_number(name: str) -> int:
-    """How many Publishers of ``name`` this process made before (each process of a job makes
-    them in the same order, so the number names one publisher across the job)."""
-    _INSTANCES[name] = _INSTANCES.get(name, 0) + 1
-    return _INSTANCES[name]
 
 
 def _check_sequences(changes: Any, skeleton: Any, base: int, path: str = "") -> None:
@@ -229,7 +219,7 @@ class Publisher:
                 "amax, relays: a trainer of several processes publishes no maxima and no "
                 "chunk digests yet (a later part)"
             )
-        self._instance = _instance_number(self.name)  # the same in every process of a job
+        self._instance = instance_number("publisher", self.name)  # the same in every process
         self._attempts = 0
         self._pool_name = f"weights-{self.name}" + (
             "" if self._controller is None else f"-p{self._controller.index}"

@@ -315,6 +315,8 @@ class Relay:
     def _open(self, manifest: Manifest) -> None:
         """The pool (sized for ``keep + 1`` versions of ``manifest``'s), its server and its
         registry link, made at the first version."""
+        if self._stop.is_set():  # close() joins this thread before it closes what _open made
+            raise WeightSyncError("this Relay is closed")
         if self.pool is not None:
             if self.pool.layout.payload_bytes != manifest.chunk_bytes:
                 raise InvalidArgumentError(
@@ -374,8 +376,11 @@ class Relay:
     def close(self) -> None:
         """Stops following, withdraws its versions from the registry and stops serving."""
         self._stop.set()
-        self._probe.close()  # ends a wait or a copy in progress
-        self._thread.join(timeout=60)
+        self._probe.close()  # ends a wait or a copy from the publisher in progress
+        client = self._upstream_client
+        if client is not None:
+            client.close()  # and one from the upstream relay
+        self._thread.join()
         self._close_upstream()
         if self._link is not None:
             self._link.close()

@@ -499,8 +499,8 @@ class Subscriber:
         limit = self.client_options.deadline_s if deadline_s is None else float(deadline_s)
         try:
             report = self._pull(version, deadline_s)
-        except TpuSyncError as error:
-            with contextlib.suppress(WeightSyncError):  # the others wait for it otherwise
+        except BaseException as error:  # whatever it was: the others wait for it otherwise
+            with contextlib.suppress(WeightSyncError):
                 self._group.agree(version, f"{type(error).__name__}: {error}", limit)
             raise
         try:
@@ -616,7 +616,10 @@ class Subscriber:
                 nodes = {n.node_id: n for n in self._registry.nodes()}
             except TpuSyncError as error:
                 raise WeightSyncError(f"the registry cannot be read ({error})") from error
-            found = [nodes[h.node_id] for h in holders if h.node_id in nodes]
+            # the publisher's own node only: a relay (or anyone else holding the secret) that
+            # lists the key is not taken for it, so manifests come from the publisher alone
+            ours = publisher_node_id(self.name)
+            found = [nodes[h.node_id] for h in holders if h.node_id == ours and ours in nodes]
             found = [n.addresses[0] for n in found if n.addresses]
             # else the publisher's own node: its head may list a version a moment before the
             # registry does, and its pool says whether it has it
@@ -653,9 +656,7 @@ class Subscriber:
                 max_pull_s=MAX_LIMIT_S,
             )
         except PeerUnavailableError as error:
-            raise WeightSyncError(
-                f"{what}: the publisher at {address} cannot be reached ({error})"
-            ) from error
+            raise WeightSyncError(f"{what}: {address} cannot be reached ({error})") from error
         with self._clients_lock:
             closing = self._closing.is_set()
             known = None if closing else self._clients.setdefault(address, client)
@@ -950,6 +951,8 @@ class Subscriber:
         assert self._registry is not None
         version, C = manifest.version, manifest.chunk_bytes
         options = self.client_options
+        # half of what is left at most, so that the publisher has the other half
+        deadline = time.monotonic() + (deadline - time.monotonic()) / 2
         wait_until = min(deadline, time.monotonic() + options.relay_wait_s)
         addresses = relay_addresses(self._registry, self.name, version)
         while not addresses and time.monotonic() < wait_until:
