@@ -3,8 +3,9 @@ array per leaf, each process holding only its shards) publishes each version fro
 process without gathering; a sampler in another process (this one, 8 devices) pulls it into its
 own meshes bit for bit, each box from the process holding it; a trainer process killed
 mid-publish leaves nothing visible and the sampler on its version. A sampler of two processes
-(a 2x4 mesh over both) pulls each its own shards and commits every version all or none: a
-process failing, pulling another version or killed mid-pull leaves both on the last. The
+(a 2x4 mesh over both) pulls from a trainer of two, each its own shards, and commits every
+version all or none: a process failing, pulling another version or killed mid-pull leaves both
+on the last. The
 trainer's and sampler's processes are tpusync._src.testing.weights_procs children. A
 manifest naming processes it cannot tell apart or reach is refused, and the first process
 checks every part before it commits."""
@@ -29,7 +30,7 @@ from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync._src.weights.manifest import LeafEntry, Manifest, structure_digest
 from tpusync.cluster import MemoryRegistry, RegistryServer, RemoteRegistry
 from tpusync.errors import VersionUnavailableError, WeightSyncError
-from tpusync.weights import Publisher, Subscriber, WeightsClientOptions, WeightsPoolOptions
+from tpusync.weights import Publisher, Subscriber, WeightsClientOptions
 
 SECRET = secrets.token_bytes(32)
 LEAVES = 24
@@ -39,6 +40,17 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _stop_together(children: list[Child]) -> None:
+    """Tells every process of a job to quit before waiting for any: each one's
+    jax.distributed.shutdown waits for the others to reach it."""
+    for child in children:
+        if child.process.poll() is None:
+            with contextlib.suppress(OSError):
+                child.send("quit")
+    for child in children:
+        child.stop()
 
 
 class Trainer:
@@ -63,8 +75,7 @@ class Trainer:
         return [child.answer(timeout=120) for child in self.children]
 
     def close(self) -> None:
-        for child in self.children:
-            child.stop()
+        _stop_together(self.children)
         for i in range(self.count):
             with contextlib.suppress(Exception):
                 remove_pool(f"weights-{self.name}-p{i}", force=True)
@@ -143,6 +154,7 @@ def test_a_trainer_process_killed_mid_publish_leaves_nothing_visible(registry) -
             assert sub.version == 1
             for path, want in _expected(1).items():
                 assert np.asarray(sub.params[path]).tobytes() == want.tobytes()
+        trainer.children[0].kill()  # its shutdown would wait for the killed process
     finally:
         client.close()
         trainer.close()
@@ -175,31 +187,26 @@ class Sampler:
         return [child.answer(timeout=60) for child in self.children]
 
     def close(self) -> None:
-        for child in self.children:
-            child.stop()
-
-
-def _publish(publisher: Publisher, version: int) -> None:
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("x", "y"))
-    sharding = NamedSharding(mesh, P("x"))
-    publisher.publish(
-        {p: jax.device_put(x, sharding) for p, x in _expected(version).items()}, version
-    )
+        _stop_together(self.children)
 
 
 def test_a_sampler_of_two_processes_commits_every_version_all_or_none(registry) -> None:
-    name = run_name("ms")
-    client = RemoteRegistry(registry.address, secret=SECRET)
-    publisher = Publisher(name, secret=SECRET, registry=client, pool=WeightsPoolOptions(keep=3))
-    sampler = Sampler(name, registry.address, 2)
+    """Both sides multi-controller: a trainer of two processes publishes, a sampler of two
+    (a 2x4 mesh over both) pulls each process's own shards."""
+    trainer = Trainer(registry.address, 2)
+    sampler = Sampler(trainer.name, registry.address, 2)
+
+    def publish(version: int) -> None:
+        assert all(a.get("published") == version for a in trainer.publish(version))
+
     try:
-        _publish(publisher, 1)
+        publish(1)
         assert sampler.each("latest") == [{"latest": 1}] * 2
         for version in (1, 2):
             if version == 2:  # both wait for it and are told the same version
                 for child in sampler.children:
                     child.send("wait 1 60")
-                _publish(publisher, 2)
+                publish(2)
                 assert [c.answer(timeout=90) for c in sampler.children] == [{"newer": 2}] * 2
             pulled = sampler.pull(f"pull {version}")
             assert [a.get("pulled") for a in pulled] == [version] * 2, pulled
@@ -207,31 +214,43 @@ def test_a_sampler_of_two_processes_commits_every_version_all_or_none(registry) 
             assert sampler.each("commit") == [{"committed": version}] * 2
             assert sampler.each(f"check {version}") == [{"version": version, "exact": True}] * 2
 
-        _publish(publisher, 3)
+        publish(3)
         # process 1 misses its deadline: neither commits version 3
         answers = sampler.pull("pull 3", "pull 3 0 0.000001")
         assert [a.get("error") for a in answers] == ["WeightSyncError"] * 2, answers
         assert "process 1" in answers[0]["message"] and "none of them" in answers[0]["message"]
         # the two pull different versions: neither commits either
-        _publish(publisher, 4)
+        publish(4)
         answers = sampler.pull("pull 4", "pull 3")
         assert [a.get("error") for a in answers] == ["WeightSyncError"] * 2, answers
         assert "pulled version" in answers[0]["message"]
         assert sampler.each("commit")[0].get("error") == "InvalidArgumentError"  # nothing to
         assert sampler.each("check 2") == [{"version": 2, "exact": True}] * 2
+    finally:
+        sampler.close()
+        trainer.close()
 
-        # process 1 killed mid-pull: process 0 gives up on its part and keeps version 2
-        for child, command in zip(sampler.children, ("pull 4", "pull 4 30"), strict=True):
+
+def test_a_sampler_process_killed_mid_pull_leaves_the_other_on_its_version(registry) -> None:
+    trainer = Trainer(registry.address, 2)
+    sampler = Sampler(trainer.name, registry.address, 2)
+    try:
+        for version in (1, 2):
+            assert all(a.get("published") == version for a in trainer.publish(version))
+        assert [a.get("pulled") for a in sampler.pull("pull 1")] == [1, 1]
+        assert sampler.each("commit") == [{"committed": 1}] * 2
+        # process 1 is killed before its part lands: process 0 gives up on it at its deadline
+        for child, command in zip(sampler.children, ("pull 2", "pull 2 30"), strict=True):
             child.send(command)
-        assert [c.answer(timeout=60) for c in sampler.children] == [{"pulling": 4}] * 2
+        assert [c.answer(timeout=60) for c in sampler.children] == [{"pulling": 2}] * 2
         sampler.children[1].kill()
         answer = sampler.children[0].answer(timeout=60)
         assert answer.get("error") == "WeightSyncError" and "process 1" in answer["message"]
-        assert sampler.children[0].ask("check 2") == {"version": 2, "exact": True}
+        assert sampler.children[0].ask("check 1") == {"version": 1, "exact": True}
+        sampler.children[0].kill()  # its shutdown would wait for the killed process
     finally:
         sampler.close()
-        publisher.close()
-        client.close()
+        trainer.close()
 
 
 def _parts_manifest(addresses: list[str]) -> bytes:

@@ -404,7 +404,7 @@ def multi_sampler(
         for path, shape, dtype in spec
     }
     registry = RemoteRegistry(registry_address, secret=secret)
-    options = WeightsClientOptions(timeout_s=5.0, deadline_s=10.0)
+    options = WeightsClientOptions(timeout_s=5.0, deadline_s=8.0)
     subscriber = Subscriber(name, target, secret=secret, registry=registry, client=options)
 
     def exact(version: int) -> bool:
