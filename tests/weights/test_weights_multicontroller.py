@@ -25,7 +25,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from run_names import run_name
 
-from tpusync._src.testing.weights_procs import Child, leaf_bytes, np_dtype, tree_spec
+from tpusync._src.testing.weights_procs import (
+    Child,
+    leaf_bytes,
+    np_dtype,
+    stop_together,
+    tree_spec,
+)
 from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync._src.weights.manifest import LeafEntry, Manifest, structure_digest
 from tpusync.cluster import MemoryRegistry, RegistryServer, RemoteRegistry
@@ -40,17 +46,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _stop_together(children: list[Child]) -> None:
-    """Tells every process of a job to quit before waiting for any: each one's
-    jax.distributed.shutdown waits for the others to reach it."""
-    for child in children:
-        if child.process.poll() is None:
-            with contextlib.suppress(OSError):
-                child.send("quit")
-    for child in children:
-        child.stop()
 
 
 class Trainer:
@@ -75,7 +70,7 @@ class Trainer:
         return [child.answer(timeout=120) for child in self.children]
 
     def close(self) -> None:
-        _stop_together(self.children)
+        stop_together(self.children)
         for i in range(self.count):
             with contextlib.suppress(Exception):
                 remove_pool(f"weights-{self.name}-p{i}", force=True)
@@ -187,7 +182,7 @@ class Sampler:
         return [child.answer(timeout=60) for child in self.children]
 
     def close(self) -> None:
-        _stop_together(self.children)
+        stop_together(self.children)
 
 
 def test_a_sampler_of_two_processes_commits_every_version_all_or_none(registry) -> None:

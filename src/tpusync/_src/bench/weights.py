@@ -49,7 +49,7 @@ from tpusync._src.bench.limits import Iperf3PerStream, MemoryLimit, loopback_tcp
 from tpusync._src.bench.weights_fanout import HEADERS as FANOUT_HEADERS
 from tpusync._src.bench.weights_fanout import fanout, fanout_rows
 from tpusync._src.cluster.registry import MemoryRegistry, RegistryServer
-from tpusync._src.testing.weights_procs import Child, tree_spec
+from tpusync._src.testing.weights_procs import Child, stop_together, tree_spec
 from tpusync._src.tiers.dram.shm_admin import remove_pool
 from tpusync._src.weights.plan import leaf_plan
 from tpusync.errors import TpuSyncError
@@ -191,8 +191,7 @@ def _trainer_run(
                 times.append(max(a["seconds"] for a in answers))
         return times
     finally:
-        for child in children:
-            child.stop()
+        stop_together(children)
         for i in range(count):
             with contextlib.suppress(TpuSyncError):
                 remove_pool(f"weights-{name}" + (f"-p{i}" if count > 1 else ""), force=True)
