@@ -12,6 +12,8 @@ import ssl
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tpusync._src.cluster.registry import Registry
+from tpusync._src.cluster.tcp_server import BlockServerOptions
 from tpusync.errors import InvalidArgumentError
 
 __all__ = [
@@ -190,3 +192,26 @@ def options_or_default(kind: type[OptionsT], value: OptionsT | None, argument: s
             f"{argument}: expected a tpusync.weights.{kind.__name__}, got {type(value).__name__}"
         )
     return value
+
+
+def check_registry(registry: Any) -> None:
+    """Refuses a ``registry`` that is no :class:`tpusync.cluster.Registry` (None passes)."""
+    if registry is not None and not isinstance(registry, Registry):
+        raise InvalidArgumentError(
+            f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
+        )
+
+
+def block_server_options(
+    secret: bytes, server: WeightsServerOptions, tls: TlsOptions
+) -> BlockServerOptions:
+    """The block server's options of a weights server (a publisher's, a relay's), checked."""
+    return BlockServerOptions(
+        secret=secret,
+        host=server.host,
+        port=server.port,
+        tls=tls.context,
+        insecure=tls.insecure,
+        lease_ttl_s=server.lease_ttl_s,
+        lease_max_s=server.lease_max_s,
+    )

@@ -29,7 +29,6 @@ import numpy as np
 from tpusync._native import core as _core
 from tpusync._src.cluster.registry import NodeInfo, Registry
 from tpusync._src.cluster.registry_link import RegistryLink
-from tpusync._src.cluster.tcp_server import BlockServerOptions
 from tpusync._src.engines import native
 from tpusync._src.tiers.blocks import slot_checksums
 from tpusync._src.tiers.dram import HostPool
@@ -59,6 +58,8 @@ from tpusync._src.weights.options import (
     TlsOptions,
     WeightsPoolOptions,
     WeightsServerOptions,
+    block_server_options,
+    check_registry,
     options_or_default,
 )
 from tpusync._src.weights.plan import shard_boxes
@@ -177,23 +178,12 @@ class Publisher:
         self.pool_options = options_or_default(WeightsPoolOptions, pool, "pool")
         self.server_options = options_or_default(WeightsServerOptions, server, "server")
         self.tls = options_or_default(TlsOptions, tls, "tls")
-        if registry is not None and not isinstance(registry, Registry):
-            raise InvalidArgumentError(
-                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
-            )
+        check_registry(registry)
         self._keep = self.pool_options.keep
         self._chunk_bytes = self.pool_options.chunk_bytes
         self.layout = chunk_layout(name, self._chunk_bytes)
         # checked now, though the server starts with the pool (at the first publish by default)
-        self._block_server_options = BlockServerOptions(
-            secret=secret,
-            host=self.server_options.host,
-            port=self.server_options.port,
-            tls=self.tls.context,
-            insecure=self.tls.insecure,
-            lease_ttl_s=self.server_options.lease_ttl_s,
-            lease_max_s=self.server_options.lease_max_s,  # BlockServerOptions checks it
-        )
+        self._block_server_options = block_server_options(secret, self.server_options, self.tls)
         self._registry = registry
         self._lock = threading.Lock()
         # the versions' books, by version (an int); keys are the pool's names of its pieces

@@ -29,7 +29,6 @@ from tpusync._src.cluster.dataplane import BlockClient, BlockServer
 from tpusync._src.cluster.dataplane.deadlines import MAX_LIMIT_S
 from tpusync._src.cluster.registry import NodeInfo, Registry
 from tpusync._src.cluster.registry_link import RegistryLink
-from tpusync._src.cluster.tcp_server import BlockServerOptions
 from tpusync._src.engines import native
 from tpusync._src.tiers.dram import HostPool
 from tpusync._src.weights.manifest import Manifest, check_name, chunk_key, chunk_layout, relay_key
@@ -38,6 +37,8 @@ from tpusync._src.weights.options import (
     WeightsClientOptions,
     WeightsPoolOptions,
     WeightsServerOptions,
+    block_server_options,
+    check_registry,
     options_or_default,
 )
 from tpusync._src.weights.relayed import Waits, relay_addresses, take_all
@@ -98,10 +99,9 @@ class Relay:
         tls: TlsOptions | None = None,
     ) -> None:
         self.name = check_name(name)
-        if not isinstance(registry, Registry):
-            raise InvalidArgumentError(
-                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
-            )
+        if registry is None:
+            raise InvalidArgumentError("registry: a relay lists its versions in a registry")
+        check_registry(registry)
         if upstream is not None and (not isinstance(upstream, str) or ":" not in upstream):
             raise InvalidArgumentError(f"upstream: expected 'host:port' or None, got {upstream!r}")
         self.upstream = upstream
@@ -110,15 +110,7 @@ class Relay:
         self.client_options = options_or_default(WeightsClientOptions, client, "client")
         self.tls = options_or_default(TlsOptions, tls, "tls")
         self._secret, self._registry = secret, registry
-        self._server_options = BlockServerOptions(
-            secret=secret,
-            host=self.server_options.host,
-            port=self.server_options.port,
-            tls=self.tls.context,
-            insecure=self.tls.insecure,
-            lease_ttl_s=self.server_options.lease_ttl_s,
-            lease_max_s=self.server_options.lease_max_s,
-        )
+        self._server_options = block_server_options(secret, self.server_options, self.tls)
         # the publisher's head and manifests, read as a subscriber of no leaves reads them
         self._probe = Subscriber(
             name, {}, secret=secret, registry=registry, client=self.client_options, tls=tls

@@ -58,7 +58,12 @@ from tpusync._src.weights.manifest import (
     tree_paths,
 )
 from tpusync._src.weights.multi import SamplerGroup, controller
-from tpusync._src.weights.options import TlsOptions, WeightsClientOptions, options_or_default
+from tpusync._src.weights.options import (
+    TlsOptions,
+    WeightsClientOptions,
+    check_registry,
+    options_or_default,
+)
 from tpusync._src.weights.plan import leaf_plan, shard_boxes
 from tpusync._src.weights.relayed import Waits, relay_addresses, take_all
 from tpusync._src.weights.structure import PublishedStructure, structure_of
@@ -169,6 +174,16 @@ class _Pulled:
     scales: dict[str, np.ndarray]  # of the leaves taken as fp8, by path
 
 
+def _sized(pool: HostPool | None, name: str, chunk_bytes: int, slots: int) -> HostPool:
+    """``pool`` if it holds chunks of ``chunk_bytes``, else a new one of ``slots`` (the old one
+    closed): a staging pool kept across pulls."""
+    if pool is not None and pool.layout.payload_bytes == chunk_bytes:
+        return pool
+    if pool is not None:
+        pool.close()
+    return HostPool(chunk_layout(name, chunk_bytes), slots)
+
+
 _LANDED = 1 << 56  # a row's relative address at or past it: in the landing area
 
 
@@ -232,10 +247,7 @@ class Subscriber:
         self.fp8_scales = check_scales(fp8_scales)
         if (address is None) == (registry is None):
             raise InvalidArgumentError("address, registry: give exactly one of them")
-        if registry is not None and not isinstance(registry, Registry):
-            raise InvalidArgumentError(
-                f"registry: expected a tpusync.cluster.Registry, got {type(registry).__name__}"
-            )
+        check_registry(registry)
         self.client_options = options_or_default(WeightsClientOptions, client, "client")
         self.tls = options_or_default(TlsOptions, tls, "tls")
         paths, leaves, self._treedef = tree_paths(target)
@@ -685,13 +697,8 @@ class Subscriber:
 
     def _manifest_pool(self, chunk_bytes: int) -> HostPool:
         """The one-slot pool manifest parts land in (made again for another chunk size)."""
-        pool = self._manifest_staging
-        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
-            pool.close()
-            pool = None
-        if pool is None:
-            pool = self._manifest_staging = HostPool(chunk_layout(self.name, chunk_bytes), 1)
-        return pool
+        self._manifest_staging = _sized(self._manifest_staging, self.name, chunk_bytes, 1)
+        return self._manifest_staging
 
     def _read_manifest(self, client: BlockClient, version: int, announce: bytes) -> Manifest:
         """The manifest of ``version``, whose first part is its announcement ``announce``."""
@@ -1028,14 +1035,9 @@ class Subscriber:
 
     def _relay_pool(self, chunk_bytes: int) -> HostPool:
         """The slots relayed chunks land in to be checked (made again for another size)."""
-        pool = self._relay_staging
-        if pool is not None and pool.layout.payload_bytes != chunk_bytes:
-            pool.close()
-            pool = None
-        if pool is None:
-            slots = max(2, (64 << 20) // chunk_bytes)
-            pool = self._relay_staging = HostPool(chunk_layout(self.name, chunk_bytes), slots)
-        return pool
+        slots = max(2, (64 << 20) // chunk_bytes)
+        self._relay_staging = _sized(self._relay_staging, self.name, chunk_bytes, slots)
+        return self._relay_staging
 
     def _pull_chunk_rows(
         self,
